@@ -1,0 +1,63 @@
+"""Attention over a paged (token-granular) KV cache with an explicit per-request mask.
+
+One interface, several backends. A backend is called per layer with the new tokens' q/k/v (flat over the
+batch) and the metadata of ``model_executor.forward_batch.ForwardBatch`` (passed as plain tensors so this
+package imports nothing of ours): it writes k/v into the cache slots ``out_cache_loc`` and returns the
+attention output for every new token. The torch reference (SDPA over a padded gather) runs everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, d]
+        k: torch.Tensor,  # [T, Hkv, d]
+        v: torch.Tensor,  # [T, Hkv, dv]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, d]
+        v_cache: torch.Tensor,  # [num_slots, Hkv, dv]
+        out_cache_loc: torch.Tensor,  # [T]
+        kv_indices: torch.Tensor,  # [bs, K]
+        attn_mask: torch.Tensor,  # [bs, Q, K] bool
+        q_index: torch.Tensor,  # [T]
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, dv]
+        ...
+
+
+def masked_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    attn_mask: torch.Tensor,
+    q_index: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference attention for already-written caches. q [T, Hq, d] -> [T, Hq, dv]."""
+    bs, q_max, _ = attn_mask.shape
+    t, hq, d = q.shape
+    qp = q.new_zeros(bs * q_max, hq, d)  # [bs*Q, Hq, d]
+    qp[q_index] = q
+    qp = qp.view(bs, q_max, hq, d).transpose(1, 2)  # [bs, Hq, Q, d]
+    kp = k_cache[kv_indices].transpose(1, 2)  # [bs, Hkv, K, d]
+    vp = v_cache[kv_indices].transpose(1, 2)  # [bs, Hkv, K, dv]
+    out = F.scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=attn_mask[:, None], scale=scale, enable_gqa=kp.shape[1] != hq
+    )  # [bs, Hq, Q, dv]
+    return out.transpose(1, 2).reshape(bs * q_max, hq, -1)[q_index]
+
+
+class TorchAttentionBackend:
+    """SDPA over a padded gather of each request's keys; the contract every backend must match."""
+
+    def forward(self, q, k, v, k_cache, v_cache, out_cache_loc, kv_indices, attn_mask, q_index, scale):
+        k_cache[out_cache_loc] = k.to(k_cache.dtype)
+        v_cache[out_cache_loc] = v.to(v_cache.dtype)
+        return masked_paged_attention(q, k_cache, v_cache, kv_indices, attn_mask, q_index, scale)
