@@ -1,0 +1,121 @@
+"""Frozen configuration per area, composed once into ``ServerConfig``.
+
+Built from CLI flags over an optional YAML preset (server/args.py); derived values are properties. No
+module-level mutable configuration anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_path: str = "default"  # "default" = SmolLM2-135M-Instruct, converted once into the cache
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    trust_remote_code: bool = True
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheArgs:
+    max_total_tokens: int | None = None  # KV slots; None: from kv_memory_gb
+    kv_memory_gb: float = 2.0  # KV budget when max_total_tokens is None (CPU)
+    mem_fraction_static: float = 0.85  # fraction of free GPU memory for weights + KV (CUDA)
+
+
+@dataclass(frozen=True)
+class SchedulerArgs:
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512  # per-step prefill token budget
+    max_prefill_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class SpeculativeArgs:
+    algorithm: str = "none"  # "none" | "dflash" | "ddtree"
+    draft_model_path: str | None = None  # "default" = the shipped drafter of the default model
+    ddtree_budget: int = 16  # non-root tree nodes per request
+    block_size: int | None = None  # None: from the draft config
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "none"
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of rank 0 (multi-node)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    tool_call_parser: str | None = None  # "kimi_k2" | "hermes"
+    reasoning_parser: str | None = None  # "kimi_k2" | "deepseek-r1"
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    cache: CacheArgs = field(default_factory=CacheArgs)
+    scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
+    speculative: SpeculativeArgs = field(default_factory=SpeculativeArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    server: ServerArgs = field(default_factory=ServerArgs)
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> ServerConfig:
+        """Compose from a flat mapping of field names (CLI dest names / Engine kwargs / YAML keys).
+        Unknown keys raise ValueError naming them."""
+        areas = {f.name: f.type for f in dataclasses.fields(cls)}
+        area_classes = {
+            "model": ModelArgs,
+            "cache": CacheArgs,
+            "scheduler": SchedulerArgs,
+            "speculative": SpeculativeArgs,
+            "parallel": ParallelArgs,
+            "server": ServerArgs,
+        }
+        assert set(areas) == set(area_classes)
+        owner: dict[str, str] = {}
+        for area, klass in area_classes.items():
+            for f in dataclasses.fields(klass):
+                owner[_flat_name(area, f.name)] = area
+        per_area: dict[str, dict[str, Any]] = {a: {} for a in area_classes}
+        unknown = []
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            if key not in owner:
+                unknown.append(key)
+                continue
+            area = owner[key]
+            per_area[area][_field_name(area, key)] = value
+        if unknown:
+            raise ValueError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+        return cls(**{a: area_classes[a](**kw) for a, kw in per_area.items()})
+
+
+# Flat names follow SGLang's flags: speculative fields are prefixed (--speculative-algorithm, ...).
+def _flat_name(area: str, name: str) -> str:
+    if area == "speculative":
+        return {"algorithm": "speculative_algorithm", "draft_model_path": "speculative_draft_model_path",
+                "ddtree_budget": "speculative_ddtree_budget", "block_size": "speculative_block_size"}[name]
+    return name
+
+
+def _field_name(area: str, flat: str) -> str:
+    if area == "speculative":
+        return {"speculative_algorithm": "algorithm", "speculative_draft_model_path": "draft_model_path",
+                "speculative_ddtree_budget": "ddtree_budget", "speculative_block_size": "block_size"}[flat]
+    return flat
