@@ -1,0 +1,177 @@
+"""Verification of a batch of draft trees against the target (DDTree, arXiv 2604.12989, Sec. verification).
+
+One target forward gives logits for every tree node (row i = the target's distribution for the token that
+follows node i). Walking from the root, a request accepts the child that matches the target's own choice
+and stops at the first mismatch; the target's choice there is the bonus token. Greedy requests choose the
+argmax; sampled requests draw from ``softmax(logits / T)`` after top-k then top-p renormalisation, with
+the sibling walk + residual draw of ``kernels.speculative.tree_speculative_sampling_target_only``
+(``draft_probs`` zero: the draft tree is deterministic), which is exact sampling from the target.
+
+A batch may mix both: when every request is greedy the argmax kernel ``verify_tree_greedy`` runs; else
+the sampling kernel runs for all, greedy rows carrying one-hot argmax distributions (a one-hot child is
+accepted by ``p >= threshold_single = 1``, and the residual of a one-hot row is the argmax itself), so
+both branches return the same structure and the same greedy tokens. Contracts: DESIGN.md 4.1, 4.2, 4.4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from speculative.ddtree import DraftTree
+
+
+@dataclass
+class VerifyResult:
+    """Per request, ``accept_length[b] + 1`` valid leading entries in each ``[bs, S]`` field
+    (S = 1 + the deepest node of the batch); padding is -1 (0.0 for ``target_logprobs``)."""
+
+    accept_index: torch.Tensor  # [bs, S] int64, local slots: root, then the accepted nodes in path order
+    accept_length: torch.Tensor  # [bs] int64, accepted draft nodes (root not counted)
+    emitted_tokens: torch.Tensor  # [bs, S] int64, accepted draft tokens then the bonus token
+    target_logprobs: torch.Tensor | None = None  # [bs, S] float32, log_softmax(raw logits)[token]
+
+
+def build_target_probs(
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    is_greedy: torch.Tensor,
+) -> torch.Tensor:
+    """Target distributions for every tree node: softmax(logits / T), then top-k renorm, then top-p
+    renorm (kernels.sampling, flashinfer semantics); greedy rows are one-hot at the argmax.
+
+    target_logits [bs, D, V]; temperature/top_p float [bs]; top_k int [bs] (<= 0 disables);
+    is_greedy bool [bs]. Returns float32 [bs, D, V]."""
+    from kernels import sampling as ksampling
+
+    bs, d, vocab = target_logits.shape
+    dev = target_logits.device
+    greedy = is_greedy.to(device=dev, dtype=torch.bool)  # [bs]
+    temp = temperature.to(device=dev, dtype=torch.float32)  # [bs]
+    temp = torch.where(greedy | (temp <= 0), torch.ones_like(temp), temp)  # greedy rows are replaced below
+    probs = torch.softmax(target_logits.float() / temp.view(bs, 1, 1), dim=-1)  # [bs, D, V]
+    probs = probs.view(bs * d, vocab)  # [bs*D, V]
+    k = top_k.to(device=dev, dtype=torch.int64)  # [bs]
+    k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
+    if bool((k < vocab).any()):
+        probs = ksampling.top_k_renorm_prob(probs, k.repeat_interleave(d).to(torch.int32))
+    p = top_p.to(device=dev, dtype=torch.float32)  # [bs]
+    if bool((p < 1.0).any()):
+        probs = ksampling.top_p_renorm_prob(probs, p.repeat_interleave(d))
+    probs = probs.view(bs, d, vocab)  # [bs, D, V]
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, target_logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.view(bs, 1, 1), one_hot, probs)
+    return probs.contiguous()
+
+
+def draw_coins(
+    generators: Sequence[torch.Generator | None],
+    num_nodes: torch.Tensor,
+    num_slots: int,
+    skip: torch.Tensor,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-request coins: ``torch.rand(1 + num_nodes[b], generator=g_b)`` (one per used slot), then one
+    final coin. Request b's stream depends only on its own tree, not on the batch's widest tree, so a
+    seeded request reproduces across batch compositions. Rows with ``skip[b]`` (greedy) draw nothing.
+
+    This is one small Python loop over requests: each request owns a generator and torch has no batched
+    multi-generator draw; it costs a few microseconds per request. Returns ([bs, D], [bs]) float32."""
+    bs = len(generators)
+    coins = torch.zeros(bs, num_slots, dtype=torch.float32)  # [bs, D]
+    final = torch.zeros(bs, dtype=torch.float32)  # [bs]
+    for b, (g, n, s) in enumerate(zip(generators, num_nodes.tolist(), skip.tolist(), strict=True)):
+        if s:
+            continue
+        gdev = g.device if g is not None else torch.device("cpu")
+        coins[b, : 1 + n] = torch.rand(1 + n, generator=g, device=gdev).cpu()
+        final[b] = torch.rand(1, generator=g, device=gdev).cpu()[0]
+    return coins.to(device), final.to(device)
+
+
+def verify_tree(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    is_greedy: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    return_logprobs: bool = False,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> VerifyResult:
+    """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification, lossless with
+    thresholds 1).
+
+    tree: from ``build_ddtree``; target_logits [bs, D, V] float (row i: after node i); temperature,
+    top_p [bs] float; top_k [bs] int (<= 0: off); is_greedy [bs] bool; generators: one per request
+    (None: torch's default generator), only used by sampled requests."""
+    from kernels import speculative as kspec
+
+    bs, d = tree.candidates.shape
+    if target_logits.shape[:2] != (bs, d):
+        raise ValueError(f"target_logits {tuple(target_logits.shape)} does not match tree [{bs}, {d}]")
+    if len(generators) != bs:
+        raise ValueError(f"need {bs} generators, got {len(generators)}")
+    dev = target_logits.device
+    s = 1 + (int(tree.depths.max()) if tree.depths.numel() else 0)
+    predicts = torch.full((bs * d,), -1, dtype=torch.int32, device=dev)  # [bs*D]
+    accept_index = torch.full((bs, s), -1, dtype=torch.int32, device=dev)  # [bs, S], global rows
+    accept_num = torch.zeros(bs, dtype=torch.int32, device=dev)  # [bs]
+    greedy = is_greedy.to(device=dev, dtype=torch.bool)  # [bs]
+
+    if bool(greedy.all()):
+        kspec.verify_tree_greedy(
+            predicts,
+            accept_index,
+            accept_num,
+            tree.candidates,
+            tree.retrive_index,
+            tree.retrive_next_token,
+            tree.retrive_next_sibling,
+            target_logits.argmax(dim=-1),  # [bs, D] int64
+        )
+    else:
+        target_probs = build_target_probs(target_logits, temperature, top_k, top_p, greedy)  # [bs, D, V]
+        coins, final_coins = draw_coins(generators, tree.num_nodes, d, greedy.cpu(), dev)
+        kspec.tree_speculative_sampling_target_only(
+            predicts,
+            accept_index,
+            accept_num,
+            tree.candidates,
+            tree.retrive_index,
+            tree.retrive_next_token,
+            tree.retrive_next_sibling,
+            coins,
+            final_coins,
+            target_probs,
+            torch.zeros_like(target_probs),  # draft_probs [bs, D, V]
+            threshold_single=threshold_single,
+            threshold_acc=threshold_acc,
+            deterministic=True,
+        )
+
+    glob = accept_index.long()  # [bs, S]
+    valid = glob >= 0  # [bs, S]
+    base = (torch.arange(bs, device=dev) * d).view(bs, 1)  # [bs, 1]
+    local = torch.where(valid, glob - base, -1)  # [bs, S]
+    emitted = torch.where(valid, predicts.long()[glob.clamp(min=0)], -1)  # [bs, S]
+    logprobs = None
+    if return_logprobs:
+        rows = target_logits.gather(
+            1, local.clamp(min=0).unsqueeze(-1).expand(bs, s, target_logits.shape[-1])
+        )  # [bs, S, V]
+        lp = torch.log_softmax(rows.float(), dim=-1).gather(-1, emitted.clamp(min=0).unsqueeze(-1))
+        logprobs = torch.where(valid, lp.squeeze(-1), 0.0)  # [bs, S]
+    return VerifyResult(
+        accept_index=local,
+        accept_length=accept_num.long(),
+        emitted_tokens=emitted,
+        target_logprobs=logprobs,
+    )
