@@ -41,3 +41,15 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+def find_stop(tokens: list[int], params: SamplingParams, eos_ids: tuple[int, ...], budget_left: int) -> tuple[
+        int, str | None]:
+    """How many of ``tokens`` (new tokens of one step, in order) to keep, and the finish reason if the
+    request ends inside them. A stop/EOS token is kept; ``budget_left`` is the remaining max_tokens."""
+    for i, t in enumerate(tokens[:budget_left]):
+        if t in params.stop_token_ids or (not params.ignore_eos and t in eos_ids):
+            return i + 1, "stop"
+    if len(tokens) >= budget_left:
+        return budget_left, "length"
+    return len(tokens), None

@@ -1,0 +1,87 @@
+"""Token-granular paged KV cache: one slot per token, slot 0 reserved as the padding slot.
+
+- ``KVCache``: per-layer K and V buffers ``[num_slots + 1, kv_heads, dim]`` (MLA stores its latent as
+  K with ``v_dim = 0``).
+- ``TokenSlotAllocator``: the free list. Allocation failure returns None (the scheduler queues or
+  retracts); freeing is exact and double frees are detected.
+- ``ReqToTokenPool``: request -> token-slot table ``[max_reqs, max_context]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_layers: int
+    kv_heads: int  # per TP rank
+    k_dim: int
+    v_dim: int  # 0: no separate V buffer (MLA latent)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * self.kv_heads * (self.k_dim + self.v_dim) * elem
+
+
+class KVCache:
+    def __init__(self, layout: KVCacheLayout, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        self.layout = layout
+        self.num_slots = num_slots
+        self.dtype = dtype
+        n = num_slots + 1
+        self.k = [torch.zeros(n, layout.kv_heads, layout.k_dim, dtype=dtype, device=device)
+                  for _ in range(layout.num_layers)]
+        self.v = [torch.zeros(n, layout.kv_heads, layout.v_dim, dtype=dtype, device=device)
+                  for _ in range(layout.num_layers)] if layout.v_dim else []
+
+
+class TokenSlotAllocator:
+    """Free list over slots 1..num_slots."""
+
+    def __init__(self, num_slots: int, device: torch.device | str = "cpu"):
+        self.num_slots = num_slots
+        self.device = device
+        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64, device=device)
+        self._used = torch.zeros(num_slots + 1, dtype=torch.bool, device=device)
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        self._used[out] = True
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        slots = slots.to(device=self.device, dtype=torch.int64)
+        if bool((slots <= 0).any()) or not bool(self._used[slots].all()) or slots.unique().numel() != slots.numel():
+            raise RuntimeError("KV slot freed twice or never allocated")
+        self._used[slots] = False
+        self._free = torch.cat([self._free, slots])
+
+
+class ReqToTokenPool:
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str = "cpu"):
+        self.table = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)  # [R, C]
+        self.max_context = max_context
+        self._free = list(range(max_reqs))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, idx: int) -> None:
+        if idx in self._free:
+            raise RuntimeError(f"request slot {idx} freed twice")
+        self._free.append(idx)

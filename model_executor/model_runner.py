@@ -1,0 +1,70 @@
+"""Owns one model on one device (one TP rank): weights, KV cache, slot allocator, request->token table,
+and the attention backend. ``forward(fb)`` runs the model; scheduling lives elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kernels.attention import TorchAttentionBackend
+from model_executor.forward_batch import ForwardBatch
+from model_executor.kv_cache import KVCache, ReqToTokenPool, TokenSlotAllocator
+from model_executor.model_config import ModelConfig
+from model_executor.model_registry import get_model_class
+from model_executor.models.output import ModelOutput
+from model_executor.parallel_state import TPGroup
+from model_executor.weight_loader import iter_weights
+
+logger = logging.getLogger(__name__)
+
+
+def pick_attention_backend(device: torch.device):
+    try:
+        from kernels.attention_select import get_attention_backend
+    except ImportError:
+        return TorchAttentionBackend()
+    return get_attention_backend("auto", device)
+
+
+def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.nn.Module:
+    t0 = time.time()
+    cls = get_model_class(config.architecture)
+    with torch.device(device):
+        model = cls(config, tp)
+    model.load_weights(iter_weights(config.path, desc=f"Loading {config.architecture}",
+                                    skip_prefixes=getattr(model, "skip_weight_prefixes", ())))
+    model.eval()
+    logger.info("loaded %s in %.1fs", config.path, time.time() - t0)
+    return model
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, max_total_tokens: int | None, kv_memory_gb: float, max_reqs: int,
+                 max_context: int, tp: TPGroup = TPGroup(), device: str = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+        self.tp = tp
+        self.model = load_model(config, tp, self.device)
+        layout = self.model.kv_cache_layout()
+        per_token = layout.bytes_per_token(config.dtype)
+        if max_total_tokens is None:
+            max_total_tokens = int(kv_memory_gb * (1 << 30) // per_token)
+            max_total_tokens = min(max_total_tokens, max_reqs * max_context)
+        if max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {max_total_tokens}")
+        self.num_slots = max_total_tokens
+        self.kv = KVCache(layout, max_total_tokens, config.dtype, self.device)
+        self.allocator = TokenSlotAllocator(max_total_tokens, self.device)
+        self.req_to_token = ReqToTokenPool(max_reqs, max_context, self.device)
+        self.backend = pick_attention_backend(self.device)
+        logger.info("KV cache: %d tokens x %d bytes", max_total_tokens, per_token)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
+        return self.model(fb, self.kv, self.backend)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

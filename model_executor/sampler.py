@@ -1,0 +1,90 @@
+"""Token sampling for a batch with per-request parameters (temperature 0 = greedy, top-k, top-p, min-p)
+and per-request generators: each request draws its coin from its own generator, so seeded output does
+not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sampling import min_p_renorm_prob, sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
+from model_executor.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchSamplingInfo:
+    """Per-request sampling parameters as tensors ``[bs]``."""
+
+    temperature: torch.Tensor  # float32; greedy rows hold 1.0 (unused)
+    top_k: torch.Tensor  # int64; vocab size when disabled
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    is_greedy: torch.Tensor  # bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> BatchSamplingInfo:
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                                     dtype=torch.float32, device=device),
+            top_k=torch.tensor([vocab if p.top_k <= 0 else min(p.top_k, vocab) for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.is_greedy.all())
+
+
+def processed_probs(logits: torch.Tensor, info: BatchSamplingInfo) -> torch.Tensor:
+    """softmax(logits / T), then top-k, then top-p, then min-p renormalisation. logits [bs, ..., V] with the
+    per-request parameters broadcast over the middle dims. Greedy rows become one-hot at the argmax."""
+    bs, vocab = logits.shape[0], logits.shape[-1]
+    mid = logits.shape[1:-1]
+    flat = logits.reshape(bs, -1, vocab)  # [bs, n, V]
+    n = flat.shape[1]
+
+    def rep(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(n)  # [bs * n]
+
+    probs = torch.softmax(flat / info.temperature[:, None, None], dim=-1).reshape(bs * n, vocab)
+    probs = top_k_renorm_prob(probs, rep(info.top_k))
+    probs = top_p_renorm_prob(probs, rep(info.top_p))
+    if bool((info.min_p > 0).any()):
+        probs = min_p_renorm_prob(probs, rep(info.min_p))
+    if bool(info.is_greedy.any()):
+        one_hot = torch.zeros_like(probs)
+        one_hot.scatter_(1, flat.reshape(bs * n, vocab).argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(rep(info.is_greedy)[:, None], one_hot, probs)
+    return probs.reshape(bs, *mid, vocab)
+
+
+def draw_uniforms(generators: list[torch.Generator], n: int, device: torch.device) -> torch.Tensor:
+    """[bs, n] coins, row b from generator b (one small call per request; the generators are per request
+    by contract, so this cannot be one batched call)."""
+    return torch.stack([torch.rand(n, generator=g) for g in generators]).to(device)
+
+
+def sample(logits: torch.Tensor, info: BatchSamplingInfo, generators: list[torch.Generator]) -> torch.Tensor:
+    """logits [bs, V] float32 -> token ids [bs] int64."""
+    if info.all_greedy:
+        return logits.argmax(-1)
+    probs = processed_probs(logits, info)  # [bs, V]
+    coins = draw_uniforms(generators, 1, logits.device)[:, 0]  # [bs]
+    sampled = sampling_from_probs(probs, coins)
+    return torch.where(info.is_greedy, logits.argmax(-1), sampled)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Raw-model logprobs of ``tokens`` [n] under ``logits`` [n, V] with the top ``top_n`` alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    if top_n > 0:
+        vals, ids = lp.topk(top_n, dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    else:
+        tops = [[] for _ in chosen]
+    return list(zip(chosen, tops, strict=True))

@@ -1,0 +1,162 @@
+"""The offline engine: the public Python API over the same scheduler core the HTTP server runs.
+
+    engine = Engine(model_path="default", dtype="auto")
+    outs = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason
+    for delta in engine.generate_stream(["Hello"], params): ...
+    engine.shutdown()
+
+Keyword arguments mirror the CLI flags (``ServerConfig.from_flat`` names), plus the short spellings
+``speculative_algorithm``, ``draft_model_path``, ``ddtree_budget`` and ``block_size``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from model_executor.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.io_struct import GenerateReq, TokenOut
+from server.scheduler import Scheduler
+
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta"]
+
+_ALIASES = {"draft_model_path": "speculative_draft_model_path", "ddtree_budget": "speculative_ddtree_budget",
+            "block_size": "speculative_block_size"}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
+    logprobs: list | None = None
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per verify step (tau); 0 without speculation."""
+        return len(self.token_ids) / self.spec_verify_steps if self.spec_verify_steps else 0.0
+
+
+@dataclass
+class StreamDelta:
+    index: int  # position of the request in the generate call
+    token_ids: list[int]
+    text: str  # newly decoded text
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, model_path: str = "default", **kwargs):
+        flat = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
+        flat["model_path"] = model_path
+        self.config = ServerConfig.from_flat(flat)
+        self.scheduler = Scheduler(self.config)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.scheduler.model_path,
+                                                       trust_remote_code=self.config.model.trust_remote_code)
+        self._ids = itertools.count()
+
+    def _submit(self, prompts, input_ids, sampling_params) -> list[GenerateReq]:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompts or input_ids")
+        if prompts is not None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            for p in prompts:
+                if not isinstance(p, str) or not p:
+                    raise ValueError("prompt must be a non-empty string")
+            input_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(input_ids)
+        if len(plist) != len(input_ids):
+            raise ValueError("sampling_params list must match the number of prompts")
+        reqs = [GenerateReq(f"engine-{next(self._ids)}", list(ids), p) for ids, p in zip(input_ids, plist, strict=True)]
+        accepted = []
+        try:
+            for r in reqs:
+                self.scheduler.add_request(r)
+                accepted.append(r)
+        except ValueError:
+            for r in accepted:
+                self.scheduler.abort_request(r.rid)
+            self.scheduler.step() if accepted else None
+            raise
+        return reqs
+
+    def generate(self, prompts: list[str] | str | None = None, sampling_params: SamplingParams | list | None = None,
+                 input_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        outs = {}
+        reqs = self._submit(prompts, input_ids, sampling_params)
+        for r in reqs:
+            outs[r.rid] = RequestOutput(r.rid, r.input_ids)
+        pending = set(outs)
+        while pending:
+            for d in self.scheduler.step():
+                if d.rid not in outs:
+                    continue
+                _apply(outs[d.rid], d)
+                if d.finished:
+                    pending.discard(d.rid)
+        for o in outs.values():
+            o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        return [outs[r.rid] for r in reqs]
+
+    def generate_stream(self, prompts: list[str] | str | None = None,
+                        sampling_params: SamplingParams | list | None = None,
+                        input_ids: list[list[int]] | None = None) -> Iterator[StreamDelta]:
+        """Yield per-request deltas as the scheduler produces them. Text is decoded incrementally over
+        the whole output so far (multi-byte characters are never split)."""
+        reqs = self._submit(prompts, input_ids, sampling_params)
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        toks: dict[str, list[int]] = {r.rid: [] for r in reqs}
+        texts: dict[str, str] = {r.rid: "" for r in reqs}
+        pending = set(index)
+        try:
+            while pending:
+                for d in self.scheduler.step():
+                    if d.rid not in index:
+                        continue
+                    toks[d.rid].extend(d.token_ids)
+                    full = self.tokenizer.decode(toks[d.rid], skip_special_tokens=True)
+                    if full.endswith("\ufffd") and not d.finished:
+                        full = texts[d.rid]  # wait for the rest of a multi-byte character
+                    new, texts[d.rid] = full[len(texts[d.rid]):], full
+                    if d.finished:
+                        pending.discard(d.rid)
+                    yield StreamDelta(index[d.rid], d.token_ids, new, d.finished, d.finish_reason)
+        finally:
+            for rid in pending:  # the consumer stopped early: abort and free KV
+                self.scheduler.abort_request(rid)
+            if pending:
+                self.scheduler.step()
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def stats(self):
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        for r in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort_request(r.rid)
+        self.scheduler.step()
+
+
+def _apply(out: RequestOutput, d: TokenOut) -> None:
+    out.token_ids.extend(d.token_ids)
+    out.spec_verify_steps, out.spec_accepted_tokens = d.spec_verify_steps, d.spec_accepted_tokens
+    if d.logprobs is not None:
+        out.logprobs = (out.logprobs or []) + d.logprobs
+    if d.finished:
+        out.finish_reason = d.finish_reason
+        if d.error:
+            raise RuntimeError(d.error)

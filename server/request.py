@@ -1,0 +1,42 @@
+"""Scheduler-side request state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model_executor.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    num_cached: int = 0  # tokens whose target KV is in the cache (req_to_token[idx, :num_cached])
+    finish_reason: str | None = None
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
+    pending_logprobs: list = field(default_factory=list)
+    sent_tokens: int = 0  # output tokens already reported
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        """All tokens but the last emitted one are cached (decode invariant)."""
+        return bool(self.output_ids) and self.num_cached == self.seq_len - 1
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
