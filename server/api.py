@@ -1,0 +1,97 @@
+"""The HTTP front end: a FastAPI app built by ``create_app`` (no module-level app or state).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (401 otherwise); /health and
+/metrics stay open for orchestrators and scrapers. Every error has the OpenAI shape
+``{"error": {"message", "type", "param", "code"}}``; clients never see a stack trace.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.config import ServerConfig
+from server.protocol import ModelCard, ModelList, error_body
+from server.serving_chat import ChatHandler
+from server.serving_common import APIError, check_serving
+from server.serving_completion import CompletionHandler
+from server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+def served_model_name(config: ServerConfig) -> str:
+    return config.model.served_model_name or config.model.model_path
+
+
+def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
+    served = served_model_name(config)
+    chat = ChatHandler(config, tm, served)
+    completion = CompletionHandler(config, tm, served)
+    api_key = config.server.api_key
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await tm.start()
+        try:
+            yield
+        finally:
+            await tm.stop()
+
+    app = FastAPI(title="ddtree-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tokenizer_manager = tm
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):  # noqa: ANN202 - starlette middleware signature
+        if api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                return JSONResponse(error_body(401, "invalid or missing API key", code="invalid_api_key"),
+                                    status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        check_serving(tm)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=served, max_model_len=tm.max_context_len or None)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat.handle(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion.handle(request)
+
+    return app

@@ -1,0 +1,128 @@
+"""Command-line flags of ``ddtree-serve serve`` (SGLang names), over an optional YAML preset.
+
+Every field of ``ServerConfig`` has a flag; ``--config preset.yaml`` holds flat keys (the flags' dest names,
+``ServerConfig.from_flat``), and flags given on the command line override the preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from server.config import ServerConfig
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_SPEC_ALGOS = ("none", "dflash", "ddtree")
+_TOOL_PARSERS = ("kimi_k2", "hermes")
+_REASONING_PARSERS = ("kimi_k2", "deepseek-r1")
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# (dest, type, help, choices); bool fields use --flag / --no-flag.
+_FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
+    ("model_path", str, "Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct, prepared once).", None),
+    ("dtype", str, "Weight and activation dtype; 'auto' = bfloat16 on CUDA, float32 on CPU.", _DTYPES),
+    ("device", str, "Device to run on; 'auto' = CUDA when available.", _DEVICES),
+    ("context_length", int, "Maximum prompt + completion length in tokens (default: the model's).", None),
+    ("trust_remote_code", bool, "Allow the model's own tokenizer/config code (Kimi needs it).", None),
+    ("served_model_name", str, "Model name in the API (default: --model-path).", None),
+    ("max_total_tokens", int, "KV cache size in tokens (default: from --kv-memory-gb or free GPU memory).", None),
+    ("kv_memory_gb", float, "KV cache budget in GiB when --max-total-tokens is not set (CPU).", None),
+    ("mem_fraction_static", float, "Fraction of free GPU memory for weights + KV cache (CUDA).", None),
+    ("max_running_requests", int, "Most requests decoded at once.", None),
+    ("chunked_prefill_size", int, "Prefill token budget per scheduler step (long prompts are chunked).", None),
+    ("max_prefill_tokens", int, "Most prompt tokens admitted in one prefill batch.", None),
+    ("speculative_algorithm", str, "Speculative decoding: none, dflash (chain) or ddtree (tree).", _SPEC_ALGOS),
+    ("speculative_draft_model_path", str, "DFlash drafter directory ('default' = the default model's).", None),
+    ("speculative_ddtree_budget", int, "DDTree: draft tree nodes per request and step (root excluded).", None),
+    ("speculative_block_size", int, "Drafter block size (default: from the drafter config).", None),
+    ("tp_size", int, "Tensor-parallel size (GPUs per model replica).", None),
+    ("nnodes", int, "Number of nodes for tensor parallelism.", None),
+    ("node_rank", int, "Rank of this node.", None),
+    ("dist_init_addr", str, "host:port of node rank 0 (multi-node).", None),
+    ("host", str, "HTTP host to bind.", None),
+    ("port", int, "HTTP port.", None),
+    ("api_key", str, "Require 'Authorization: Bearer KEY' on /v1 routes.", None),
+    ("tool_call_parser", str, "Parse tool calls from the output in this format.", _TOOL_PARSERS),
+    ("reasoning_parser", str, "Split <think> reasoning into reasoning_content.", _REASONING_PARSERS),
+    ("log_level", str, "Logging level.", _LOG_LEVELS),
+)
+
+
+def config_field_names() -> set[str]:
+    """Flat names of every ServerConfig field (what --config YAML keys and flags map to)."""
+    return set(_flat_defaults())
+
+
+def flag_names() -> set[str]:
+    return {dest for dest, *_ in _FLAGS}
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=str, default=None, metavar="YAML",
+                        help="YAML preset of flat config keys (e.g. configs/kimi-k2.6-8xrtx6000.yaml); flags override it.")
+    defaults = _flat_defaults()
+    for dest, typ, help_text, choices in _FLAGS:
+        flag = "--" + dest.replace("_", "-")
+        shown = f"{help_text} (default: {defaults.get(dest)!r})"
+        if typ is bool:
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=shown)
+        else:
+            parser.add_argument(flag, dest=dest, type=typ, choices=choices, default=argparse.SUPPRESS,
+                                help=shown, metavar=None if choices else dest.split("_")[-1].upper())
+
+
+def _flat_defaults() -> dict[str, Any]:
+    cfg = ServerConfig()
+    out = {}
+    for area in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, area.name)):
+            key = f"speculative_{f.name}" if area.name == "speculative" else f.name
+            out[key] = getattr(getattr(cfg, area.name), f.name)
+    return out
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config preset must be a mapping of flat keys")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """YAML preset (if any), then the flags given on the command line, into one validated ServerConfig."""
+    flat: dict[str, Any] = load_yaml(args.config) if getattr(args, "config", None) else {}
+    known = {dest for dest, *_ in _FLAGS}
+    for key, value in vars(args).items():
+        if key in known:
+            flat[key] = value
+    config = ServerConfig.from_flat(flat)
+    validate_config(config)
+    return config
+
+
+def validate_config(config: ServerConfig) -> None:
+    """Choices and ranges that a YAML preset could get wrong (flags are checked by argparse already)."""
+    checks = [
+        ("dtype", config.model.dtype, _DTYPES), ("device", config.model.device, _DEVICES),
+        ("speculative_algorithm", config.speculative.algorithm, _SPEC_ALGOS),
+        ("log_level", config.server.log_level, _LOG_LEVELS),
+    ]
+    if config.server.tool_call_parser is not None:
+        checks.append(("tool_call_parser", config.server.tool_call_parser, _TOOL_PARSERS))
+    if config.server.reasoning_parser is not None:
+        checks.append(("reasoning_parser", config.server.reasoning_parser, _REASONING_PARSERS))
+    for name, value, allowed in checks:
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    if not 0 < config.server.port < 65536:
+        raise ValueError(f"port must be in 1..65535; got {config.server.port}")
+    if config.parallel.tp_size < 1:
+        raise ValueError("tp_size must be >= 1")
+    if config.speculative.ddtree_budget < 1:
+        raise ValueError("speculative_ddtree_budget must be >= 1")

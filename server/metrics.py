@@ -1,0 +1,76 @@
+"""Prometheus metrics of one server, in a registry owned by the server (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from server.io_struct import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                    5.0, 10.0, 20.0, 40.0, 80.0)
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
+
+
+class ServerMetrics:
+    PREFIX = "ddtree"
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        p, labels, reg = self.PREFIX, ["model_name"], self.registry
+        self._model = model_name
+        self.requests = Counter(f"{p}_requests", "Finished requests, by finish reason", labels + ["finish_reason"],
+                                registry=reg)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of finished requests", labels,
+                                     registry=reg)
+        self.generation_tokens = Counter(f"{p}_generation_tokens", "Generated tokens", labels, registry=reg)
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Time between output tokens", labels,
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+        self.accept_len = Histogram(f"{p}_spec_acceptance_length",
+                                    "Tokens per target verify step of finished speculative requests", labels,
+                                    buckets=_ACCEPT_BUCKETS, registry=reg)
+        self.running = Gauge(f"{p}_num_running_reqs", "Requests being decoded", labels, registry=reg)
+        self.queued = Gauge(f"{p}_num_queue_reqs", "Requests waiting for admission", labels, registry=reg)
+        self.kv_used = Gauge(f"{p}_kv_used_tokens", "KV cache slots in use", labels, registry=reg)
+        self.kv_total = Gauge(f"{p}_kv_total_tokens", "KV cache slots in total", labels, registry=reg)
+        self.kv_usage = Gauge(f"{p}_kv_usage", "Fraction of KV cache slots in use", labels, registry=reg)
+        self.inflight = Gauge(f"{p}_num_inflight_http_reqs", "Requests held by the HTTP front end", labels,
+                              registry=reg)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self._model).observe(seconds)
+
+    def observe_tokens(self, n: int, seconds: float | None) -> None:
+        """``n`` new tokens arrived ``seconds`` after the previous ones (None: the first tokens)."""
+        if n <= 0:
+            return
+        self.generation_tokens.labels(self._model).inc(n)
+        if seconds is not None:
+            h = self.itl.labels(self._model)
+            for _ in range(n):
+                h.observe(seconds / n)
+
+    def observe_finished(self, finish_reason: str | None, prompt_tokens: int, e2e_seconds: float,
+                         verify_steps: int, accepted_tokens: int) -> None:
+        self.requests.labels(self._model, finish_reason or "error").inc()
+        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self.e2e.labels(self._model).observe(e2e_seconds)
+        if verify_steps > 0:
+            self.accept_len.labels(self._model).observe((accepted_tokens + verify_steps) / verify_steps)
+
+    def set_inflight(self, n: int) -> None:
+        self.inflight.labels(self._model).set(n)
+
+    def update_scheduler(self, stats: SchedulerStats) -> None:
+        m = self._model
+        self.running.labels(m).set(stats.running)
+        self.queued.labels(m).set(stats.waiting)
+        self.kv_used.labels(m).set(stats.kv_used_tokens)
+        self.kv_total.labels(m).set(stats.kv_total_tokens)
+        self.kv_usage.labels(m).set(stats.kv_used_tokens / stats.kv_total_tokens if stats.kv_total_tokens else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

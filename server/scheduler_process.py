@@ -1,0 +1,157 @@
+"""The scheduler process: a ZMQ loop around ``Scheduler``.
+
+While there is work it polls its input without blocking, runs one scheduler step and sends the step's
+outputs to the detokenizer; when idle it blocks on the input (briefly, to notice shutdown). A bad request
+becomes a TokenOut with ``error`` (or a RequestError for failures inside the server); it never stops the
+loop. Scheduler stats go out at most every ``STATS_INTERVAL`` seconds while busy and once on going idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+import zmq
+
+from server.config import ServerConfig
+from server.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    IpcEndpoints,
+    ProcessFailed,
+    RequestError,
+    SchedulerReady,
+    TokenizedGenerateReq,
+    TokenOut,
+)
+from server.process_utils import ChildGuard
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL = 0.25
+IDLE_POLL_MS = 200
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler, recv: zmq.Socket, send: zmq.Socket, guard: ChildGuard) -> None:
+        self.scheduler = scheduler
+        self.recv = recv
+        self.send = send
+        self.guard = guard
+        self.inflight: set[str] = set()
+        self._last_stats = None
+        self._last_stats_time = 0.0
+        self._step_failures = 0
+
+    def run(self) -> None:
+        while not self.guard.should_stop():
+            busy = self.scheduler.has_work()
+            if self.recv.poll(0 if busy else IDLE_POLL_MS):
+                self._drain()
+            if self.scheduler.has_work():
+                self._step()
+            self._maybe_send_stats()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                msg = self.recv.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if isinstance(msg, TokenizedGenerateReq):
+                self._add(msg)
+            elif isinstance(msg, AbortReq):
+                self._abort(msg.rid)
+            else:
+                logger.warning("unexpected message %s", type(msg).__name__)
+
+    def _add(self, msg: TokenizedGenerateReq) -> None:
+        rid = msg.req.rid
+        self.send.send_pyobj(msg.detokenize)  # always ahead of the request's first output
+        try:
+            msg.req.params.validate()
+            self.scheduler.add_request(msg.req)
+        except ValueError as e:
+            self.send.send_pyobj(BatchTokenOut([TokenOut(rid, [], finished=True, error=str(e),
+                                                         prompt_tokens=len(msg.req.input_ids))]))
+            return
+        except Exception as e:  # noqa: BLE001
+            logger.exception("add_request(%s) failed", rid)
+            self.send.send_pyobj(RequestError(rid, f"internal error: {type(e).__name__}", 500))
+            return
+        self.inflight.add(rid)
+
+    def _abort(self, rid: str) -> None:
+        if rid not in self.inflight:
+            return
+        try:
+            self.scheduler.abort_request(rid)
+        except Exception:  # noqa: BLE001
+            logger.exception("abort_request(%s) failed", rid)
+
+    def _step(self) -> None:
+        try:
+            outs = self.scheduler.step()
+        except Exception as e:  # noqa: BLE001
+            self._step_failures += 1
+            logger.error("scheduler step failed:\n%s", traceback.format_exc())
+            for rid in list(self.inflight):
+                self.send.send_pyobj(RequestError(rid, f"internal error: {type(e).__name__}", 500))
+                try:
+                    self.scheduler.abort_request(rid)
+                except Exception:  # noqa: BLE001
+                    pass
+            self.inflight.clear()
+            if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            return
+        self._step_failures = 0
+        if outs:
+            for o in outs:
+                if o.finished:
+                    self.inflight.discard(o.rid)
+            self.send.send_pyobj(BatchTokenOut(outs))
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        busy = self.scheduler.has_work()
+        if busy and now - self._last_stats_time < STATS_INTERVAL:
+            return
+        stats = self.scheduler.stats()
+        if not busy and stats == self._last_stats:
+            return
+        self.send.send_pyobj(stats)
+        self._last_stats, self._last_stats_time = stats, now
+
+
+def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_pid: int) -> None:
+    """Entry point of the scheduler process."""
+    guard = ChildGuard("scheduler", parent_pid, config.server.log_level)
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(endpoints.scheduler_input)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(endpoints.detokenizer_input)
+    try:
+        from server.scheduler import Scheduler
+
+        scheduler = Scheduler(config)
+        send.send_pyobj(SchedulerReady(int(scheduler.max_context_len), tuple(scheduler.eos_token_ids),
+                                       str(scheduler.model_path)))
+    except Exception as e:  # noqa: BLE001
+        logger.error("cannot start the scheduler:\n%s", traceback.format_exc())
+        send.send_pyobj(ProcessFailed("scheduler", f"cannot start: {type(e).__name__}: {e}"))
+        send.close(2000)
+        os._exit(1)
+    try:
+        SchedulerLoop(scheduler, recv, send, guard).run()
+    except Exception as e:  # noqa: BLE001
+        send.send_pyobj(ProcessFailed("scheduler", f"repeated step failures: {type(e).__name__}: {e}"))
+        send.close(2000)
+        os._exit(1)
+    recv.close(0)
+    send.close(0)
+    ctx.term()

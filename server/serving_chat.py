@@ -1,0 +1,203 @@
+"""POST /v1/chat/completions: chat template, reasoning and tool-call parsing, streaming and not."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from server.config import ServerConfig
+from server.io_struct import DetokenizeReq, GenerateReq
+from server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, parse_tool_calls
+from server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    ChoiceLogprobs,
+    DeltaMessage,
+    FunctionCallOut,
+    TokenLogprob,
+    ToolCallOut,
+    TopLogprob,
+    new_id,
+)
+from server.serving_common import (
+    SSE_DONE,
+    APIError,
+    ChoiceAccum,
+    cancel_task,
+    check_model,
+    check_serving,
+    first_output,
+    make_params,
+    parse_body,
+    raise_choice_error,
+    spec_of,
+    sse,
+    usage_of,
+    watch_disconnect,
+)
+from server.tokenizer_manager import InputError, TokenizerManager
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for m in req.messages:
+        d: dict = {"role": m.role, "content": m.text() or ""}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+        out.append(d)
+    return out
+
+
+def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(content=[
+        TokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")),
+                     top_logprobs=[TopLogprob(token=a, logprob=alp, bytes=list(a.encode("utf-8"))) for a, alp in top])
+        for t, lp, top in entries])
+
+
+class ChatHandler:
+    def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
+        self.config, self.tm, self.served = config, tm, served_model
+
+    def _parsers(self, req: ChatCompletionRequest) -> tuple[str | None, str | None, bool]:
+        s = self.config.server
+        reasoning = s.reasoning_parser if req.separate_reasoning else None
+        tools = s.tool_call_parser if (req.tools and req.tool_choice != "none") else None
+        kwargs = req.chat_template_kwargs or {}
+        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True)))
+        return reasoning, tools, thinking
+
+    async def handle(self, request: Request) -> JSONResponse | StreamingResponse:
+        req = parse_body(ChatCompletionRequest, await request.body())
+        check_model(req.model, self.served)
+        check_serving(self.tm)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+        try:
+            ids = self.tm.encode_chat(_messages(req), tools, req.chat_template_kwargs)
+            max_tokens = req.max_new_tokens or max(1, self.tm.max_context_len - len(ids))
+            self.tm.check_length(len(ids), max_tokens)
+        except InputError as e:
+            raise APIError(400, str(e)) from None
+        reasoning, tool_parser, thinking = self._parsers(req)
+        base = uuid.uuid4().hex
+        det_common = dict(stop=tuple(req.stop_list()), stop_token_ids=tuple(req.stop_token_ids or ()),
+                          skip_special_tokens=not (reasoning or tool_parser), logprobs=req.logprobs)
+        group = [(GenerateReq(f"{base}-{i}", ids, make_params(req, max_tokens, i, req.num_logprobs)),
+                  DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
+        rids = [g[0].rid for g in group]
+        gen = self.tm.generate(group)
+        watcher = asyncio.create_task(watch_disconnect(request, self.tm, rids))
+        try:
+            first = await first_output(gen)
+        except BaseException:
+            await cancel_task(watcher)
+            raise
+        parsers = (reasoning, tool_parser, thinking)
+        if req.stream:
+            return StreamingResponse(self._stream(req, gen, first, watcher, len(ids), parsers),
+                                     media_type="text/event-stream")
+        try:
+            return JSONResponse(await self._collect(req, gen, first, len(ids), parsers))
+        finally:
+            await cancel_task(watcher)
+
+    async def _collect(self, req: ChatCompletionRequest, gen: AsyncIterator, first: tuple, prompt_len: int,
+                       parsers: tuple) -> dict:
+        reasoning, tool_parser, thinking = parsers
+        acc = [ChoiceAccum() for _ in range(req.n)]
+        acc[first[0]].add(first[1])
+        async with contextlib.aclosing(gen):
+            async for idx, out in gen:
+                acc[idx].add(out)
+        raise_choice_error(acc)
+        choices = []
+        for i, c in enumerate(acc):
+            text, reasoning_text = c.text, None
+            if reasoning:
+                reasoning_text, text = parse_reasoning(reasoning, text, thinking=thinking)
+            calls = []
+            if tool_parser:
+                text, calls = parse_tool_calls(tool_parser, text)
+            finish = "tool_calls" if calls else c.finish_reason
+            msg = ChatResponseMessage(
+                content=text if (text or not calls) else None, reasoning_content=reasoning_text or None,
+                tool_calls=[ToolCallOut(id=tc.id, type="function", function=FunctionCallOut(
+                    name=tc.name, arguments=tc.arguments)) for tc in calls] or None)
+            choices.append(ChatCompletionChoice(index=i, message=msg, finish_reason=finish,
+                                                logprobs=_logprobs(c.logprobs) if req.logprobs else None))
+        resp = ChatCompletionResponse(id=new_id("chatcmpl"), model=self.served, choices=choices,
+                                      usage=usage_of(acc, prompt_len), spec_stats=spec_of(acc))
+        return resp.model_dump(exclude_none=False)
+
+    async def _stream(self, req: ChatCompletionRequest, gen: AsyncIterator, first: tuple,
+                      watcher: asyncio.Task, prompt_len: int, parsers: tuple) -> AsyncIterator[str]:
+        reasoning, tool_parser, thinking = parsers
+        cid = new_id("chatcmpl")
+        rps = [ReasoningParser(reasoning, thinking=thinking) if reasoning else None for _ in range(req.n)]
+        tps = [ToolCallParser(tool_parser) if tool_parser else None for _ in range(req.n)]
+        acc = [ChoiceAccum() for _ in range(req.n)]
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            return sse(ChatCompletionChunk(id=cid, model=self.served, choices=[choice]))
+
+        async def outputs() -> AsyncIterator[tuple]:
+            yield first
+            async for item in gen:
+                yield item
+
+        try:
+            for i in range(req.n):
+                yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            async with contextlib.aclosing(gen):
+                async for idx, out in outputs():
+                    acc[idx].add(out)
+                    if out.error is not None:
+                        yield sse(APIError(out.error_status, out.error).body())
+                        break
+                    r_delta, c_delta = rps[idx].feed(out.text) if rps[idx] else ("", out.text)
+                    if out.finished and rps[idx]:
+                        r2, c2 = rps[idx].finish()
+                        r_delta, c_delta = r_delta + r2, c_delta + c2
+                    calls = []
+                    if tps[idx]:
+                        c_delta, calls = tps[idx].feed(c_delta)
+                        if out.finished:
+                            c3, calls3 = tps[idx].finish()
+                            c_delta, calls = c_delta + c3, calls + calls3
+                    delta = DeltaMessage(
+                        content=c_delta or None, reasoning_content=r_delta or None,
+                        tool_calls=[ToolCallOut(index=d.index, id=d.id, type="function" if d.id else None,
+                                                function=FunctionCallOut(name=d.name, arguments=d.arguments))
+                                    for d in calls] or None)
+                    lp = _logprobs(out.logprobs) if (req.logprobs and out.logprobs) else None
+                    finish = None
+                    if out.finished:
+                        finish = "tool_calls" if tps[idx] and tps[idx].num_calls else out.finish_reason
+                    if delta.content or delta.reasoning_content or delta.tool_calls or lp or finish:
+                        body = ChatCompletionChunk(id=cid, model=self.served, choices=[ChatCompletionStreamChoice(
+                            index=idx, delta=delta, logprobs=lp)]).model_dump(exclude_none=True)
+                        body["choices"][0]["finish_reason"] = finish
+                        if finish:
+                            body["spec_stats"] = spec_of([acc[idx]]).model_dump()
+                        yield sse(body)
+            if req.include_usage:
+                yield sse(ChatCompletionChunk(id=cid, model=self.served, choices=[], usage=usage_of(acc, prompt_len),
+                                              spec_stats=spec_of(acc)))
+            yield SSE_DONE
+        finally:
+            await cancel_task(watcher)
