@@ -49,3 +49,97 @@ class SchedulerStats:
     spec_verify_steps: int = 0
     spec_generated_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+# ---- messages between the server's own processes (tokenizer manager, scheduler process, detokenizer) ----
+@dataclass(frozen=True)
+class IpcEndpoints:
+    """ZMQ ``ipc://`` addresses, all inside one private temporary directory. Each is bound by its reader."""
+
+    scheduler_input: str  # tokenizer manager -> scheduler process
+    detokenizer_input: str  # scheduler process -> detokenizer
+    tokenizer_input: str  # detokenizer -> tokenizer manager
+
+    @classmethod
+    def in_dir(cls, directory: str) -> IpcEndpoints:
+        return cls(f"ipc://{directory}/scheduler", f"ipc://{directory}/detokenizer", f"ipc://{directory}/tokenizer")
+
+
+@dataclass
+class DetokenizeReq:
+    """How the detokenizer turns one request's tokens into text. Rides ahead of the request through the
+    scheduler process, so it always reaches the detokenizer before the request's first TokenOut."""
+
+    rid: str
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # trimmed from the text when they end generation (with EOS)
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+
+
+@dataclass
+class TokenizedGenerateReq:
+    """Tokenizer manager -> scheduler process."""
+
+    req: GenerateReq
+    detokenize: DetokenizeReq
+
+
+@dataclass
+class BatchTokenOut:
+    """Scheduler process -> detokenizer: the outputs of one scheduler step."""
+
+    outputs: list[TokenOut]
+
+
+@dataclass
+class TextOut:
+    """Detokenizer -> tokenizer manager: the new text of one request. ``logprobs`` entries are
+    ``(token_text, logprob, [(alt_text, logprob), ...])``. ``abort_scheduler``: the detokenizer finished the
+    request itself (stop string); the scheduler still runs it and must be told to drop it."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
+    logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
+    error: str | None = None
+    error_status: int = 400
+    abort_scheduler: bool = False
+
+
+@dataclass
+class BatchTextOut:
+    outputs: list[TextOut]
+
+
+@dataclass
+class RequestError:
+    """Scheduler process -> detokenizer -> tokenizer manager: a request failed inside the server."""
+
+    rid: str
+    message: str
+    status: int = 500
+
+
+@dataclass
+class SchedulerReady:
+    """Sent once the model is loaded; forwarded by the detokenizer to the tokenizer manager."""
+
+    max_context_len: int
+    eos_token_ids: tuple[int, ...]
+    model_path: str
+
+
+@dataclass
+class ProcessFailed:
+    """A child process could not start or hit an unrecoverable error; it exits after sending this."""
+
+    process: str
+    message: str
