@@ -1,0 +1,209 @@
+"""The speculative decode step: DFlash draft -> DDTree build -> one target verify forward -> greedy or
+sampled verification -> one unified commit (DESIGN.md section 3; DFlash arXiv 2602.06036, DDTree arXiv
+2604.12989).
+
+KV bookkeeping invariant (shared with the scheduler): a running request has ``num_cached = seq_len - 1``
+tokens in the target cache; its last emitted token is the root of the next tree and gets its KV in the
+verify forward. The drafter's context cache uses the same slot ids as the target's cache and holds the
+projected target hidden states of every cached token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from model_executor.kv_cache import KVCache
+from model_executor.model_config import ModelConfig
+from model_executor.model_runner import ModelRunner, load_model
+from model_executor.sampler import BatchSamplingInfo
+from model_executor.sampling_params import SamplingParams, find_stop
+from speculative.ddtree import DraftTree, build_ddtree
+from speculative.types import DecodeResult, OutOfKVSlots
+from speculative.verify import verify_tree
+
+logger = logging.getLogger(__name__)
+
+
+class SpecRequest(Protocol):
+    """What the worker reads from (and ``num_cached`` it updates on) a scheduler request."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int]
+    req_pool_idx: int | None
+    num_cached: int
+
+    @property
+    def remaining_tokens(self) -> int: ...
+
+
+class StepTimer:
+    """Accumulates wall time per phase of the speculative step (for benchmarks)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self._t = 0.0
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self._t
+        self._t = now
+
+
+class SpecWorker:
+    def __init__(self, algorithm: str, drafter: torch.nn.Module, budget: int, block_size: int, runner: ModelRunner):
+        if algorithm not in ("dflash", "ddtree"):
+            raise ValueError(f"speculative_algorithm must be 'dflash' or 'ddtree', got {algorithm!r}")
+        if budget < 1:
+            raise ValueError(f"speculative_ddtree_budget must be >= 1, got {budget}")
+        self.chain = algorithm == "dflash"
+        self.drafter = drafter
+        self.runner = runner
+        self.block_size = block_size
+        self.depth_limit = block_size - 1
+        self.budget = self.depth_limit if self.chain else budget
+        self.capture_layer_ids = tuple(drafter.target_layer_ids)
+        self.draft_kv = KVCache(drafter.kv_cache_layout(), runner.num_slots, runner.config.dtype, runner.device)
+        self.timer = StepTimer()
+
+    @classmethod
+    def create(cls, algorithm: str, draft_model_path: str | None, budget: int, block_size: int | None,
+               runner: ModelRunner, target_config: ModelConfig) -> SpecWorker:
+        path = _resolve_draft_path(draft_model_path)
+        cfg = ModelConfig.load(path, "float32", str(runner.device))
+        cfg = ModelConfig(cfg.path, cfg.hf, cfg.architecture, cfg.eos_token_ids, target_config.dtype)
+        if cfg.hidden_size != target_config.hidden_size:
+            raise ValueError(f"drafter hidden size {cfg.hidden_size} != target hidden size {target_config.hidden_size}")
+        drafter = load_model(cfg, runner.tp, runner.device)
+        bsz = block_size or int(drafter.block_size)
+        if bsz < 2:
+            raise ValueError(f"speculative_block_size must be >= 2, got {bsz}")
+        logger.info("speculative %s: drafter %s, block %d, budget %d", algorithm, path, bsz, budget)
+        return cls(algorithm, drafter, budget, bsz, runner)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """KV slots one request may hold temporarily during a step."""
+        return max(self.block_size, self.budget + 1)
+
+    # ---------------------------------------------------------------- prefill hook
+    @torch.inference_mode()
+    def on_extend(self, fb: ForwardBatch, captured: torch.Tensor) -> None:
+        """Write drafter context features for the tokens a target extend forward just cached."""
+        self.drafter.write_context(captured, fb.positions, fb.out_cache_loc, self.draft_kv)
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def decode(self, reqs: Sequence[SpecRequest], eos_ids: tuple[int, ...]) -> list[DecodeResult]:
+        r = self.runner
+        bs = len(reqs)
+        if r.allocator.num_free < bs * self.max_step_tokens:
+            raise OutOfKVSlots()
+        t = self.timer
+        t.start()
+        dev = r.device
+        idx = torch.tensor([q.req_pool_idx for q in reqs], device=dev)  # [bs]
+        cached = torch.tensor([q.num_cached for q in reqs], device=dev)  # [bs] = root position
+        roots = torch.tensor([q.output_ids[-1] for q in reqs], device=dev)  # [bs]
+        draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+        t.lap("draft")
+        budgets = torch.tensor([min(self.budget, max(q.remaining_tokens - 1, 0)) for q in reqs])
+        tree = build_ddtree(draft_logits, budgets, roots, cached, chain=self.chain)
+        t.lap("build")
+        logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
+        t.lap("verify_forward")
+        info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
+        want_lp = any(q.params.logprobs is not None for q in reqs)
+        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy,
+                          [q.generator for q in reqs], return_logprobs=want_lp)
+        t.lap("verify")
+        out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
+        t.lap("commit")
+        t.steps += 1
+        return out
+
+    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+        """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]."""
+        r, bsz, bs = self.runner, self.block_size, idx.shape[0]
+        slots = r.allocator.alloc(bs * bsz)  # [bs*B] temporary slots for the block's own K/V
+        offs = torch.arange(bsz, device=r.device)  # [B]
+        r.req_to_token.table[idx[:, None], cached[:, None] + offs] = slots.view(bs, bsz)
+        ids = torch.full((bs, bsz), int(self.drafter.mask_token_id), device=r.device)  # [bs, B]
+        ids[:, 0] = roots
+        fb = build_forward_batch(
+            ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.req_to_token.table,
+            idx, cached, torch.full((bs,), bsz), tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool),
+            input_embeds=r.model.embed(ids.view(-1)))
+        hidden = self.drafter(fb, self.draft_kv, r.backend).view(bs, bsz, -1)  # [bs, B, H]
+        r.allocator.free(slots)
+        return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
+
+    def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor):
+        """Target forward over every tree node (root included) with the ancestor-only mask."""
+        r = self.runner
+        bs, d = tree.candidates.shape
+        slots = r.allocator.alloc(bs * d).view(bs, d)  # [bs, D]
+        r.req_to_token.table[idx[:, None], cached[:, None] + torch.arange(d, device=r.device)] = slots
+        fb = build_forward_batch(
+            ForwardMode.TARGET_VERIFY, tree.candidates.reshape(-1), tree.positions.reshape(-1), slots.reshape(-1),
+            r.req_to_token.table, idx, cached, torch.full((bs,), d), tree_mask=tree.tree_mask,
+            capture_layer_ids=self.capture_layer_ids)
+        out = r.forward(fb)
+        logits = r.logits(out.hidden).view(bs, d, -1)  # [bs, D, V]
+        return logits, out.captured, slots
+
+    def _commit(self, reqs, tree: DraftTree, res, idx, cached, tree_slots, captured, eos_ids) -> list[DecodeResult]:
+        """Unified commit for greedy and sampled verification: keep the KV of the root and the accepted
+        nodes (path order) up to a stop, free every other tree slot, feed the kept nodes' hidden states
+        to the drafter's context, and return the emitted tokens."""
+        r = self.runner
+        bs, d = tree_slots.shape
+        s = res.accept_index.shape[1]
+        acc = res.accept_length.tolist()
+        emitted = res.emitted_tokens.tolist()
+        lps = res.target_logprobs.tolist() if res.target_logprobs is not None else None
+        keep = []
+        results = []
+        for b, q in enumerate(reqs):  # per-request stop scan over at most S tokens
+            toks = emitted[b][: acc[b] + 1]
+            k, _ = find_stop(toks, q.params, eos_ids, q.remaining_tokens)
+            keep.append(k)
+            lp = None
+            if lps is not None and q.params.logprobs is not None:
+                lp = [(lps[b][j], []) for j in range(k)]
+            results.append(DecodeResult(toks[:k], min(acc[b], k), lp))
+        keep_t = torch.tensor(keep, device=r.device)  # [bs] KV entries kept: root + (k-1) nodes
+        cols = torch.arange(s, device=r.device)  # [S]
+        valid = cols[None, :] < keep_t[:, None]  # [bs, S]
+        path = res.accept_index.clamp(min=0)  # [bs, S] local node ids
+        path_slots = tree_slots.gather(1, path)  # [bs, S]
+        kept_mask = torch.zeros(bs, d, dtype=torch.bool, device=r.device)  # [bs, D]
+        kept_mask[torch.arange(bs, device=r.device)[:, None].expand(bs, s)[valid], path[valid]] = True
+        r.allocator.free(tree_slots[~kept_mask])
+        rows = idx[:, None].expand(bs, s)[valid]
+        pos = (cached[:, None] + cols[None, :])[valid]  # [n_kept] absolute positions
+        r.req_to_token.table[rows, pos] = path_slots[valid]
+        feat_rows = (torch.arange(bs, device=r.device)[:, None] * d + path)[valid]
+        self.drafter.write_context(captured[feat_rows], pos, path_slots[valid], self.draft_kv)
+        for q, k in zip(reqs, keep, strict=True):
+            q.num_cached += k
+        return results
+
+
+def _resolve_draft_path(path: str | None) -> str:
+    if path in (None, "", "default"):
+        from model_executor.default_drafter import default_drafter_path
+
+        return default_drafter_path()
+    return path
