@@ -1,0 +1,145 @@
+"""DeepSeek-V3 mixture of experts: sigmoid router with noaux_tc correction bias and group-limited top-k,
+routed experts (TP: each expert's intermediate dim sharded), shared experts.
+
+Routing follows transformers' DeepseekV3TopkRouter exactly: scores = sigmoid(x W_g^T) in float32; the
+choice uses scores + e_score_correction_bias; a group's score is the sum of its two best choice scores;
+only the ``topk_group`` best of ``n_group`` groups stay eligible; the weights are the *uncorrected* scores
+of the chosen experts, renormalised when ``norm_topk_prob`` (sum + 1e-20) and multiplied by
+``routed_scaling_factor``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_executor.layers.activation import silu_and_mul
+from model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from model_executor.parallel_state import TPGroup
+
+
+def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
+                 topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits float32 [T, E] -> (weights float32 [T, k], expert ids int64 [T, k])."""
+    t, e = router_logits.shape
+    scores = router_logits.sigmoid()  # [T, E]
+    choice = scores + bias if bias is not None else scores  # [T, E]
+    if n_group > 1 and topk_group < n_group:
+        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        group_idx = group_scores.topk(topk_group, dim=-1)[1]  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # [T, G]
+        keep = group_mask[:, :, None].expand(t, n_group, e // n_group).reshape(t, e).bool()  # [T, E]
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1]  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class FusedExperts(nn.Module):
+    """All routed experts of one layer as two stacked weights (this rank's slice of the intermediate dim):
+    ``w13 [E, 2 * I_r, H]`` = [gate; up] and ``w2 [E, H, I_r]``. The output is a partial sum over the
+    intermediate shards: the caller all-reduces it (``reduce=True`` does it here)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp, self.num_experts = tp, num_experts
+        self.inter = tp.shard(intermediate, "moe intermediate size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
+        self.w13.weight_loader = self._load  # type: ignore[attr-defined]
+        self.w2.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int | None, str]) -> None:
+        """shard_id = (expert or None for a stacked [E, ...] tensor, "gate" | "up" | "gate_up" | "down")."""
+        expert, kind = shard_id
+        r, n = self.tp.rank, self.inter
+        dst = param.data if expert is None else param.data[expert]
+        if kind == "down":  # [.., H, I] -> this rank's input columns
+            dst.copy_(loaded.narrow(-1, r * n, n))
+        elif kind == "gate_up":  # [.., 2I, H] already merged
+            full = loaded.shape[-2] // 2
+            dst[..., :n, :].copy_(loaded.narrow(-2, r * n, n))
+            dst[..., n:, :].copy_(loaded.narrow(-2, full + r * n, n))
+        else:
+            off = 0 if kind == "gate" else n
+            dst[..., off:off + n, :].copy_(loaded.narrow(-2, r * n, n))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [T, H], weights [T, k], ids [T, k] -> [T, H]. Tokens are sorted by expert and each expert runs one
+        dense GEMM over its contiguous slice (a loop over the experts that received tokens)."""
+        t, k = ids.shape
+        flat_ids = ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat_ids, stable=True)  # [T*k]
+        token_of = order // k  # [T*k] source token of each sorted row
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # E python ints
+        xs = x[token_of]  # [T*k, H] gathered in expert order
+        out_sorted = x.new_empty(t * k, x.shape[-1])  # [T*k, H]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            h = silu_and_mul(F.linear(xs[start:start + c], self.w13[e]))  # [c, I_r]
+            out_sorted[start:start + c] = F.linear(h, self.w2[e])  # [c, H]
+            start += c
+        w_sorted = weights.reshape(-1)[order].to(x.dtype)  # [T*k]
+        out = torch.zeros_like(x)  # [T, H]
+        out.index_add_(0, token_of, out_sorted * w_sorted[:, None])
+        return self.tp.all_reduce(out) if reduce else out
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP (dense layers and shared experts), TP column/row split; checkpoint names gate/up/down_proj."""
+
+    def __init__(self, hidden: int, inter: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], False, tp, dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, False, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class MoEGate(nn.Module):
+    """Router weights kept in float32 (as transformers does): ``weight [E, H]``, ``e_score_correction_bias [E]``."""
+
+    def __init__(self, num_experts: int, hidden: int, noaux_tc: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                     requires_grad=False) if noaux_tc else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)  # [T, E] float32
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts + shared experts of one DeepSeek-V3 layer; ``cfg`` is the HF text config dict."""
+
+    def __init__(self, cfg: dict, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        scoring = cfg.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ValueError(f"unsupported MoE scoring_func {scoring!r} (DeepSeek-V3 uses sigmoid)")
+        self.top_k = cfg["num_experts_per_tok"]
+        self.n_group = cfg.get("n_group") or 1
+        self.topk_group = cfg.get("topk_group") or 1
+        self.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+        self.scaling = float(cfg.get("routed_scaling_factor", 1.0))
+        self.gate = MoEGate(cfg["n_routed_experts"], hidden, cfg.get("topk_method", "noaux_tc") == "noaux_tc")
+        self.experts = FusedExperts(cfg["n_routed_experts"], hidden, inter, tp, dtype)
+        n_shared = cfg.get("n_shared_experts") or 0
+        self.shared_experts = DenseMLP(hidden, inter * n_shared, tp, dtype) if n_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H] (all-reduced across TP ranks)."""
+        weights, ids = grouped_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k, self.n_group,
+                                    self.topk_group, self.norm_topk_prob, self.scaling)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

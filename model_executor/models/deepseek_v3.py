@@ -1,0 +1,172 @@
+"""DeepSeek-V3 decoder (Kimi K2 / K2-Thinking) and Kimi K2.5/K2.6's text model, on our layers.
+
+MLA attention (model_executor/layers/mla.py, latent-only KV cache), dense MLP in the first
+``first_k_dense_replace`` layers, DeepSeek MoE (layers/moe.py) after. Same model interface as
+models/llama.py. Weights: BF16 safetensors in the Hugging Face layout; routed experts may be
+compressed-tensors pack-quantized INT4 (dequantized at load on the CPU path; see quantization/int4_pack.py).
+Multi-token-prediction layers (``model.layers.{n >= num_hidden_layers}``) are not served and are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels.attention import AttentionBackend
+from model_executor.forward_batch import ForwardBatch
+from model_executor.kv_cache import KVCache, KVCacheLayout
+from model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_executor.layers.mla import MLAAttention
+from model_executor.layers.moe import DeepseekMoE, DenseMLP
+from model_executor.layers.norm import RMSNorm
+from model_executor.model_config import ModelConfig
+from model_executor.models.output import ModelOutput, capture_hidden
+from model_executor.parallel_state import TPGroup
+from model_executor.quantization import PackedWeightAssembler
+
+logger = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_STACKED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj$")  # transformers-5 fused
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_MLP_STACK = (("gate_proj", 0), ("up_proj", 1))
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.self_attn = MLAAttention(cfg, layer_id, tp, dtype)
+        dense = layer_id < (cfg.get("first_k_dense_replace") or 0) or not cfg.get("n_routed_experts")
+        self.mlp = DenseMLP(hidden, cfg["intermediate_size"], tp, dtype) if dense else DeepseekMoE(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), fb, k_cache, cos_sin)  # [T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Checkpoint names ``model.*`` and ``lm_head.weight``; ``weight_prefix`` is stripped first (wrappers)."""
+
+    weight_prefix = ""
+    skip_weight_prefixes: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        cfg, dtype = config.hf, config.dtype
+        self.config, self.tp = config, tp
+        self.num_layers = cfg["num_hidden_layers"]
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp, dtype)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, tp, dtype) for i in range(self.num_layers))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+        self.tie = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp, dtype)
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """One latent "head" of kv_lora_rank + qk_rope_head_dim per token and layer, no V buffer."""
+        return KVCacheLayout(self.num_layers, 1, self.layers[0].self_attn.latent_dim, 0)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def forward(self, fb: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> ModelOutput:
+        """MLA runs its own latent attention (reference masked_paged_attention); ``backend`` is unused here."""
+        h = fb.input_embeds if fb.input_embeds is not None else self.embed_tokens(fb.input_ids)  # [T, H]
+        cos_sin = self.layers[0].self_attn.rotary.cos_sin(fb.positions)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            h = layer(h, fb, kv.k[i], cos_sin)
+            if i in fb.capture_layer_ids:
+                captured.append(h)
+        return ModelOutput(self.norm(h), capture_hidden(captured, fb.capture_layer_ids))
+
+    def _map_name(self, name: str) -> tuple[str, object] | None:
+        """Checkpoint name (prefixes stripped) -> (our parameter name, shard id); None to skip."""
+        m = _EXPERT.match(name)
+        if m:
+            kind = m.group(3)
+            return f"{m.group(1)}.{'w2' if kind == 'down' else 'w13'}", (int(m.group(2)), kind)
+        m = _STACKED_EXPERTS.match(name)
+        if m:
+            return f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up' else 'w2'}", (None, m.group(2))
+        for src, sid in _MLP_STACK:
+            if f".{src}." in name:
+                return name.replace(f".{src}.", ".gate_up_proj."), sid
+        return name, None
+
+    def _strip(self, name: str) -> str | None:
+        if self.weight_prefix:
+            if not name.startswith(self.weight_prefix):
+                return None
+            name = name[len(self.weight_prefix):]
+        if "rotary_emb" in name:
+            return None
+        name = name.removeprefix("model.")
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= self.num_layers:  # MTP / next-n layers
+            return None
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        assembler = PackedWeightAssembler(self.config.dtype)
+        skipped = 0
+        for raw, tensor in weights:
+            if self.skip_weight_prefixes and raw.startswith(self.skip_weight_prefixes):
+                skipped += 1
+                continue
+            name = self._strip(raw)
+            if name is None:
+                skipped += 1
+                continue
+            if assembler.is_packed(name):
+                done = assembler.feed(name, tensor)
+                if done is None:
+                    continue
+                name, tensor = done
+            target, shard = self._map_name(name)
+            if target not in params:
+                raise ValueError(f"unexpected weight {raw!r} in checkpoint")
+            p = params[target]
+            loader = getattr(p, "weight_loader", None)
+            if loader is not None:
+                loader(p, tensor, shard)
+            else:
+                p.data.copy_(tensor)
+            loaded.add(target)
+            if self.tie and target == "embed_tokens.weight":
+                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor, None)
+                loaded.add("lm_head.weight")
+        assembler.finish()
+        self._after_load(skipped)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+
+    def _after_load(self, skipped: int) -> None:
+        if skipped:
+            logger.info("%s: skipped %d checkpoint tensors (MTP layers / rotary buffers)", type(self).__name__,
+                        skipped)
+
+
+class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
+    """Kimi K2.5 / K2.6: serves the ``language_model.*`` DeepSeek-V3 text model (config ``text_config``).
+    The MoonViT vision tower and its projector are not loaded; image inputs are rejected upstream."""
+
+    weight_prefix = "language_model."
+    skip_weight_prefixes = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "vision_model.")
+
+    def _after_load(self, skipped: int) -> None:
+        logger.info("KimiK25ForConditionalGeneration: serving the text model only; vision tower and projector "
+                    "weights are skipped (%d tensors skipped here)", skipped)
