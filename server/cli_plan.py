@@ -1,0 +1,47 @@
+"""``ddtree-serve plan``: size a deployment from config.json alone (no weights needed).
+
+    ddtree-serve plan --model-path DIR --tp-size 8 --gpu-memory-gb 96
+
+Prints weight bytes per rank, KV bytes per token, KV token capacity and the DDTree budget x batch table
+(model_executor/plan.py documents the memory model). ``--json`` prints the plan as JSON instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from model_executor.plan import make_plan
+
+HELP = "plan memory per GPU (weights, KV cache, DDTree budget x batch) from config.json alone"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-path", required=True, help="model directory (or its config.json)")
+    parser.add_argument("--tp-size", type=int, default=8)
+    parser.add_argument("--gpu-memory-gb", type=float, default=96.0, help="memory per GPU, GiB")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.88,
+                        help="share of GPU memory for weights + KV cache (the rest is workspace)")
+    parser.add_argument("--context-len", type=int, default=8192, help="context length planned per request")
+    parser.add_argument("--overhead-gb", type=float, default=2.0, help="CUDA context, NCCL, graphs (GiB)")
+    parser.add_argument("--speculative-draft-model-path", default=None, help="DFlash drafter to count too")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.model_path)
+    if not (path / "config.json").exists() and not (path.is_file() and path.suffix == ".json"):
+        raise ValueError(f"--model-path {args.model_path!r} holds no config.json")
+    plan = make_plan(path, tp_size=args.tp_size, gpu_memory_gb=args.gpu_memory_gb,
+                     mem_fraction=args.mem_fraction_static, context_len=args.context_len,
+                     overhead_gib=args.overhead_gb, draft_model_path=args.speculative_draft_model_path)
+    if args.json:
+        d = dataclasses.asdict(plan)
+        best = plan.best
+        d["best"] = dataclasses.asdict(best) if best else None
+        print(json.dumps(d, indent=2))
+    else:
+        print(plan.table())
+    return 0
