@@ -6,7 +6,8 @@ cache at ``out_cache_loc``, then attend every new token to the keys of its reque
 request's keys as the first ``kv_len[b]`` entries of ``kv_indices[b]``, and the mask (ancestor-only for
 tree verify, causal for extend/decode) as a flattened per-request ``custom_mask`` that flashinfer packs
 into bits. One ``plan`` serves every layer of a forward: it is redone only when the metadata tensors
-passed in change (identity check), so callers must pass the same tensors to all layers of a forward.
+passed in change (identity and in-place version check), so pass the same tensors to all layers.
+Assumes ``q_index`` puts request b's tokens in its first ``extend_len[b]`` padded rows (ForwardBatch).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ class FlashInferAttentionBackend:
         self._planned_for: tuple | None = None  # (kv_indices, attn_mask, q_index, shapes) last planned
 
     def _plan(self, q, k_cache, v_cache, kv_indices, attn_mask, q_index, scale) -> None:
-        key = (kv_indices, attn_mask, q_index, q.shape, k_cache.shape, v_cache.shape, float(scale))
+        # Same tensor objects, not modified in place since (version counters), same shapes: reuse the plan.
+        meta = (kv_indices, attn_mask, q_index)
+        key = (*meta, *(t._version for t in meta), q.shape, k_cache.shape, v_cache.shape, float(scale))
         if self._planned_for is not None and all(
             a is b if isinstance(a, torch.Tensor) else a == b
             for a, b in zip(self._planned_for, key, strict=True)

@@ -322,10 +322,10 @@ def tree_speculative_sampling_target_only(
         if not bool(acc.any()):
             break
     # Every target row the walk read is on the accepted path: check those are distributions.
-    on_path = w.path_local >= 0  # [bs, S]
-    rows = target_probs[w.ar[:, None], w.path_local.clamp(min=0)]  # [bs, S, V]
-    sums = rows.sum(dim=-1)  # [bs, S]
-    bad = on_path & (((sums - 1).abs() > _SIMPLEX_ATOL) | (rows.amin(dim=-1) < -_NEG_ATOL) | sums.isnan())
+    b_on, depth_on = (w.path_local >= 0).nonzero(as_tuple=True)  # [P], P = sum(accepted + 1)
+    rows = target_probs[b_on, w.path_local[b_on, depth_on]]  # [P, V]
+    sums = rows.sum(dim=-1)  # [P]
+    bad = ((sums - 1).abs() > _SIMPLEX_ATOL) | (rows.amin(dim=-1) < -_NEG_ATOL) | sums.isnan()  # [P]
     if bool(bad.any()):
         raise ValueError("target_probs rows on the verified path must be probability distributions")
     last_draft = draft_probs[w.ar, w.last_local]  # [bs, V]

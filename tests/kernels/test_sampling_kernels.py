@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import (
@@ -70,7 +70,7 @@ def test_min_p():
     assert torch.equal(min_p_renorm_prob(P, 0.0), P)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), k=st.integers(-1, 12), p=st.floats(0.05, 1.0))
 def test_filters_properties(seed, k, p):
     g = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
@@ -150,7 +150,7 @@ def test_greedy_equivalence_one_hot_targets():
 # ----------------------------------------------------------------------------- properties
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
     bs=st.integers(1, 5),
