@@ -1,0 +1,278 @@
+"""DFlash block-diffusion drafter (arXiv 2602.06036; checkpoint format of github z-lab/dflash, DESIGN 4.5).
+
+A few Qwen3-style decoder layers (q/k RMSNorm, RoPE, SwiGLU) without embedding or LM head (the target's
+are used). Conditioning: the target's hidden states at ``target_layer_ids`` (output of decoder layer l)
+are concatenated, projected by ``fc`` and normalised by ``hidden_norm``; this context feature enters
+EVERY draft layer as extra keys/values (that layer's k_proj/v_proj, k_norm and RoPE at the context
+token's position; no input layernorm). Queries come from the block ``[anchor, MASK x (B-1)]`` only; the
+block sees all context before the anchor and itself bidirectionally. Outputs at block positions 1..B-1
+go through the target's LM head.
+
+Two paths share the same weights and math:
+- paged inference: ``write_context`` stores projected context K/V in the drafter's own paged cache at the
+  slot ids the target uses for those tokens; ``forward(fb, kv, backend)`` runs a TARGET_VERIFY-mode batch
+  of blocks whose prefix is the committed context and whose block K/V go to temporary slots;
+- dense training: ``forward_train`` over padded tensors with an explicit attention mask.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBackend
+from model_executor.forward_batch import ForwardBatch
+from model_executor.kv_cache import KVCache, KVCacheLayout
+from model_executor.layers.activation import silu_and_mul
+from model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from model_executor.layers.norm import RMSNorm
+from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.model_config import ModelConfig, rope_parameters
+from model_executor.parallel_state import TPGroup
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Evenly spaced from 1 to N-3 (z-lab's rule; one feature layer -> the middle layer)."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: dict, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        bias = bool(cfg.get("attention_bias", False))
+        self.n_heads = cfg["num_attention_heads"]
+        self.n_kv = cfg.get("num_key_value_heads", self.n_heads)
+        self.head_dim = cfg.get("head_dim") or hidden // self.n_heads
+        self.local_heads, self.local_kv = tp.shard(self.n_heads, "heads"), tp.shard(self.n_kv, "kv heads")
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.n_heads, self.n_kv, bias, tp, dtype)
+        self.o_proj = RowParallelLinear(self.n_heads * self.head_dim, hidden, bias, tp, dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+
+    def context_kv(self, ctx: torch.Tensor, rotary: RotaryEmbedding, cos_sin: CosSin) -> tuple[torch.Tensor, ...]:
+        """ctx [T, H] (fc + hidden_norm output) -> k, v [T, Hkv, d] (k normed and rotated)."""
+        q_size = self.qkv_proj.q_size
+        bias = self.qkv_proj.bias[q_size:] if self.qkv_proj.bias is not None else None
+        kv = F.linear(ctx, self.qkv_proj.weight[q_size:], bias)  # [T, 2 Hkv d]
+        k, v = kv.view(-1, 2, self.local_kv, self.head_dim).unbind(1)  # [T, Hkv, d] each
+        return rotary.apply(self.k_norm(k), *cos_sin), v
+
+    def block_qkv(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin: CosSin) -> tuple[torch.Tensor, ...]:
+        """x [T, H] (input-layernormed block states) -> q [T, Hq, d], k, v [T, Hkv, d]."""
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.local_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.local_kv, self.head_dim))
+        return rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin), v.view(-1, self.local_kv, self.head_dim)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        self.layer_id = layer_id
+        self.self_attn = DFlashAttention(cfg, tp, dtype)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], False, tp, dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, False, tp, dtype)
+        self.input_layernorm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+
+    def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(h))))
+
+
+class DFlashDraftModel(nn.Module):
+    """Public API for the spec worker: ``block_size``, ``mask_token_id``, ``target_layer_ids``,
+    ``kv_cache_layout()``, ``load_weights``, ``write_context``, ``forward``; ``forward_train`` for training."""
+
+    skip_weight_prefixes = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        cfg, dtype = config.hf, config.dtype
+        self.config, self.tp, self.dtype = config, tp, dtype
+        dcfg = cfg.get("dflash_config") or {}
+        self.block_size = int(cfg.get("block_size") or dcfg.get("block_size") or 16)
+        self.mask_token_id = int(dcfg["mask_token_id"])
+        n_target = int(cfg.get("num_target_layers") or 0)
+        ids = dcfg.get("target_layer_ids") or default_target_layer_ids(n_target, cfg["num_hidden_layers"])
+        self.target_layer_ids: tuple[int, ...] = tuple(int(i) for i in ids)
+        hidden = cfg["hidden_size"]
+        self.hidden_size = hidden
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i, tp, dtype) for i in range(cfg["num_hidden_layers"]))
+        self.fc = ReplicatedLinear(len(self.target_layer_ids) * hidden, hidden, False, dtype)
+        self.hidden_norm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+        self.norm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(cfg), cfg.get("max_position_embeddings", 4096))
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        a = self.layers[0].self_attn
+        return KVCacheLayout(len(self.layers), a.local_kv, a.head_dim, a.head_dim)
+
+    def project_context(self, captured: torch.Tensor) -> torch.Tensor:
+        """captured [..., n*H_target] -> hidden_norm(fc(captured)) [..., H]."""
+        return self.hidden_norm(self.fc(captured.to(self.fc.weight.dtype)))
+
+    @torch.no_grad()
+    def write_context(self, captured: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                      kv: KVCache) -> None:
+        """Store per-layer context K/V of tokens at ``positions`` in slots ``out_cache_loc``.
+        captured [T, n*H_target] (ModelOutput.captured), positions [T], out_cache_loc [T]."""
+        ctx = self.project_context(captured)  # [T, H]
+        cos_sin = self.rotary.cos_sin(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(ctx, self.rotary, cos_sin)  # [T, Hkv, d]
+            kv.k[i][out_cache_loc] = k.to(kv.dtype)
+            kv.v[i][out_cache_loc] = v.to(kv.dtype)
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        """Draft blocks over the paged context. ``fb.input_embeds`` [T, H] = target embeddings of
+        ``[root, MASK...]`` per request; returns final-normed hidden states [T, H]."""
+        if fb.input_embeds is None:
+            raise ValueError("DFlash forward needs fb.input_embeds (the target's embeddings of the block)")
+        h = fb.input_embeds.to(self.dtype)  # [T, H]
+        cos_sin = self.rotary.cos_sin(fb.positions)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            q, k, v = a.block_qkv(layer.input_layernorm(h), self.rotary, cos_sin)
+            o = backend.forward(q, k, v, kv.k[i], kv.v[i], fb.out_cache_loc, fb.kv_indices, fb.attn_mask,
+                                fb.q_index, a.scale)  # [T, Hq, d]
+            h = layer.mlp_residual(h + a.o_proj(o.reshape(o.shape[0], -1)))
+        return self.norm(h)
+
+    def forward_train(self, ctx_feats: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
+                      block_positions: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """Dense path (training, no cache). ctx_feats [b, S, n*H_target], ctx_positions [b, S],
+        block_embeds [b, Q, H], block_positions [b, Q], attn_mask [b, Q, S + Q] bool (query i may see
+        key j; keys are the S context tokens then the Q block tokens). Returns [b, Q, H] final-normed."""
+        b, s = ctx_positions.shape
+        q_len = block_positions.shape[1]
+        ctx = self.project_context(ctx_feats).reshape(b * s, -1)  # [b*S, H]
+        cs_ctx = self.rotary.cos_sin(ctx_positions.reshape(-1))
+        cs_blk = self.rotary.cos_sin(block_positions.reshape(-1))
+        h = block_embeds.to(self.fc.weight.dtype).reshape(b * q_len, -1)  # [b*Q, H]
+        for layer in self.layers:
+            a = layer.self_attn
+            kc, vc = a.context_kv(ctx, self.rotary, cs_ctx)  # [b*S, Hkv, d]
+            q, kb, vb = a.block_qkv(layer.input_layernorm(h), self.rotary, cs_blk)  # [b*Q, H*, d]
+            keys = torch.cat([kc.view(b, s, a.local_kv, -1), kb.view(b, q_len, a.local_kv, -1)], 1)  # [b, S+Q, Hkv, d]
+            vals = torch.cat([vc.view(b, s, a.local_kv, -1), vb.view(b, q_len, a.local_kv, -1)], 1)
+            o = F.scaled_dot_product_attention(
+                q.view(b, q_len, a.local_heads, -1).transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                attn_mask=attn_mask[:, None], scale=a.scale, enable_gqa=a.local_kv != a.local_heads,
+            )  # [b, Hq, Q, d]
+            h = layer.mlp_residual(h + a.o_proj(o.transpose(1, 2).reshape(b * q_len, -1)))
+        return self.norm(h).view(b, q_len, -1)
+
+    _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+                ("mlp.gate_proj", "gate_up_proj", 0), ("mlp.up_proj", "gate_up_proj", 1),
+                ("mlp.down_proj", "down_proj", None))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """z-lab names: ``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``,
+        ``layers.N.mlp.{gate,up,down}_proj``, layernorms, ``fc``, ``hidden_norm``, ``norm``."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith(self.skip_weight_prefixes) or "rotary_emb" in name:
+                continue
+            shard = None
+            for src, dst, sid in self._STACKED:
+                if f".{src}." in name:
+                    name, shard = name.replace(f".{src}.", f".{dst}."), sid
+                    break
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in DFlash checkpoint")
+            p = params[name]
+            loader = getattr(p, "weight_loader", None)
+            if loader is not None:
+                loader(p, tensor, shard)
+            else:
+                p.data.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"DFlash checkpoint is missing weights: {sorted(missing)[:8]}")
+
+    def zlab_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under z-lab names (un-merged q/k/v and gate/up); single TP rank only."""
+        if self.tp.size != 1:
+            raise ValueError("saving a drafter needs tp_size 1")
+        out: dict[str, torch.Tensor] = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm.weight,
+                                        "norm.weight": self.norm.weight}
+        for i, layer in enumerate(self.layers):
+            a, p = layer.self_attn, f"layers.{i}."
+            for part, t in zip(("q", "k", "v"), a.qkv_proj.weight.split(
+                    [a.qkv_proj.q_size, a.qkv_proj.kv_size, a.qkv_proj.kv_size]), strict=True):
+                out[f"{p}self_attn.{part}_proj.weight"] = t
+            if a.qkv_proj.bias is not None:
+                for part, t in zip(("q", "k", "v"), a.qkv_proj.bias.split(
+                        [a.qkv_proj.q_size, a.qkv_proj.kv_size, a.qkv_proj.kv_size]), strict=True):
+                    out[f"{p}self_attn.{part}_proj.bias"] = t
+            out[f"{p}self_attn.o_proj.weight"] = a.o_proj.weight
+            if a.o_proj.bias is not None:
+                out[f"{p}self_attn.o_proj.bias"] = a.o_proj.bias
+            out[f"{p}self_attn.q_norm.weight"] = a.q_norm.weight
+            out[f"{p}self_attn.k_norm.weight"] = a.k_norm.weight
+            gate, up = layer.gate_up_proj.weight.chunk(2, dim=0)
+            out[f"{p}mlp.gate_proj.weight"], out[f"{p}mlp.up_proj.weight"] = gate, up
+            out[f"{p}mlp.down_proj.weight"] = layer.down_proj.weight
+            out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight
+            out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        return out
+
+
+def drafter_config(target_hf: dict[str, Any], num_layers: int, block_size: int, target_layer_ids: list[int],
+                   mask_token_id: int) -> dict[str, Any]:
+    """A z-lab-format config.json for a drafter of ``target_hf`` (hidden/heads/MLP width from the target)."""
+    hidden = int(target_hf["hidden_size"])
+    heads = int(target_hf["num_attention_heads"])
+    rope = rope_parameters(target_hf)
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": int(target_hf["intermediate_size"]),
+        "num_attention_heads": heads, "num_key_value_heads": int(target_hf.get("num_key_value_heads", heads)),
+        "head_dim": int(target_hf.get("head_dim") or hidden // heads), "num_hidden_layers": num_layers,
+        "layer_types": ["full_attention"] * num_layers, "rms_norm_eps": float(target_hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope["rope_theta"]), "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "max_position_embeddings": int(target_hf.get("max_position_embeddings", 4096)),
+        "vocab_size": int(target_hf["vocab_size"]), "tie_word_embeddings": bool(target_hf.get("tie_word_embeddings")),
+        "use_sliding_window": False, "sliding_window": None, "dtype": "bfloat16",
+        "block_size": block_size, "num_target_layers": int(target_hf["num_hidden_layers"]),
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+    }
+
+
+def save_drafter(model: DFlashDraftModel, config_dict: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write ``model.safetensors`` (bf16, z-lab names) and ``config.json``; returns the directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in model.zlab_state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    return out
