@@ -1,0 +1,324 @@
+"""A real server process (default model, CPU) driven with the official ``openai`` client.
+
+One server for the module; it is killed at the end to check that a dead child makes the server answer 503
+and exit non-zero with no process left behind. A second, short-lived server checks SIGTERM during load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import alive, descendants, free_port, start_server, wait_healthy
+
+KEY = "sk-test-key"
+MAX_TOTAL_TOKENS = 16384
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from model_executor.default_model import ensure_default_model
+
+    ensure_default_model()
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc = start_server(["--port", str(port), "--api-key", KEY, "--max-total-tokens", str(MAX_TOTAL_TOKENS)], log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, base, 240, log)
+        yield {"proc": proc, "base": base, "log": log, "children": descendants(proc.pid)}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+def _http(server, method: str, path: str, **kw) -> httpx.Response:
+    headers = kw.pop("headers", {"Authorization": f"Bearer {KEY}"})
+    return httpx.request(method, server["base"] + path, headers=headers, timeout=120, **kw)
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server["base"] + "/metrics", timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_health_models_auth(server, client, model_name) -> None:
+    assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}
+    assert model_name == "default"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = _http(server, "GET", "/v1/models", headers=headers)
+        assert r.status_code == 401
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    bad = openai.OpenAI(base_url=server["base"] + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=model_name, prompt="x", max_tokens=1)
+
+
+def test_chat_sync_stream_and_not(client, model_name) -> None:
+    msgs = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a color."}]
+    r = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content
+    assert c.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 8 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model_extra["spec_stats"].keys() == {"verify_steps", "accepted_tokens", "acceptance_length"}
+    text, usage, finish = "", None, None
+    for ch in client.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}):
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            finish = ch.choices[0].finish_reason or finish
+        else:
+            usage = ch.usage
+    assert text == c.message.content and finish == c.finish_reason
+    assert usage.completion_tokens == r.usage.completion_tokens and usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_completions_async(server, model_name) -> None:
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        r = await ac.completions.create(model=model_name, prompt=PROMPTS[:2], max_tokens=6, temperature=0, logprobs=2)
+        assert [c.index for c in r.choices] == [0, 1]
+        for c in r.choices:
+            assert c.finish_reason == "length" and len(c.logprobs.tokens) == 6
+            assert "".join(c.logprobs.tokens) == c.text
+            assert all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+        assert r.usage.completion_tokens == 12
+        ids = (await ac.completions.create(model=model_name, prompt=[504, 3458, 282], max_tokens=3,
+                                           temperature=0)).choices[0]
+        assert ids.finish_reason == "length"
+        text = ""
+        async for ch in await ac.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=6,
+                                                    temperature=0, stream=True):
+            text += ch.choices[0].text if ch.choices else ""
+        assert text == r.choices[0].text
+        await ac.close()
+
+    asyncio.run(run())
+
+
+def test_greedy_matches_offline_engine(client, model_name) -> None:
+    from model_executor.sampling_params import SamplingParams
+    from server.engine import Engine
+
+    served = client.completions.create(model=model_name, prompt=PROMPTS, max_tokens=8, temperature=0).choices
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    chat = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0)
+    engine = Engine("default", max_total_tokens=2048)
+    try:
+        tok = engine.tokenizer
+        chat_text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = [tok.encode(p) for p in PROMPTS] + [tok.encode(chat_text, add_special_tokens=False)]
+        outs = engine.generate(input_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=8))
+    finally:
+        engine.shutdown()
+    for s, o in zip(served, outs[:-1], strict=True):
+        assert s.text == o.text
+    assert chat.choices[0].message.content == outs[-1].text
+
+
+def test_seeded_sampling_and_mixed_batch(server, client, model_name) -> None:
+    def sample(seed):
+        return client.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=6, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    assert sample(123) == sample(123)
+    greedy = client.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=6,
+                                       temperature=0).choices[0].text
+
+    async def mixed():
+        ac = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        temps = [0.0, 1.5, 0.0, 1.5, 0.0, 1.5]
+        rs = await asyncio.gather(*[ac.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=6,
+                                                          temperature=t, seed=i) for i, t in enumerate(temps)])
+        await ac.close()
+        return temps, [r.choices[0].text for r in rs]
+
+    temps, texts = asyncio.run(mixed())
+    assert all(t == greedy for t, temp in zip(texts, temps, strict=True) if temp == 0.0)
+    assert any(t != greedy for t, temp in zip(texts, temps, strict=True) if temp > 0)
+
+
+def test_64_concurrent_streams(server, model_name) -> None:
+    async def one(ac, i):
+        text, usage, finish = "", None, None
+        stream = await ac.completions.create(model=model_name, prompt=f"{i} + {i} =", max_tokens=4,
+                                             temperature=0.7, seed=i, stream=True,
+                                             stream_options={"include_usage": True})
+        async for ch in stream:
+            if ch.choices:
+                text += ch.choices[0].text
+                finish = ch.choices[0].finish_reason or finish
+            else:
+                usage = ch.usage
+        return text, usage, finish
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        res = await asyncio.gather(*[one(ac, i) for i in range(64)])
+        await ac.close()
+        return res
+
+    t0 = time.time()
+    results = asyncio.run(run())
+    elapsed = time.time() - t0
+    for _text, usage, finish in results:
+        assert finish in ("stop", "length")
+        assert 1 <= usage.completion_tokens <= 4
+        if finish == "length":
+            assert usage.completion_tokens == 4
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    print(f"64 streams x 4 tokens: {elapsed:.1f}s")
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", {"messages": "hi"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 1.01}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 8192}, 400),
+    ("/v1/completions", {"prompt": [10**9]}, 400),
+    ("/v1/completions", {"prompt": []}, 400),
+    ("/v1/completions", {"max_tokens": 3}, 400),
+    ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": -5}, 400),
+    ("/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD)
+def test_bad_inputs(server, model_name, path, body, status) -> None:
+    if isinstance(body, dict):
+        body = json.dumps({"model": model_name, **body}).encode()
+    r = _http(server, "POST", path, content=body, headers={"Authorization": f"Bearer {KEY}",
+                                                            "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str)
+    assert "Traceback" not in r.text
+    ok = _http(server, "POST", "/v1/completions", json={"model": model_name, "prompt": "Hi", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_stop_n_logprobs(client, model_name) -> None:
+    r = client.completions.create(model=model_name, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 7"])
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and " 7" not in c.text and c.text.startswith(" 5")
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], n=3,
+                                       max_tokens=4, temperature=1.0, seed=5, logprobs=True, top_logprobs=2)
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2]
+    for ch in r.choices:
+        assert ch.logprobs.content and all(len(t.top_logprobs) <= 2 for t in ch.logprobs.content)
+    assert r.usage.completion_tokens == sum(len(ch.logprobs.content) for ch in r.choices)
+
+
+def test_disconnect_frees_kv(server, model_name) -> None:
+    body = {"model": model_name, "prompt": "Tell me a long story.", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data:"):
+                got += 1
+            if got >= 3:
+                break
+        time.sleep(0.5)
+        m = _metrics(server)
+        assert m["ddtree_num_running_reqs"] >= 1 and m["ddtree_kv_used_tokens"] > 0
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = _metrics(server)
+        if m["ddtree_kv_used_tokens"] == 0 and m["ddtree_num_running_reqs"] == 0:
+            break
+        time.sleep(0.3)
+    assert m["ddtree_kv_used_tokens"] == 0 and m["ddtree_num_running_reqs"] == 0
+    assert m["ddtree_requests_total"] >= 1
+
+
+def test_metrics_parse(server, model_name) -> None:
+    assert _http(server, "POST", "/v1/completions",
+                 json={"model": model_name, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+    text = httpx.get(server["base"] + "/metrics", timeout=30).text
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for name, kind in (("ddtree_requests", "counter"), ("ddtree_time_to_first_token_seconds", "histogram"),
+                       ("ddtree_inter_token_latency_seconds", "histogram"),
+                       ("ddtree_spec_acceptance_length", "histogram"), ("ddtree_kv_usage", "gauge"),
+                       ("ddtree_num_running_reqs", "gauge"), ("ddtree_num_queue_reqs", "gauge")):
+        assert families.get(name) == kind, name
+    m = _metrics(server)
+    for name in ("ddtree_requests_total", "ddtree_prompt_tokens_total", "ddtree_generation_tokens_total",
+                 "ddtree_time_to_first_token_seconds_count", "ddtree_inter_token_latency_seconds_count",
+                 "ddtree_kv_total_tokens"):
+        assert name in m, name
+    assert m["ddtree_generation_tokens_total"] > 0 and m["ddtree_kv_total_tokens"] > 0
+
+
+def test_dead_child_gives_503_then_exit(server) -> None:
+    proc = server["proc"]
+    kids = descendants(proc.pid)
+    victim = max(kids, key=lambda p: int(open(f"/proc/{p}/statm").read().split()[1]))  # the scheduler (largest)
+    os.kill(victim, signal.SIGKILL)
+    statuses = set()
+    deadline = time.time() + 15
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            statuses.add(httpx.get(server["base"] + "/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    assert proc.wait(30) == 1
+    assert statuses <= {200, 503} and 503 in statuses
+    time.sleep(0.5)
+    assert not [p for p in kids if alive(p)]
+
+
+def test_sigterm_during_load_leaves_no_process(tmp_path) -> None:
+    log = tmp_path / "s.log"
+    proc = start_server(["--port", str(free_port())], log)
+    deadline = time.time() + 60
+    kids: set[int] = set()
+    while time.time() < deadline and len(kids) < 2:
+        kids = descendants(proc.pid)
+        time.sleep(0.2)
+    time.sleep(1.0)
+    kids = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, log.read_text()[-2000:]
+    time.sleep(0.5)
+    assert not [p for p in kids if alive(p)]
