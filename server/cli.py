@@ -20,6 +20,7 @@ def subcommand_modules() -> dict[str, str]:
     """Subcommand name -> module. Colleagues: add e.g. ``"plan": "server.cli_plan"``."""
     return {
         "serve": "server.cli_serve",
+        "train-drafter": "server.cli_train",
     }
 
 

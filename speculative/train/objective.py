@@ -1,0 +1,115 @@
+"""The DFlash training objective (arXiv 2602.06036; semantics as in SpecForge's DFlash trainer).
+
+Per sequence, ``N`` random anchor positions ``a`` in the response each open a block ``[tok[a], MASK x
+(B-1)]`` at positions ``a..a+B-1``. Attention keys are ``[context (S tokens) ; block_0 ; ... ; block_N-1]``:
+block n sees context positions strictly before its anchor, itself bidirectionally, and no other block.
+Block position k = 1..B-1 predicts ``tok[a+k]`` with weight ``exp(-(k-1)/gamma)``; the anchor position
+(k = 0) and labels past the sequence end carry no loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class BlockBatch:
+    ctx_feats: torch.Tensor  # [b, S, n*H] target features (zero-padded past each sequence)
+    ctx_positions: torch.Tensor  # [b, S]
+    block_ids: torch.Tensor  # [b, N*B] anchor token then mask token per block
+    block_positions: torch.Tensor  # [b, N*B]
+    attn_mask: torch.Tensor  # [b, N*B, S + N*B] bool
+    labels: torch.Tensor  # [b, N*B] token at anchor + k (0 where no loss)
+    weights: torch.Tensor  # [b, N*B] float loss weight (0: no loss)
+
+
+def sample_anchors(prompt_len: int, seq_len: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to ``n`` distinct sorted anchors in ``[prompt_len, seq_len - 2]`` (each has >= 1 label)."""
+    lo, hi = prompt_len, seq_len - 2
+    if hi < lo:
+        return torch.zeros(0, dtype=torch.int64)
+    cand = torch.arange(lo, hi + 1)
+    pick = torch.randperm(cand.numel(), generator=gen)[:n]
+    return cand[pick].sort().values
+
+
+def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """anchors [b, N], valid [b, N] bool -> mask [b, N*B, S + N*B]. An invalid block sees only itself
+    (no row is fully masked; it carries no loss)."""
+    b, n = anchors.shape
+    q = n * block_size
+    q_block = torch.arange(q) // block_size  # [Q]
+    kv = torch.arange(ctx_len + q)  # [S+Q]
+    anchor_q = anchors[:, q_block]  # [b, Q]
+    ctx_ok = (kv[None, None, :] < ctx_len) & (kv[None, None, :] < anchor_q[:, :, None])  # [b, Q, S+Q]
+    ctx_ok = ctx_ok & valid[:, q_block][:, :, None]
+    kv_block = (kv - ctx_len).div(block_size, rounding_mode="floor")  # [S+Q]
+    blk_ok = (kv[None, :] >= ctx_len) & (kv_block[None, :] == q_block[:, None])  # [Q, S+Q]
+    return ctx_ok | blk_ok[None]
+
+
+def make_block_batch(seqs: list[dict], n_anchors: int, block_size: int, mask_token_id: int, gamma: float,
+                     gen: torch.Generator) -> BlockBatch:
+    """Collate records ``{"tokens" [S], "prompt_len", "feats" [S, n*H]}`` into one training batch."""
+    b = len(seqs)
+    s_max = max(int(r["tokens"].numel()) for r in seqs)
+    feat_dim = seqs[0]["feats"].shape[1]
+    feats = torch.zeros(b, s_max, feat_dim, dtype=seqs[0]["feats"].dtype)
+    tokens = torch.zeros(b, s_max, dtype=torch.int64)
+    anchors = torch.zeros(b, n_anchors, dtype=torch.int64)
+    valid = torch.zeros(b, n_anchors, dtype=torch.bool)
+    lens = torch.zeros(b, dtype=torch.int64)
+    for i, r in enumerate(seqs):
+        s = int(r["tokens"].numel())
+        feats[i, :s], tokens[i, :s], lens[i] = r["feats"], r["tokens"].long(), s
+        a = sample_anchors(int(r["prompt_len"]), s, n_anchors, gen)
+        anchors[i, : a.numel()], valid[i, : a.numel()] = a, True
+    k = torch.arange(block_size)  # [B]
+    pos = (anchors[:, :, None] + k).reshape(b, -1)  # [b, N*B]
+    in_seq = pos < lens[:, None]  # [b, N*B]
+    labels = torch.gather(tokens, 1, pos.clamp(max=s_max - 1)) * in_seq
+    ids = torch.full_like(pos, mask_token_id)
+    ids[:, ::block_size] = torch.gather(tokens, 1, anchors)
+    decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma) * (k > 0)  # [B]
+    weights = decay.repeat(n_anchors)[None, :] * in_seq * valid.repeat_interleave(block_size, 1)
+    return BlockBatch(
+        ctx_feats=feats, ctx_positions=torch.arange(s_max).expand(b, -1), block_ids=ids, block_positions=pos,
+        attn_mask=block_attention_mask(anchors, valid, s_max, block_size), labels=labels, weights=weights.float(),
+    )
+
+
+def dflash_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                vocab_subset: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted cross-entropy of the target's (frozen) LM head over the drafter's block outputs.
+    hidden [b, Q, H], lm_head_weight [V, H], labels/weights [b, Q]. ``vocab_subset`` (sorted ids [V'],
+    containing every label) restricts the softmax to those tokens to save compute on CPU.
+    Returns (loss, stats) with stats: weighted-mean loss, top-1 accuracy at k=1 and over all rows."""
+    rows = weights.reshape(-1) > 0  # [b*Q]
+    h = hidden.reshape(-1, hidden.shape[-1])[rows]  # [M, H]
+    y = labels.reshape(-1)[rows]
+    w = weights.reshape(-1)[rows]
+    head = lm_head_weight
+    if vocab_subset is not None:
+        head = lm_head_weight[vocab_subset]
+        y = torch.searchsorted(vocab_subset, y)
+    logits = F.linear(h, head.to(h.dtype)).float()  # [M, V']
+    ce = F.cross_entropy(logits, y, reduction="none")  # [M]
+    loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == y).float()
+        first = torch.isclose(w, torch.ones_like(w))  # k = 1 rows carry weight exp(0) = 1
+        stats = {"loss": float(loss), "acc": float(hit.mean()) if hit.numel() else 0.0,
+                 "acc_k1": float(hit[first].mean()) if bool(first.any()) else 0.0}
+    return loss, stats
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1) -> float:
+    """Linear warm-up then cosine decay to ``min_ratio * peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))

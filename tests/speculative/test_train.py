@@ -1,0 +1,120 @@
+"""Drafter training (DFlash, arXiv 2602.06036): block mask by brute force, batch labels/weights, data
+generation with feature capture, training on a tiny random target lowers the loss, checkpoints reload."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from model_executor.model_config import ModelConfig
+from model_executor.models.dflash import DFlashDraftModel
+from model_executor.weight_loader import iter_weights
+from speculative.train.datagen import capture_features, generate_batch, make_runner, write_meta
+from speculative.train.objective import block_attention_mask, make_block_batch
+from speculative.train.trainer import TrainConfig, build_drafter, target_embed_and_head, train
+from tests.conftest import write_tiny_llama_family
+
+
+def test_block_mask_brute_force():
+    g = torch.Generator().manual_seed(0)
+    b, n, s, bs = 3, 4, 11, 3
+    anchors = torch.randint(1, s - 1, (b, n), generator=g)
+    valid = torch.rand(b, n, generator=g) > 0.3
+    mask = block_attention_mask(anchors, valid, s, bs)
+    assert mask.shape == (b, n * bs, s + n * bs)
+    for bi in range(b):
+        for qi in range(n * bs):
+            blk = qi // bs
+            for kj in range(s + n * bs):
+                if kj < s:  # context: strictly before this block's anchor, only for a real block
+                    want = bool(valid[bi, blk]) and kj < int(anchors[bi, blk])
+                else:  # draft keys: the own block only (bidirectional)
+                    want = (kj - s) // bs == blk
+                assert bool(mask[bi, qi, kj]) == want, (bi, qi, kj)
+
+
+def test_block_batch_labels_and_weights():
+    tokens = torch.arange(100, 112, dtype=torch.int32)  # S = 12, prompt 5
+    rec = {"tokens": tokens, "prompt_len": 5, "feats": torch.zeros(12, 6)}
+    batch = make_block_batch([rec], n_anchors=3, block_size=4, mask_token_id=7, gamma=2.0,
+                             gen=torch.Generator().manual_seed(0))
+    ids, pos = batch.block_ids[0].view(3, 4), batch.block_positions[0].view(3, 4)
+    anchors = pos[:, 0]
+    assert bool((anchors >= 5).all()) and bool((anchors <= 10).all()) and anchors.unique().numel() == 3
+    assert ids[:, 0].tolist() == [100 + int(a) for a in anchors] and bool((ids[:, 1:] == 7).all())
+    lab, w = batch.labels[0].view(3, 4), batch.weights[0].view(3, 4)
+    for blk, a in enumerate(anchors.tolist()):
+        for k in range(4):
+            if k == 0 or a + k >= 12:
+                assert w[blk, k] == 0
+            else:
+                assert lab[blk, k] == 100 + a + k
+                assert math.isclose(float(w[blk, k]), math.exp(-(k - 1) / 2.0), rel_tol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A tiny random Llama target, its greedy/sampled responses with captured features."""
+    root = tmp_path_factory.mktemp("dflash-train")
+    target = write_tiny_llama_family(root / "target", "llama", vocab=64, num_hidden_layers=4, eos_token_id=63)
+    runner = make_runner(target, 4096)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 60, (int(n),), generator=g).tolist() for n in torch.randint(4, 9, (14,), generator=g)]
+    layers = (0, 2)
+    data = root / "data"
+    write_meta(str(data), target, layers, "bfloat16")
+    (data / "feat").mkdir()
+    seqs, feats = generate_batch(runner, prompts, [0.0] * 10 + [1.0] * 4, 24, {63}, layers, g)
+    recs = [{"tokens": torch.tensor(s, dtype=torch.int32), "prompt_len": len(p), "temperature": t,
+             "feats": f.bfloat16()} for s, p, t, f in zip(seqs, prompts, [0.0] * 10 + [1.0] * 4, feats, strict=True)]
+    torch.save(recs[3:], data / "feat" / "train_00000.pt")
+    torch.save(recs[:3], data / "feat" / "eval_00000.pt")  # greedy: offline acceptance needs them
+    return target, data, runner, seqs, feats, layers
+
+
+def test_generation_features_equal_plain_prefill(tiny_data):
+    _, _, runner, seqs, feats, layers = tiny_data
+    ref = capture_features(runner, [s[:-1] for s in seqs[:3]], layers)
+    for f, r in zip(feats[:3], ref, strict=True):
+        torch.testing.assert_close(f[:-1], r, atol=1e-4, rtol=1e-4)
+
+
+def test_training_lowers_loss_and_checkpoint_reloads(tiny_data, tmp_path):
+    target, data, *_ = tiny_data
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "drafter"), target_path=target, num_layers=1,
+                      block_size=4, mask_token_id=62, steps=30, batch_size=4, anchors_per_seq=6, lr=3e-3, warmup=5,
+                      gamma=4.0, save_every=15, eval_budget=4, device="cpu")
+    torch.manual_seed(0)
+    res = train(cfg)
+    assert res["steps"] == 30 and res["loss_ema"] < 0.8 * res["loss_first"], res
+    assert 0.0 < res["tau_chain"] <= 3.0 and 0.0 < res["tau_ddtree"] <= 3.0
+    out = tmp_path / "drafter"
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [0, 2]
+    # the exported bf16 checkpoint == the trained float32 weights rounded to bf16, and a rerun resumes (no steps)
+    mcfg = ModelConfig.load(str(out), "float32")
+    loaded = DFlashDraftModel(mcfg)
+    loaded.load_weights(iter_weights(str(out)))
+    st = torch.load(out / "trainer_state.pt", weights_only=False)
+    ref = build_drafter(json.loads((out / "config.json").read_text()), torch.device("cpu"), 0)
+    ref.load_state_dict({k: v.bfloat16().float() for k, v in st["model"].items()})
+    embed, head = target_embed_and_head(target)
+    rec = torch.load(data / "feat" / "eval_00000.pt")[0]
+    from speculative.train.evaluate import draft_hidden_all_anchors
+
+    torch.testing.assert_close(draft_hidden_all_anchors(loaded, embed, rec) @ head.T,
+                               draft_hidden_all_anchors(ref, embed, rec) @ head.T)
+    again = train(cfg)
+    assert again["steps"] == 30
+
+
+def test_cli_registers_train_drafter():
+    from server.cli import build_parser
+
+    parser, commands = build_parser()
+    assert "train-drafter" in commands
+    args = parser.parse_args(["train-drafter", "--out", "o", "--data-dir", "d", "--block-size", "16",
+                              "--target-layer-ids", "1,5,9"])
+    assert args.block_size == 16 and args.target_layer_ids == "1,5,9" and args.loss_vocab == "full"
