@@ -59,16 +59,15 @@ class Engine:
         flat["model_path"] = model_path
         self.config = ServerConfig.from_flat(flat)
         self.scheduler = Scheduler(self.config)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.scheduler.model_path,
-                                                       trust_remote_code=self.config.model.trust_remote_code)
+        self.tokenizer = _load_tokenizer(self.scheduler.model_path, self.config.model.trust_remote_code)
         self._ids = itertools.count()
 
     def _submit(self, prompts, input_ids, sampling_params) -> list[GenerateReq]:
         if (prompts is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompts or input_ids")
         if prompts is not None:
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass input_ids instead of prompts")
             if isinstance(prompts, str):
                 prompts = [prompts]
             for p in prompts:
@@ -107,7 +106,7 @@ class Engine:
                 if d.finished:
                     pending.discard(d.rid)
         for o in outs.values():
-            o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+            o.text = self._decode(o.token_ids)
         return [outs[r.rid] for r in reqs]
 
     def generate_stream(self, prompts: list[str] | str | None = None,
@@ -126,7 +125,7 @@ class Engine:
                     if d.rid not in index:
                         continue
                     toks[d.rid].extend(d.token_ids)
-                    full = self.tokenizer.decode(toks[d.rid], skip_special_tokens=True)
+                    full = self._decode(toks[d.rid])
                     if full.endswith("\ufffd") and not d.finished:
                         full = texts[d.rid]  # wait for the rest of a multi-byte character
                     new, texts[d.rid] = full[len(texts[d.rid]):], full
@@ -139,6 +138,9 @@ class Engine:
             if pending:
                 self.scheduler.step()
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
 
@@ -149,6 +151,17 @@ class Engine:
         for r in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort_request(r.rid)
         self.scheduler.step()
+
+
+def _load_tokenizer(path: str, trust_remote_code: bool):
+    """The model's tokenizer, or None for a directory without tokenizer files (token-id use only)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def _apply(out: RequestOutput, d: TokenOut) -> None:

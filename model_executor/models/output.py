@@ -17,6 +17,6 @@ def capture_hidden(captured: list[torch.Tensor], layer_ids: tuple[int, ...]) -> 
     """Concatenate captured layer outputs in the order of ``layer_ids`` (collected in layer order)."""
     if not layer_ids:
         return None
-    order = sorted(layer_ids)
+    order = sorted(set(layer_ids))
     by_id = dict(zip(order, captured, strict=True))
     return torch.cat([by_id[i] for i in layer_ids], dim=-1)

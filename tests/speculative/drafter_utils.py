@@ -1,0 +1,34 @@
+"""Write randomly initialised z-lab-format DFlash drafters for a target checkpoint (test helper)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from model_executor.model_config import ModelConfig
+from model_executor.models.dflash import DFlashDraftModel, default_target_layer_ids, drafter_config, save_drafter
+
+
+def write_random_drafter(target_path: str, out_dir: str | Path, num_layers: int = 1, block_size: int = 8,
+                         seed: int = 0, std: float = 0.05) -> str:
+    target_hf = json.loads((Path(target_path) / "config.json").read_text())
+    target_hf = target_hf.get("text_config", target_hf)
+    n = int(target_hf["num_hidden_layers"])
+    ids = sorted(set(default_target_layer_ids(n, min(3, n))))
+    mask_id = int(target_hf["vocab_size"]) - 2
+    cfg = drafter_config(target_hf, num_layers, block_size, ids, mask_id)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    model = DFlashDraftModel(ModelConfig.load(str(out), "float32"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    save_drafter(model, cfg, out)
+    return str(out)

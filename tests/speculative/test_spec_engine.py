@@ -1,0 +1,172 @@
+"""The speculative engine end to end: lossless greedy (tree and chain, several budgets, mid-tree stops),
+exact sampled verification (statistical), commit correctness and KV accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_executor.forward_batch import ForwardMode, build_forward_batch
+from server.engine import Engine, SamplingParams
+from server.io_struct import GenerateReq
+from tests.speculative.drafter_utils import write_random_drafter
+
+VOCAB = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.conftest import write_tiny_llama_family
+
+    root = tmp_path_factory.mktemp("spec")
+    # a small vocabulary makes random-drafter trees cover likely tokens, so paths get accepted
+    target = write_tiny_llama_family(root / "target", "qwen3", vocab=VOCAB, seed=3, num_hidden_layers=4)
+    drafter = write_random_drafter(target, root / "drafter", num_layers=1, block_size=5, seed=1, std=0.3)
+    return target, drafter
+
+
+def _engine(target: str, drafter: str | None, alg: str = "none", budget: int = 8, **kw) -> Engine:
+    return Engine(target, dtype="float32", max_total_tokens=16384, speculative_algorithm=alg,
+                  draft_model_path=drafter, ddtree_budget=budget, **kw)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 2, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _assert_pool_full(e: Engine) -> None:
+    st = e.stats()
+    assert st.kv_used_tokens == 0 and st.running == 0 and st.waiting == 0
+
+
+@pytest.mark.parametrize(("alg", "budget"), [("ddtree", 4), ("ddtree", 16), ("dflash", 4)])
+def test_greedy_lossless_tiny(tiny, alg, budget):
+    target, drafter = tiny
+    prompts = _prompts(10)
+    lengths = [3, 17, 9, 30, 1, 12, 25, 7, 16, 20]  # many stop mid-tree on max_tokens
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    ref = _engine(target, None).generate(input_ids=prompts, sampling_params=params)
+    e = _engine(target, drafter, alg, budget)
+    got = e.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(len(o.token_ids) == n for o, n in zip(got, lengths, strict=True))
+    assert sum(o.spec_accepted_tokens for o in got) > 0, "the test must exercise accepted paths"
+    # stop token in the middle of an accepted path, and EOS
+    stop = ref[3].token_ids[6]
+    sp = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(stop,))
+    r2 = _engine(target, None).generate(input_ids=[prompts[3]], sampling_params=sp)[0]
+    g2 = e.generate(input_ids=[prompts[3]], sampling_params=sp)[0]
+    assert g2.token_ids == r2.token_ids and g2.finish_reason == r2.finish_reason == "stop"
+    eos = [SamplingParams(temperature=0, max_tokens=40)] * 10
+    assert [o.token_ids for o in e.generate(input_ids=prompts, sampling_params=eos)] == [
+        o.token_ids for o in _engine(target, None).generate(input_ids=prompts, sampling_params=eos)]
+    _assert_pool_full(e)
+
+
+def test_greedy_lossless_default_model_random_drafter(default_model_path, tmp_path):
+    drafter = write_random_drafter(default_model_path, tmp_path / "d", num_layers=1, block_size=4)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.",
+               "List three prime numbers:", "In 1969, the first humans", "Photosynthesis is",
+               "The quick brown fox", "SELECT * FROM"]
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    ref = _engine(default_model_path, None).generate(prompts, sp)
+    got = _engine(default_model_path, drafter, "ddtree", 4).generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def _joint_counts(outs, n_tokens: int) -> torch.Tensor:
+    counts = torch.zeros([VOCAB] * n_tokens)
+    for o in outs:
+        counts[tuple(o.token_ids[:n_tokens])] += 1
+    return counts
+
+
+def _exact_joint(target: str, prompt: list[int], temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """p(t1, t2) of the processed target distribution, computed with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
+
+    m = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+
+    def dist(seqs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = m(seqs).logits[:, -1]
+        p = torch.softmax(logits / temperature, -1)
+        return top_p_renorm_prob(top_k_renorm_prob(p, top_k), top_p)
+
+    p1 = dist(torch.tensor([prompt]))[0]  # [V]
+    seqs = torch.tensor([prompt + [t] for t in range(VOCAB)])
+    p2 = dist(seqs)  # [V, V]
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.8, 6, 0.9)])
+def test_sampled_ddtree_matches_target_distribution(tiny, temperature, top_k, top_p):
+    """Joint distribution of the first two tokens under ddtree sampling vs the exact target joint.
+    N = 3000 seeded requests; chi-square over cells with expected count >= 5 must have p > 1e-3, and the
+    total variation must be < 0.06 (sampling noise at this N is ~0.03)."""
+    from scipy.stats import chisquare
+
+    target, drafter = tiny
+    prompt = [3, 7, 1, 9]
+    exact = _exact_joint(target, prompt, temperature, top_k, top_p)  # [V, V]
+    n = 3000
+    e = _engine(target, drafter, "ddtree", 8, max_running_requests=512)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s, max_tokens=2,
+                             ignore_eos=True) for s in range(n)]
+    outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
+    assert sum(o.spec_accepted_tokens for o in outs) > n // 4, "acceptance too low to exercise the sampled walk"
+    emp = _joint_counts(outs, 2) / n
+    tv = 0.5 * (emp - exact).abs().sum().item()
+    cells = exact.flatten() * n >= 5
+    obs = (emp.flatten() * n)[cells]
+    exp = exact.flatten()[cells] * n
+    exp = exp * obs.sum() / exp.sum()
+    p = chisquare(obs.numpy(), exp.numpy()).pvalue
+    assert tv < 0.06 and p > 1e-3, (tv, p)
+    assert emp.flatten()[exact.flatten() == 0].sum() == 0  # never a token outside top-k/top-p
+    _assert_pool_full(e)
+
+
+def test_commit_keeps_exact_kv(tiny):
+    """After speculative steps, the committed KV of a request equals a plain prefill of the same tokens."""
+    target, drafter = tiny
+    e = _engine(target, drafter, "ddtree", 8)
+    sch = e.scheduler
+    sch.add_request(GenerateReq("r", [5, 2, 8, 1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    for _ in range(6):
+        sch.step()
+    (req,) = sch.running
+    assert req.spec_accepted_tokens > 0
+    ids = req.all_ids[: req.num_cached]
+    r = sch.runner
+    slots = r.req_to_token.table[req.req_pool_idx, : req.num_cached].clone()
+    ref = _engine(target, None)
+    rr = ref.scheduler.runner
+    fresh = rr.allocator.alloc(len(ids))
+    rr.req_to_token.table[0, : len(ids)] = fresh
+    fb = build_forward_batch(ForwardMode.EXTEND, torch.tensor(ids), torch.arange(len(ids)), fresh,
+                             rr.req_to_token.table, torch.tensor([0]), torch.tensor([0]), torch.tensor([len(ids)]))
+    rr.forward(fb)
+    for layer in range(len(r.kv.k)):
+        torch.testing.assert_close(r.kv.k[layer][slots], rr.kv.k[layer][fresh], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(r.kv.v[layer][slots], rr.kv.v[layer][fresh], atol=1e-4, rtol=1e-4)
+    sch.abort_request("r")
+    sch.step()
+    _assert_pool_full(e)
+
+
+def test_tiny_kimi_ddtree_greedy_lossless(tmp_path):
+    from tests.model_executor.tiny_deepseek import write_tiny_deepseek
+
+    tiny = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True)
+    target = str(tiny.path) if hasattr(tiny, "path") else str(tmp_path / "kimi")
+    drafter = write_random_drafter(target, tmp_path / "kd", num_layers=1, block_size=4)
+    prompts = [[11, 42, 7], [300, 2, 99, 15, 8]]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = _engine(target, None).generate(input_ids=prompts, sampling_params=sp)
+    got = _engine(target, drafter, "ddtree", 6).generate(input_ids=prompts, sampling_params=sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
