@@ -166,12 +166,15 @@ def build_ddtree(
     root_tokens: torch.Tensor,
     seq_lens: torch.Tensor,
     chain: bool = False,
+    max_depths: torch.Tensor | None = None,
 ) -> DraftTree:
     """Build one DDTree per request (arXiv 2604.12989, Algorithm 1).
 
     draft_logits [bs, L, V]: the drafter's logits for depths 1..L. budgets [bs] int64: non-root nodes per
     request (0 -> root only). root_tokens [bs]: last emitted token. seq_lens [bs]: position of the root.
     chain=True builds the top-1 path of length min(L, budget) instead (plain DFlash).
+    max_depths [bs] (optional): request b only uses depths 1..max_depths[b] (a request close to
+    max_tokens gains nothing from deeper nodes); the tree is then optimal over that truncated draft.
     The node set of request b is exactly the budgets[b] most probable prefixes under
     Q = prod_d softmax(draft_logits[b, d]) (ties: see the module docstring)."""
     bs, depth_limit, vocab = draft_logits.shape
@@ -179,6 +182,8 @@ def build_ddtree(
     budget_list = [int(x) for x in budgets.tolist()]
     if any(b < 0 for b in budget_list):
         raise ValueError(f"budgets must be >= 0, got {budget_list}")
+    depth_list = [depth_limit] * bs if max_depths is None else [min(int(x), depth_limit) for x in max_depths.tolist()]
+    budget_list = [bud if dep > 0 else 0 for bud, dep in zip(budget_list, depth_list, strict=True)]
     d = 1 + (max(budget_list) if budget_list else 0)
     k = max(1, min(d - 1, vocab))
     if chain:
@@ -194,11 +199,11 @@ def build_ddtree(
     num_nodes = np.zeros(bs, dtype=np.int64)  # [bs]
     for b in range(bs if d > 1 else 0):
         if chain:
-            t, p, dep, w = _chain(top_lp[b], top_ids[b], budget_list[b])
+            t, p, dep, w = _chain(top_lp[b, : depth_list[b]], top_ids[b, : depth_list[b]], budget_list[b])
         else:
             kb = min(budget_list[b], vocab)
             t, p, dep, w = _best_first(
-                top_lp[b, :, :kb].tolist(), top_ids[b, :, :kb].tolist(), budget_list[b], kb
+                top_lp[b, : depth_list[b], :kb].tolist(), top_ids[b, : depth_list[b], :kb].tolist(), budget_list[b], kb
             )
         n = len(t)
         num_nodes[b] = n

@@ -118,8 +118,9 @@ class SpecWorker:
         roots = torch.tensor([q.output_ids[-1] for q in reqs], device=dev)  # [bs]
         draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
         t.lap("draft")
-        budgets = torch.tensor([min(self.budget, max(q.remaining_tokens - 1, 0)) for q in reqs])
-        tree = build_ddtree(draft_logits, budgets, roots, cached, chain=self.chain)
+        budgets = torch.full((len(reqs),), self.budget)
+        depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
+        tree = build_ddtree(draft_logits, budgets, roots, cached, chain=self.chain, max_depths=depths)
         t.lap("build")
         logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
         t.lap("verify_forward")
