@@ -51,8 +51,10 @@ def processed_probs(logits: torch.Tensor, info: BatchSamplingInfo) -> torch.Tens
         return x.repeat_interleave(n)  # [bs * n]
 
     probs = torch.softmax(flat / info.temperature[:, None, None], dim=-1).reshape(bs * n, vocab)
-    probs = top_k_renorm_prob(probs, rep(info.top_k))
-    probs = top_p_renorm_prob(probs, rep(info.top_p))
+    if bool((info.top_k < vocab).any()):
+        probs = top_k_renorm_prob(probs, rep(info.top_k))
+    if bool((info.top_p < 1.0).any()):
+        probs = top_p_renorm_prob(probs, rep(info.top_p))
     if bool((info.min_p > 0).any()):
         probs = min_p_renorm_prob(probs, rep(info.min_p))
     if bool(info.is_greedy.any()):

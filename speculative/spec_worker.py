@@ -127,7 +127,7 @@ class SpecWorker:
         info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
         want_lp = any(q.params.logprobs is not None for q in reqs)
         res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy,
-                          [q.generator for q in reqs], return_logprobs=want_lp)
+                          [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p)
         t.lap("verify")
         out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
         t.lap("commit")

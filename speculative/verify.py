@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_executor.sampler import BatchSamplingInfo, processed_probs
 from speculative.ddtree import DraftTree
 
 
@@ -40,33 +41,27 @@ def build_target_probs(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     is_greedy: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Target distributions for every tree node: softmax(logits / T), then top-k renorm, then top-p
-    renorm (kernels.sampling, flashinfer semantics); greedy rows are one-hot at the argmax.
+    """Target distributions for every tree node, exactly as the non-speculative sampler builds them
+    (``model_executor.sampler.processed_probs``): softmax(logits / T), then top-k, top-p and min-p
+    renormalisation; greedy rows are one-hot at the argmax.
 
     target_logits [bs, D, V]; temperature/top_p float [bs]; top_k int [bs] (<= 0 disables);
-    is_greedy bool [bs]. Returns float32 [bs, D, V]."""
-    from kernels import sampling as ksampling
-
-    bs, d, vocab = target_logits.shape
+    is_greedy bool [bs]; min_p float [bs] or None. Returns float32 [bs, D, V]."""
+    bs, _, vocab = target_logits.shape
     dev = target_logits.device
     greedy = is_greedy.to(device=dev, dtype=torch.bool)  # [bs]
     temp = temperature.to(device=dev, dtype=torch.float32)  # [bs]
-    temp = torch.where(greedy | (temp <= 0), torch.ones_like(temp), temp)  # greedy rows are replaced below
-    probs = torch.softmax(target_logits.float() / temp.view(bs, 1, 1), dim=-1)  # [bs, D, V]
-    probs = probs.view(bs * d, vocab)  # [bs*D, V]
     k = top_k.to(device=dev, dtype=torch.int64)  # [bs]
-    k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
-    if bool((k < vocab).any()):
-        probs = ksampling.top_k_renorm_prob(probs, k.repeat_interleave(d).to(torch.int32))
-    p = top_p.to(device=dev, dtype=torch.float32)  # [bs]
-    if bool((p < 1.0).any()):
-        probs = ksampling.top_p_renorm_prob(probs, p.repeat_interleave(d))
-    probs = probs.view(bs, d, vocab)  # [bs, D, V]
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, target_logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.view(bs, 1, 1), one_hot, probs)
-    return probs.contiguous()
+    info = BatchSamplingInfo(
+        temperature=torch.where(greedy | (temp <= 0), torch.ones_like(temp), temp),
+        top_k=torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k),
+        top_p=top_p.to(device=dev, dtype=torch.float32),
+        min_p=torch.zeros(bs, device=dev) if min_p is None else min_p.to(device=dev, dtype=torch.float32),
+        is_greedy=greedy,
+    )
+    return processed_probs(target_logits.float(), info).contiguous()
 
 
 def draw_coins(
@@ -103,6 +98,7 @@ def verify_tree(
     is_greedy: torch.Tensor,
     generators: Sequence[torch.Generator | None],
     return_logprobs: bool = False,
+    min_p: torch.Tensor | None = None,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
 ) -> VerifyResult:
@@ -138,7 +134,7 @@ def verify_tree(
             target_logits.argmax(dim=-1),  # [bs, D] int64
         )
     else:
-        target_probs = build_target_probs(target_logits, temperature, top_k, top_p, greedy)  # [bs, D, V]
+        target_probs = build_target_probs(target_logits, temperature, top_k, top_p, greedy, min_p)  # [bs, D, V]
         coins, final_coins = draw_coins(generators, tree.num_nodes, d, greedy.cpu(), dev)
         kspec.tree_speculative_sampling_target_only(
             predicts,
