@@ -34,7 +34,7 @@ def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.
     with torch.device(device):
         model = cls(config, tp)
     model.load_weights(iter_weights(config.path, desc=f"Loading {config.architecture}",
-                                    skip_prefixes=getattr(model, "skip_weight_prefixes", ())))
+                                    skip_prefixes=getattr(model, "skip_weight_prefixes", ()), lazy=tp.size > 1))
     model.eval()
     logger.info("loaded %s in %.1fs", config.path, time.time() - t0)
     return model
@@ -52,6 +52,8 @@ class ModelRunner:
         if max_total_tokens is None:
             max_total_tokens = int(kv_memory_gb * (1 << 30) // per_token)
             max_total_tokens = min(max_total_tokens, max_reqs * max_context)
+        if tp.size > 1:  # ranks may hold different KV heads: every rank must schedule the same capacity
+            max_total_tokens = tp.min_int(max_total_tokens)
         if max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {max_total_tokens}")
         self.num_slots = max_total_tokens

@@ -1,23 +1,50 @@
 """Tensor-parallel group handle, passed explicitly to every layer (no process-global state).
 
-``TPGroup()`` is the single-process default. Under tensor parallelism each rank builds one
-``TPGroup(rank, size, group)`` after ``torch.distributed`` is initialised (gloo on CPU, NCCL on GPU).
+``TPGroup()`` is the single-process default. Under tensor parallelism each rank builds one ``TPGroup``
+with ``init_tp`` (gloo on CPU, NCCL on CUDA). Two process groups per rank:
+
+- ``group``: the device group used inside the model (all-reduce of row-parallel outputs, all-gather of
+  the vocab-parallel logits). NCCL on CUDA, gloo on CPU; bounded by ``collective_timeout_s`` so a dead rank
+  is an error, never a hang forever.
+- ``cpu_group``: a gloo group for small control messages (the scheduler's step inputs, consistency
+  hashes, the KV capacity minimum). Its timeout is long (``control_timeout_s``): a follower legitimately
+  waits there while rank 0 is idle.
+
+Uneven splits: ``partition(n)`` gives rank r a contiguous block of ``n // size`` units plus one of the
+first ``n % size`` leftovers, so a model with 9 heads / 3 KV heads (SmolLM2) still runs at TP=2 (KV heads
+are the unit; query heads follow their KV head).
 """
 
 from __future__ import annotations
 
+import datetime
+import pickle
+import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+DEFAULT_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+class ParallelLike(Protocol):
+    """The fields of ``server.config.ParallelArgs`` that ``init_tp`` reads."""
+
+    tp_size: int
+    nnodes: int
+    node_rank: int
+    dist_init_addr: str | None
 
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup, None = default world group
+    group: Any = None  # torch.distributed ProcessGroup (device collectives), None = default world group
+    cpu_group: Any = None  # gloo ProcessGroup for control messages; None = ``group`` (CPU runs)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -36,3 +63,98 @@ class TPGroup:
         if n % self.size:
             raise ValueError(f"{what} {n} is not divisible by tp_size {self.size}")
         return n // self.size
+
+    def partition(self, n: int, what: str = "dimension") -> tuple[int, int]:
+        """(start, count) of this rank's contiguous block of ``n`` units (balanced, leftovers to low ranks)."""
+        if n < self.size:
+            raise ValueError(f"{what} {n} is smaller than tp_size {self.size}: every rank needs at least one")
+        base, extra = divmod(n, self.size)
+        return self.rank * base + min(self.rank, extra), base + (1 if self.rank < extra else 0)
+
+    # ------------------------------------------------------------ control plane (gloo, CPU)
+    @property
+    def control_group(self) -> Any:
+        return self.cpu_group if self.cpu_group is not None else self.group
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled over the gloo control group)."""
+        if self.size == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=_global_rank(self, 0), group=self.control_group)
+        return box[0]
+
+    def all_gather_int(self, x: int) -> list[int]:
+        """Every rank's int64 value, in rank order (control group)."""
+        if self.size == 1:
+            return [x]
+        t = torch.tensor([x], dtype=torch.int64)
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t, group=self.control_group)
+        return [int(p.item()) for p in parts]
+
+    def min_int(self, x: int) -> int:
+        return min(self.all_gather_int(x))
+
+
+def _global_rank(tp: TPGroup, group_rank: int) -> int:
+    return group_rank if tp.control_group is None else dist.get_global_rank(tp.control_group, group_rank)
+
+
+def free_local_addr() -> str:
+    """A free TCP port on localhost as ``host:port`` (single-node runs without --dist-init-addr)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def ranks_per_node(parallel: ParallelLike) -> int:
+    if parallel.tp_size % parallel.nnodes:
+        raise ValueError(f"tp_size {parallel.tp_size} must divide evenly over nnodes {parallel.nnodes}")
+    return parallel.tp_size // parallel.nnodes
+
+
+def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_addr: str | None = None,
+            collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+            control_timeout_s: float | None = None) -> TPGroup:
+    """Join the TP world as global ``rank`` and return its ``TPGroup``.
+
+    Backend: NCCL when ``device`` is CUDA (the device is set to ``rank % ranks_per_node`` first), gloo on
+    CPU. Rendezvous at ``init_addr`` or ``parallel.dist_init_addr`` (``host:port`` of rank 0); a single-node
+    launcher picks ``free_local_addr()`` and passes it to every rank.
+
+    Control-group timeout (each process sets its own): rank 0 never waits long for a follower, so it uses
+    ``collective_timeout_s``; followers wait for rank 0's next step, idle time included, so they default to
+    ``DEFAULT_CONTROL_TIMEOUT_S``.
+    """
+    if control_timeout_s is None:
+        control_timeout_s = collective_timeout_s if rank == 0 else DEFAULT_CONTROL_TIMEOUT_S
+    size = parallel.tp_size
+    if size == 1:
+        return TPGroup()
+    addr = init_addr or parallel.dist_init_addr
+    if not addr:
+        raise ValueError("tensor parallelism needs dist_init_addr (host:port of rank 0)")
+    host, port = addr.rsplit(":", 1)
+    dev = torch.device(device)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(rank % ranks_per_node(parallel))
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+    cpu_group = dist.new_group(list(range(size)), backend="gloo",
+                               timeout=datetime.timedelta(seconds=control_timeout_s))
+    return TPGroup(rank, size, None, cpu_group)
+
+
+def destroy_tp(tp: TPGroup) -> None:
+    """Leave the TP world (no-op for a single process)."""
+    if tp.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def stable_hash(obj: Any) -> int:
+    """A 63-bit hash of a picklable value that is equal on every rank for equal values."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(pickle.dumps(obj, protocol=4), digest_size=8).digest(), "little") >> 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from model_executor.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.io_struct import GenerateReq, TokenOut
-from server.scheduler import Scheduler
+from server.tp_worker import close_scheduler, make_scheduler
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta"]
 
@@ -58,7 +58,7 @@ class Engine:
         flat = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
         flat["model_path"] = model_path
         self.config = ServerConfig.from_flat(flat)
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = make_scheduler(self.config)  # a TPScheduler (rank 0 + spawned followers) if tp_size > 1
         self.tokenizer = _load_tokenizer(self.scheduler.model_path, self.config.model.trust_remote_code)
         self._ids = itertools.count()
 
@@ -150,7 +150,10 @@ class Engine:
     def shutdown(self) -> None:
         for r in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort_request(r.rid)
-        self.scheduler.step()
+        try:
+            self.scheduler.step()
+        finally:
+            close_scheduler(self.scheduler)  # TP: stops the follower ranks
 
 
 def _load_tokenizer(path: str, trust_remote_code: bool):

@@ -20,9 +20,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
 
-    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        piece = loaded[self.start : self.end]
-        param.data[: piece.shape[0]].copy_(piece)
+    def _load(self, param: torch.Tensor, loaded, shard_id: int | None = None) -> None:
+        """``loaded``: the full [V, H] tensor or a lazy slice; only rows [start, end) are read."""
+        n = max(0, self.end - self.start)
+        if n:
+            param.data[:n].copy_(loaded.narrow(0, self.start, n))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

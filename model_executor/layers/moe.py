@@ -53,15 +53,16 @@ class FusedExperts(nn.Module):
         self.w13.weight_loader = self._load  # type: ignore[attr-defined]
         self.w2.weight_loader = self._load  # type: ignore[attr-defined]
 
-    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int | None, str]) -> None:
-        """shard_id = (expert or None for a stacked [E, ...] tensor, "gate" | "up" | "gate_up" | "down")."""
+    def _load(self, param: torch.Tensor, loaded, shard_id: tuple[int | None, str]) -> None:
+        """shard_id = (expert or None for a stacked [E, ...] tensor, "gate" | "up" | "gate_up" | "down").
+        ``loaded`` is a tensor or a lazy slice (only ``shape``/``narrow`` used): a rank reads its slice only."""
         expert, kind = shard_id
         r, n = self.tp.rank, self.inter
         dst = param.data if expert is None else param.data[expert]
         if kind == "down":  # [.., H, I] -> this rank's input columns
             dst.copy_(loaded.narrow(-1, r * n, n))
         elif kind == "gate_up":  # [.., 2I, H] already merged
-            full = loaded.shape[-2] // 2
+            full = tuple(loaded.shape)[-2] // 2
             dst[..., :n, :].copy_(loaded.narrow(-2, r * n, n))
             dst[..., n:, :].copy_(loaded.narrow(-2, full + r * n, n))
         else:

@@ -27,6 +27,7 @@ from model_executor.model_config import ModelConfig
 from model_executor.models.output import ModelOutput, capture_hidden
 from model_executor.parallel_state import TPGroup
 from model_executor.quantization import PackedWeightAssembler
+from model_executor.weight_loader import default_weight_loader
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if loader is not None:
                 loader(p, tensor, shard)
             else:
-                p.data.copy_(tensor)
+                default_weight_loader(p, tensor)
             loaded.add(target)
             if self.tie and target == "embed_tokens.weight":
                 self.lm_head.weight.weight_loader(self.lm_head.weight, tensor, None)

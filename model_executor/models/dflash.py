@@ -40,6 +40,7 @@ from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import ModelConfig, rope_parameters
 from model_executor.parallel_state import TPGroup
+from model_executor.weight_loader import default_weight_loader
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -60,10 +61,10 @@ class DFlashAttention(nn.Module):
         self.n_heads = cfg["num_attention_heads"]
         self.n_kv = cfg.get("num_key_value_heads", self.n_heads)
         self.head_dim = cfg.get("head_dim") or hidden // self.n_heads
-        self.local_heads, self.local_kv = tp.shard(self.n_heads, "heads"), tp.shard(self.n_kv, "kv heads")
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.n_heads, self.n_kv, bias, tp, dtype)
-        self.o_proj = RowParallelLinear(self.n_heads * self.head_dim, hidden, bias, tp, dtype)
+        self.o_proj = RowParallelLinear(self.n_heads * self.head_dim, hidden, bias, tp, dtype, unit=self.qkv_proj.o_unit)
+        self.local_heads, self.local_kv = self.qkv_proj.local_heads, self.qkv_proj.local_kv
         self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
 
@@ -209,7 +210,7 @@ class DFlashDraftModel(nn.Module):
             if loader is not None:
                 loader(p, tensor, shard)
             else:
-                p.data.copy_(tensor)
+                default_weight_loader(p, tensor)
             loaded.add(name)
         missing = set(params) - loaded
         if missing:

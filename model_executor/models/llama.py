@@ -23,6 +23,7 @@ from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import ModelConfig, rope_parameters
 from model_executor.models.output import ModelOutput, capture_hidden
 from model_executor.parallel_state import TPGroup
+from model_executor.weight_loader import default_weight_loader
 
 
 class LlamaAttention(nn.Module):
@@ -33,12 +34,12 @@ class LlamaAttention(nn.Module):
         self.n_heads = cfg["num_attention_heads"]
         self.n_kv = cfg.get("num_key_value_heads", self.n_heads)
         self.head_dim = cfg.get("head_dim") or hidden // self.n_heads
-        self.local_heads, self.local_kv = tp.shard(self.n_heads, "heads"), tp.shard(self.n_kv, "kv heads")
         self.layer_id = layer_id
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.n_heads, self.n_kv, qkv_bias or o_bias, tp,
                                           dtype)
-        self.o_proj = RowParallelLinear(self.n_heads * self.head_dim, hidden, o_bias, tp, dtype)
+        self.local_heads, self.local_kv = self.qkv_proj.local_heads, self.qkv_proj.local_kv
+        self.o_proj = RowParallelLinear(self.n_heads * self.head_dim, hidden, o_bias, tp, dtype, unit=self.qkv_proj.o_unit)
         self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype) if qk_norm else None
         self.rotary = RotaryEmbedding(self.head_dim, rope_parameters(cfg), cfg.get("max_position_embeddings", 4096))
@@ -140,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             if loader is not None:
                 loader(p, tensor, shard)
             else:
-                p.data.copy_(tensor)
+                default_weight_loader(p, tensor)
             loaded.add(name)
             if self.tie and name == "embed_tokens.weight":
                 self.lm_head.weight.weight_loader(self.lm_head.weight, tensor, None)

@@ -97,6 +97,13 @@ class PackedWeightAssembler:
         if len(parts) < len(PACKED_SUFFIXES):
             return None
         del self._pending[module]
+        if not all(isinstance(t, torch.Tensor) for t in parts.values()):  # lazy slices: dequantize on narrow
+            from model_executor.quantization.lazy_int4 import LazyPackedInt4
+            from model_executor.weight_loader import materialize
+
+            shape = tuple(int(x) for x in materialize(parts["weight_shape"]).tolist())
+            return f"{module}.weight", LazyPackedInt4(parts["weight_packed"], parts["weight_scale"], shape,
+                                                      self.dtype)
         dense = dequantize_int4(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"], self.dtype)
         return f"{module}.weight", dense
 
