@@ -21,6 +21,7 @@ def subcommand_modules() -> dict[str, str]:
     return {
         "serve": "server.cli_serve",
         "train-drafter": "server.cli_train",
+        "plan": "server.cli_plan",
     }
 
 
