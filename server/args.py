@@ -101,9 +101,24 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     for key, value in vars(args).items():
         if key in known:
             flat[key] = value
+    apply_default_speculation(flat)
     config = ServerConfig.from_flat(flat)
     validate_config(config)
     return config
+
+
+def apply_default_speculation(flat: dict[str, Any]) -> None:
+    """The default model is served with DDTree and its shipped drafter unless the user chose an algorithm."""
+    if flat.get("model_path", "default") not in (None, "", "default") or "speculative_algorithm" in flat:
+        return
+    from model_executor.default_drafter import default_drafter_path
+
+    try:
+        default_drafter_path()
+    except FileNotFoundError:
+        return
+    flat["speculative_algorithm"] = "ddtree"
+    flat.setdefault("speculative_draft_model_path", "default")
 
 
 def validate_config(config: ServerConfig) -> None:
