@@ -29,11 +29,20 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+_MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "input_audio", "audio_url")
+
+
 def parse_body(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
+        errors = e.errors(include_url=False)
+        for err in errors:
+            if err["loc"][-1:] == ("type",) and err.get("input") in _MEDIA_PARTS:
+                raise APIError(400, f"{err['input']} content is not supported: this server serves the language "
+                                    "model only (no vision tower is loaded); send text parts",
+                               param="messages", code="unsupported_content") from None
+        err = errors[0]
         if err["type"] == "json_invalid":
             raise APIError(400, f"malformed JSON body: {err['msg']}", code="invalid_json") from None
         if err["type"] == "model_type":

@@ -90,3 +90,14 @@ def test_spec_stats_and_error_shape() -> None:
     body = error_body(404, "no such model", "model", "model_not_found")
     assert body == {"error": {"message": "no such model", "type": "not_found_error", "param": "model",
                               "code": "model_not_found"}}
+
+
+def test_image_parts_rejected_clearly() -> None:
+    from server.protocol import ChatCompletionRequest
+    from server.serving_common import APIError, parse_body
+
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                      {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    with pytest.raises(APIError) as e:
+        parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    assert e.value.status == 400 and "not supported" in e.value.message and e.value.param == "messages"
