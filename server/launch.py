@@ -48,6 +48,10 @@ def launch_server(config: ServerConfig) -> int:
     from server.tokenizer_manager import TokenizerManager
 
     logging.basicConfig(level=config.server.log_level.upper(), format="[%(asctime)s http] %(levelname)s %(message)s")
+    if config.parallel.node_rank > 0:  # multi-node TP: this node only runs its ranks (docs/PARALLEL.md)
+        from server.tp_worker import run_node_followers
+
+        return run_node_followers(config)
     served = config.model.served_model_name or config.model.model_path
     resolved = resolve_model_path(config.model.model_path)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, model_path=resolved,

@@ -93,8 +93,12 @@ class SchedulerLoop:
             logger.exception("abort_request(%s) failed", rid)
 
     def _step(self) -> None:
+        from server.tp_worker import TPRankError
+
         try:
             outs = self.scheduler.step()
+        except TPRankError:
+            raise  # a dead TP rank is fatal: the process exits and the server answers 503 then exits
         except Exception as e:  # noqa: BLE001
             self._step_failures += 1
             logger.error("scheduler step failed:\n%s", traceback.format_exc())
@@ -136,9 +140,9 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
     send = ctx.socket(zmq.PUSH)
     send.connect(endpoints.detokenizer_input)
     try:
-        from server.scheduler import Scheduler
+        from server.tp_worker import make_scheduler
 
-        scheduler = Scheduler(config)
+        scheduler = make_scheduler(config)  # tp_size > 1: rank 0 of the TP world, followers spawned here
         send.send_pyobj(SchedulerReady(int(scheduler.max_context_len), tuple(scheduler.eos_token_ids),
                                        str(scheduler.model_path)))
     except Exception as e:  # noqa: BLE001
@@ -152,6 +156,9 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
         send.send_pyobj(ProcessFailed("scheduler", f"repeated step failures: {type(e).__name__}: {e}"))
         send.close(2000)
         os._exit(1)
+    from server.tp_worker import close_scheduler
+
+    close_scheduler(scheduler)
     recv.close(0)
     send.close(0)
     ctx.term()

@@ -106,6 +106,7 @@ class TPScheduler:
         self._seed_rng = random.Random(0x5EED)  # same stream as a TP=1 scheduler's unseeded requests
         self._check = ConsistencyCheck(tp)
         self._broken: str | None = None
+        self._reported = False
         self._closed = False
 
     def __getattr__(self, name: str) -> Any:
@@ -135,9 +136,11 @@ class TPScheduler:
             self._check.update(outs)
         except TPDivergence as e:
             self._broken = str(e)
+            self._report()
             raise
         except RuntimeError as e:
             self._broken = f"a TP collective failed ({type(e).__name__}: {e}); {self.describe_followers()}"
+            self._report()
             raise TPRankError(self._broken) from e
         return outs
 
@@ -153,7 +156,13 @@ class TPScheduler:
                     self._broken = f"TP {self.describe_followers()}"
                     break
         if self._broken is not None:
+            self._report()
             raise TPRankError(self._broken)
+
+    def _report(self) -> None:
+        if not self._reported:
+            self._reported = True
+            logger.error("tensor parallelism failed: %s", self._broken)
 
     def close(self) -> None:
         """Tell the followers to stop (if the world still works), then reap them (kill stragglers)."""
