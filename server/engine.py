@@ -40,8 +40,10 @@ class RequestOutput:
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens per verify step (tau); 0 without speculation."""
-        return len(self.token_ids) / self.spec_verify_steps if self.spec_verify_steps else 0.0
+        """Mean tokens emitted per verify step, tau = (accepted drafts + bonus tokens) / verify steps (the same
+        definition as the API's ``spec_stats.acceptance_length``); 0 without speculation."""
+        steps = self.spec_verify_steps
+        return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
 
 
 @dataclass
