@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(k-1)/gamma) at block position k")
+    t.add_argument("--out-norm-scale", type=float, default=0.1,
+                   help="initial drafter final norm = this x the target's final norm weight")
     t.add_argument("--loss-vocab", choices=["full", "corpus"], default="full",
                    help="'corpus': softmax over the tokens present in the data (CPU saver)")
     t.add_argument("--train-time-budget-min", type=float, default=None, help="shorten the schedule to fit")
@@ -87,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
             data_dir=args.data_dir, out_dir=args.out, target_path=model_path, num_layers=args.num_layers,
             block_size=args.block_size, mask_token_id=args.mask_token_id, steps=args.steps,
             batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup=args.warmup,
-            weight_decay=args.weight_decay, gamma=args.gamma, loss_vocab=args.loss_vocab, seed=args.seed,
+            weight_decay=args.weight_decay, gamma=args.gamma, out_norm_scale=args.out_norm_scale,
+            loss_vocab=args.loss_vocab, seed=args.seed,
             device=device, save_every=args.save_every, eval_every=args.eval_every, eval_budget=args.eval_budget,
             time_budget_s=args.train_time_budget_min * 60 if args.train_time_budget_min else None,
         )

@@ -41,6 +41,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     gamma: float = 4.0
     grad_clip: float = 1.0
+    out_norm_scale: float = 0.1  # drafter final norm starts at this times the target's final norm weight
     loss_vocab: str = "full"  # "full" | "corpus" (softmax over tokens seen in the data: CPU saver)
     seed: int = 0
     device: str = "auto"
@@ -56,18 +57,28 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def target_embed_and_head(target_path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding [V, H] and LM head [V, H] (the same tensor when tied), float32."""
+def target_tensors(target_path: str) -> dict[str, torch.Tensor]:
+    """The target's input embedding ``embed`` [V, H], LM head ``head`` [V, H] (the embedding when tied)
+    and final norm weight ``norm`` [H], float32."""
     cfg = ModelConfig.load(target_path)
     found: dict[str, torch.Tensor] = {}
+    names = {"model.embed_tokens.weight": "embed", "embed_tokens.weight": "embed", "lm_head.weight": "head",
+             "model.norm.weight": "norm", "norm.weight": "norm"}
     for f in safetensors_files(target_path):
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():
-                if k.endswith("embed_tokens.weight") or k == "lm_head.weight":
-                    found["head" if k == "lm_head.weight" else "embed"] = h.get_tensor(k).float()
-    embed = found["embed"]
-    head = embed if cfg.hf.get("tie_word_embeddings", False) or "head" not in found else found["head"]
-    return embed, head
+                key = names.get(k.removeprefix("language_model.").removeprefix("model.language_model."))
+                if key is not None:
+                    found[key] = h.get_tensor(k).float()
+    if cfg.hf.get("tie_word_embeddings", False) or "head" not in found:
+        found["head"] = found["embed"]
+    return found
+
+
+def target_embed_and_head(target_path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, H] and LM head [V, H] (the same tensor when tied), float32."""
+    t = target_tensors(target_path)
+    return t["embed"], t["head"]
 
 
 def default_mask_token_id(target_path: str) -> int:
@@ -116,7 +127,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(cfg.target_path)
     dcfg = drafter_config(target_hf, cfg.num_layers, cfg.block_size, meta["target_layer_ids"], mask_id)
     model = build_drafter(dcfg, device, cfg.seed)
-    embed_w, head_w = (t.to(device) for t in target_embed_and_head(cfg.target_path))
+    tt = target_tensors(cfg.target_path)
+    embed_w, head_w = tt["embed"].to(device), tt["head"].to(device)
+    if "norm" in tt:  # output feeds the target's LM head: its final norm, scaled down so that the first
+        model.norm.weight.data.copy_(cfg.out_norm_scale * tt["norm"])  # logits are not confidently wrong
     train_recs, eval_recs = load_records(cfg.data_dir, "train"), load_records(cfg.data_dir, "eval")
     if not train_recs:
         raise ValueError(f"no training data under {cfg.data_dir}/feat")
