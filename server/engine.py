@@ -63,6 +63,7 @@ class Engine:
         self.scheduler = make_scheduler(self.config)  # a TPScheduler (rank 0 + spawned followers) if tp_size > 1
         self.tokenizer = _load_tokenizer(self.scheduler.model_path, self.config.model.trust_remote_code)
         self._ids = itertools.count()
+        self._inbox: dict[str, list[TokenOut]] = {}  # outputs awaiting their consumer
 
     def _submit(self, prompts, input_ids, sampling_params) -> list[GenerateReq]:
         if (prompts is None) == (input_ids is None):
@@ -101,9 +102,7 @@ class Engine:
             outs[r.rid] = RequestOutput(r.rid, r.input_ids)
         pending = set(outs)
         while pending:
-            for d in self.scheduler.step():
-                if d.rid not in outs:
-                    continue
+            for d in self._outputs(pending):
                 _apply(outs[d.rid], d)
                 if d.finished:
                     pending.discard(d.rid)
@@ -123,9 +122,7 @@ class Engine:
         pending = set(index)
         try:
             while pending:
-                for d in self.scheduler.step():
-                    if d.rid not in index:
-                        continue
+                for d in self._outputs(pending):
                     toks[d.rid].extend(d.token_ids)
                     full = self._decode(toks[d.rid])
                     if full.endswith("\ufffd") and not d.finished:
@@ -135,10 +132,29 @@ class Engine:
                         pending.discard(d.rid)
                     yield StreamDelta(index[d.rid], d.token_ids, new, d.finished, d.finish_reason)
         finally:
-            for rid in pending:  # the consumer stopped early: abort and free KV
-                self.scheduler.abort_request(rid)
-            if pending:
-                self.scheduler.step()
+            if pending:  # the consumer stopped early: abort and free KV
+                for rid in pending:
+                    self.scheduler.abort_request(rid)
+                for d in self.scheduler.step():
+                    if d.rid not in pending:
+                        self._inbox.setdefault(d.rid, []).append(d)
+                for rid in pending:
+                    self._inbox.pop(rid, None)
+
+    def _outputs(self, rids: set[str]) -> list[TokenOut]:
+        """This consumer's outputs: buffered ones first, else one scheduler step. Outputs of requests that
+        belong to another consumer (an open stream while ``generate`` runs) are kept for it."""
+        mine = [d for rid in rids for d in self._inbox.pop(rid, [])]
+        if mine:
+            return mine
+        if not self.scheduler.has_work():
+            raise RuntimeError(f"requests {sorted(rids)} are unknown to the scheduler")
+        for d in self.scheduler.step():
+            if d.rid in rids:
+                mine.append(d)
+            else:
+                self._inbox.setdefault(d.rid, []).append(d)
+        return mine
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
