@@ -145,7 +145,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         st = torch.load(state_path, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optim"])
-        step, total, elapsed = st["step"], st["total"], st["elapsed"]
+        # --steps above the saved total extends the run: the cosine schedule is stretched to the new horizon
+        step, total, elapsed = st["step"], max(st["total"], cfg.steps), st["elapsed"]
         gen.set_state(st["gen"])
         print(f"[train] resumed from {state_path} at step {step}/{total}", flush=True)
     order_rng = random.Random(f"{cfg.seed}:{step}")
