@@ -19,7 +19,14 @@ def default_model_path() -> str:
 
 def write_tiny_llama_family(path, arch: str = "llama", vocab: int = 256, seed: int = 0, **overrides) -> str:
     """Write a tiny random checkpoint of transformers' own Llama/Qwen2/Qwen3 class in the HF layout."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
            "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
