@@ -69,7 +69,7 @@ def test_greedy_lossless_default_model_random_drafter(default_model_path, tmp_pa
     drafter = write_random_drafter(default_model_path, tmp_path / "d", num_layers=1, block_size=4)
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.",
                "List three prime numbers:", "In 1969, the first humans", "Photosynthesis is",
-               "The quick brown fox", "SELECT * FROM"]
+               "The quick brown fox jumps over", "SELECT * FROM"]  # 8 prompts of mixed lengths, one batch
     sp = SamplingParams(temperature=0, max_tokens=6)
     ref = _engine(default_model_path, None).generate(prompts, sp)
     got = _engine(default_model_path, drafter, "ddtree", 4).generate(prompts, sp)
@@ -174,3 +174,22 @@ def test_tiny_kimi_ddtree_greedy_lossless(tmp_path):
     ref = _engine(target, None).generate(input_ids=prompts, sampling_params=sp)
     got = _engine(target, drafter, "ddtree", 6).generate(input_ids=prompts, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def test_shipped_drafter_lossless_and_accepts(default_model_path):
+    """The shipped drafter: greedy DDTree(16) output equals plain decoding on chat prompts, and the measured
+    acceptance length stays above 1.25 (a regression guard: this drafter measures ~1.4 in the engine on
+    general chat prompts and 1.86 offline on its held-out set; a random drafter gives 1.0)."""
+    base = _engine(default_model_path, None)
+    chats = ["What is a prime number?", "Give me three tips for sleeping better.", "Write a haiku about rain."]
+    ids = [list(base.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                                   tokenize=True)["input_ids"]) for c in chats]
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    ref = base.generate(input_ids=ids, sampling_params=sp)
+    spec = _engine(default_model_path, "default", "ddtree", 16)
+    got = spec.generate(input_ids=ids, sampling_params=sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    steps = sum(o.spec_verify_steps for o in got)
+    tau = (sum(o.spec_accepted_tokens for o in got) + steps) / steps
+    assert tau > 1.25, tau
+    _assert_pool_full(spec)
