@@ -22,7 +22,7 @@ from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forwar
 from model_executor.kv_cache import KVCache
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model
-from model_executor.sampler import BatchSamplingInfo
+from model_executor.sampler import BatchSamplingInfo, token_logprobs
 from model_executor.sampling_params import SamplingParams, find_stop
 from speculative.ddtree import DraftTree, build_ddtree
 from speculative.types import DecodeResult, OutOfKVSlots
@@ -130,6 +130,8 @@ class SpecWorker:
                           [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p)
         t.lap("verify")
         out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
+        if want_lp:
+            _attach_logprobs(reqs, res, logits, out)
         t.lap("commit")
         t.steps += 1
         return out
@@ -173,17 +175,13 @@ class SpecWorker:
         s = res.accept_index.shape[1]
         acc = res.accept_length.tolist()
         emitted = res.emitted_tokens.tolist()
-        lps = res.target_logprobs.tolist() if res.target_logprobs is not None else None
         keep = []
         results = []
         for b, q in enumerate(reqs):  # per-request stop scan over at most S tokens
             toks = emitted[b][: acc[b] + 1]
             k, _ = find_stop(toks, q.params, eos_ids, q.remaining_tokens)
             keep.append(k)
-            lp = None
-            if lps is not None and q.params.logprobs is not None:
-                lp = [(lps[b][j], []) for j in range(k)]
-            results.append(DecodeResult(toks[:k], min(acc[b], k), lp))
+            results.append(DecodeResult(toks[:k], min(acc[b], k)))
         keep_t = torch.tensor(keep, device=r.device)  # [bs] KV entries kept: root + (k-1) nodes
         cols = torch.arange(s, device=r.device)  # [S]
         valid = cols[None, :] < keep_t[:, None]  # [bs, S]
@@ -200,6 +198,17 @@ class SpecWorker:
         for q, k in zip(reqs, keep, strict=True):
             q.num_cached += k
         return results
+
+
+def _attach_logprobs(reqs, res, logits: torch.Tensor, out: list[DecodeResult]) -> None:
+    """OpenAI logprobs of the emitted tokens under the raw target distribution at their parent nodes, with
+    the requested number of alternatives (only for requests that asked)."""
+    for b, (q, r) in enumerate(zip(reqs, out, strict=True)):
+        if q.params.logprobs is None or not r.tokens:
+            continue
+        k = len(r.tokens)
+        rows = logits[b, res.accept_index[b, :k]]  # [k, V] rows of the root and accepted nodes
+        r.logprobs = token_logprobs(rows, torch.tensor(r.tokens, device=rows.device), q.params.logprobs)
 
 
 def _resolve_draft_path(path: str | None) -> str:

@@ -193,3 +193,16 @@ def test_shipped_drafter_lossless_and_accepts(default_model_path):
     tau = (sum(o.spec_accepted_tokens for o in got) + steps) / steps
     assert tau > 1.25, tau
     _assert_pool_full(spec)
+
+
+def test_logprobs_match_plain_decoding(tiny):
+    target, drafter = tiny
+    prompts = _prompts(3, seed=5)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    ref = _engine(target, None).generate(input_ids=prompts, sampling_params=sp)
+    got = _engine(target, drafter, "ddtree", 8).generate(input_ids=prompts, sampling_params=sp)
+    assert sum(o.spec_accepted_tokens for o in got) > 0
+    for o, r in zip(got, ref, strict=True):
+        assert o.token_ids == r.token_ids and len(o.logprobs) == len(r.logprobs) == 12
+        for (lp, top), (rlp, rtop) in zip(o.logprobs, r.logprobs, strict=True):
+            assert abs(lp - rlp) < 1e-3 and [t for t, _ in top] == [t for t, _ in rtop]
