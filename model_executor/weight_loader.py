@@ -84,3 +84,36 @@ def iter_weights(path: str, desc: str = "Loading weights", skip_prefixes: tuple[
         if skip_prefixes and k.startswith(skip_prefixes):
             continue
         yield k, (SafetensorsSlice(h, k) if lazy else h.get_tensor(k))
+
+
+def load_named_weights(params: dict[str, torch.nn.Parameter], weights, stacked: tuple, what: str = "checkpoint",
+                       skip_prefixes: tuple[str, ...] = (), tied: dict[str, str] | None = None) -> None:
+    """Copy checkpoint tensors into ``params`` (names without the ``model.`` prefix). ``stacked`` maps
+    checkpoint sub-names onto merged parameters: ``(src, dst, shard_id)``, e.g. ``("q_proj", "qkv_proj",
+    "q")``. ``tied`` names parameters that receive a copy of another (``{"embed_tokens.weight":
+    "lm_head.weight"}``). Raises ValueError on an unexpected or a missing weight."""
+    loaded: set[str] = set()
+    tied = tied or {}
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name or (skip_prefixes and name.startswith(skip_prefixes)):
+            continue
+        shard = None
+        for src, dst, sid in stacked:
+            if f".{src}." in name:
+                name, shard = name.replace(f".{src}.", f".{dst}."), sid
+                break
+        targets = [name] + ([tied[name]] if name in tied else [])
+        for target in targets:
+            if target not in params:
+                raise ValueError(f"unexpected weight {target!r} in {what}")
+            p = params[target]
+            loader = getattr(p, "weight_loader", None)
+            if loader is not None:
+                loader(p, tensor, shard)
+            else:
+                default_weight_loader(p, tensor)
+            loaded.add(target)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"{what} is missing weights: {sorted(missing)[:8]}")

@@ -40,7 +40,7 @@ from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import ModelConfig, rope_parameters
 from model_executor.parallel_state import TPGroup
-from model_executor.weight_loader import default_weight_loader
+from model_executor.weight_loader import load_named_weights
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -192,29 +192,8 @@ class DFlashDraftModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """z-lab names: ``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``,
         ``layers.N.mlp.{gate,up,down}_proj``, layernorms, ``fc``, ``hidden_norm``, ``norm``."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith(self.skip_weight_prefixes) or "rotary_emb" in name:
-                continue
-            shard = None
-            for src, dst, sid in self._STACKED:
-                if f".{src}." in name:
-                    name, shard = name.replace(f".{src}.", f".{dst}."), sid
-                    break
-            if name not in params:
-                raise ValueError(f"unexpected weight {name!r} in DFlash checkpoint")
-            p = params[name]
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None:
-                loader(p, tensor, shard)
-            else:
-                default_weight_loader(p, tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"DFlash checkpoint is missing weights: {sorted(missing)[:8]}")
+        load_named_weights(dict(self.named_parameters()), weights, self._STACKED, "DFlash checkpoint",
+                           skip_prefixes=self.skip_weight_prefixes)
 
     def zlab_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under z-lab names (un-merged q/k/v and gate/up); single TP rank only."""

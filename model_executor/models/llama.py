@@ -23,7 +23,7 @@ from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import ModelConfig, rope_parameters
 from model_executor.models.output import ModelOutput, capture_hidden
 from model_executor.parallel_state import TPGroup
-from model_executor.weight_loader import default_weight_loader
+from model_executor.weight_loader import load_named_weights
 
 
 class LlamaAttention(nn.Module):
@@ -123,32 +123,8 @@ class LlamaForCausalLM(nn.Module):
                 ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            name = name.removeprefix("model.")
-            shard = None
-            for src, dst, sid in self._STACKED:
-                if f".{src}." in name:
-                    name, shard = name.replace(f".{src}.", f".{dst}."), sid
-                    break
-            if name not in params:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            p = params[name]
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None:
-                loader(p, tensor, shard)
-            else:
-                default_weight_loader(p, tensor)
-            loaded.add(name)
-            if self.tie and name == "embed_tokens.weight":
-                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor, None)
-                loaded.add("lm_head.weight")
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+        tied = {"embed_tokens.weight": "lm_head.weight"} if self.tie else None
+        load_named_weights(dict(self.named_parameters()), weights, self._STACKED, tied=tied)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
