@@ -13,6 +13,11 @@ with ``init_tp`` (gloo on CPU, NCCL on CUDA). Two process groups per rank:
 Uneven splits: ``partition(n)`` gives rank r a contiguous block of ``n // size`` units plus one of the
 first ``n % size`` leftovers, so a model with 9 heads / 3 KV heads (SmolLM2) still runs at TP=2 (KV heads
 are the unit; query heads follow their KV head).
+
+Expert parallelism (``expert_parallel=True``): MoE layers give each rank whole experts (a balanced
+``partition`` of the routed experts, full intermediate dim) instead of a slice of every expert; attention,
+dense MLPs, shared experts and the vocabulary stay tensor-parallel. The EP group is the TP group (as SGLang
+with ``ep_size == tp_size``), so the MoE output is combined by the same all-reduce.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class ParallelLike(Protocol):
     nnodes: int
     node_rank: int
     dist_init_addr: str | None
+    expert_parallel: bool
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class TPGroup:
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup (device collectives), None = default world group
     cpu_group: Any = None  # gloo ProcessGroup for control messages; None = ``group`` (CPU runs)
+    expert_parallel: bool = False  # MoE: whole experts per rank instead of a slice of every expert
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -144,7 +151,7 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
     cpu_group = dist.new_group(list(range(size)), backend="gloo",
                                timeout=datetime.timedelta(seconds=control_timeout_s))
-    return TPGroup(rank, size, None, cpu_group)
+    return TPGroup(rank, size, None, cpu_group, bool(parallel.expert_parallel))
 
 
 def destroy_tp(tp: TPGroup) -> None:

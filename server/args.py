@@ -42,6 +42,8 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("nnodes", int, "Number of nodes for tensor parallelism.", None),
     ("node_rank", int, "Rank of this node.", None),
     ("dist_init_addr", str, "host:port of node rank 0 (multi-node).", None),
+    ("expert_parallel", bool, "MoE: give each TP rank whole experts (expert parallelism) instead of a slice "
+     "of every expert.", None),
     ("host", str, "HTTP host to bind.", None),
     ("port", int, "HTTP port.", None),
     ("api_key", str, "Require 'Authorization: Bearer KEY' on /v1 routes.", None),

@@ -53,6 +53,7 @@ class ParallelArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of rank 0 (multi-node)
+    expert_parallel: bool = False  # MoE experts partitioned over the TP ranks (EP size = tp_size)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """DeepSeek-V3 mixture of experts: sigmoid router with noaux_tc correction bias and group-limited top-k,
-routed experts (TP: each expert's intermediate dim sharded), shared experts.
+routed experts (TP: each expert's intermediate dim sharded; EP: whole experts per rank), shared experts.
 
 Routing follows transformers' DeepseekV3TopkRouter exactly: scores = sigmoid(x W_g^T) in float32; the
 choice uses scores + e_score_correction_bias; a group's score is the sum of its two best choice scores;
@@ -40,45 +40,67 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: 
 
 
 class FusedExperts(nn.Module):
-    """All routed experts of one layer as two stacked weights (this rank's slice of the intermediate dim):
-    ``w13 [E, 2 * I_r, H]`` = [gate; up] and ``w2 [E, H, I_r]``. The output is a partial sum over the
-    intermediate shards: the caller all-reduces it (``reduce=True`` does it here)."""
+    """The routed experts of one layer as two stacked weights ``w13 [E_r, 2 * I_r, H]`` = [gate; up] and
+    ``w2 [E_r, H, I_r]``. Tensor parallel (default): every expert, this rank's slice of the intermediate dim
+    (``E_r = E``, ``I_r = I / tp``). Expert parallel (``tp.expert_parallel``): this rank's block of whole
+    experts ``[expert_start, expert_start + E_r)`` (``I_r = I``). Either way the output is a partial sum
+    over ranks: the caller all-reduces it (``reduce=True`` does it here)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.tp, self.num_experts = tp, num_experts
-        self.inter = tp.shard(intermediate, "moe intermediate size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
+        if tp.expert_parallel:
+            self.expert_start, self.num_local = tp.partition(num_experts, "routed experts")
+            self.inter, self.inter_start = intermediate, 0
+        else:
+            self.expert_start, self.num_local = 0, num_experts
+            self.inter = tp.shard(intermediate, "moe intermediate size")
+            self.inter_start = tp.rank * self.inter
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self._load  # type: ignore[attr-defined]
         self.w2.weight_loader = self._load  # type: ignore[attr-defined]
 
     def _load(self, param: torch.Tensor, loaded, shard_id: tuple[int | None, str]) -> None:
-        """shard_id = (expert or None for a stacked [E, ...] tensor, "gate" | "up" | "gate_up" | "down").
-        ``loaded`` is a tensor or a lazy slice (only ``shape``/``narrow`` used): a rank reads its slice only."""
+        """shard_id = (global expert id, or None for a stacked [E, ...] tensor; "gate" | "up" | "gate_up" |
+        "down"). ``loaded`` is a tensor or a lazy slice (only ``shape``/``narrow`` used): a rank reads its
+        own slice only, and under expert parallelism never touches another rank's experts."""
         expert, kind = shard_id
-        r, n = self.tp.rank, self.inter
-        dst = param.data if expert is None else param.data[expert]
+        s, n = self.inter_start, self.inter
+        if expert is None:
+            dst = param.data
+            if self.num_local != self.num_experts:
+                loaded = loaded.narrow(0, self.expert_start, self.num_local)
+        else:
+            local = expert - self.expert_start
+            if not 0 <= local < self.num_local:
+                return  # another rank's expert
+            dst = param.data[local]
         if kind == "down":  # [.., H, I] -> this rank's input columns
-            dst.copy_(loaded.narrow(-1, r * n, n))
+            dst.copy_(loaded.narrow(-1, s, n))
         elif kind == "gate_up":  # [.., 2I, H] already merged
             full = tuple(loaded.shape)[-2] // 2
-            dst[..., :n, :].copy_(loaded.narrow(-2, r * n, n))
-            dst[..., n:, :].copy_(loaded.narrow(-2, full + r * n, n))
+            dst[..., :n, :].copy_(loaded.narrow(-2, s, n))
+            dst[..., n:, :].copy_(loaded.narrow(-2, full + s, n))
         else:
             off = 0 if kind == "gate" else n
-            dst[..., off:off + n, :].copy_(loaded.narrow(-2, r * n, n))
+            dst[..., off:off + n, :].copy_(loaded.narrow(-2, s, n))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """x [T, H], weights [T, k], ids [T, k] -> [T, H]. Tokens are sorted by expert and each expert runs one
-        dense GEMM over its contiguous slice (a loop over the experts that received tokens)."""
+        """x [T, H], weights [T, k], ids [T, k] (global expert ids) -> [T, H]. The (token, expert) pairs this
+        rank holds are sorted by expert and each expert runs one dense GEMM over its contiguous slice (a
+        loop over the local experts that received tokens)."""
         t, k = ids.shape
-        flat_ids = ids.reshape(-1)  # [T*k]
-        order = torch.argsort(flat_ids, stable=True)  # [T*k]
-        token_of = order // k  # [T*k] source token of each sorted row
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # E python ints
-        xs = x[token_of]  # [T*k, H] gathered in expert order
-        out_sorted = x.new_empty(t * k, x.shape[-1])  # [T*k, H]
+        flat = ids.reshape(-1) - self.expert_start  # [T*k] local expert id; out of range = another rank's
+        if self.num_local == self.num_experts:
+            rows = torch.arange(t * k, device=ids.device)  # [R = T*k]
+        else:
+            rows = torch.nonzero((flat >= 0) & (flat < self.num_local), as_tuple=True)[0]  # [R]
+        order = rows[torch.argsort(flat[rows], stable=True)]  # [R] flat (token, slot) rows by local expert
+        token_of = order // k  # [R] source token of each sorted row
+        counts = torch.bincount(flat[order], minlength=self.num_local).tolist()  # E_r python ints
+        xs = x[token_of]  # [R, H] gathered in expert order
+        out_sorted = x.new_empty(order.numel(), x.shape[-1])  # [R, H]
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
@@ -86,7 +108,7 @@ class FusedExperts(nn.Module):
             h = silu_and_mul(F.linear(xs[start:start + c], self.w13[e]))  # [c, I_r]
             out_sorted[start:start + c] = F.linear(h, self.w2[e])  # [c, H]
             start += c
-        w_sorted = weights.reshape(-1)[order].to(x.dtype)  # [T*k]
+        w_sorted = weights.reshape(-1)[order].to(x.dtype)  # [R]
         out = torch.zeros_like(x)  # [T, H]
         out.index_add_(0, token_of, out_sorted * w_sorted[:, None])
         return self.tp.all_reduce(out) if reduce else out

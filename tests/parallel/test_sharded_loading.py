@@ -1,8 +1,11 @@
 """Sharded loading: each TP rank's parameters equal the matching slices of the full tensors, and sharded
 parameters are read through lazy slices (no rank reads a sharded tensor whole). No process group is needed:
-building a model and loading weights run no collective."""
+building a model and loading weights run no collective. Expert parallelism: each rank holds its block of
+whole experts and never reads another rank's expert tensors."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -37,6 +40,8 @@ def _expected(module: torch.nn.Module, name: str, full: torch.Tensor, tp: TPGrou
         rows = full[module.start:module.end]
         out[: rows.shape[0]] = rows
         return out
+    if isinstance(module, FusedExperts) and tp.expert_parallel:
+        return full.narrow(0, module.expert_start, module.num_local)
     if isinstance(module, FusedExperts):
         r, n = tp.rank, module.inter
         if name == "w2":
@@ -46,20 +51,31 @@ def _expected(module: torch.nn.Module, name: str, full: torch.Tensor, tp: TPGrou
     return full
 
 
-def _check(path: str, monkeypatch) -> None:
+def _check(path: str, monkeypatch, expert_parallel: bool = False) -> None:
     ref = _load(path, TPGroup(), lazy=False)
     ref_params = dict(ref.named_parameters())
     whole_reads: list[str] = []
-    orig_full = SafetensorsSlice.full
+    sliced: list[str] = []
+    orig_full, orig_narrow = SafetensorsSlice.full, SafetensorsSlice.narrow
 
     def spy(self):
         whole_reads.append(self.name)
         return orig_full(self)
 
+    def spy_narrow(self, dim, start, length):
+        sliced.append(self.name)
+        return orig_narrow(self, dim, start, length)
+
     monkeypatch.setattr(SafetensorsSlice, "full", spy)
+    monkeypatch.setattr(SafetensorsSlice, "narrow", spy_narrow)
     for rank in range(2):
-        tp = TPGroup(rank, 2)
+        tp = TPGroup(rank, 2, expert_parallel=expert_parallel)
+        sliced.clear()
         model = _load(path, tp, lazy=True)
+        if expert_parallel:  # only this rank's experts were read
+            start, count = tp.partition(ref.config.hf["n_routed_experts"])
+            read = {int(m.group(1)) for n in sliced if (m := re.search(r"\.experts\.(\d+)\.", n))}
+            assert read == set(range(start, start + count)), (rank, sorted(read))
         modules = dict(model.named_modules())
         sharded = set()
         for pname, p in model.named_parameters():
@@ -80,6 +96,11 @@ def _check(path: str, monkeypatch) -> None:
 def test_tiny_kimi_int4_rank_slices(tmp_path, monkeypatch) -> None:
     ckpt = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True)
     _check(str(ckpt.path), monkeypatch)
+
+
+def test_tiny_kimi_int4_expert_parallel_rank_slices(tmp_path, monkeypatch) -> None:
+    ckpt = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True)
+    _check(str(ckpt.path), monkeypatch, expert_parallel=True)
 
 
 def test_default_model_rank_slices_uneven_heads(monkeypatch) -> None:

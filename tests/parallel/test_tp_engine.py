@@ -30,12 +30,12 @@ def _run(model_path: str, prompts: list[list[int]], **kw) -> list[list[int]]:
         eng.shutdown()
 
 
-def _check_model(model_path: str, drafter: str, prompts: list[list[int]]) -> None:
+def _check_model(model_path: str, drafter: str, prompts: list[list[int]], **par) -> None:
     ref = _run(model_path, prompts)
     assert all(len(t) > 0 for t in ref)
-    assert _run(model_path, prompts, tp_size=2) == ref
+    assert _run(model_path, prompts, tp_size=2, **par) == ref
     spec = _run(model_path, prompts, tp_size=2, speculative_algorithm="ddtree", draft_model_path=drafter,
-                ddtree_budget=4)
+                ddtree_budget=4, **par)
     assert spec == ref
 
 
@@ -52,6 +52,14 @@ def test_tiny_kimi_tp2_equals_tp1(tmp_path) -> None:
     path = str(ckpt.path)
     drafter = write_random_drafter(path, tmp_path / "drafter", num_layers=1, block_size=4)
     _check_model(path, drafter, [[3, 17, 42, 99, 7], [5, 6, 7], [11, 200, 300, 400, 12, 13]])
+
+
+def test_tiny_kimi_tp2_expert_parallel_equals_tp1(tmp_path) -> None:
+    """Expert parallelism: 4 whole experts per rank instead of half of every expert's intermediate dim."""
+    ckpt = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True)
+    path = str(ckpt.path)
+    drafter = write_random_drafter(path, tmp_path / "drafter", num_layers=1, block_size=4)
+    _check_model(path, drafter, [[3, 17, 42, 99, 7], [5, 6, 7], [11, 200, 300, 400, 12, 13]], expert_parallel=True)
 
 
 def test_dead_follower_fails_clearly() -> None:
