@@ -91,8 +91,9 @@ def _shard(n: int, tp: int) -> int:
     return -(-n // tp)
 
 
-def weight_bytes(full: dict[str, Any], tp: int, dtype_bytes: int = 2) -> dict[str, int]:
-    """Per-rank weight bytes by part for a HF config.json dict (wrapper or text config)."""
+def weight_bytes(full: dict[str, Any], tp: int, dtype_bytes: int = 2, expert_parallel: bool = False) -> dict[str, int]:
+    """Per-rank weight bytes by part for a HF config.json dict (wrapper or text config). Routed experts:
+    every expert's ``1/tp`` slice (TP-MoE), or the largest rank's block of whole experts (``expert_parallel``)."""
     cfg = full.get("text_config") or full
     quant = Int4Config.from_hf(full.get("quantization_config") or cfg.get("quantization_config"))
     h, v, n_layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
@@ -114,6 +115,8 @@ def weight_bytes(full: dict[str, Any], tp: int, dtype_bytes: int = 2) -> dict[st
     out["dense mlp"] = n_dense * 3 * h * _shard(cfg["intermediate_size"], tp) * b
     if cfg.get("n_routed_experts"):
         e, mi = cfg["n_routed_experts"], _shard(cfg["moe_intermediate_size"], tp)
+        if expert_parallel:  # whole experts, balanced blocks: the first ranks hold one extra when uneven
+            e, mi = _shard(e, tp), cfg["moe_intermediate_size"]
         n_moe = n_layers - n_dense
         expert_q = quant is not None and quant.is_quantized("model.layers.1.mlp.experts.0.gate_proj")
         if expert_q:
@@ -124,7 +127,7 @@ def weight_bytes(full: dict[str, Any], tp: int, dtype_bytes: int = 2) -> dict[st
         out["routed experts"] = n_moe * e * per_expert
         out["shared experts"] = n_moe * 3 * h * _shard(cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 0),
                                                         tp) * b
-        out["router (fp32)"] = n_moe * e * (h + 1) * 4
+        out["router (fp32)"] = n_moe * cfg["n_routed_experts"] * (h + 1) * 4
     return out
 
 
@@ -153,13 +156,14 @@ def _drafter(draft: dict[str, Any] | None) -> tuple[int, int]:
 
 def make_plan(model_path: str | Path, tp_size: int = 8, gpu_memory_gb: float = 96.0, mem_fraction: float = 0.88,
               context_len: int = 8192, overhead_gib: float = 2.0, kv_dtype_bytes: int = 2,
-              draft_model_path: str | Path | None = None, budgets: tuple[int, ...] = BUDGETS) -> Plan:
+              draft_model_path: str | Path | None = None, budgets: tuple[int, ...] = BUDGETS,
+              expert_parallel: bool = False) -> Plan:
     """Plan one TP rank of ``model_path`` (a directory with config.json, or the file itself)."""
     if tp_size < 1 or not 0 < mem_fraction < 1 or gpu_memory_gb <= 0 or context_len < 1:
         raise ValueError("need tp_size >= 1, 0 < mem_fraction < 1, gpu_memory_gb > 0, context_len >= 1")
     full = _load(model_path)
     cfg = full.get("text_config") or full
-    parts = weight_bytes(full, tp_size)
+    parts = weight_bytes(full, tp_size, expert_parallel=expert_parallel)
     weights = sum(parts.values())
     d_w, d_kv = _drafter(_load(draft_model_path) if draft_model_path else None)
     kv_tok = kv_bytes_per_token(full, tp_size, kv_dtype_bytes) + d_kv

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=8192, help="context length planned per request")
     parser.add_argument("--overhead-gb", type=float, default=2.0, help="CUDA context, NCCL, graphs (GiB)")
     parser.add_argument("--speculative-draft-model-path", default=None, help="DFlash drafter to count too")
+    parser.add_argument("--expert-parallel", action="store_true", help="whole routed experts per rank (EP)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model-path {args.model_path!r} holds no config.json")
     plan = make_plan(path, tp_size=args.tp_size, gpu_memory_gb=args.gpu_memory_gb,
                      mem_fraction=args.mem_fraction_static, context_len=args.context_len,
-                     overhead_gib=args.overhead_gb, draft_model_path=args.speculative_draft_model_path)
+                     overhead_gib=args.overhead_gb, draft_model_path=args.speculative_draft_model_path,
+                     expert_parallel=args.expert_parallel)
     if args.json:
         d = dataclasses.asdict(plan)
         best = plan.best

@@ -25,6 +25,17 @@ def test_kimi_k26_tp8_weights_and_kv_per_token():
     assert abs(total_tp1 / 1e9 - 595) <= 0.05 * 595  # ~595 GB checkpoint
 
 
+def test_expert_parallel_plan_holds_whole_experts():
+    """384 experts over 8 ranks split evenly: EP holds 48 whole experts, TP-MoE 1/8 of all 384, the same
+    bytes up to the 16-byte ``weight_shape`` of each packed tensor (EP holds 8x fewer); over 5 ranks the largest EP block (77 experts) is what must fit."""
+    tp_moe, ep = make_plan(KIMI, 8, 96), make_plan(KIMI, 8, 96, expert_parallel=True)
+    diff = tp_moe.weight_breakdown["routed experts"] - ep.weight_breakdown["routed experts"]
+    assert diff == 60 * (384 - 48) * 3 * 16  # 60 MoE layers x fewer experts x 3 tensors x weight_shape
+    ep5 = make_plan(KIMI, 5, 96, expert_parallel=True).weight_breakdown["routed experts"]
+    full = make_plan(KIMI, 1, 1000).weight_breakdown["routed experts"]
+    assert ep5 == full * 77 // 384
+
+
 def test_kv_capacity_and_budget_table_are_consistent():
     small, big = make_plan(KIMI, 8, 96), make_plan(KIMI, 8, 288)
     assert 0 < small.kv_tokens < big.kv_tokens
