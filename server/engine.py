@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from model_executor.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.io_struct import GenerateReq, TokenOut
+from server.process_utils import check_trust_remote_code
 from server.tp_worker import close_scheduler, make_scheduler
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta"]
@@ -60,6 +61,8 @@ class Engine:
         flat = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
         flat["model_path"] = model_path
         self.config = ServerConfig.from_flat(flat)
+        if model_path not in (None, "", "default"):  # fail before loading weights, not after
+            check_trust_remote_code(model_path, self.config.model.trust_remote_code)
         self.scheduler = make_scheduler(self.config)  # a TPScheduler (rank 0 + spawned followers) if tp_size > 1
         self.tokenizer = _load_tokenizer(self.scheduler.model_path, self.config.model.trust_remote_code)
         self._ids = itertools.count()
@@ -178,11 +181,11 @@ def _load_tokenizer(path: str, trust_remote_code: bool):
     """The model's tokenizer, or None for a directory without tokenizer files (token-id use only)."""
     from pathlib import Path
 
-    from transformers import AutoTokenizer
+    from server.process_utils import load_tokenizer
 
     if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return load_tokenizer(path, trust_remote_code)
 
 
 def _apply(out: RequestOutput, d: TokenOut) -> None:

@@ -43,7 +43,7 @@ def launch_server(config: ServerConfig) -> int:
     from server.detokenizer import run_detokenizer_process
     from server.metrics import ServerMetrics
     from server.model_path import resolve_model_path
-    from server.process_utils import load_tokenizer
+    from server.process_utils import check_trust_remote_code, load_tokenizer
     from server.scheduler_process import run_scheduler_process
     from server.tokenizer_manager import TokenizerManager
 
@@ -54,6 +54,7 @@ def launch_server(config: ServerConfig) -> int:
         return run_node_followers(config)
     served = config.model.served_model_name or config.model.model_path
     resolved = resolve_model_path(config.model.model_path)
+    check_trust_remote_code(resolved, config.model.trust_remote_code)  # before any process starts
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, model_path=resolved,
                                                                    served_model_name=served))
     tmpdir = tempfile.mkdtemp(prefix="ddtree-serve-")
