@@ -48,7 +48,7 @@ class TrainConfig:
     save_every: int = 100
     eval_every: int = 0  # 0: only at the end
     eval_budget: int = 16
-    time_budget_s: float | None = None  # shrink the schedule to fit, measured after the first steps
+    time_budget_s: float | None = None  # shrink the schedule to fit, measured on this run's first 5 steps
 
 
 def pick_device(device: str) -> torch.device:
@@ -155,6 +155,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     bar = tqdm(total=total, initial=step, desc="train", unit="step", mininterval=5.0)
     t_start, ema, first = time.time(), None, float("nan")
+    run_steps, run_step_s = 0, 0.0
     while step < total:
         t0 = time.time()
         batch = make_block_batch(order_rng.sample(train_recs, min(cfg.batch_size, len(train_recs))),
@@ -180,8 +181,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         rows = int((batch.weights > 0).sum())
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", acc1=f"{stats['acc_k1']:.2f}", lr=f"{lr:.1e}", tok_s=f"{rows / dt:.0f}")
-        if cfg.time_budget_s and step == 5 and total == cfg.steps:
-            fit = int(step + (cfg.time_budget_s - (time.time() - t_start)) / max(elapsed / step, 1e-6))
+        run_steps += 1
+        run_step_s += dt
+        if cfg.time_budget_s and run_steps == 5:  # measured on this run's steps (fresh or resumed)
+            fit = int(step + (cfg.time_budget_s - (time.time() - t_start)) / max(run_step_s / run_steps, 1e-6))
             if fit < total:
                 total = max(fit, step + 1)
                 bar.total = total
