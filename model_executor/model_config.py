@@ -31,6 +31,7 @@ class ModelConfig:
     architecture: str
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
+    int4_experts: str = "dequant"  # INT4 routed experts: "dequant" at load | "packed" (INT4-resident)
 
     @property
     def num_layers(self) -> int:
@@ -49,7 +50,13 @@ class ModelConfig:
         return int(self.hf.get("max_position_embeddings", 4096))
 
     @classmethod
-    def load(cls, path: str, dtype: str = "auto", device: str = "cpu") -> ModelConfig:
+    def load(cls, path: str, dtype: str = "auto", device: str = "cpu", int4_experts: str = "auto") -> ModelConfig:
+        """``int4_experts``: "auto" keeps INT4 experts packed on CUDA (a dense copy would not fit) and
+        dequantizes them at load on CPU (dense GEMMs are faster there)."""
+        if int4_experts not in ("auto", "packed", "dequant"):
+            raise ValueError(f"int4_experts must be auto, packed or dequant, got {int4_experts!r}")
+        if int4_experts == "auto":
+            int4_experts = "packed" if str(device).startswith("cuda") else "dequant"
         p = Path(path)
         if not (p / "config.json").exists():
             raise ValueError(f"model_path {path!r} is not a model directory (no config.json)")
@@ -67,7 +74,7 @@ class ModelConfig:
                 eos.extend(e if isinstance(e, list) else [e])
                 break
         return cls(path=str(p), hf=hf, architecture=archs[0], eos_token_ids=tuple(dict.fromkeys(eos)),
-                   dtype=resolve_dtype(dtype, device))
+                   dtype=resolve_dtype(dtype, device), int4_experts=int4_experts)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -27,6 +27,8 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("device", str, "Device to run on; 'auto' = CUDA when available.", _DEVICES),
     ("context_length", int, "Maximum prompt + completion length in tokens (default: the model's).", None),
     ("trust_remote_code", bool, "Allow the model's own tokenizer/config code (Kimi needs it).", None),
+    ("int4_experts", str, "INT4 MoE experts: packed (INT4 in memory), dequant (dense at load); auto = packed on "
+     "CUDA, dequant on CPU.", ("auto", "packed", "dequant")),
     ("served_model_name", str, "Model name in the API (default: --model-path).", None),
     ("max_total_tokens", int, "KV cache size in tokens (default: from --kv-memory-gb or free GPU memory).", None),
     ("kv_memory_gb", float, "KV cache budget in GiB when --max-total-tokens is not set (CPU).", None),

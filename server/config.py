@@ -18,6 +18,7 @@ class ModelArgs:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     context_length: int | None = None  # None: the model's max_position_embeddings
     trust_remote_code: bool = True
+    int4_experts: str = "auto"  # INT4 MoE experts: "auto" | "packed" (INT4-resident) | "dequant" (at load)
     served_model_name: str | None = None
 
 

@@ -56,6 +56,9 @@ class FusedExperts(nn.Module):
             self.expert_start, self.num_local = 0, num_experts
             self.inter = tp.shard(intermediate, "moe intermediate size")
             self.inter_start = tp.rank * self.inter
+        self._make_weights(hidden, dtype)
+
+    def _make_weights(self, hidden: int, dtype: torch.dtype) -> None:
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self._load  # type: ignore[attr-defined]
@@ -86,6 +89,10 @@ class FusedExperts(nn.Module):
             off = 0 if kind == "gate" else n
             dst[..., off:off + n, :].copy_(loaded.narrow(-2, s, n))
 
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert ``e``'s dense ``w13 [2 * I_r, H]`` and ``w2 [H, I_r]``."""
+        return self.w13[e], self.w2[e]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """x [T, H], weights [T, k], ids [T, k] (global expert ids) -> [T, H]. The (token, expert) pairs this
         rank holds are sorted by expert and each expert runs one dense GEMM over its contiguous slice (a
@@ -105,8 +112,9 @@ class FusedExperts(nn.Module):
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            h = silu_and_mul(F.linear(xs[start:start + c], self.w13[e]))  # [c, I_r]
-            out_sorted[start:start + c] = F.linear(h, self.w2[e])  # [c, H]
+            w13, w2 = self.expert_weights(e, x.dtype)
+            h = silu_and_mul(F.linear(xs[start:start + c], w13))  # [c, I_r]
+            out_sorted[start:start + c] = F.linear(h, w2)  # [c, H]
             start += c
         w_sorted = weights.reshape(-1)[order].to(x.dtype)  # [R]
         out = torch.zeros_like(x)  # [T, H]
@@ -142,7 +150,9 @@ class MoEGate(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts + shared experts of one DeepSeek-V3 layer; ``cfg`` is the HF text config dict."""
 
-    def __init__(self, cfg: dict, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: dict, tp: TPGroup, dtype: torch.dtype, int4_group: int | None = None):
+        """``int4_group``: keep the routed experts pack-quantized INT4 with this group size (``Int4Experts``);
+        None: dense experts (BF16 checkpoints, or INT4 dequantized at load)."""
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
         scoring = cfg.get("scoring_func", "sigmoid")
@@ -154,7 +164,12 @@ class DeepseekMoE(nn.Module):
         self.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
         self.scaling = float(cfg.get("routed_scaling_factor", 1.0))
         self.gate = MoEGate(cfg["n_routed_experts"], hidden, cfg.get("topk_method", "noaux_tc") == "noaux_tc")
-        self.experts = FusedExperts(cfg["n_routed_experts"], hidden, inter, tp, dtype)
+        if int4_group is None:
+            self.experts = FusedExperts(cfg["n_routed_experts"], hidden, inter, tp, dtype)
+        else:
+            from model_executor.layers.moe_int4 import Int4Experts
+
+            self.experts = Int4Experts(cfg["n_routed_experts"], hidden, inter, tp, dtype, int4_group)
         n_shared = cfg.get("n_shared_experts") or 0
         self.shared_experts = DenseMLP(hidden, inter * n_shared, tp, dtype) if n_shared else None
 

@@ -3,7 +3,8 @@
 MLA attention (model_executor/layers/mla.py, latent-only KV cache), dense MLP in the first
 ``first_k_dense_replace`` layers, DeepSeek MoE (layers/moe.py) after. Same model interface as
 models/llama.py. Weights: BF16 safetensors in the Hugging Face layout; routed experts may be
-compressed-tensors pack-quantized INT4 (dequantized at load on the CPU path; see quantization/int4_pack.py).
+compressed-tensors pack-quantized INT4: dequantized at load (``ModelConfig.int4_experts == "dequant"``, the
+CPU default) or kept INT4-resident (``"packed"``, the CUDA default: layers/moe_int4.py).
 Multi-token-prediction layers (``model.layers.{n >= num_hidden_layers}``) are not served and are skipped.
 """
 
@@ -26,24 +27,26 @@ from model_executor.layers.norm import RMSNorm
 from model_executor.model_config import ModelConfig
 from model_executor.models.output import ModelOutput, capture_hidden
 from model_executor.parallel_state import TPGroup
-from model_executor.quantization import PackedWeightAssembler
+from model_executor.quantization import Int4Config, PackedWeightAssembler
 from model_executor.weight_loader import default_weight_loader
 
 logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_PACKED_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight_(packed|scale|shape)$")
 _STACKED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj$")  # transformers-5 fused
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _MLP_STACK = (("gate_proj", 0), ("up_proj", 1))
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype, int4_group: int | None = None):
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.self_attn = MLAAttention(cfg, layer_id, tp, dtype)
         dense = layer_id < (cfg.get("first_k_dense_replace") or 0) or not cfg.get("n_routed_experts")
-        self.mlp = DenseMLP(hidden, cfg["intermediate_size"], tp, dtype) if dense else DeepseekMoE(cfg, tp, dtype)
+        self.mlp = (DenseMLP(hidden, cfg["intermediate_size"], tp, dtype) if dense
+                    else DeepseekMoE(cfg, tp, dtype, int4_group))
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
 
@@ -64,8 +67,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         cfg, dtype = config.hf, config.dtype
         self.config, self.tp = config, tp
         self.num_layers = cfg["num_hidden_layers"]
+        self.int4_group = _resident_int4_group(config)
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp, dtype)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, tp, dtype) for i in range(self.num_layers))
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, tp, dtype, self.int4_group)
+                                    for i in range(self.num_layers))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
         self.tie = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp, dtype)
@@ -93,6 +98,12 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def _map_name(self, name: str) -> tuple[str, object] | None:
         """Checkpoint name (prefixes stripped) -> (our parameter name, shard id); None to skip."""
+        m = _PACKED_EXPERT.match(name) if self.int4_group is not None else None
+        if m:  # INT4-resident experts: packed words and scales load as they are; the shape is implied
+            if m.group(4) == "shape":
+                return None
+            w = "w2" if m.group(3) == "down" else "w13"
+            return f"{m.group(1)}.{w}_{m.group(4)}", (int(m.group(2)), m.group(3))
         m = _EXPERT.match(name)
         if m:
             kind = m.group(3)
@@ -131,12 +142,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             if name is None:
                 skipped += 1
                 continue
-            if assembler.is_packed(name):
+            mapped = self._map_name(name) if self.int4_group is not None and _PACKED_EXPERT.match(name) else 0
+            if mapped is None:
+                continue
+            if mapped == 0 and assembler.is_packed(name):
                 done = assembler.feed(name, tensor)
                 if done is None:
                     continue
                 name, tensor = done
-            target, shard = self._map_name(name)
+            target, shard = mapped if mapped else self._map_name(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {raw!r} in checkpoint")
             p = params[target]
@@ -159,6 +173,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         if skipped:
             logger.info("%s: skipped %d checkpoint tensors (MTP layers / rotary buffers)", type(self).__name__,
                         skipped)
+
+
+def _resident_int4_group(config: ModelConfig) -> int | None:
+    """The INT4 group size when routed experts stay pack-quantized in memory: the checkpoint quantizes them
+    and ``config.int4_experts == "packed"``; None otherwise."""
+    if config.int4_experts != "packed" or not config.path:
+        return None
+    quant = Int4Config.from_model_dir(config.path)
+    if quant is None or not quant.is_quantized("model.layers.1.mlp.experts.0.gate_proj"):
+        return None
+    return quant.group_size
 
 
 class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):

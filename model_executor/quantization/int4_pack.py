@@ -12,10 +12,12 @@ Symmetric: no zero point, ``W = q * scale`` (scale broadcast over its group). Qu
 compressed-tensors minmax observer does it: ``scale = absmax(group) / 7.5``, ``q = clamp(round(W / scale),
 -8, 7)``.
 
-The CPU path dequantizes at load (``dequantize_int4``) and runs dense experts. CUDA path (not runnable
-here, documented choice): keep ``weight_packed``/``weight_scale`` on the GPU and run a grouped WNA16 MoE
-kernel (Marlin-style, as sgl-kernel / vLLM ship for compressed-tensors W4A16 MoE, which works on sm120 RTX
-PRO 6000 where DeepGEMM and FlashMLA do not); Marlin needs its own repacking of these tensors at load.
+Two ways to serve it (``ModelConfig.int4_experts``): "dequant" (the CPU default) dequantizes at load
+(``dequantize_int4``) and runs dense experts; "packed" (the CUDA default) keeps ``weight_packed`` /
+``weight_scale`` resident and dequantizes per expert on the fly (layers/moe_int4.py). The fast CUDA path
+would run a grouped WNA16 MoE kernel over them (Marlin-style, as sgl-kernel / vLLM ship for compressed-tensors
+W4A16 MoE, which works on sm120 RTX PRO 6000 where DeepGEMM and FlashMLA do not; Marlin needs its own
+repacking at load): not wired yet.
 """
 
 from __future__ import annotations
