@@ -1,0 +1,39 @@
+"""GPU check (run by benchmarks/gpu_check.sh on a lent GPU): the tiny Kimi INT4 checkpoint on CUDA with
+INT4-resident experts (the CUDA default) against the CPU dequantize-at-load path, float32 on both devices
+(greedy tokens of a random tiny model; GEMM kernels differ, so a near-tie could flip a token: the check
+allows none), and greedy DDTree on CUDA equal to plain greedy on CUDA (lossless)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_executor.sampling_params import SamplingParams
+from server.engine import Engine
+from tests.model_executor.tiny_deepseek import write_tiny_deepseek
+from tests.speculative.drafter_utils import write_random_drafter
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _greedy(path: str, device: str, **kw) -> list[list[int]]:
+    eng = Engine(path, device=device, dtype="float32", max_total_tokens=256, **kw)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = eng.generate(input_ids=[[3, 17, 42, 99, 7], [11, 200, 300, 12]], sampling_params=sp)
+        assert kw.get("int4_experts") or eng.scheduler.model_config.int4_experts == (
+            "packed" if device == "cuda" else "dequant")
+        return [o.token_ids for o in outs]
+    finally:
+        eng.shutdown()
+
+
+def test_tiny_kimi_packed_int4_on_cuda_matches_cpu(tmp_path):
+    path = str(write_tiny_deepseek(tmp_path / "k", int4=True, kimi=True, moe_intermediate_size=64).path)
+    drafter = write_random_drafter(path, tmp_path / "d", num_layers=1, block_size=4)
+    ref = _greedy(path, "cpu")
+    assert _greedy(path, "cuda") == ref
+    assert _greedy(path, "cuda", speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=6) == ref
