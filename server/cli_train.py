@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--mask-token-id", type=int, default=None)
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per step (0: as many as fit in memory)")
     t.add_argument("--anchors-per-seq", type=int, default=32)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--warmup", type=int, default=50)

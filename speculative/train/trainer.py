@@ -9,6 +9,7 @@ gets a z-lab-format export (``config.json`` + bf16 ``model.safetensors``) and ``
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +35,7 @@ class TrainConfig:
     block_size: int = 8
     mask_token_id: int | None = None  # None: the target tokenizer's highest special id that is not EOS/BOS
     steps: int = 1000
-    batch_size: int = 8  # sequences per step
+    batch_size: int = 8  # sequences per step; 0 = as many as fit in memory (``auto_batch_size``)
     anchors_per_seq: int = 32
     lr: float = 6e-4
     warmup: int = 50
@@ -94,6 +95,28 @@ def default_mask_token_id(target_path: str) -> int:
     return int(max(ids))
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory on ``device``: CUDA's free bytes, or the host's available physical memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def auto_batch_size(free_bytes: int, seq_len: int, anchors: int, block: int, hidden: int, n_feats: int,
+                    heads: int, num_layers: int, vocab: int, fraction: float = 0.5, cap: int = 64) -> int:
+    """Sequences per step that fit in ``fraction`` of ``free_bytes`` (at least 1, at most ``cap``).
+
+    Float32 bytes per sequence, forward + backward (x3 for saved activations and their gradients):
+    target features ``S x n*H`` (bf16 cache -> fp32 copy), per layer the attention scores
+    ``heads x Q x (S + Q)`` and ~16 hidden-sized tensors over ``S + Q`` rows, and the loss logits
+    ``Q x V`` (``Q = anchors * block``)."""
+    q = anchors * block
+    per_seq = 4 * (seq_len * n_feats * hidden * 2
+                   + 3 * num_layers * (heads * q * (seq_len + q) + 16 * (seq_len + q) * hidden)
+                   + 3 * q * vocab)
+    return max(1, min(cap, int(free_bytes * fraction) // per_seq))
+
+
 def load_records(data_dir: str, prefix: str) -> list[dict]:
     recs: list[dict] = []
     for f in sorted((Path(data_dir) / "feat").glob(f"{prefix}_*.pt")):
@@ -137,6 +160,13 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     subset = None
     if cfg.loss_vocab == "corpus":
         subset = torch.unique(torch.cat([r["tokens"].long() for r in train_recs])).to(device)
+    batch_size = cfg.batch_size
+    if batch_size == 0:
+        batch_size = auto_batch_size(free_memory_bytes(device), max(int(r["tokens"].numel()) for r in train_recs),
+                                     cfg.anchors_per_seq, cfg.block_size, dcfg["hidden_size"],
+                                     len(meta["target_layer_ids"]), dcfg["num_attention_heads"], cfg.num_layers,
+                                     int(subset.numel()) if subset is not None else dcfg["vocab_size"])
+        print(f"[train] batch size {batch_size} (by free memory on {device})", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state_path = out / "trainer_state.pt"
     step, total, elapsed = 0, cfg.steps, 0.0
@@ -158,7 +188,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     run_steps, run_step_s = 0, 0.0
     while step < total:
         t0 = time.time()
-        batch = make_block_batch(order_rng.sample(train_recs, min(cfg.batch_size, len(train_recs))),
+        batch = make_block_batch(order_rng.sample(train_recs, min(batch_size, len(train_recs))),
                                  cfg.anchors_per_seq, cfg.block_size, mask_id, cfg.gamma, gen)
         lr = lr_at(step, total, cfg.lr, cfg.warmup)
         for g in opt.param_groups:

@@ -3,6 +3,7 @@ generation with feature capture, training on a tiny random target lowers the los
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,7 +15,13 @@ from model_executor.models.dflash import DFlashDraftModel
 from model_executor.weight_loader import iter_weights
 from speculative.train.datagen import capture_features, generate_batch, make_runner, write_meta
 from speculative.train.objective import block_attention_mask, make_block_batch
-from speculative.train.trainer import TrainConfig, build_drafter, target_embed_and_head, train
+from speculative.train.trainer import (
+    TrainConfig,
+    auto_batch_size,
+    build_drafter,
+    target_embed_and_head,
+    train,
+)
 from tests.conftest import write_tiny_llama_family
 
 
@@ -109,6 +116,16 @@ def test_training_lowers_loss_and_checkpoint_reloads(tiny_data, tmp_path):
                                draft_hidden_all_anchors(ref, embed, rec) @ head.T)
     again = train(cfg)
     assert again["steps"] == 30
+    # extending a finished run with a time budget: the schedule is shortened on the resumed run's own steps
+    longer = train(dataclasses.replace(cfg, steps=10_000, time_budget_s=0.5, batch_size=0))  # 0: by free memory
+    assert 35 <= longer["steps"] < 100, longer["steps"]
+
+
+def test_auto_batch_size_scales_with_memory():
+    kw = dict(seq_len=300, anchors=48, block=8, hidden=576, n_feats=5, heads=9, num_layers=1, vocab=49152)
+    small, big = auto_batch_size(2 * 2**30, **kw), auto_batch_size(80 * 2**30, **kw)
+    assert 1 <= small < big <= 64
+    assert auto_batch_size(1, **kw) == 1 and auto_batch_size(2**50, **kw) == 64
 
 
 def test_cli_registers_train_drafter():
