@@ -1,7 +1,8 @@
 """The shipped DFlash drafter of SmolLM2-135M-Instruct (issue 5 regression guard): it loads in z-lab
-format with the default model's shapes, and its offline DDTree(16) acceptance on fresh greedy responses
-stays above 1.25 (a guard, not the target). Measured: 1.36 on these two general chat prompts, 1.86 on the
-drafter's own held-out set (model card); issue 5's 1.5 guard is not reached on general prompts yet."""
+format with the default model's shapes, and its offline DDTree(16) acceptance on fresh greedy responses to
+two general chat prompts held out from its training prompts stays above 1.2 (a regression guard at the
+measured level, 1.32; 2.06 on the held-out set of its training distribution, model card; 2.41 on two of its
+training prompts). Issue 5's 1.5 guard is not reached on general prompts."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def test_shipped_drafter_offline_tau(default_model_path):
 
     model = _load()
     tok = AutoTokenizer.from_pretrained(default_model_path)
-    chats = [[{"role": "user", "content": "What is a prime number?"}],
-             [{"role": "user", "content": "Give me three tips for sleeping better."}]]
+    chats = [[{"role": "user", "content": "What causes the seasons on Earth?"}],
+             [{"role": "user", "content": "How do I convert Celsius to Fahrenheit?"}]]
     ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"]) for c in chats]
     runner = make_runner(default_model_path, 4096)
     eos = set(ModelConfig.load(default_model_path).eos_token_ids)
@@ -51,4 +52,4 @@ def test_shipped_drafter_offline_tau(default_model_path):
             for s, p, f in zip(seqs, ids, feats, strict=True)]
     embed, head = target_embed_and_head(default_model_path)
     res = offline_acceptance(model, embed, head, recs, budget=16)
-    assert res["tau_ddtree"] > 1.25, res
+    assert res["tau_ddtree"] > 1.2, res

@@ -177,11 +177,13 @@ def test_tiny_kimi_ddtree_greedy_lossless(tmp_path):
 
 
 def test_shipped_drafter_lossless_and_accepts(default_model_path):
-    """The shipped drafter: greedy DDTree(16) output equals plain decoding on chat prompts, and the measured
-    acceptance length stays above 1.25 (a regression guard: this drafter measures ~1.4 in the engine on
-    general chat prompts and 1.86 offline on its held-out set; a random drafter gives 1.0)."""
+    """The shipped drafter: greedy DDTree(16) output equals plain decoding on chat prompts held out from its
+    training prompts, and the measured acceptance length stays above 1.25 (a regression guard at the
+    measured level: 1.39 on these general prompts; 2.1 on prompts of its training distribution, 2.06 offline
+    on its held-out set of that distribution; issue 5's 1.5 is not reached on general prompts; a random
+    drafter gives 1.0)."""
     base = _engine(default_model_path, None)
-    chats = ["What is a prime number?", "Give me three tips for sleeping better.", "Write a haiku about rain."]
+    chats = ["What causes the seasons on Earth?", "How do I convert Celsius to Fahrenheit?", "Write a haiku about rain."]
     ids = [list(base.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                                    tokenize=True)["input_ids"]) for c in chats]
     sp = SamplingParams(temperature=0, max_tokens=32)
