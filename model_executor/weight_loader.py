@@ -86,6 +86,19 @@ def iter_weights(path: str, desc: str = "Loading weights", skip_prefixes: tuple[
         yield k, (SafetensorsSlice(h, k) if lazy else h.get_tensor(k))
 
 
+def load_param(params: dict[str, torch.nn.Parameter], target: str, tensor, shard: object, what: str) -> None:
+    """Copy one checkpoint tensor (or lazy slice) into ``params[target]`` through its ``weight_loader``
+    (sharded parameters) or ``default_weight_loader``; ValueError when ``target`` is not a parameter."""
+    if target not in params:
+        raise ValueError(f"unexpected weight {target!r} in {what}")
+    p = params[target]
+    loader = getattr(p, "weight_loader", None)
+    if loader is not None:
+        loader(p, tensor, shard)
+    else:
+        default_weight_loader(p, tensor)
+
+
 def load_named_weights(params: dict[str, torch.nn.Parameter], weights, stacked: tuple, what: str = "checkpoint",
                        skip_prefixes: tuple[str, ...] = (), tied: dict[str, str] | None = None) -> None:
     """Copy checkpoint tensors into ``params`` (names without the ``model.`` prefix). ``stacked`` maps
@@ -105,14 +118,7 @@ def load_named_weights(params: dict[str, torch.nn.Parameter], weights, stacked: 
                 break
         targets = [name] + ([tied[name]] if name in tied else [])
         for target in targets:
-            if target not in params:
-                raise ValueError(f"unexpected weight {target!r} in {what}")
-            p = params[target]
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None:
-                loader(p, tensor, shard)
-            else:
-                default_weight_loader(p, tensor)
+            load_param(params, target, tensor, shard, what)
             loaded.add(target)
     missing = set(params) - loaded
     if missing:

@@ -28,7 +28,7 @@ from model_executor.model_config import ModelConfig
 from model_executor.models.output import ModelOutput, capture_hidden
 from model_executor.parallel_state import TPGroup
 from model_executor.quantization import Int4Config, PackedWeightAssembler
-from model_executor.weight_loader import default_weight_loader
+from model_executor.weight_loader import load_param
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +96,10 @@ class DeepseekV3ForCausalLM(nn.Module):
                 captured.append(h)
         return ModelOutput(self.norm(h), capture_hidden(captured, fb.capture_layer_ids))
 
-    def _map_name(self, name: str) -> tuple[str, object] | None:
-        """Checkpoint name (prefixes stripped) -> (our parameter name, shard id); None to skip."""
+    def _map_name(self, name: str) -> tuple[str, object]:
+        """Checkpoint name (prefixes stripped) -> (our parameter name, shard id)."""
         m = _PACKED_EXPERT.match(name) if self.int4_group is not None else None
-        if m:  # INT4-resident experts: packed words and scales load as they are; the shape is implied
-            if m.group(4) == "shape":
-                return None
+        if m:  # INT4-resident experts: packed words and scales load as they are
             w = "w2" if m.group(3) == "down" else "w13"
             return f"{m.group(1)}.{w}_{m.group(4)}", (int(m.group(2)), m.group(3))
         m = _EXPERT.match(name)
@@ -142,23 +140,16 @@ class DeepseekV3ForCausalLM(nn.Module):
             if name is None:
                 skipped += 1
                 continue
-            mapped = self._map_name(name) if self.int4_group is not None and _PACKED_EXPERT.match(name) else 0
-            if mapped is None:
-                continue
-            if mapped == 0 and assembler.is_packed(name):
+            resident = self.int4_group is not None and _PACKED_EXPERT.match(name) is not None
+            if resident and name.endswith(".weight_shape"):
+                continue  # INT4-resident experts: the dense shape is implied by the parameters
+            if not resident and assembler.is_packed(name):
                 done = assembler.feed(name, tensor)
                 if done is None:
                     continue
                 name, tensor = done
-            target, shard = mapped if mapped else self._map_name(name)
-            if target not in params:
-                raise ValueError(f"unexpected weight {raw!r} in checkpoint")
-            p = params[target]
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None:
-                loader(p, tensor, shard)
-            else:
-                default_weight_loader(p, tensor)
+            target, shard = self._map_name(name)
+            load_param(params, target, tensor, shard, f"checkpoint (from {raw!r})")
             loaded.add(target)
             if self.tie and target == "embed_tokens.weight":
                 self.lm_head.weight.weight_loader(self.lm_head.weight, tensor, None)
