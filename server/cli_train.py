@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 HELP = "train a DFlash drafter for a target model (data generation, training, offline tau)"
 
@@ -22,7 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--prompts-jsonl", default=None, help="chat prompts (JSONL: messages | prompt | text); "
                    "default: built-in offline prompts (fortunes, jargon, Python docs, templates)")
-    g.add_argument("--num-prompts", type=int, default=1200, help="training prompts")
+    g.add_argument("--num-prompts", type=int, default=1200,
+                   help="training prompts from --prompts-jsonl or the built-in set (0: none)")
+    g.add_argument("--self-prompts", type=int, default=0,
+                   help="also this many prompts written by the target itself (Magpie; cached in "
+                   "DATA/self_prompts.jsonl; --num-eval more of them are held out)")
+    g.add_argument("--self-prompt-temperature", type=float, default=1.0)
     g.add_argument("--num-eval", type=int, default=16, help="held-out prompts (answered greedily)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--greedy-fraction", type=float, default=0.75, help="share of greedy responses (rest T=1)")
@@ -64,6 +70,27 @@ def _layer_ids(args: argparse.Namespace, model_path: str) -> list[int]:
     return default_target_layer_ids(ModelConfig.load(model_path).num_layers, args.num_target_features)
 
 
+def _self_prompt_data(args: argparse.Namespace, model_path: str, device: str, budget: float | None) -> list:
+    """Prompts written by the target (cached), then its answers to them under the shard tag ``self``."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from speculative.train.datagen import generate_dataset, make_runner
+    from speculative.train.self_prompts import self_written_prompts
+
+    Path(args.data_dir).mkdir(parents=True, exist_ok=True)
+    runner = make_runner(model_path, 48 * 160, device)
+    chats = self_written_prompts(runner, AutoTokenizer.from_pretrained(model_path), args.self_prompts + args.num_eval,
+                                 Path(args.data_dir) / "self_prompts.jsonl", seed=args.seed,
+                                 temperature=args.self_prompt_temperature)
+    del runner
+    return generate_dataset(model_path, chats[args.num_eval:], chats[:args.num_eval], args.data_dir,
+                            _layer_ids(args, model_path), max_tokens=args.max_new_tokens,
+                            greedy_fraction=args.greedy_fraction, shard_size=args.shard_size, seed=args.seed,
+                            feat_dtype=args.feat_dtype, device=device, time_budget_s=budget, shard_tag="self")
+
+
 def run(args: argparse.Namespace) -> int:
     from server.model_path import resolve_model_path
     from speculative.train.trainer import TrainConfig, pick_device, train
@@ -74,15 +101,21 @@ def run(args: argparse.Namespace) -> int:
         from speculative.train.datagen import generate_dataset
         from speculative.train.prompts import builtin_prompts, load_jsonl_prompts
 
-        total = args.num_prompts + args.num_eval
-        chats = load_jsonl_prompts(args.prompts_jsonl, total) if args.prompts_jsonl else builtin_prompts(total, args.seed)
-        if len(chats) <= args.num_eval:
-            raise ValueError(f"need more than --num-eval={args.num_eval} prompts, got {len(chats)}")
+        t0, files = time.time(), []
         budget = args.data_time_budget_min * 60 if args.data_time_budget_min else None
-        files = generate_dataset(model_path, chats[args.num_eval:], chats[:args.num_eval], args.data_dir,
-                                 _layer_ids(args, model_path), max_tokens=args.max_new_tokens,
-                                 greedy_fraction=args.greedy_fraction, shard_size=args.shard_size, seed=args.seed,
-                                 feat_dtype=args.feat_dtype, device=device, time_budget_s=budget)
+        if args.num_prompts > 0:
+            total = args.num_prompts + args.num_eval
+            chats = (load_jsonl_prompts(args.prompts_jsonl, total) if args.prompts_jsonl
+                     else builtin_prompts(total, args.seed))
+            if len(chats) <= args.num_eval:
+                raise ValueError(f"need more than --num-eval={args.num_eval} prompts, got {len(chats)}")
+            files = generate_dataset(model_path, chats[args.num_eval:], chats[:args.num_eval], args.data_dir,
+                                     _layer_ids(args, model_path), max_tokens=args.max_new_tokens,
+                                     greedy_fraction=args.greedy_fraction, shard_size=args.shard_size,
+                                     seed=args.seed, feat_dtype=args.feat_dtype, device=device, time_budget_s=budget)
+        if args.self_prompts > 0:
+            left = None if budget is None else max(budget - (time.time() - t0), 0.0)
+            files = _self_prompt_data(args, model_path, device, left)
         print(f"[train-drafter] data: {len(files)} shard files under {args.data_dir}/feat", flush=True)
     if args.stage in ("all", "train"):
         cfg = TrainConfig(

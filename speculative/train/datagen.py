@@ -9,7 +9,8 @@ float32 logits the Engine uses; sampled responses draw from ``softmax(logits)`` 
 generator.
 
 Layout of a data directory (resumable: finished shards are skipped):
-- ``feat/eval_00000.pt`` (held-out prompts, answered greedily) and ``feat/train_NNNNN.pt``: lists of
+- ``feat/eval_00000.pt`` (held-out prompts, answered greedily) and ``feat/train_NNNNN.pt`` (other prompt
+  sources: ``eval_<tag>_00000.pt``, ``train_<tag>_NNNNN.pt``): lists of
   ``{"tokens": int32 [S], "prompt_len": int, "temperature": float, "feats": [S, n*H]}`` where
   ``feats[p]`` = outputs of the target's decoder layers ``target_layer_ids`` (HF ``hidden_states[l+1]``)
   at position ``p`` (the last position, never run through the target, is zero and never used).
@@ -59,17 +60,19 @@ def write_meta(out_dir: str, model_path: str, layer_ids: Sequence[int], feat_dty
 def generate_dataset(model_path: str, chats: Sequence[list[dict]], eval_chats: Sequence[list[dict]], out_dir: str,
                      target_layer_ids: Sequence[int], max_tokens: int = 128, greedy_fraction: float = 0.75,
                      shard_size: int = 32, seed: int = 0, feat_dtype: str = "float16", device: str = "cpu",
-                     time_budget_s: float | None = None) -> list[Path]:
+                     time_budget_s: float | None = None, shard_tag: str = "") -> list[Path]:
     """Answer every chat with the target and cache features; returns the shard files present. Stops
-    starting new shards once ``time_budget_s`` has passed (rerun to continue)."""
+    starting new shards once ``time_budget_s`` has passed (rerun to continue). ``shard_tag`` names the
+    shards of another prompt source (``train_<tag>_NNNNN.pt``) so that sources never share shard indices."""
     from transformers import AutoTokenizer
 
     layer_ids = tuple(int(i) for i in target_layer_ids)
     write_meta(out_dir, model_path, layer_ids, feat_dtype)
     feat = Path(out_dir) / "feat"
     feat.mkdir(parents=True, exist_ok=True)
-    jobs = [("eval_00000.pt", list(eval_chats), True)] if eval_chats else []
-    jobs += [(f"train_{i // shard_size:05d}.pt", list(chats[i:i + shard_size]), False)
+    tag = f"{shard_tag}_" if shard_tag else ""
+    jobs = [(f"eval_{tag}00000.pt", list(eval_chats), True)] if eval_chats else []
+    jobs += [(f"train_{tag}{i // shard_size:05d}.pt", list(chats[i:i + shard_size]), False)
              for i in range(0, len(chats), shard_size)]
     todo = [j for j in jobs if not (feat / j[0]).exists()]
     if not todo:
