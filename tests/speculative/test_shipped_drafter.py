@@ -1,8 +1,8 @@
 """The shipped DFlash drafter of SmolLM2-135M-Instruct (issue 5 regression guard): it loads in z-lab
 format with the default model's shapes, and its offline DDTree(16) acceptance on fresh greedy responses to
-two general chat prompts held out from its training prompts stays above 1.2 (a regression guard at the
-measured level, 1.32; 2.06 on the held-out set of its training distribution, model card; 2.41 on two of its
-training prompts). Issue 5's 1.5 guard is not reached on general prompts."""
+the eight general chat prompts held out from its training (``benchmarks.common.CHAT_PROMPTS``, 128 tokens)
+stays above issue 5's 1.5 (measured 1.60, the same as in the engine; 2.09 and 1.92 on its two held-out
+sets, model card)."""
 
 from __future__ import annotations
 
@@ -36,20 +36,19 @@ def test_shipped_drafter_loads_with_default_model_shapes():
 def test_shipped_drafter_offline_tau(default_model_path):
     from transformers import AutoTokenizer
 
+    from benchmarks.common import CHAT_PROMPTS, chat_ids
     from speculative.train.datagen import generate_batch, make_runner
     from speculative.train.evaluate import offline_acceptance
     from speculative.train.trainer import target_embed_and_head
 
     model = _load()
     tok = AutoTokenizer.from_pretrained(default_model_path)
-    chats = [[{"role": "user", "content": "What causes the seasons on Earth?"}],
-             [{"role": "user", "content": "How do I convert Celsius to Fahrenheit?"}]]
-    ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"]) for c in chats]
-    runner = make_runner(default_model_path, 4096)
+    ids = chat_ids(tok, CHAT_PROMPTS)
+    runner = make_runner(default_model_path, 8192)
     eos = set(ModelConfig.load(default_model_path).eos_token_ids)
-    seqs, feats = generate_batch(runner, ids, [0.0, 0.0], 48, eos, model.target_layer_ids, torch.Generator())
+    seqs, feats = generate_batch(runner, ids, [0.0] * len(ids), 128, eos, model.target_layer_ids, torch.Generator())
     recs = [{"tokens": torch.tensor(s), "prompt_len": len(p), "feats": f, "temperature": 0.0}
             for s, p, f in zip(seqs, ids, feats, strict=True)]
     embed, head = target_embed_and_head(default_model_path)
     res = offline_acceptance(model, embed, head, recs, budget=16)
-    assert res["tau_ddtree"] > 1.2, res
+    assert res["tau_ddtree"] > 1.5, res

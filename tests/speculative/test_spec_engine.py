@@ -177,23 +177,23 @@ def test_tiny_kimi_ddtree_greedy_lossless(tmp_path):
 
 
 def test_shipped_drafter_lossless_and_accepts(default_model_path):
-    """The shipped drafter: greedy DDTree(16) output equals plain decoding on chat prompts held out from its
-    training prompts, and the measured acceptance length stays above 1.25 (a regression guard at the
-    measured level: 1.39 on these general prompts; 2.1 on prompts of its training distribution, 2.06 offline
-    on its held-out set of that distribution; issue 5's 1.5 is not reached on general prompts; a random
-    drafter gives 1.0)."""
+    """The shipped drafter (issue 5 guard): greedy DDTree(16) output equals plain decoding on the eight general
+    chat prompts held out from its training prompts (``benchmarks.common.CHAT_PROMPTS``, to EOS or 128
+    tokens), and the acceptance length stays above issue 5's 1.5 (measured 1.60 here; 2.09 / 1.92 offline on
+    its two held-out sets, model card; a random drafter gives 1.0)."""
+    from benchmarks.common import CHAT_PROMPTS, chat_ids
+
     base = _engine(default_model_path, None)
-    chats = ["What causes the seasons on Earth?", "How do I convert Celsius to Fahrenheit?", "Write a haiku about rain."]
-    ids = [list(base.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                                   tokenize=True)["input_ids"]) for c in chats]
-    sp = SamplingParams(temperature=0, max_tokens=32)
+    ids = chat_ids(base.tokenizer, CHAT_PROMPTS)
+    sp = SamplingParams(temperature=0, max_tokens=128)
     ref = base.generate(input_ids=ids, sampling_params=sp)
+    base.shutdown()
     spec = _engine(default_model_path, "default", "ddtree", 16)
     got = spec.generate(input_ids=ids, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     steps = sum(o.spec_verify_steps for o in got)
     tau = (sum(o.spec_accepted_tokens for o in got) + steps) / steps
-    assert tau > 1.25, tau
+    assert tau > 1.5, tau
     _assert_pool_full(spec)
 
 
