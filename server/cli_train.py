@@ -76,7 +76,7 @@ def _self_prompt_data(args: argparse.Namespace, model_path: str, device: str, bu
 
     from transformers import AutoTokenizer
 
-    from speculative.train.datagen import generate_dataset, make_runner
+    from speculative.train.datagen import make_runner
     from speculative.train.self_prompts import self_written_prompts
 
     Path(args.data_dir).mkdir(parents=True, exist_ok=True)
@@ -85,10 +85,20 @@ def _self_prompt_data(args: argparse.Namespace, model_path: str, device: str, bu
                                  Path(args.data_dir) / "self_prompts.jsonl", seed=args.seed,
                                  temperature=args.self_prompt_temperature)
     del runner
+    return _answer(args, model_path, device, chats, budget, "self")
+
+
+def _answer(args: argparse.Namespace, model_path: str, device: str, chats: list, budget: float | None,
+            tag: str = "") -> list:
+    """The target answers ``chats`` (the first ``--num-eval`` held out) into shards tagged ``tag``."""
+    from speculative.train.datagen import generate_dataset
+
+    if len(chats) <= args.num_eval:
+        raise ValueError(f"need more than --num-eval={args.num_eval} prompts, got {len(chats)}")
     return generate_dataset(model_path, chats[args.num_eval:], chats[:args.num_eval], args.data_dir,
                             _layer_ids(args, model_path), max_tokens=args.max_new_tokens,
                             greedy_fraction=args.greedy_fraction, shard_size=args.shard_size, seed=args.seed,
-                            feat_dtype=args.feat_dtype, device=device, time_budget_s=budget, shard_tag="self")
+                            feat_dtype=args.feat_dtype, device=device, time_budget_s=budget, shard_tag=tag)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
     model_path = resolve_model_path(args.model_path)
     device = str(pick_device(args.device))
     if args.stage in ("all", "data"):
-        from speculative.train.datagen import generate_dataset
         from speculative.train.prompts import builtin_prompts, load_jsonl_prompts
 
         t0, files = time.time(), []
@@ -107,12 +116,7 @@ def run(args: argparse.Namespace) -> int:
             total = args.num_prompts + args.num_eval
             chats = (load_jsonl_prompts(args.prompts_jsonl, total) if args.prompts_jsonl
                      else builtin_prompts(total, args.seed))
-            if len(chats) <= args.num_eval:
-                raise ValueError(f"need more than --num-eval={args.num_eval} prompts, got {len(chats)}")
-            files = generate_dataset(model_path, chats[args.num_eval:], chats[:args.num_eval], args.data_dir,
-                                     _layer_ids(args, model_path), max_tokens=args.max_new_tokens,
-                                     greedy_fraction=args.greedy_fraction, shard_size=args.shard_size,
-                                     seed=args.seed, feat_dtype=args.feat_dtype, device=device, time_budget_s=budget)
+            files = _answer(args, model_path, device, chats, budget)
         if args.self_prompts > 0:
             left = None if budget is None else max(budget - (time.time() - t0), 0.0)
             files = _self_prompt_data(args, model_path, device, left)

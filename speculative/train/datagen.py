@@ -114,7 +114,7 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
                    eos: set[int], layer_ids: tuple[int, ...], gen: torch.Generator,
                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Generate for a static batch; returns full token lists (prompt + response, a final EOS kept) and
-    per-sequence float32 features ``[S, n*H]``."""
+    per-sequence float32 features ``[S, n*H]`` (an empty list when ``layer_ids`` is empty: nothing captured)."""
     dev = runner.device
     n = len(prompts)
     rows = [runner.req_to_token.alloc() for _ in prompts]
@@ -146,8 +146,9 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
                                      logits_indices=last.to(dev), capture_layer_ids=layer_ids)
             out = runner.forward(fb)
             logits = runner.logits(out.hidden[last.to(dev)]).cpu()  # [bs, V] float32
-            for i, f in zip(active, out.captured.float().cpu().split(lens.tolist()), strict=True):
-                feats[i].append(f)
+            if layer_ids:
+                for i, f in zip(active, out.captured.float().cpu().split(lens.tolist()), strict=True):
+                    feats[i].append(f)
             nxt = _sample(logits, torch.tensor([temps[i] for i in active]), gen)
             still = []
             for i, t in zip(active, nxt.tolist(), strict=True):
@@ -161,8 +162,8 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
             if slots[i]:
                 runner.allocator.free(torch.tensor(slots[i], dtype=torch.int64, device=dev))
             runner.req_to_token.free(r)
-    out_feats = []
-    for i, s in enumerate(seqs):
+    out_feats: list[torch.Tensor] = []
+    for i, s in enumerate(seqs if layer_ids else ()):
         f = torch.cat(feats[i])  # [S-1, n*H]: every token except the last was run
         out_feats.append(torch.cat([f, f.new_zeros(1, f.shape[1])]))
         assert out_feats[-1].shape[0] == len(s)

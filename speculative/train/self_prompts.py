@@ -41,6 +41,11 @@ def acceptable(text: str) -> bool:
             and all(c.isprintable() or c in "\n\t" for c in text))
 
 
+def _key(text: str) -> str:
+    """Whitespace- and case-insensitive identity of a message (for deduplication and exclusion)."""
+    return " ".join(text.split()).lower()
+
+
 def self_written_prompts(runner: ModelRunner, tokenizer, n: int, cache: str | Path, seed: int = 0,
                          temperature: float = 1.0, max_tokens: int = 64, batch: int = 48,
                          exclude: Iterable[str] = (), max_rounds: int | None = None) -> list[list[dict[str, str]]]:
@@ -53,17 +58,14 @@ def self_written_prompts(runner: ModelRunner, tokenizer, n: int, cache: str | Pa
     found: list[str] = []
     if cache.exists():
         found = [json.loads(line)["prompt"] for line in cache.read_text().splitlines() if line.strip()]
-    banned = {" ".join(e.split()).lower() for e in exclude}
-    seen = banned | {" ".join(p.split()).lower() for p in found}
+    seen = {_key(e) for e in exclude} | {_key(p) for p in found}
     prefix = user_turn_prefix(tokenizer)
-    stops = {int(i) for i in tokenizer.convert_tokens_to_ids(
-        [t for t in ("<|im_end|>", "<|eot_id|>", "<|end|>") if t in tokenizer.get_vocab()])}
-    stops |= {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    stops = set(runner.config.eos_token_ids)  # the end-of-turn ids the engine stops on
     bar = tqdm(total=n, initial=min(len(found), n), desc="self-prompts", unit="prompt", mininterval=5.0)
     rounds, t0 = 0, time.time()
     while len(found) < n and (max_rounds is None or rounds < max_rounds):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + len(found) * 1_009 + rounds)
-        seqs, _ = generate_batch(runner, [prefix] * batch, [temperature] * batch, max_tokens, stops, (0,), gen)
+        seqs, _ = generate_batch(runner, [prefix] * batch, [temperature] * batch, max_tokens, stops, (), gen)
         rounds += 1
         new = []
         for s in seqs:
@@ -71,9 +73,8 @@ def self_written_prompts(runner: ModelRunner, tokenizer, n: int, cache: str | Pa
             if not body or body[-1] not in stops:
                 continue  # ran past max_tokens: an unfinished turn
             text = tokenizer.decode(body[:-1]).strip()
-            key = " ".join(text.split()).lower()
-            if acceptable(text) and key not in seen:
-                seen.add(key)
+            if acceptable(text) and _key(text) not in seen:
+                seen.add(_key(text))
                 new.append(text)
         new = new[:n - len(found)]
         with cache.open("a") as fh:
