@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.conftest import alive, descendants, free_port, start_server, wait_healthy
 
@@ -51,16 +52,26 @@ def test_tp2_server_chat_then_dead_rank_fails(tmp_path) -> None:
         assert len(followers) == 1, (followers, [_cmdline(p) for p in descendants(proc.pid)])
         tree = descendants(proc.pid)
         os.kill(followers[0], signal.SIGKILL)
-        statuses = set()
+        # a request after the kill must end (error status or closed connection), never hang or succeed
+        try:
+            after = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).status_code
+        except httpx.TimeoutException:
+            pytest.fail("a chat request hung after a TP rank died")
+        except httpx.TransportError:  # the server closed the connection while exiting
+            after = None
+        assert after != 200, "a chat request succeeded after a TP rank died"
+        statuses: list[int] = []
         deadline = time.time() + 60
         while proc.poll() is None and time.time() < deadline:
             try:
-                statuses.add(httpx.get(f"{base}/health", timeout=2).status_code)
+                statuses.append(httpx.get(f"{base}/health", timeout=2).status_code)
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         assert proc.wait(30) == 1, log.read_text()[-3000:]
-        assert 503 in statuses or not statuses, statuses
+        # once /health has reported the failure it never turns healthy again before the exit
+        first_failed = next((i for i, s in enumerate(statuses) if s != 200), len(statuses))
+        assert all(s == 503 for s in statuses[first_failed:]), statuses
         assert "rank 1" in log.read_text()
         time.sleep(1.0)
         assert not [p for p in tree if alive(p)], "orphan processes left"

@@ -230,6 +230,13 @@ def test_http_chat_thinking_on_and_off(kimi_server, tok) -> None:
     assert on["usage"]["prompt_tokens"] == len(_manager(tok).encode_chat(MESSAGES, None, None))
     assert tooled["usage"]["prompt_tokens"] > off["usage"]["prompt_tokens"]
     assert off["choices"][0]["message"].get("reasoning_content") in (None, "")  # thinking off: all content
+    # the content is exactly the model's greedy text for the same prompt ids (completions endpoint, no parsers)
+    ids = _manager(tok).encode_chat(MESSAGES, None, {"thinking": False})
+    plain = httpx.post(f"{kimi_server}/v1/completions", timeout=120,
+                       json={"model": off["model"], "prompt": ids, "max_tokens": 6, "temperature": 0})
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"]
+    assert off["choices"][0]["message"]["content"] == plain.json()["choices"][0]["text"]
 
 
 def test_http_chat_stream(kimi_server) -> None:
