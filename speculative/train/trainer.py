@@ -20,9 +20,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from model_executor.model_config import ModelConfig
-from model_executor.models.dflash import DFlashDraftModel, drafter_config, save_drafter
+from model_executor.models.dflash import DFlashDraftModel
 from model_executor.weight_loader import safetensors_files
 from speculative.train.evaluate import offline_acceptance
+from speculative.train.export import drafter_config, save_drafter
 from speculative.train.objective import dflash_loss, lr_at, make_block_batch
 
 

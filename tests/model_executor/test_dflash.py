@@ -14,10 +14,9 @@ from model_executor.model_config import ModelConfig
 from model_executor.models.dflash import (
     DFlashDraftModel,
     default_target_layer_ids,
-    drafter_config,
-    save_drafter,
 )
 from model_executor.weight_loader import iter_weights
+from speculative.train.export import drafter_config, save_drafter
 
 TARGET_HF = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "num_hidden_layers": 6, "vocab_size": 97, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,

@@ -11,9 +11,8 @@ from model_executor.model_config import ModelConfig
 from model_executor.models.dflash import (
     DFlashDraftModel,
     default_target_layer_ids,
-    drafter_config,
-    save_drafter,
 )
+from speculative.train.export import drafter_config, save_drafter
 
 
 def write_random_drafter(target_path: str, out_dir: str | Path, num_layers: int = 1, block_size: int = 8,
