@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from model_executor.sampling_params import SamplingParams
 from server.config import ServerConfig
-from server.io_struct import GenerateReq, TokenOut
+from server.detokenizer import IncrementalDetokenizer
+from server.io_struct import DetokenizeReq, GenerateReq, TokenOut
 from server.process_utils import check_trust_remote_code
 from server.tp_worker import close_scheduler, make_scheduler
 
@@ -116,23 +117,22 @@ class Engine:
     def generate_stream(self, prompts: list[str] | str | None = None,
                         sampling_params: SamplingParams | list | None = None,
                         input_ids: list[list[int]] | None = None) -> Iterator[StreamDelta]:
-        """Yield per-request deltas as the scheduler produces them. Text is decoded incrementally over
-        the whole output so far (multi-byte characters are never split)."""
+        """Yield per-request deltas as the scheduler produces them. Text comes from the server's incremental
+        detokenizer (a sliding window over the output; multi-byte characters are never split), so the
+        deltas concatenate to ``generate``'s text at the cost of a few tokens per delta."""
         reqs = self._submit(prompts, input_ids, sampling_params)
         index = {r.rid: i for i, r in enumerate(reqs)}
-        toks: dict[str, list[int]] = {r.rid: [] for r in reqs}
-        texts: dict[str, str] = {r.rid: "" for r in reqs}
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        for r in reqs if detok is not None else ():
+            detok.add(DetokenizeReq(r.rid))
         pending = set(index)
         try:
             while pending:
                 for d in self._outputs(pending):
-                    toks[d.rid].extend(d.token_ids)
-                    full = self._decode(toks[d.rid])
-                    if full.endswith("\ufffd") and not d.finished:
-                        full = texts[d.rid]  # wait for the rest of a multi-byte character
-                    new, texts[d.rid] = full[len(texts[d.rid]):], full
+                    text_out = detok.process(d) if detok is not None else None
                     if d.finished:
                         pending.discard(d.rid)
+                    new = text_out.text if text_out is not None else ""
                     yield StreamDelta(index[d.rid], d.token_ids, new, d.finished, d.finish_reason)
         finally:
             if pending:  # the consumer stopped early: abort and free KV
@@ -160,7 +160,9 @@ class Engine:
         return mine
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)

@@ -71,6 +71,7 @@ def test_chunked_prefill_and_interleaving_do_not_change_output(default_model_pat
     rest = [d for d in stream]
     assert mid.token_ids == ref[0].token_ids
     assert first.token_ids + sum((d.token_ids for d in rest), []) == ref[1].token_ids
+    assert first.text + "".join(d.text for d in rest) == ref[1].text  # incremental detokenizer
     _assert_pool_full(small)
 
 
