@@ -20,12 +20,16 @@ from model_executor.weight_loader import iter_weights
 logger = logging.getLogger(__name__)
 
 
-def pick_attention_backend(device: torch.device):
+def pick_attention_backend(device: torch.device, name: str = "auto"):
+    """The MHA attention backend (``name``: auto | torch | flashinfer). MLA models run their own latent
+    attention (torch or triton) and get the unused torch one."""
+    if name in ("torch", "triton"):
+        return TorchAttentionBackend()
     try:
         from kernels.attention_select import get_attention_backend
     except ImportError:
         return TorchAttentionBackend()
-    return get_attention_backend("auto", device)
+    return get_attention_backend(name, device)
 
 
 def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.nn.Module:
@@ -60,7 +64,7 @@ class ModelRunner:
         self.kv = KVCache(layout, max_total_tokens, config.dtype, self.device)
         self.allocator = TokenSlotAllocator(max_total_tokens, self.device)
         self.req_to_token = ReqToTokenPool(max_reqs, max_context, self.device)
-        self.backend = pick_attention_backend(self.device)
+        self.backend = pick_attention_backend(self.device, config.attention_backend)
         logger.info("KV cache: %d tokens x %d bytes", max_total_tokens, per_token)
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ _SPEC_ALGOS = ("none", "dflash", "ddtree")
 _TOOL_PARSERS = ("kimi_k2", "hermes")
 _REASONING_PARSERS = ("kimi_k2", "deepseek-r1")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_KERNEL_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 # (dest, type, help, choices); bool fields use --flag / --no-flag.
 _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
@@ -29,6 +30,10 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("trust_remote_code", bool, "Allow the model's own tokenizer/config code (Kimi needs it).", None),
     ("int4_experts", str, "INT4 MoE experts: packed (INT4 in memory), dequant (dense at load); auto = packed on "
      "CUDA, dequant on CPU.", ("auto", "packed", "dequant")),
+    ("attention_backend", str, "Attention kernels: torch (reference), triton (MLA models), flashinfer (MHA "
+     "models); auto = the fast one on CUDA, torch on CPU.", _KERNEL_BACKENDS),
+    ("moe_backend", str, "Routed-expert kernels: torch (reference) or triton (grouped GEMM, dense or INT4); "
+     "auto = triton on CUDA, torch on CPU.", _KERNEL_BACKENDS),
     ("served_model_name", str, "Model name in the API (default: --model-path).", None),
     ("max_total_tokens", int, "KV cache size in tokens (default: from --kv-memory-gb or free GPU memory).", None),
     ("kv_memory_gb", float, "KV cache budget in GiB when --max-total-tokens is not set (CPU).", None),
@@ -131,6 +136,8 @@ def validate_config(config: ServerConfig) -> None:
         ("dtype", config.model.dtype, _DTYPES), ("device", config.model.device, _DEVICES),
         ("speculative_algorithm", config.speculative.algorithm, _SPEC_ALGOS),
         ("log_level", config.server.log_level, _LOG_LEVELS),
+        ("attention_backend", config.model.attention_backend, _KERNEL_BACKENDS),
+        ("moe_backend", config.model.moe_backend, _KERNEL_BACKENDS),
     ]
     if config.server.tool_call_parser is not None:
         checks.append(("tool_call_parser", config.server.tool_call_parser, _TOOL_PARSERS))
