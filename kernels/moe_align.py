@@ -4,7 +4,8 @@ The grouped MoE GEMM (kernels/triton_moe.py) launches one program per ``block_m`
 every block holds rows of exactly one expert, so a program loads that expert's weights once. Rows are flat
 pair ids ``t * top_k + s`` (token ``t``, routing slot ``s``); padding rows hold the sentinel ``T * top_k``.
 
-Sizes are static upper bounds (no host sync, so the result can be captured in a CUDA graph): the sorted
+Sizes are static upper bounds and every op is sync-free (no ``bincount``, whose output size needs the
+host; so the result can be captured in a CUDA graph): the sorted
 list has ``T * top_k + E_r * (block_m - 1)`` rows, rounded up to whole blocks; blocks past the last used one
 (and every block when no pair is local) carry expert ``-1`` and are skipped by the kernel. Pairs routed to
 another rank's experts (expert parallelism) are left out entirely.
@@ -33,7 +34,10 @@ def align_pairs_by_expert(ids: torch.Tensor, expert_start: int, num_local: int, 
     flat = ids.reshape(-1).to(torch.int64) - expert_start  # [N] local expert id
     local = (flat >= 0) & (flat < num_local)  # [N]
     key = torch.where(local, flat, torch.full_like(flat, num_local))  # [N] non-local pairs sort last
-    counts = torch.bincount(key, minlength=num_local + 1)[:num_local]  # [E]
+    ones = torch.ones_like(key)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device).scatter_add_(0, key, ones)[
+        :num_local
+    ]  # [E]
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     run_end = torch.cumsum(padded, 0)  # [E] padded end row of each expert's run
     run_start = run_end - padded  # [E]

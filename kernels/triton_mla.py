@@ -11,9 +11,9 @@ Modes, all over the ``ForwardBatch`` metadata (model_executor/forward_batch.py):
 - ``mla_decode``: one new token per request; it sees its request's ``prefix + 1`` keys.
 - ``mla_extend``: prefill after a cached prefix; new token ``i`` sees ``prefix + i + 1`` keys (causal; the
   mask is implied by the lengths, ``attn_mask`` is not read).
-- ``mla_verify``: target verify of a draft tree; every key of the request is bounded by
-  ``prefix + extend`` and filtered by ``attn_mask[b, i, :]`` (the whole prefix and the node's ancestors
-  and itself).
+- ``mla_verify``: target verify of a draft tree; new token ``i`` sees every prefix key and the new key
+  ``prefix + j`` iff ``tree_mask[b, i, j]`` (its ancestors and itself). ``tree_mask [bs, Q, Q]`` is
+  ``ForwardBatch.tree_mask``, or taken from ``attn_mask``'s new-token block when not given.
 
 One program per (new token, ``BLOCK_H`` heads); no split over the keys (a flash-decoding split as in
 SGLang's triton decode kernel would raise occupancy for long contexts at small batch: not done). Numerics:
@@ -41,6 +41,7 @@ def _mla_kernel(
     tok_req_ptr,
     tok_pos_ptr,
     kv_len_ptr,
+    prefix_ptr,
     out_ptr,
     sm_scale_log2,
     num_heads,
@@ -67,6 +68,7 @@ def _mla_kernel(
     b = tl.load(tok_req_ptr + pid_t).to(tl.int64)
     i = tl.load(tok_pos_ptr + pid_t).to(tl.int64)
     n_kv = tl.load(kv_len_ptr + pid_t)
+    pre = tl.load(prefix_ptr + b)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_heads
     offs_l = tl.arange(0, BLOCK_L)
@@ -100,8 +102,9 @@ def _mla_kernel(
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)  # [BH, BN]
         s = s * sm_scale_log2
         visible = n_mask
-        if TREE:
-            m = tl.load(mask_ptr + b * stride_mb + i * stride_mq + offs_n, mask=n_mask, other=0)
+        if TREE:  # prefix keys always visible; new key j: tree_mask[b, i, j - prefix]
+            rel = offs_n - pre
+            m = tl.load(mask_ptr + b * stride_mb + i * stride_mq + rel, mask=n_mask & (rel >= 0), other=1)
             visible = visible & (m != 0)
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BH]
@@ -127,6 +130,7 @@ def _launch(
     kv_lora_rank: int,
     scale: float,
     tree: bool,
+    tree_mask: torch.Tensor | None = None,
     block_n: int = 32,
 ) -> torch.Tensor:
     """q [T, Hr, L + R] (absorbed, in the cache dtype); k_cache [slots, 1, L + R] -> o_lat [T, Hr, L]."""
@@ -144,7 +148,12 @@ def _launch(
         return out
     q = q.contiguous()
     cache = k_cache.view(k_cache.shape[0], -1)  # [slots, L + R]
-    mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+    if tree and tree_mask is None:  # the new-token block of attn_mask: [b, i, prefix_b + j]
+        bs, _, k_max = attn_mask.shape
+        cols = prefix_lens[:, None, None] + torch.arange(q_max, device=q.device)[None, None, :]  # [bs, 1, Q]
+        tree_mask = attn_mask.gather(2, cols.clamp(max=k_max - 1).expand(bs, q_max, q_max))  # [bs, Q, Q]
+    mask = tree_mask if tree else attn_mask  # unread unless tree
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     block_h = max(16, min(64, triton.next_power_of_2(heads)))
     grid = (t, triton.cdiv(heads, block_h))
     _mla_kernel[grid](
@@ -155,6 +164,7 @@ def _launch(
         tok_req,
         tok_pos,
         kv_len.to(torch.int32),
+        prefix_lens,
         out,
         scale * LOG2E,
         heads,
@@ -180,24 +190,41 @@ def _launch(
     return out
 
 
-def mla_decode(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale):
+def mla_decode(
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
+):
     """DECODE: one new token per request (``extend_lens`` all 1). Shapes as ``_launch``."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False
     )
 
 
-def mla_extend(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale):
+def mla_extend(
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
+):
     """EXTEND: causal prefill of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False
     )
 
 
-def mla_verify(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale):
-    """TARGET_VERIFY: tree nodes see the prefix and their ancestors (``attn_mask``)."""
+def mla_verify(
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
+):
+    """TARGET_VERIFY: tree nodes see the prefix and their ancestors (``tree_mask [bs, Q, Q]``, or
+    ``attn_mask``'s new-token block)."""
     return _launch(
-        q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, True
+        q,
+        k_cache,
+        kv_indices,
+        attn_mask,
+        q_index,
+        prefix_lens,
+        extend_lens,
+        kv_lora_rank,
+        scale,
+        True,
+        tree_mask,
     )
 
 

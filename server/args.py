@@ -34,6 +34,8 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
      "models); auto = the fast one on CUDA, torch on CPU.", _KERNEL_BACKENDS),
     ("moe_backend", str, "Routed-expert kernels: torch (reference) or triton (grouped GEMM, dense or INT4); "
      "auto = triton on CUDA, torch on CPU.", _KERNEL_BACKENDS),
+    ("cuda_graph_max_bs", int, "Replay decode and verify forwards of up to this many requests from CUDA "
+     "graphs (MLA models with the triton backends, CUDA only); 0 = off.", None),
     ("served_model_name", str, "Model name in the API (default: --model-path).", None),
     ("max_total_tokens", int, "KV cache size in tokens (default: from --kv-memory-gb or free GPU memory).", None),
     ("kv_memory_gb", float, "KV cache budget in GiB when --max-total-tokens is not set (CPU).", None),
@@ -148,6 +150,8 @@ def validate_config(config: ServerConfig) -> None:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
     if not 0 < config.server.port < 65536:
         raise ValueError(f"port must be in 1..65535; got {config.server.port}")
+    if config.model.cuda_graph_max_bs < 0:
+        raise ValueError("cuda_graph_max_bs must be >= 0")
     if config.parallel.tp_size < 1:
         raise ValueError("tp_size must be >= 1")
     if config.speculative.ddtree_budget < 1:

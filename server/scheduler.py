@@ -53,7 +53,8 @@ class Scheduler:
         self.eos_token_ids = self.model_config.eos_token_ids
         sc = config.scheduler
         self.runner = ModelRunner(self.model_config, config.cache.max_total_tokens, config.cache.kv_memory_gb,
-                                  sc.max_running_requests + 1, self.max_context_len, tp or TPGroup(), device)
+                                  sc.max_running_requests + 1, self.max_context_len, tp or TPGroup(), device,
+                                  cuda_graph_max_bs=config.model.cuda_graph_max_bs)
         self.spec = build_spec_worker(config.speculative, self.runner, self.model_config)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

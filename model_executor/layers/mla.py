@@ -118,8 +118,8 @@ class MLAAttention(nn.Module):
             from kernels.triton_mla import MLA_KERNELS
 
             o_lat = MLA_KERNELS[fb.mode.value](q_full, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index,
-                                               fb.prefix_lens, fb.extend_lens, self.kv_lora_rank,
-                                               self.scale)  # [T, Hr, kv_lora]
+                                               fb.prefix_lens, fb.extend_lens, self.kv_lora_rank, self.scale,
+                                               fb.tree_mask)  # [T, Hr, kv_lora]
         else:
             v_view = k_cache[..., : self.kv_lora_rank]  # [slots, 1, kv_lora]: the latent doubles as V
             o_lat = masked_paged_attention(q_full, k_cache, v_view, fb.kv_indices, fb.attn_mask, fb.q_index,

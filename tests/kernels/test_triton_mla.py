@@ -91,6 +91,11 @@ def test_mla_kernels_match_reference(mode, prefix, extend, heads, lat, rope):
     )
     assert got.shape == ref.shape == (sum(extend), heads, lat)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if mode == ForwardMode.TARGET_VERIFY:  # the compact [bs, Q, Q] tree mask ForwardBatch carries
+        assert fb.tree_mask is not None and fb.tree_mask.shape == (len(prefix), max(extend), max(extend))
+        got = MLA_KERNELS[mode.value](q, cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens,
+                                      fb.extend_lens, lat, scale, fb.tree_mask)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_mla_verify_bf16_and_mask_is_read():
