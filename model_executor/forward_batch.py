@@ -41,6 +41,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None  # [n] rows of T that need logits; None = all rows
     capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs are returned
     input_embeds: torch.Tensor | None = None  # [T, hidden]; when set, replaces the embedding of input_ids
+    tree_mask: torch.Tensor | None = None  # [bs, Q, Q] bool, TARGET_VERIFY: node i sees node j (attn_mask's new-token block)
 
     @property
     def batch_size(self) -> int:
@@ -111,4 +112,5 @@ def build_forward_batch(
         logits_indices=logits_indices,
         capture_layer_ids=capture_layer_ids,
         input_embeds=input_embeds,
+        tree_mask=tm if mode == ForwardMode.TARGET_VERIFY else None,
     )

@@ -32,6 +32,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     int4_experts: str = "dequant"  # INT4 routed experts: "dequant" at load | "packed" (INT4-resident)
+    attention_backend: str = "auto"  # resolved by kernel_backends.py: MLA torch | triton; MHA auto | torch | flashinfer
+    moe_backend: str = "torch"  # routed experts' kernels: "torch" | "triton"
 
     @property
     def num_layers(self) -> int:
@@ -50,9 +52,11 @@ class ModelConfig:
         return int(self.hf.get("max_position_embeddings", 4096))
 
     @classmethod
-    def load(cls, path: str, dtype: str = "auto", device: str = "cpu", int4_experts: str = "auto") -> ModelConfig:
+    def load(cls, path: str, dtype: str = "auto", device: str = "cpu", int4_experts: str = "auto",
+             attention_backend: str = "auto", moe_backend: str = "auto") -> ModelConfig:
         """``int4_experts``: "auto" keeps INT4 experts packed on CUDA (a dense copy would not fit) and
-        dequantizes them at load on CPU (dense GEMMs are faster there)."""
+        dequantizes them at load on CPU (dense GEMMs are faster there). ``attention_backend`` /
+        ``moe_backend``: see model_executor/kernel_backends.py."""
         if int4_experts not in ("auto", "packed", "dequant"):
             raise ValueError(f"int4_experts must be auto, packed or dequant, got {int4_experts!r}")
         if int4_experts == "auto":
@@ -73,8 +77,12 @@ class ModelConfig:
             if e is not None:
                 eos.extend(e if isinstance(e, list) else [e])
                 break
+        from model_executor.kernel_backends import resolve_kernel_backends
+
+        attention_backend, moe_backend = resolve_kernel_backends(hf, attention_backend, moe_backend, device)
         return cls(path=str(p), hf=hf, architecture=archs[0], eos_token_ids=tuple(dict.fromkeys(eos)),
-                   dtype=resolve_dtype(dtype, device), int4_experts=int4_experts)
+                   dtype=resolve_dtype(dtype, device), int4_experts=int4_experts,
+                   attention_backend=attention_backend, moe_backend=moe_backend)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -20,12 +20,16 @@ from model_executor.weight_loader import iter_weights
 logger = logging.getLogger(__name__)
 
 
-def pick_attention_backend(device: torch.device):
+def pick_attention_backend(device: torch.device, name: str = "auto"):
+    """The MHA attention backend (``name``: auto | torch | flashinfer). MLA models run their own latent
+    attention (torch or triton) and get the unused torch one."""
+    if name in ("torch", "triton"):
+        return TorchAttentionBackend()
     try:
         from kernels.attention_select import get_attention_backend
     except ImportError:
         return TorchAttentionBackend()
-    return get_attention_backend("auto", device)
+    return get_attention_backend(name, device)
 
 
 def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.nn.Module:
@@ -42,7 +46,9 @@ def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, max_total_tokens: int | None, kv_memory_gb: float, max_reqs: int,
-                 max_context: int, tp: TPGroup = TPGroup(), device: str = "cpu"):
+                 max_context: int, tp: TPGroup = TPGroup(), device: str = "cpu", cuda_graph_max_bs: int = 0):
+        """``cuda_graph_max_bs > 0``: replay DECODE / TARGET_VERIFY forwards of up to that many requests from
+        CUDA graphs (model_executor/cuda_graph_runner.py; MLA models with the Triton backends only)."""
         self.config = config
         self.device = torch.device(device)
         self.tp = tp
@@ -60,11 +66,20 @@ class ModelRunner:
         self.kv = KVCache(layout, max_total_tokens, config.dtype, self.device)
         self.allocator = TokenSlotAllocator(max_total_tokens, self.device)
         self.req_to_token = ReqToTokenPool(max_reqs, max_context, self.device)
-        self.backend = pick_attention_backend(self.device)
+        self.backend = pick_attention_backend(self.device, config.attention_backend)
+        self.graphs = None
+        if cuda_graph_max_bs > 0:
+            from model_executor.cuda_graph_runner import CudaGraphRunner, check_graphable, graph_batch_sizes
+
+            check_graphable(config)
+            self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, graph_batch_sizes(cuda_graph_max_bs),
+                                          max_context, self.device)
         logger.info("KV cache: %d tokens x %d bytes", max_total_tokens, per_token)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.forward(fb)
         return self.model(fb, self.kv, self.backend)
 
     @torch.inference_mode()

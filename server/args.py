@@ -19,6 +19,7 @@ _SPEC_ALGOS = ("none", "dflash", "ddtree")
 _TOOL_PARSERS = ("kimi_k2", "hermes")
 _REASONING_PARSERS = ("kimi_k2", "deepseek-r1")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_KERNEL_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 # (dest, type, help, choices); bool fields use --flag / --no-flag.
 _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
@@ -29,6 +30,12 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("trust_remote_code", bool, "Allow the model's own tokenizer/config code (Kimi needs it).", None),
     ("int4_experts", str, "INT4 MoE experts: packed (INT4 in memory), dequant (dense at load); auto = packed on "
      "CUDA, dequant on CPU.", ("auto", "packed", "dequant")),
+    ("attention_backend", str, "Attention kernels: torch (reference), triton (MLA models), flashinfer (MHA "
+     "models); auto = the fast one on CUDA, torch on CPU.", _KERNEL_BACKENDS),
+    ("moe_backend", str, "Routed-expert kernels: torch (reference) or triton (grouped GEMM, dense or INT4); "
+     "auto = triton on CUDA, torch on CPU.", _KERNEL_BACKENDS),
+    ("cuda_graph_max_bs", int, "Replay decode and verify forwards of up to this many requests from CUDA "
+     "graphs (MLA models with the triton backends, CUDA only); 0 = off.", None),
     ("served_model_name", str, "Model name in the API (default: --model-path).", None),
     ("max_total_tokens", int, "KV cache size in tokens (default: from --kv-memory-gb or free GPU memory).", None),
     ("kv_memory_gb", float, "KV cache budget in GiB when --max-total-tokens is not set (CPU).", None),
@@ -131,6 +138,8 @@ def validate_config(config: ServerConfig) -> None:
         ("dtype", config.model.dtype, _DTYPES), ("device", config.model.device, _DEVICES),
         ("speculative_algorithm", config.speculative.algorithm, _SPEC_ALGOS),
         ("log_level", config.server.log_level, _LOG_LEVELS),
+        ("attention_backend", config.model.attention_backend, _KERNEL_BACKENDS),
+        ("moe_backend", config.model.moe_backend, _KERNEL_BACKENDS),
     ]
     if config.server.tool_call_parser is not None:
         checks.append(("tool_call_parser", config.server.tool_call_parser, _TOOL_PARSERS))
@@ -141,6 +150,8 @@ def validate_config(config: ServerConfig) -> None:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
     if not 0 < config.server.port < 65536:
         raise ValueError(f"port must be in 1..65535; got {config.server.port}")
+    if config.model.cuda_graph_max_bs < 0:
+        raise ValueError("cuda_graph_max_bs must be >= 0")
     if config.parallel.tp_size < 1:
         raise ValueError("tp_size must be >= 1")
     if config.speculative.ddtree_budget < 1:

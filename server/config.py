@@ -19,6 +19,9 @@ class ModelArgs:
     context_length: int | None = None  # None: the model's max_position_embeddings
     trust_remote_code: bool = True
     int4_experts: str = "auto"  # INT4 MoE experts: "auto" | "packed" (INT4-resident) | "dequant" (at load)
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton" (MLA) | "flashinfer" (MHA)
+    moe_backend: str = "auto"  # routed experts: "auto" | "torch" | "triton"
+    cuda_graph_max_bs: int = 0  # CUDA graphs for decode/verify up to this batch size; 0 = off
     served_model_name: str | None = None
 
 

@@ -46,12 +46,15 @@ class Scheduler:
         self.config = config
         self.model_path = model_path or resolve_model_path(config.model.model_path)
         device = _resolve_device(config.model.device)
-        self.model_config = ModelConfig.load(self.model_path, config.model.dtype, device, config.model.int4_experts)
+        self.model_config = ModelConfig.load(self.model_path, config.model.dtype, device, config.model.int4_experts,
+                                             attention_backend=config.model.attention_backend,
+                                             moe_backend=config.model.moe_backend)
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
         sc = config.scheduler
         self.runner = ModelRunner(self.model_config, config.cache.max_total_tokens, config.cache.kv_memory_gb,
-                                  sc.max_running_requests + 1, self.max_context_len, tp or TPGroup(), device)
+                                  sc.max_running_requests + 1, self.max_context_len, tp or TPGroup(), device,
+                                  cuda_graph_max_bs=config.model.cuda_graph_max_bs)
         self.spec = build_spec_worker(config.speculative, self.runner, self.model_config)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

@@ -10,7 +10,8 @@ ForwardBatch metadata (kv_indices / attn_mask / q_index):
   o_lat    = softmax(score) @ c_kv            [T, Hr, kv_lora]
   o[h]     = o_lat[h] @ W_UV[h]^T             [T, Hr, v_head_dim]
 which equals the expanded form (k = [c_kv W_UK^T ; k_pe], v = c_kv W_UV^T) in exact arithmetic
-(``forward_expanded`` is kept as the check). Prefill uses the absorbed form too: on the reference path it
+(``forward_expanded`` is kept as the check). Backends: "torch" runs ``masked_paged_attention``; "triton"
+runs kernels/triton_mla.py (decode / extend / target-verify kernels over the same metadata). Prefill uses the absorbed form too: on the reference path it
 costs more FLOPs than expanding but needs no second code path; a CUDA prefill may switch to the expanded
 form (ragged FA over k/v built from the same latent) without changing the cache.
 
@@ -53,8 +54,11 @@ class MLAAttention(nn.Module):
     """Checkpoint names: q_a_proj, q_a_layernorm, q_b_proj (or q_proj without q_lora), kv_a_proj_with_mqa,
     kv_a_layernorm, kv_b_proj, o_proj. Heads are split across TP ranks; q_a/kv_a are replicated."""
 
-    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype, backend: str = "torch"):
+        """``backend``: the latent attention's kernels, "torch" (``masked_paged_attention`` over a padded
+        gather, every device) or "triton" (kernels/triton_mla.py, reading the cache in place)."""
         super().__init__()
+        self.backend = backend
         hidden = cfg["hidden_size"]  # q_a/kv_a layernorms use eps 1e-6 (transformers and DeepSeek code)
         bias = bool(cfg.get("attention_bias", False))
         self.layer_id = layer_id
@@ -110,9 +114,16 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, Hr, kv_lora]
         q_full = torch.cat([q_lat, q_pe], dim=-1).to(k_cache.dtype)  # [T, Hr, kv_lora + rope]
-        v_view = k_cache[..., : self.kv_lora_rank]  # [slots, 1, kv_lora]: the latent doubles as V
-        o_lat = masked_paged_attention(q_full, k_cache, v_view, fb.kv_indices, fb.attn_mask, fb.q_index,
-                                       self.scale)  # [T, Hr, kv_lora]
+        if self.backend == "triton":
+            from kernels.triton_mla import MLA_KERNELS
+
+            o_lat = MLA_KERNELS[fb.mode.value](q_full, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index,
+                                               fb.prefix_lens, fb.extend_lens, self.kv_lora_rank, self.scale,
+                                               fb.tree_mask)  # [T, Hr, kv_lora]
+        else:
+            v_view = k_cache[..., : self.kv_lora_rank]  # [slots, 1, kv_lora]: the latent doubles as V
+            o_lat = masked_paged_attention(q_full, k_cache, v_view, fb.kv_indices, fb.attn_mask, fb.q_index,
+                                           self.scale)  # [T, Hr, kv_lora]
         o = torch.einsum("thl,hvl->thv", o_lat.to(w_uv.dtype), w_uv)  # [T, Hr, v]
         return self.o_proj(o.reshape(o.shape[0], -1))
 

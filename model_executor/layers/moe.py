@@ -46,9 +46,12 @@ class FusedExperts(nn.Module):
     experts ``[expert_start, expert_start + E_r)`` (``I_r = I``). Either way the output is a partial sum
     over ranks: the caller all-reduces it (``reduce=True`` does it here)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype,
+                 backend: str = "torch"):
+        """``backend``: "torch" (the per-expert loop below, every device) or "triton" (the grouped GEMM of
+        kernels/triton_moe.py over the same parameters; CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
         super().__init__()
-        self.tp, self.num_experts = tp, num_experts
+        self.tp, self.num_experts, self.backend = tp, num_experts, backend
         if tp.expert_parallel:
             self.expert_start, self.num_local = tp.partition(num_experts, "routed experts")
             self.inter, self.inter_start = intermediate, 0
@@ -96,7 +99,10 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """x [T, H], weights [T, k], ids [T, k] (global expert ids) -> [T, H]. The (token, expert) pairs this
         rank holds are sorted by expert and each expert runs one dense GEMM over its contiguous slice (a
-        loop over the local experts that received tokens)."""
+        loop over the local experts that received tokens; "triton": one grouped GEMM launch per projection)."""
+        if self.backend == "triton":
+            out = self.forward_triton(x, weights, ids)
+            return self.tp.all_reduce(out) if reduce else out
         t, k = ids.shape
         flat = ids.reshape(-1) - self.expert_start  # [T*k] local expert id; out of range = another rank's
         if self.num_local == self.num_experts:
@@ -120,6 +126,13 @@ class FusedExperts(nn.Module):
         out = torch.zeros_like(x)  # [T, H]
         out.index_add_(0, token_of, out_sorted * w_sorted[:, None])
         return self.tp.all_reduce(out) if reduce else out
+
+
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum through kernels/triton_moe.py (dense stacked weights)."""
+        from kernels.triton_moe import fused_moe
+
+        return fused_moe(x, weights, ids, self.w13, self.w2, self.expert_start)
 
 
 class DenseMLP(nn.Module):
@@ -150,9 +163,11 @@ class MoEGate(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts + shared experts of one DeepSeek-V3 layer; ``cfg`` is the HF text config dict."""
 
-    def __init__(self, cfg: dict, tp: TPGroup, dtype: torch.dtype, int4_group: int | None = None):
+    def __init__(self, cfg: dict, tp: TPGroup, dtype: torch.dtype, int4_group: int | None = None,
+                 backend: str = "torch"):
         """``int4_group``: keep the routed experts pack-quantized INT4 with this group size (``Int4Experts``);
-        None: dense experts (BF16 checkpoints, or INT4 dequantized at load)."""
+        None: dense experts (BF16 checkpoints, or INT4 dequantized at load). ``backend``: the routed
+        experts' kernels, "torch" | "triton" (``FusedExperts``)."""
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
         scoring = cfg.get("scoring_func", "sigmoid")
@@ -165,11 +180,11 @@ class DeepseekMoE(nn.Module):
         self.scaling = float(cfg.get("routed_scaling_factor", 1.0))
         self.gate = MoEGate(cfg["n_routed_experts"], hidden, cfg.get("topk_method", "noaux_tc") == "noaux_tc")
         if int4_group is None:
-            self.experts = FusedExperts(cfg["n_routed_experts"], hidden, inter, tp, dtype)
+            self.experts = FusedExperts(cfg["n_routed_experts"], hidden, inter, tp, dtype, backend)
         else:
             from model_executor.layers.moe_int4 import Int4Experts
 
-            self.experts = Int4Experts(cfg["n_routed_experts"], hidden, inter, tp, dtype, int4_group)
+            self.experts = Int4Experts(cfg["n_routed_experts"], hidden, inter, tp, dtype, int4_group, backend)
         n_shared = cfg.get("n_shared_experts") or 0
         self.shared_experts = DenseMLP(hidden, inter * n_shared, tp, dtype) if n_shared else None
 

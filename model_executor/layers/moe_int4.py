@@ -8,11 +8,12 @@ and ``w2_packed`` int32 ``[E_r, H, I_r / 8]`` with ``w2_scale`` ``[E_r, H, I_r /
 of gate/up and whole quantization groups of down's input columns, so ``I_r`` must be a multiple of ``g``
 (Kimi at TP 8: 2048 / 8 = 256); expert parallelism holds whole experts.
 
-Compute (the reference path, every device): each expert that received tokens is dequantized on the fly
-into a temporary dense weight for its GEMM. Exact (the same ``dequantize_int4`` as the load-time path),
-memory-light, but it moves ~4x the INT4 bytes per step; the fast CUDA path is a grouped W4A16 MoE kernel
-over these tensors (Marlin-style, sgl-kernel / vLLM ``fused_marlin_moe`` after their repacking at load),
-not wired here yet because no GPU was available to validate it.
+Compute, backend "torch" (the reference, every device): each expert that received tokens is dequantized
+on the fly into a temporary dense weight for its GEMM. Exact (the same ``dequantize_int4`` as the load-time
+path), memory-light, but it moves ~4x the INT4 bytes per step. Backend "triton": the W4A16 grouped GEMM of
+kernels/triton_moe.py reads these packed words and scales directly, dequantizing tile by tile in registers
+(no dense copy). A Marlin-style kernel (sgl-kernel / vLLM ``fused_marlin_moe``, after their repacking at
+load) is not wired.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ class Int4Experts(FusedExperts):
     """``FusedExperts`` (same routing, TP/EP layout and output contract) over INT4-resident weights."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype,
-                 group_size: int):
+                 group_size: int, backend: str = "torch"):
         self.group, self.hidden = group_size, hidden
-        super().__init__(num_experts, hidden, intermediate, tp, dtype)
+        super().__init__(num_experts, hidden, intermediate, tp, dtype, backend)
 
     def _make_weights(self, hidden: int, dtype: torch.dtype) -> None:
         g, n = self.group, self.inter
@@ -68,6 +69,12 @@ class Int4Experts(FusedExperts):
         else:
             off = 0 if kind == "gate" else n
             dst[off:off + n].copy_(loaded.narrow(0, s, n))
+
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from kernels.triton_moe import fused_moe
+
+        return fused_moe(x, weights, ids, self.w13_packed, self.w2_packed, self.expert_start,
+                         w13_scale=self.w13_scale, w2_scale=self.w2_scale, group_size=self.group)
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         n, h = self.inter, self.hidden

@@ -5,6 +5,8 @@ MLA attention (model_executor/layers/mla.py, latent-only KV cache), dense MLP in
 models/llama.py. Weights: BF16 safetensors in the Hugging Face layout; routed experts may be
 compressed-tensors pack-quantized INT4: dequantized at load (``ModelConfig.int4_experts == "dequant"``, the
 CPU default) or kept INT4-resident (``"packed"``, the CUDA default: layers/moe_int4.py).
+Kernels: ``ModelConfig.attention_backend`` ("torch" | "triton") picks the MLA latent attention and
+``ModelConfig.moe_backend`` ("torch" | "triton") the routed experts (dense or INT4-resident).
 Multi-token-prediction layers (``model.layers.{n >= num_hidden_layers}``) are not served and are skipped.
 """
 
@@ -40,13 +42,14 @@ _MLP_STACK = (("gate_proj", 0), ("up_proj", 1))
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype, int4_group: int | None = None):
+    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype, int4_group: int | None = None,
+                 attention_backend: str = "torch", moe_backend: str = "torch"):
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
-        self.self_attn = MLAAttention(cfg, layer_id, tp, dtype)
+        self.self_attn = MLAAttention(cfg, layer_id, tp, dtype, attention_backend)
         dense = layer_id < (cfg.get("first_k_dense_replace") or 0) or not cfg.get("n_routed_experts")
         self.mlp = (DenseMLP(hidden, cfg["intermediate_size"], tp, dtype) if dense
-                    else DeepseekMoE(cfg, tp, dtype, int4_group))
+                    else DeepseekMoE(cfg, tp, dtype, int4_group, moe_backend))
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
 
@@ -69,7 +72,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.num_layers = cfg["num_hidden_layers"]
         self.int4_group = _resident_int4_group(config)
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp, dtype)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, tp, dtype, self.int4_group)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, tp, dtype, self.int4_group,
+                                                           config.attention_backend, config.moe_backend)
                                     for i in range(self.num_layers))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
         self.tie = bool(cfg.get("tie_word_embeddings", False))
@@ -86,7 +90,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def forward(self, fb: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> ModelOutput:
-        """MLA runs its own latent attention (reference masked_paged_attention); ``backend`` is unused here."""
+        """MLA runs its own latent attention (``config.attention_backend``: torch reference or the Triton
+        kernels); the runner's MHA ``backend`` is unused here."""
         h = fb.input_embeds if fb.input_embeds is not None else self.embed_tokens(fb.input_ids)  # [T, H]
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(fb.positions)
         captured = []

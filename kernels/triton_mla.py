@@ -1,0 +1,231 @@
+"""Absorbed multi-head latent attention over the paged latent cache, as one Triton kernel family.
+
+Per layer the cache holds one latent row per token, ``c = [c_kv (kv_lora_rank L) ; k_pe (rope R)]``
+(model_executor/layers/mla.py). For each new token and each query head the kernel computes
+``o_lat = softmax(scale * (q_lat . c_kv + q_pe . k_pe)) @ c_kv`` with ``q = [q_lat ; q_pe]`` already
+absorbed (``q_lat = q_nope W_UK``), reading the cache rows in place through ``kv_indices`` (no gathered
+copy) with an online softmax over ``BLOCK_N`` keys at a time (FlashAttention, Dao et al. 2022); the latent
+serves as both K and V.
+
+Modes, all over the ``ForwardBatch`` metadata (model_executor/forward_batch.py):
+- ``mla_decode``: one new token per request; it sees its request's ``prefix + 1`` keys.
+- ``mla_extend``: prefill after a cached prefix; new token ``i`` sees ``prefix + i + 1`` keys (causal; the
+  mask is implied by the lengths, ``attn_mask`` is not read).
+- ``mla_verify``: target verify of a draft tree; new token ``i`` sees every prefix key and the new key
+  ``prefix + j`` iff ``tree_mask[b, i, j]`` (its ancestors and itself). ``tree_mask [bs, Q, Q]`` is
+  ``ForwardBatch.tree_mask``, or taken from ``attn_mask``'s new-token block when not given.
+
+One program per (new token, ``BLOCK_H`` heads); no split over the keys (a flash-decoding split as in
+SGLang's triton decode kernel would raise occupancy for long contexts at small batch: not done). Numerics:
+products in the cache dtype, float32 scores, softmax and accumulation; output in the query's dtype. Runs on
+CUDA, and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_utils import dot_args
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_kernel(
+    q_ptr,
+    cache_ptr,
+    kv_idx_ptr,
+    mask_ptr,
+    tok_req_ptr,
+    tok_pos_ptr,
+    kv_len_ptr,
+    prefix_ptr,
+    out_ptr,
+    sm_scale_log2,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_slot,
+    stride_kb,
+    stride_mb,
+    stride_mq,
+    stride_ot,
+    stride_oh,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    TREE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.load(tok_req_ptr + pid_t).to(tl.int64)
+    i = tl.load(tok_pos_ptr + pid_t).to(tl.int64)
+    n_kv = tl.load(kv_len_ptr + pid_t)
+    pre = tl.load(prefix_ptr + b)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < num_heads
+    offs_l = tl.arange(0, BLOCK_L)
+    l_mask = offs_l < L
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    q_row = q_ptr + pid_t * stride_qt + offs_h[:, None] * stride_qh  # [BH, 1]
+    q_lat = tl.load(q_row + offs_l[None, :], mask=h_mask[:, None] & l_mask[None, :], other=0.0)  # [BH, BL]
+    q_pe = tl.load(q_row + L + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BH, BR]
+    if UPCAST_DOT:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    for start in range(0, n_kv, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_kv
+        slot = tl.load(kv_idx_ptr + b * stride_kb + offs_n, mask=n_mask, other=0).to(tl.int64)  # [BN]
+        k_row = cache_ptr + slot[:, None] * stride_slot  # [BN, 1]
+        k_lat = tl.load(
+            k_row + offs_l[None, :], mask=n_mask[:, None] & l_mask[None, :], other=0.0
+        )  # [BN, BL]
+        k_pe = tl.load(
+            k_row + L + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+        )  # [BN, BR]
+        if UPCAST_DOT:
+            k_lat = k_lat.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)  # [BH, BN]
+        s = s * sm_scale_log2
+        visible = n_mask
+        if TREE:  # prefix keys always visible; new key j: tree_mask[b, i, j - prefix]
+            rel = offs_n - pre
+            m = tl.load(mask_ptr + b * stride_mb + i * stride_mq + rel, mask=n_mask & (rel >= 0), other=1)
+            visible = visible & (m != 0)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BH]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block adds nothing
+        p = tl.exp2(s - m_safe[:, None])  # [BH, BN]
+        alpha = tl.exp2(m_i - m_safe)  # [BH]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None], input_precision=PRECISION)  # [BH, BL]
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o = out_ptr + pid_t * stride_ot + offs_h[:, None] * stride_oh + offs_l[None, :]
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & l_mask[None, :])
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    attn_mask: torch.Tensor,
+    q_index: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    tree: bool,
+    tree_mask: torch.Tensor | None = None,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """q [T, Hr, L + R] (absorbed, in the cache dtype); k_cache [slots, 1, L + R] -> o_lat [T, Hr, L]."""
+    t, heads, width = q.shape
+    lat, rope = kv_lora_rank, width - kv_lora_rank
+    q_max = attn_mask.shape[1]
+    tok_req = torch.div(q_index, q_max, rounding_mode="floor")  # [T] request of each new token
+    tok_pos = q_index - tok_req * q_max  # [T] index among its request's new tokens
+    if tree:
+        kv_len = (prefix_lens + extend_lens)[tok_req]  # [T] every key of the request, filtered by the mask
+    else:
+        kv_len = prefix_lens[tok_req] + tok_pos + 1  # [T] causal
+    out = torch.empty(t, heads, lat, dtype=q.dtype, device=q.device)  # [T, Hr, L]
+    if t == 0:
+        return out
+    q = q.contiguous()
+    cache = k_cache.view(k_cache.shape[0], -1)  # [slots, L + R]
+    if tree and tree_mask is None:  # the new-token block of attn_mask: [b, i, prefix_b + j]
+        bs, _, k_max = attn_mask.shape
+        cols = prefix_lens[:, None, None] + torch.arange(q_max, device=q.device)[None, None, :]  # [bs, 1, Q]
+        tree_mask = attn_mask.gather(2, cols.clamp(max=k_max - 1).expand(bs, q_max, q_max))  # [bs, Q, Q]
+    mask = tree_mask if tree else attn_mask  # unread unless tree
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    block_h = max(16, min(64, triton.next_power_of_2(heads)))
+    grid = (t, triton.cdiv(heads, block_h))
+    _mla_kernel[grid](
+        q,
+        cache,
+        kv_indices,
+        mask,
+        tok_req,
+        tok_pos,
+        kv_len.to(torch.int32),
+        prefix_lens,
+        out,
+        scale * LOG2E,
+        heads,
+        q.stride(0),
+        q.stride(1),
+        cache.stride(0),
+        kv_indices.stride(0),
+        mask.stride(0),
+        mask.stride(1),
+        out.stride(0),
+        out.stride(1),
+        L=lat,
+        R=rope,
+        TREE=tree,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_L=max(16, triton.next_power_of_2(lat)),
+        BLOCK_R=max(16, triton.next_power_of_2(rope)),
+        num_warps=4,
+        num_stages=2,  # two 32 x 576 bf16 key tiles in flight fit sm120's ~99 KB of shared memory
+        **dot_args(k_cache.dtype),
+    )
+    return out
+
+
+def mla_decode(
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
+):
+    """DECODE: one new token per request (``extend_lens`` all 1). Shapes as ``_launch``."""
+    return _launch(
+        q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False
+    )
+
+
+def mla_extend(
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
+):
+    """EXTEND: causal prefill of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones."""
+    return _launch(
+        q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False
+    )
+
+
+def mla_verify(
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
+):
+    """TARGET_VERIFY: tree nodes see the prefix and their ancestors (``tree_mask [bs, Q, Q]``, or
+    ``attn_mask``'s new-token block)."""
+    return _launch(
+        q,
+        k_cache,
+        kv_indices,
+        attn_mask,
+        q_index,
+        prefix_lens,
+        extend_lens,
+        kv_lora_rank,
+        scale,
+        True,
+        tree_mask,
+    )
+
+
+MLA_KERNELS = {"decode": mla_decode, "extend": mla_extend, "target_verify": mla_verify}

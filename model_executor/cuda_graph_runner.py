@@ -1,0 +1,172 @@
+"""CUDA graphs for the target's DECODE and TARGET_VERIFY forwards over a fixed set of padded batch sizes.
+
+A decode step (one token per request) or a verify step (``q`` tree nodes per request, ``q`` = DDTree
+budget + 1) launches hundreds of small kernels; replaying a captured graph removes their launch overhead
+(the idea of SGLang's CudaGraphRunner, written here for our ForwardBatch). One graph per
+``(mode, q, capture_layer_ids, padded batch size)``, captured lazily at its first use (warm-up forwards on a
+side stream compile the Triton kernels first), all sharing one memory pool.
+
+Static inputs: every ForwardBatch tensor at the padded size, as views of buffers shared by all graphs
+(``kv_indices [max_bs, max_context]``, as wide as a request can grow, so one graph serves every step;
+verify's compact ``tree_mask [max_bs, q, q]``). A replay copies the real batch into the top-left corner and
+pads the rest: padded requests have prefix 0, write their KV to slot 0 (the padding slot) and see key 0
+only; their outputs are dropped.
+
+Capturable only when the forward never syncs with the host: the MLA model (DeepSeek-V3 / Kimi) with
+``attention_backend == "triton"`` (its kernels bound the key loop on device) and ``moe_backend == "triton"``
+(sync-free alignment) or no routed experts. ``capture=False`` runs the same padded static batches eagerly:
+how the CPU tests check the padding contract (padded forward == plain forward) without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.model_config import ModelConfig
+from model_executor.models.output import ModelOutput
+
+
+def graph_batch_sizes(max_bs: int) -> tuple[int, ...]:
+    """Padded batch sizes captured for ``--cuda-graph-max-bs``: 1, 2, 4, 8, then every 8 up to max_bs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 8)) + [max_bs]
+    return tuple(sorted(set(sizes)))
+
+
+def check_graphable(config: ModelConfig) -> None:
+    """ValueError unless this model's forward is capturable (see module docstring)."""
+    mla = bool(config.hf.get("kv_lora_rank"))
+    moe_ok = config.moe_backend == "triton" or not config.hf.get("n_routed_experts")
+    if not (mla and config.attention_backend == "triton" and moe_ok):
+        raise ValueError(
+            "CUDA graphs are wired for MLA models with attention_backend 'triton' and moe_backend "
+            f"'triton' only (got {config.architecture}, attention_backend "
+            f"{config.attention_backend!r}, moe_backend {config.moe_backend!r})"
+        )
+
+
+@dataclass
+class _Graph:
+    fb: ForwardBatch  # static padded inputs
+    out: ModelOutput | None  # static outputs (captured graphs)
+    graph: torch.cuda.CUDAGraph | None  # None: eager replay of the static batch
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv,
+        backend,
+        batch_sizes: tuple[int, ...],
+        max_context: int,
+        device: torch.device | str,
+        capture: bool = True,
+    ):
+        if capture and torch.device(device).type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model, self.kv, self.backend = model, kv, backend
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.max_bs = self.batch_sizes[-1]
+        self.max_context, self.device, self.capture = max_context, torch.device(device), capture
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # shared by every graph (each uses the leading rows): [max_bs, max_context] KV slots, [max_bs] prefixes
+        self.kv_indices = torch.zeros(self.max_bs, max_context, dtype=torch.int64, device=self.device)
+        self.prefix_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)
+        self.tokens: dict[int, dict[str, torch.Tensor]] = {}  # per q: [max_bs * q] token-level buffers
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        """Decode or verify, every request with the same number of new tokens, a captured size fits."""
+        if fb.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) or fb.input_embeds is not None:
+            return False
+        if fb.mode == ForwardMode.TARGET_VERIFY and fb.tree_mask is None:
+            return False
+        bs, q = fb.batch_size, fb.max_q
+        return (
+            0 < bs <= self.max_bs
+            and fb.input_ids.numel() == bs * q
+            and fb.kv_indices.shape[1] <= self.max_context
+        )
+
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
+        bs, q = fb.batch_size, fb.max_q
+        bs_pad = next(b for b in self.batch_sizes if b >= bs)
+        key = (fb.mode, q, fb.capture_layer_ids, bs_pad)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._make(fb.mode, q, fb.capture_layer_ids, bs_pad)
+        self._fill(g.fb, fb)
+        if g.graph is None:
+            out = self.model(g.fb, self.kv, self.backend)
+        else:
+            g.graph.replay()
+            out = g.out
+        t = bs * q
+        captured = out.captured[:t].clone() if out.captured is not None else None
+        return ModelOutput(out.hidden[:t].clone(), captured)
+
+    def _buffers(self, q: int) -> dict[str, torch.Tensor]:
+        if q not in self.tokens:
+            n, dev = self.max_bs * q, self.device
+            self.tokens[q] = {
+                "input_ids": torch.zeros(n, dtype=torch.int64, device=dev),
+                "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+                "out_cache_loc": torch.zeros(n, dtype=torch.int64, device=dev),
+                "q_index": torch.arange(n, device=dev),
+                "tree_mask": torch.zeros(self.max_bs, q, q, dtype=torch.bool, device=dev),
+            }
+        return self.tokens[q]
+
+    def _static(self, mode: ForwardMode, q: int, layer_ids: tuple[int, ...], bs: int) -> ForwardBatch:
+        """Views of the shared buffers at the padded size. ``attn_mask`` is a [bs, q, 1] placeholder: the
+        Triton MLA kernels read lengths (decode) and ``tree_mask`` (verify), not the dense mask."""
+        buf, t = self._buffers(q), bs * q
+        verify = mode == ForwardMode.TARGET_VERIFY
+        return ForwardBatch(
+            mode=mode,
+            input_ids=buf["input_ids"][:t],
+            positions=buf["positions"][:t],
+            out_cache_loc=buf["out_cache_loc"][:t],
+            kv_indices=self.kv_indices[:bs],
+            attn_mask=torch.ones(bs, q, 1, dtype=torch.bool, device=self.device),
+            q_index=buf["q_index"][:t],
+            prefix_lens=self.prefix_lens[:bs],
+            extend_lens=torch.full((bs,), q, dtype=torch.int64, device=self.device),
+            capture_layer_ids=layer_ids,
+            tree_mask=buf["tree_mask"][:bs] if verify else None,
+        )
+
+    def _make(self, mode: ForwardMode, q: int, layer_ids: tuple[int, ...], bs: int) -> _Graph:
+        fb = self._static(mode, q, layer_ids, bs)
+        if not self.capture:
+            return _Graph(fb, None, None)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the Triton kernels and settles the allocator outside the capture
+                self.model(fb, self.kv, self.backend)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.model(fb, self.kv, self.backend)
+        return _Graph(fb, out, graph)
+
+    @staticmethod
+    def _fill(st: ForwardBatch, fb: ForwardBatch) -> None:
+        """Copy the real batch into the static one; padded requests: prefix 0, slot 0, key 0 visible."""
+        bs, t, k = fb.batch_size, fb.input_ids.numel(), fb.kv_indices.shape[1]
+        for name in ("input_ids", "positions", "out_cache_loc"):
+            dst = getattr(st, name)
+            dst[:t].copy_(getattr(fb, name))
+            dst[t:].zero_()
+        st.kv_indices.zero_()
+        st.kv_indices[:bs, :k].copy_(fb.kv_indices)
+        st.prefix_lens.zero_()
+        st.prefix_lens[:bs].copy_(fb.prefix_lens)
+        if st.tree_mask is not None:
+            st.tree_mask.zero_()
+            st.tree_mask[:bs].copy_(fb.tree_mask)
+            st.tree_mask[bs:, :, 0] = True
