@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling import min_p_renorm_prob, sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
+from model_executor.penalties import BatchPenalties, apply_penalties
 from model_executor.sampling_params import SamplingParams
 
 
@@ -81,8 +82,15 @@ def draw_uniforms(
     return out.to(device)
 
 
-def sample(logits: torch.Tensor, info: BatchSamplingInfo, generators: list[torch.Generator]) -> torch.Tensor:
-    """logits [bs, V] float32 -> token ids [bs] int64."""
+def sample(
+    logits: torch.Tensor,
+    info: BatchSamplingInfo,
+    generators: list[torch.Generator],
+    penalties: BatchPenalties | None = None,
+) -> torch.Tensor:
+    """logits [bs, V] float32 -> token ids [bs] int64. ``penalties`` (logit bias, repetition, frequency,
+    presence; ``model_executor.penalties``) apply first; greedy rows take the argmax of the result."""
+    logits = apply_penalties(logits, penalties)  # [bs, V]
     if info.all_greedy:
         return logits.argmax(-1)
     probs = processed_probs(logits, info)  # [bs, V]

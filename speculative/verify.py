@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_executor.penalties import BatchPenalties, apply_tree_penalties
 from model_executor.sampler import BatchSamplingInfo, draw_uniforms, processed_probs
 from speculative.ddtree import DraftTree
 
@@ -123,13 +124,17 @@ def verify_tree(
     min_p: torch.Tensor | None = None,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
+    penalties: BatchPenalties | None = None,
 ) -> VerifyResult:
     """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification, lossless with
     thresholds 1).
 
     tree: from ``build_ddtree``; target_logits [bs, D, V] float (row i: after node i); temperature,
     top_p [bs] float; top_k [bs] int (<= 0: off); is_greedy [bs] bool; generators: one per request
-    (None: torch's default generator), only used by sampled requests."""
+    (None: torch's default generator), only used by sampled requests. ``penalties``: logit bias and
+    repetition / frequency / presence penalties (``model_executor.penalties.apply_tree_penalties``: node i
+    counts the tokens on its own path root..i), applied before the argmax and the target probabilities.
+    ``target_logprobs`` are of the raw logits, as in plain decoding."""
     from kernels import speculative as kspec
 
     bs, d = tree.candidates.shape
@@ -143,6 +148,9 @@ def verify_tree(
     accept_index = torch.full((bs, s), -1, dtype=torch.int32, device=dev)  # [bs, S], global rows
     accept_num = torch.zeros(bs, dtype=torch.int32, device=dev)  # [bs]
     greedy = is_greedy.to(device=dev, dtype=torch.bool)  # [bs]
+    logits = apply_tree_penalties(
+        target_logits, penalties, tree.candidates, tree.tree_mask, tree.parents >= 0
+    )  # [bs, D, V] processed (target_logits itself without penalties)
 
     if bool(greedy.all()):
         kspec.verify_tree_greedy(
@@ -153,10 +161,10 @@ def verify_tree(
             tree.retrive_index,
             tree.retrive_next_token,
             tree.retrive_next_sibling,
-            target_logits.argmax(dim=-1),  # [bs, D] int64
+            logits.argmax(dim=-1),  # [bs, D] int64
         )
     else:
-        target_probs = build_target_probs(target_logits, temperature, top_k, top_p, greedy, min_p)  # [bs, D, V]
+        target_probs = build_target_probs(logits, temperature, top_k, top_p, greedy, min_p)  # [bs, D, V]
         coins, final_coins = verify_coins(generators, tree.num_nodes, d, greedy, dev)
         kspec.tree_speculative_sampling_target_only(
             predicts,
