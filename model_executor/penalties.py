@@ -99,30 +99,32 @@ class BatchPenalties:
         )
 
 
-def _penalise(
-    logits: torch.Tensor,
-    count: torch.Tensor,
-    seen: torch.Tensor,
-    pres: torch.Tensor,
-    freq: torch.Tensor,
-    rep: torch.Tensor,
-) -> torch.Tensor:
-    """Steps 2 and 3 of the module docstring, elementwise over broadcastable tensors."""
-    repeated = torch.where(logits > 0, logits / rep, logits * rep)
-    out = torch.where(seen, repeated, logits)
-    return out - count * freq - (count > 0).to(out.dtype) * pres
+def _subtrahend(count: torch.Tensor, pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """Step 3: ``count * frequency + (count > 0) * presence`` (broadcastable tensors)."""
+    return count * freq + (count > 0).to(count.dtype) * pres
+
+
+def _penalise_(x: torch.Tensor, seen: torch.Tensor, rep: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """Steps 2 and 3 in place on ``x`` (biased logits, owned by the caller): seen tokens are scaled by
+    ``1 / rep`` when positive and by ``rep`` otherwise, then ``sub`` is subtracted. One elementwise formula
+    for the dense rows and the path corrections, so both round identically."""
+    scale = torch.where(seen & (x > 0), 1.0 / rep, torch.where(seen, rep, torch.ones_like(rep)))
+    return x.mul_(scale).sub_(sub)
+
+
+def _biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A new float32 tensor: the logits plus the logit bias (step 1); the input is never modified."""
+    x = logits.float()
+    return x + bias if bias is not None else x.clone()
 
 
 def apply_penalties(logits: torch.Tensor, pen: BatchPenalties | None) -> torch.Tensor:
     """Processed logits [bs, V] (float32, a new tensor) of raw logits [bs, V]; ``pen`` None returns them."""
     if pen is None:
         return logits
-    x = logits.float()
-    if pen.bias is not None:
-        x = x + pen.bias
-    return _penalise(
-        x, pen.generated, pen.seen, pen.presence[:, None], pen.frequency[:, None], pen.repetition[:, None]
-    )
+    x = _biased(logits, pen.bias)  # [bs, V]
+    sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
+    return _penalise_(x, pen.seen, pen.repetition[:, None], sub)
 
 
 def apply_tree_penalties(
@@ -132,39 +134,29 @@ def apply_tree_penalties(
     ancestors: torch.Tensor,
     is_node: torch.Tensor,
 ) -> torch.Tensor:
-    """Processed logits [bs, D, V] of a draft tree's raw logits [bs, D, V]: row i counts the request's tokens
-    plus the tokens of the non-root nodes on root..i.
+    """Processed logits [bs, D, V] (float32, a new tensor) of a draft tree's raw logits [bs, D, V]: row i
+    counts the request's tokens plus the tokens of the non-root nodes on root..i. Transient memory: the
+    result, one float and one bool tensor of the logits' shape; the raw logits are not modified.
 
     candidates [bs, D] int64 node tokens; ancestors [bs, D, D] bool, [b, i, j]: j is on root..i (i
     included); is_node [bs, D] bool: j is a real non-root node (root and padding excluded)."""
     if pen is None:
         return logits
-    x = logits.float()
-    if pen.bias is not None:
-        x = x + pen.bias[:, None, :]
-    out = _penalise(
-        x,
-        pen.generated[:, None, :],
-        pen.seen[:, None, :],
-        pen.presence[:, None, None],
-        pen.frequency[:, None, None],
-        pen.repetition[:, None, None],
-    )  # [bs, D, V]
+    bias = pen.bias[:, None, :] if pen.bias is not None else None
+    x = _biased(logits, bias)  # [bs, D, V]
     on_path = ancestors & is_node[:, None, :]  # [bs, D(i), D(j)] j is a non-root node on root..i
     b, i, j = on_path.nonzero(as_tuple=True)  # [P] each (row i, path node j); P <= bs * D * depth
+    tok = candidates[b, j]  # [P] the path token whose logit in row i changes
+    x_path = x[b, i, tok]  # [P] biased logits of the path tokens, before the base penalties below
+    sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
+    out = _penalise_(x, pen.seen[:, None, :], pen.repetition[:, None, None], sub[:, None, :])  # [bs, D, V]
     if b.numel() == 0:
         return out
-    tok = candidates[b, j]  # [P] the path token whose logit in row i changes
     same = (candidates[:, :, None] == candidates[:, None, :]).float()  # [bs, D(k), D(j)] same token
     path_count = torch.bmm(on_path.float(), same)  # [bs, D(i), D(j)] count of j's token on root..i
     count = pen.generated[b, tok] + path_count[b, i, j]  # [P]
-    val = _penalise(
-        x[b, i, tok],
-        count,
-        torch.ones_like(count, dtype=torch.bool),
-        pen.presence[b],
-        pen.frequency[b],
-        pen.repetition[b],
-    )  # [P]
-    out[b, i, tok] = val  # duplicates of one token on a path write the same value
-    return out
+    seen = torch.ones_like(count, dtype=torch.bool)  # [P] a path token has been generated
+    out[b, i, tok] = _penalise_(
+        x_path, seen, pen.repetition[b], _subtrahend(count, pen.presence[b], pen.frequency[b])
+    )
+    return out  # duplicates of one token on a path wrote the same value
