@@ -282,7 +282,8 @@ def empirical_outcomes(parents, tokens, target_row, s, vocab, n, seed, **kw) -> 
     tree["retrive_index"] = torch.arange(n * d).view(n, d)
     g = torch.Generator().manual_seed(seed)
     target = target_row.expand(n, d, vocab).contiguous()
-    out = run_sampling(tree, torch.rand(n, d, generator=g), torch.rand(n, generator=g), target, s=s, **kw)
+    coins = 1.0 - torch.rand(n, d, generator=g)  # (0, 1], as speculative/verify.py draws them
+    out = run_sampling(tree, coins, torch.rand(n, generator=g), target, s=s, **kw)
     ar = torch.arange(n)
     last = out["accept_index"][ar, out["accept_token_num"].long()].long()  # global row
     bonus = out["predicts"][last].long()
@@ -294,9 +295,12 @@ N_MC = 40_000
 TV_TOL = 0.03  # expected TV of the empirical law at N_MC draws and <= 60 outcomes is ~0.013
 
 
+@pytest.mark.parametrize("rule", ["le", "lt"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("filtered", [False, True])
-def test_sampling_reproduces_target_distribution(seed, filtered):
+def test_sampling_reproduces_target_distribution(seed, filtered, rule):
+    """Exact under both acceptance rules with tree coins in (0, 1] (filtered rows hold zeros, where a
+    coin of 0 would matter)."""
     rng = random.Random(seed)
     vocab = 6
     parents, tokens = random_tree(rng, 9, vocab)
@@ -309,7 +313,7 @@ def test_sampling_reproduces_target_distribution(seed, filtered):
         depth[i] = depth[parents[i]] + 1
     for s in {max(depth) + 1, max(2, max(depth))}:
         exact = exact_outcomes(parents, tokens, rows, s, vocab)
-        emp = empirical_outcomes(parents, tokens, rows, s, vocab, N_MC, seed)
+        emp = empirical_outcomes(parents, tokens, rows, s, vocab, N_MC, seed, coin_rule=rule)
         tv = 0.5 * (exact - emp).abs().sum().item()
         assert tv < TV_TOL, (s, tv)
 
