@@ -12,13 +12,25 @@ depth + 1) and ``accept_token_num`` int32 ``[bs]`` (accepted drafts, root not co
 
 The reference is vectorised over the batch (Python loops run over depth and sibling steps only). On CUDA
 tensors with sgl-kernel importable (``kernels.dispatch.use_cuda_kernels``) sgl-kernel's kernels run
-instead. Difference at measure-zero edges: sgl-kernel accepts when ``u <= acc`` and does not require
-``p > 0``; the reference accepts when ``p > 0 and (u < acc / threshold_acc or p >= threshold_single)``.
+instead.
+
+Acceptance rule of the sampling kernel (``coin_rule``): a child of target probability ``p`` is accepted iff
+``coin <= acc / threshold_acc or p >= threshold_single`` (``"le"``) or ``coin < acc / threshold_acc or
+p >= threshold_single`` (``"lt"``), with NO ``p > 0`` test in either. ``"le"`` is the AOT sgl-kernel
+rule: sgl-project/sglang ``sgl-kernel/csrc/speculative/speculative_sampling.cuh``, kernel
+``TreeSpeculativeSamplingTargetOnly``, read at commits 120affb9613cc3f5bcd055ec09c7621d3ced0ebc and
+b227f63247cdaf7fcbc4cfec8c3379120276ec82 (every stored version of that file uses ``<=``); our pin
+``sglang-kernel==0.4.6.post1`` builds that file. ``"lt"`` is the rule of newer JIT builds.
+``PINNED_COIN_RULE`` is the pinned release's rule and the reference's default; the CUDA path always runs
+the installed kernel's own rule. Under both rules a coin of exactly 0 differs: ``"le"`` accepts the first
+child even when ``p = 0``, so callers must draw coins in (0, 1] (then both rules accept with the same
+probability) and give greedy rows coin 1 (docs/DEPLOY.md, "Verification kernel rule").
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Final, Literal
 
 import torch
 
@@ -27,6 +39,9 @@ from kernels.sampling import inverse_cdf_sample
 
 _SIMPLEX_ATOL = 1e-3  # |row sum - 1| allowed for target probability rows that the walk reads
 _NEG_ATOL = 1e-6  # entries above -_NEG_ATOL count as non-negative
+
+CoinRule = Literal["le", "lt"]
+PINNED_COIN_RULE: Final[CoinRule] = "le"  # sglang-kernel==0.4.6.post1 (AOT): ``coin <= acc / threshold_acc``
 
 
 def _expect(t: object, name: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
@@ -229,6 +244,8 @@ def tree_speculative_sampling_target_only(
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     deterministic: bool = True,
+    *,
+    coin_rule: CoinRule | None = None,
 ) -> None:
     """Sampled tree verification (in place), exact for thresholds 1 and zero ``draft_probs``.
 
@@ -236,8 +253,11 @@ def tree_speculative_sampling_target_only(
     ``[bs]``, ``target_probs`` / ``draft_probs`` f32 ``[bs, D, V]`` (row = the node whose successor is
     distributed). At each level, with the parent's coin ``u`` and ``acc`` the running sum of the parent
     row's target probabilities of the siblings tried so far (sibling order), a child with target
-    probability ``p`` is accepted iff ``p > 0 and (u < acc / threshold_acc or p >= threshold_single)``;
-    the coin then becomes the accepted node's own coin. A rejected sibling's ``p`` is copied into
+    probability ``p`` is accepted iff ``u <= acc / threshold_acc or p >= threshold_single`` (``coin_rule``
+    ``"le"``, the default ``PINNED_COIN_RULE``) or ``u < acc / threshold_acc or p >= threshold_single``
+    (``"lt"``), with ``acc`` summed in float32 in sibling order as the kernel does; the coin then becomes
+    the accepted node's own coin. ``coin_rule`` applies to the reference only: the CUDA path runs the
+    installed sgl-kernel's own rule. A rejected sibling's ``p`` is copied into
     ``draft_probs`` at the parent row (in place). The walk stops when no child is accepted or at depth
     S-1. Bonus: inverse-CDF draw with the final coin from ``relu(target - draft)`` at the last accepted
     row (draft taken as 0 when depth S-1 was reached). ``deterministic`` only matters for sgl-kernel.
@@ -271,6 +291,9 @@ def tree_speculative_sampling_target_only(
     ):
         if bool(((u < 0) | (u > 1) | torch.isnan(u)).any()):
             raise ValueError(f"{name} must lie in [0, 1]")
+    rule = PINNED_COIN_RULE if coin_rule is None else coin_rule
+    if rule not in ("le", "lt"):
+        raise ValueError(f"coin_rule must be 'le' or 'lt', got {coin_rule!r}")
     thr_single, thr_acc = float(threshold_single), max(float(threshold_acc), 1e-9)
     if use_cuda_kernels(predicts, candidates, target_probs, draft_probs):
         accept_index.fill_(-1)
@@ -307,7 +330,9 @@ def tree_speculative_sampling_target_only(
             tok = w.token(cur, searching, vocab)  # [bs]
             p = target_probs[w.ar, w.last_local, tok.clamp(0, vocab - 1)]  # [bs]
             prob_acc = torch.where(searching, prob_acc + p, prob_acc)
-            ok = searching & (p > 0) & ((coin < prob_acc / thr_acc) | (p >= thr_single))  # [bs]
+            scaled = prob_acc / thr_acc  # [bs]
+            coin_ok = coin <= scaled if rule == "le" else coin < scaled  # [bs]
+            ok = searching & (coin_ok | (p >= thr_single))  # [bs]
             chosen = torch.where(ok, cur, chosen)
             rejected = searching & ~ok
             rej_b.append(w.ar[rejected])

@@ -4,11 +4,13 @@ not depend on what else is in the batch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels.sampling import min_p_renorm_prob, sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
+from model_executor.penalties import BatchPenalties, apply_penalties
 from model_executor.sampling_params import SamplingParams
 
 
@@ -64,18 +66,35 @@ def processed_probs(logits: torch.Tensor, info: BatchSamplingInfo) -> torch.Tens
     return probs.reshape(bs, *mid, vocab)
 
 
-def draw_uniforms(generators: list[torch.Generator], n: int, device: torch.device) -> torch.Tensor:
-    """[bs, n] coins, row b from generator b (one small call per request; the generators are per request
-    by contract, so this cannot be one batched call)."""
-    return torch.stack([torch.rand(n, generator=g) for g in generators]).to(device)
+def draw_uniforms(
+    generators: Sequence[torch.Generator | None], counts: Sequence[int], width: int, device: torch.device
+) -> torch.Tensor:
+    """Per-request uniforms on [0, 1): row b holds ``torch.rand(counts[b], generator=generators[b])`` in its
+    first ``counts[b]`` columns and 0 after them (``counts[b] = 0`` draws nothing; a None generator is
+    torch's default one). One small call per request: the generators are per request by contract, and
+    torch has no batched multi-generator draw. The single coin source of the sampler and of tree
+    verification (``speculative.verify.verify_coins``). Returns float32 [bs, width] on ``device``."""
+    out = torch.zeros(len(generators), width, dtype=torch.float32)  # [bs, width]
+    for b, (g, n) in enumerate(zip(generators, counts, strict=True)):
+        if n > 0:
+            gdev = g.device if g is not None else torch.device("cpu")
+            out[b, :n] = torch.rand(n, generator=g, device=gdev).cpu()
+    return out.to(device)
 
 
-def sample(logits: torch.Tensor, info: BatchSamplingInfo, generators: list[torch.Generator]) -> torch.Tensor:
-    """logits [bs, V] float32 -> token ids [bs] int64."""
+def sample(
+    logits: torch.Tensor,
+    info: BatchSamplingInfo,
+    generators: list[torch.Generator],
+    penalties: BatchPenalties | None = None,
+) -> torch.Tensor:
+    """logits [bs, V] float32 -> token ids [bs] int64. ``penalties`` (logit bias, repetition, frequency,
+    presence; ``model_executor.penalties``) apply first; greedy rows take the argmax of the result."""
+    logits = apply_penalties(logits, penalties)  # [bs, V]
     if info.all_greedy:
         return logits.argmax(-1)
     probs = processed_probs(logits, info)  # [bs, V]
-    coins = draw_uniforms(generators, 1, logits.device)[:, 0]  # [bs]
+    coins = draw_uniforms(generators, [1] * len(generators), 1, logits.device)[:, 0]  # [bs] in [0, 1)
     sampled = sampling_from_probs(probs, coins)
     return torch.where(info.is_greedy, logits.argmax(-1), sampled)
 

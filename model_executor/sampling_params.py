@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy. top_k <= 0 (or >= vocab) disables top-k; top_p 1 disables top-p;
     min_p 0 disables min-p. ``logprobs``: None for none, k >= 0 for the chosen token's logprob plus the
-    top-k alternatives. ``stop_token_ids`` end generation like EOS (the token is emitted)."""
+    top-k alternatives. ``stop_token_ids`` end generation like EOS (the token is emitted).
+
+    Penalties (definitions in ``model_executor.penalties``): ``presence_penalty`` and ``frequency_penalty``
+    in [-2, 2] (OpenAI; over the generated tokens), ``repetition_penalty`` in (0, 2] (SGLang/vLLM; over
+    prompt and generated tokens; 1 = off), ``logit_bias`` {token id: bias in [-100, 100]} (OpenAI; ids are
+    checked against the vocabulary at admission). Logprobs stay those of the raw model logits."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -20,12 +26,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def validate(self) -> None:
+    @property
+    def needs_token_counts(self) -> bool:
+        """A penalty reads the request's token statistics (``model_executor.penalties.TokenCounts``)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_logit_processing(self) -> bool:
+        """Logits are modified before sampling (a penalty or a logit bias)."""
+        return self.needs_token_counts or bool(self.logit_bias)
+
+    def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the offending field."""
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
@@ -41,6 +61,26 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 2.0):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to biases")
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                if vocab_size is not None and tok >= vocab_size:
+                    raise ValueError(f"logit_bias token id {tok} is out of range [0, {vocab_size})")
+                if not _is_real(bias) or not (-100.0 <= bias <= 100.0):
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} (token {tok})")
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def find_stop(tokens: list[int], params: SamplingParams, eos_ids: tuple[int, ...], budget_left: int) -> tuple[

@@ -42,7 +42,6 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("mem_fraction_static", float, "Fraction of free GPU memory for weights + KV cache (CUDA).", None),
     ("max_running_requests", int, "Most requests decoded at once.", None),
     ("chunked_prefill_size", int, "Prefill token budget per scheduler step (long prompts are chunked).", None),
-    ("max_prefill_tokens", int, "Most prompt tokens admitted in one prefill batch.", None),
     ("speculative_algorithm", str, "Speculative decoding: none, dflash (chain) or ddtree (tree).", _SPEC_ALGOS),
     ("speculative_draft_model_path", str, "DFlash drafter directory ('default' = the default model's).", None),
     ("speculative_ddtree_budget", int, "DDTree: draft tree nodes per request and step (root excluded).", None),

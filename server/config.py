@@ -35,8 +35,7 @@ class CacheArgs:
 @dataclass(frozen=True)
 class SchedulerArgs:
     max_running_requests: int = 64
-    chunked_prefill_size: int = 512  # per-step prefill token budget
-    max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 512  # per-step prefill token budget (summed over the batch's requests)
 
 
 @dataclass(frozen=True)

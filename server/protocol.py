@@ -2,7 +2,8 @@
 
 Requests are validated strictly from the JSON body: a wrong type (``"temperature": "hot"``) or a value out
 of range is a 400 naming the parameter. Unknown extra fields are ignored, as OpenAI clients send several
-that this server does not use (``user``, ``presence_penalty`` ...).
+that this server does not use (``user`` ...). Known fields this server cannot honour yet
+(``response_format`` other than text, a forced ``tool_choice``) are a 400, never silently dropped.
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: 0 (off)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: 0 (off)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # None: 1 (off)
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     @field_validator("top_k")
@@ -107,6 +110,20 @@ class _SamplingFields(BaseModel):
         if v == 0 or v < -1:
             raise ValueError("top_k must be -1 (disabled) or >= 1")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"values must be in [-100, 100], got {bias!r} for token {key}")
+        return v
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids (the JSON object's keys are strings)."""
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stop")
     @classmethod
@@ -135,6 +152,22 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f"only {{'type': 'text'}} is supported (no structured output yet), got {v!r}")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v == "required" or isinstance(v, ToolChoice):
+            raise ValueError("forcing a tool call ('required' or a named function) is not supported yet; "
+                             "use 'auto' or 'none'")
+        return v
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_executor.penalties import TokenCounts
 from model_executor.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class Req:
     spec_accepted_tokens: int = 0
     pending_logprobs: list = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
+    token_counts: TokenCounts | None = None  # token statistics, only when a penalty reads them
 
     @property
     def all_ids(self) -> list[int]:

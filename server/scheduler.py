@@ -20,6 +20,7 @@ import torch
 from model_executor.forward_batch import ForwardMode, build_forward_batch
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
+from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, sample, token_logprobs
 from model_executor.sampling_params import find_stop
 from server.config import ServerConfig
@@ -66,7 +67,8 @@ class Scheduler:
     # ---------------------------------------------------------------- requests in / out
     def add_request(self, req: GenerateReq) -> None:
         p = req.params
-        p.validate()
+        vocab = self.model_config.vocab_size
+        p.validate(vocab)
         if not req.input_ids:
             raise ValueError("prompt must not be empty")
         if len(req.input_ids) + p.max_tokens > self.max_context_len:
@@ -75,12 +77,12 @@ class Scheduler:
                 f"length {self.max_context_len}")
         if len(req.input_ids) + p.max_tokens + self._spec_margin() > self.runner.num_slots:
             raise ValueError(f"prompt plus max_tokens exceeds the KV cache capacity ({self.runner.num_slots} tokens)")
-        vocab = self.model_config.vocab_size
         if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator().manual_seed(seed)
-        self.waiting.append(Req(req.rid, list(req.input_ids), p, gen))
+        counts = TokenCounts(req.input_ids, vocab, self.runner.device) if p.needs_token_counts else None
+        self.waiting.append(Req(req.rid, list(req.input_ids), p, gen, token_counts=counts))
 
     def abort_request(self, rid: str) -> None:
         for req in list(self.waiting):
@@ -136,6 +138,8 @@ class Scheduler:
             if self.spec is not None and keep < len(tokens):
                 raise AssertionError("the speculative commit must truncate at stops itself")
             req.output_ids.extend(tokens[:keep])
+            if req.token_counts is not None:
+                req.token_counts.add(tokens[:keep])
             if reason is None and req.seq_len >= self.max_context_len:
                 reason = "length"
             if reason is not None:
@@ -263,7 +267,9 @@ class Scheduler:
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
         info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], logits.device)
-        tokens = sample(logits, info, [q.generator for q in reqs])
+        pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1],
+                                   logits.device)
+        tokens = sample(logits, info, [q.generator for q in reqs], pen)
         for i, q in enumerate(reqs):
             if q.params.logprobs is not None:
                 q.pending_logprobs.extend(token_logprobs(logits[i:i + 1], tokens[i:i + 1], q.params.logprobs))

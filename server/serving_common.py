@@ -69,6 +69,9 @@ def make_params(req: Any, max_tokens: int, choice: int, logprobs: int | None) ->
         temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
         seed=None if req.seed is None else req.seed + choice, max_tokens=int(max_tokens),
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+        presence_penalty=float(req.presence_penalty or 0.0), frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
+        logit_bias=req.logit_bias_ids(),
     )
     try:
         params.validate()

@@ -22,6 +22,7 @@ from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forwar
 from model_executor.kv_cache import KVCache
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model
+from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, token_logprobs
 from model_executor.sampling_params import SamplingParams, find_stop
 from speculative.ddtree import DraftTree, build_ddtree
@@ -39,6 +40,7 @@ class SpecRequest(Protocol):
     output_ids: list[int]
     req_pool_idx: int | None
     num_cached: int
+    token_counts: TokenCounts | None
 
     @property
     def remaining_tokens(self) -> int: ...
@@ -126,8 +128,9 @@ class SpecWorker:
         t.lap("verify_forward")
         info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
         want_lp = any(q.params.logprobs is not None for q in reqs)
+        pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
         res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy,
-                          [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p)
+                          [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p, penalties=pen)
         t.lap("verify")
         out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
         if want_lp:

@@ -11,16 +11,29 @@ A batch may mix both: when every request is greedy the argmax kernel ``verify_tr
 the sampling kernel runs for all, greedy rows carrying one-hot argmax distributions (a one-hot child is
 accepted by ``p >= threshold_single = 1``, and the residual of a one-hot row is the argmax itself), so
 both branches return the same structure and the same greedy tokens. Contracts: DESIGN.md 4.1, 4.2, 4.4.
+
+Coins are exact under both acceptance rules of the sampling kernel (``coin <= acc`` of the pinned AOT
+sgl-kernel, ``coin < acc`` of JIT builds; ``kernels.speculative.PINNED_COIN_RULE``): greedy rows carry
+coin 1 (a one-hot row's non-argmax children keep ``acc = 0``, so only the argmax child is accepted), sampled
+tree coins lie in (0, 1] (``1 - U``, U uniform on [0, 1)), where ``u <= acc`` and ``u < acc`` have the
+same probability ``acc``. The final (bonus) coin is an inverse-CDF coin and stays in [0, 1): 0 selects
+the first positive residual entry, whereas a coin of exactly 1 would fall on the kernel's "no index past
+the threshold" fallback; greedy rows use 0.5 there (a one-hot residual returns its argmax for any coin in
+(0, 1)). The rule the PyTorch reference applies is ``PINNED_COIN_RULE`` unless the environment variable
+``DDTREE_REFERENCE_COIN_RULE`` (``le`` / ``lt``) names another (tests run mixed batches under both); it
+never changes what a CUDA kernel does.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from model_executor.sampler import BatchSamplingInfo, processed_probs
+from model_executor.penalties import BatchPenalties, apply_tree_penalties
+from model_executor.sampler import BatchSamplingInfo, draw_uniforms, processed_probs
 from speculative.ddtree import DraftTree
 
 
@@ -64,28 +77,38 @@ def build_target_probs(
     return processed_probs(target_logits.float(), info).contiguous()
 
 
-def draw_coins(
+COIN_RULE_ENV = "DDTREE_REFERENCE_COIN_RULE"
+_GREEDY_FINAL_COIN = 0.5
+
+
+def reference_coin_rule() -> str | None:
+    """The acceptance rule the PyTorch reference should apply, from ``DDTREE_REFERENCE_COIN_RULE``
+    (``le`` / ``lt``); None (unset) means the kernel module's ``PINNED_COIN_RULE``."""
+    rule = os.environ.get(COIN_RULE_ENV, "").strip().lower()
+    if rule in ("", "le", "lt"):
+        return rule or None
+    raise ValueError(f"{COIN_RULE_ENV} must be 'le' or 'lt', got {rule!r}")
+
+
+def verify_coins(
     generators: Sequence[torch.Generator | None],
     num_nodes: torch.Tensor,
     num_slots: int,
-    skip: torch.Tensor,
+    is_greedy: torch.Tensor,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-request coins: ``torch.rand(1 + num_nodes[b], generator=g_b)`` (one per used slot), then one
-    final coin. Request b's stream depends only on its own tree, not on the batch's widest tree, so a
-    seeded request reproduces across batch compositions. Rows with ``skip[b]`` (greedy) draw nothing.
-
-    This is one small Python loop over requests: each request owns a generator and torch has no batched
-    multi-generator draw; it costs a few microseconds per request. Returns ([bs, D], [bs]) float32."""
-    bs = len(generators)
-    coins = torch.zeros(bs, num_slots, dtype=torch.float32)  # [bs, D]
-    final = torch.zeros(bs, dtype=torch.float32)  # [bs]
-    for b, (g, n, s) in enumerate(zip(generators, num_nodes.tolist(), skip.tolist(), strict=True)):
-        if s:
-            continue
-        gdev = g.device if g is not None else torch.device("cpu")
-        coins[b, : 1 + n] = torch.rand(1 + n, generator=g, device=gdev).cpu()
-        final[b] = torch.rand(1, generator=g, device=gdev).cpu()[0]
+    """Coins for the sampling kernel: request b draws ``2 + num_nodes[b]`` uniforms U from its own
+    generator (``model_executor.sampler.draw_uniforms``): tree coins ``1 - U[:1 + n]`` in (0, 1] (one per
+    used slot; unused slots hold 1), final coin ``U[1 + n]`` in [0, 1). Request b's stream depends only on
+    its own tree, so a seeded request reproduces across batch compositions. Greedy rows draw nothing:
+    coin 1 everywhere, final coin 0.5. Returns (coins [bs, D], final [bs]) float32 on ``device``."""
+    greedy = is_greedy.to(device="cpu", dtype=torch.bool)  # [bs]
+    n = num_nodes.to(device="cpu", dtype=torch.int64)  # [bs]
+    counts = torch.where(greedy, 0, 2 + n)  # [bs]
+    u = draw_uniforms(generators, counts.tolist(), num_slots + 1, torch.device("cpu"))  # [bs, D + 1]
+    used = torch.arange(num_slots)[None, :] < (1 + n)[:, None]  # [bs, D]
+    coins = torch.where(used & ~greedy[:, None], 1.0 - u[:, :num_slots], 1.0)  # [bs, D] in (0, 1]
+    final = torch.where(greedy, _GREEDY_FINAL_COIN, u.gather(1, (1 + n).clamp(max=num_slots)[:, None])[:, 0])
     return coins.to(device), final.to(device)
 
 
@@ -101,13 +124,17 @@ def verify_tree(
     min_p: torch.Tensor | None = None,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
+    penalties: BatchPenalties | None = None,
 ) -> VerifyResult:
     """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification, lossless with
     thresholds 1).
 
     tree: from ``build_ddtree``; target_logits [bs, D, V] float (row i: after node i); temperature,
     top_p [bs] float; top_k [bs] int (<= 0: off); is_greedy [bs] bool; generators: one per request
-    (None: torch's default generator), only used by sampled requests."""
+    (None: torch's default generator), only used by sampled requests. ``penalties``: logit bias and
+    repetition / frequency / presence penalties (``model_executor.penalties.apply_tree_penalties``: node i
+    counts the tokens on its own path root..i), applied before the argmax and the target probabilities.
+    ``target_logprobs`` are of the raw logits, as in plain decoding."""
     from kernels import speculative as kspec
 
     bs, d = tree.candidates.shape
@@ -121,6 +148,9 @@ def verify_tree(
     accept_index = torch.full((bs, s), -1, dtype=torch.int32, device=dev)  # [bs, S], global rows
     accept_num = torch.zeros(bs, dtype=torch.int32, device=dev)  # [bs]
     greedy = is_greedy.to(device=dev, dtype=torch.bool)  # [bs]
+    logits = apply_tree_penalties(
+        target_logits, penalties, tree.candidates, tree.tree_mask, tree.parents >= 0
+    )  # [bs, D, V] processed (target_logits itself without penalties)
 
     if bool(greedy.all()):
         kspec.verify_tree_greedy(
@@ -131,11 +161,11 @@ def verify_tree(
             tree.retrive_index,
             tree.retrive_next_token,
             tree.retrive_next_sibling,
-            target_logits.argmax(dim=-1),  # [bs, D] int64
+            logits.argmax(dim=-1),  # [bs, D] int64
         )
     else:
-        target_probs = build_target_probs(target_logits, temperature, top_k, top_p, greedy, min_p)  # [bs, D, V]
-        coins, final_coins = draw_coins(generators, tree.num_nodes, d, greedy.cpu(), dev)
+        target_probs = build_target_probs(logits, temperature, top_k, top_p, greedy, min_p)  # [bs, D, V]
+        coins, final_coins = verify_coins(generators, tree.num_nodes, d, greedy, dev)
         kspec.tree_speculative_sampling_target_only(
             predicts,
             accept_index,
@@ -151,6 +181,7 @@ def verify_tree(
             threshold_single=threshold_single,
             threshold_acc=threshold_acc,
             deterministic=True,
+            coin_rule=reference_coin_rule(),
         )
 
     glob = accept_index.long()  # [bs, S]

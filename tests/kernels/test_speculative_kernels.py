@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
-from kernels.speculative import tree_speculative_sampling_target_only, verify_tree_greedy
+from kernels.speculative import PINNED_COIN_RULE, tree_speculative_sampling_target_only, verify_tree_greedy
 from tests.kernels.tree_helpers import (
     check_path_structure,
     naive_sampling,
@@ -108,11 +108,65 @@ def test_sampling_full_depth_bonus_from_target_row_alone():
     assert out["predicts"].tolist() == [2, 3, 1]
 
 
-def test_sampling_zero_probability_child_never_accepted():
+@pytest.mark.parametrize(("rule", "accepted"), [(None, [[0, 1]]), ("le", [[0, 1]]), ("lt", [[0, 2]])])
+def test_sampling_coin_zero_and_zero_probability_child(rule, accepted):
+    """Coin exactly 0, first child of probability 0: ``le`` (0 <= 0, the pinned AOT kernel, the default)
+    accepts it, ``lt`` (0 < 0 is false) rejects it and accepts the next child (0 < 1)."""
     tree = pack_trees([([-1, 0, 0], [0, 1, 2])], d=3)
     target = torch.tensor([[[0.0, 0.0, 1.0, 0.0], [0.25] * 4, [0.25] * 4]])
-    out = run_sampling(tree, torch.zeros(1, 3), torch.tensor([0.5]), target)  # coin 0 == acc 0 for tok 1
-    assert out["accept_index"].tolist() == [[0, 2]]
+    out = run_sampling(tree, torch.zeros(1, 3), torch.tensor([0.5]), target, coin_rule=rule)
+    assert out["accept_index"].tolist() == accepted
+
+
+def test_pinned_coin_rule_is_the_aot_kernel_rule():
+    assert PINNED_COIN_RULE == "le"
+    with pytest.raises(ValueError, match="coin_rule"):
+        run_sampling(
+            pack_trees([([-1, 0], [0, 1])], d=2),
+            torch.ones(1, 2),
+            torch.tensor([0.5]),
+            torch.full((1, 2, 4), 0.25),
+            coin_rule="leq",
+        )
+
+
+@pytest.mark.parametrize("rule", ["le", "lt"])
+def test_sampling_coin_one_greedy_rows_walk_the_argmax(rule):
+    """Greedy rows (one-hot targets) with coin 1 accept exactly the argmax child under both rules; with
+    coin 0 the ``le`` rule accepts the FIRST child whatever its token (the defect of issue 14)."""
+    tree = pack_trees([([-1, 0, 0, 2], [0, 4, 3, 1])], d=4)  # root -> tok4, tok3 -> tok1
+    target = torch.zeros(1, 4, 6)
+    target[0, 0, 3] = target[0, 2, 1] = target[0, 3, 5] = target[0, 1, 0] = 1.0  # argmax: 3, then 1, then 5
+    out = run_sampling(tree, torch.ones(1, 4), torch.tensor([0.5]), target, coin_rule=rule)
+    assert out["accept_index"].tolist() == [[0, 2, 3]] and out["predicts"][[0, 2, 3]].tolist() == [3, 1, 5]
+    zero = run_sampling(tree, torch.zeros(1, 4), torch.tensor([0.5]), target, coin_rule=rule)
+    assert zero["accept_index"].tolist() == ([[0, 1, -1]] if rule == "le" else [[0, 2, 3]])
+
+
+@pytest.mark.parametrize("rule", ["le", "lt"])
+def test_sampling_prob_acc_reaching_one_by_float_sums(rule):
+    """Coin 1 and siblings whose float32 running sum reaches exactly 1.0 at the last child: ``le``
+    accepts it (1 <= 1), ``lt`` does not (bonus from the residual). When the float32 sum stays below 1
+    (0.99999994), neither rule accepts."""
+    v = 8
+    ps = [0.5, 0.25, 0.125, 0.125]  # float32 sums: 0.5, 0.75, 0.875, 1.0 exactly
+    tree = pack_trees([([-1, 0, 0, 0, 0], [0, 1, 2, 3, 4])], d=5)
+    target = torch.full((1, 5, v), 1.0 / v)
+    target[0, 0] = 0.0
+    target[0, 0, 1:5] = torch.tensor(ps)
+    out = run_sampling(tree, torch.ones(1, 5), torch.tensor([0.5]), target, coin_rule=rule)
+    assert out["accept_token_num"].tolist() == ([1] if rule == "le" else [0])
+    if rule == "lt":  # all four siblings rejected: the residual row is empty -> kernel fallback V - 1
+        assert int(out["predicts"][0]) == v - 1
+    short = torch.tensor([0.1, 0.35, 0.35, 0.2], dtype=torch.float32)  # float32 running sum 0.99999994 < 1
+    running = torch.zeros((), dtype=torch.float32)
+    for x in short:  # sequential float32 adds, as the kernel's running prob_acc
+        running = running + x
+    assert float(running) < 1.0
+    target[0, 0, 1:5] = short
+    target[0, 0, 5] = 1.0 - float(short.sum())  # the tiny rest of the mass on a non-drafted token
+    out = run_sampling(tree, torch.ones(1, 5), torch.tensor([0.5]), target, coin_rule=rule)
+    assert out["accept_token_num"].tolist() == [0] and int(out["predicts"][0]) == 5
 
 
 def test_sampling_thresholds():
@@ -228,7 +282,8 @@ def empirical_outcomes(parents, tokens, target_row, s, vocab, n, seed, **kw) -> 
     tree["retrive_index"] = torch.arange(n * d).view(n, d)
     g = torch.Generator().manual_seed(seed)
     target = target_row.expand(n, d, vocab).contiguous()
-    out = run_sampling(tree, torch.rand(n, d, generator=g), torch.rand(n, generator=g), target, s=s, **kw)
+    coins = 1.0 - torch.rand(n, d, generator=g)  # (0, 1], as speculative/verify.py draws them
+    out = run_sampling(tree, coins, torch.rand(n, generator=g), target, s=s, **kw)
     ar = torch.arange(n)
     last = out["accept_index"][ar, out["accept_token_num"].long()].long()  # global row
     bonus = out["predicts"][last].long()
@@ -240,9 +295,12 @@ N_MC = 40_000
 TV_TOL = 0.03  # expected TV of the empirical law at N_MC draws and <= 60 outcomes is ~0.013
 
 
+@pytest.mark.parametrize("rule", ["le", "lt"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("filtered", [False, True])
-def test_sampling_reproduces_target_distribution(seed, filtered):
+def test_sampling_reproduces_target_distribution(seed, filtered, rule):
+    """Exact under both acceptance rules with tree coins in (0, 1] (filtered rows hold zeros, where a
+    coin of 0 would matter)."""
     rng = random.Random(seed)
     vocab = 6
     parents, tokens = random_tree(rng, 9, vocab)
@@ -255,7 +313,7 @@ def test_sampling_reproduces_target_distribution(seed, filtered):
         depth[i] = depth[parents[i]] + 1
     for s in {max(depth) + 1, max(2, max(depth))}:
         exact = exact_outcomes(parents, tokens, rows, s, vocab)
-        emp = empirical_outcomes(parents, tokens, rows, s, vocab, N_MC, seed)
+        emp = empirical_outcomes(parents, tokens, rows, s, vocab, N_MC, seed, coin_rule=rule)
         tv = 0.5 * (exact - emp).abs().sum().item()
         assert tv < TV_TOL, (s, tv)
 

@@ -113,15 +113,18 @@ def naive_walk(tree: dict, b: int, s: int, accept) -> tuple[list[int], list[int]
     return path, [int(cand[i]) for i in path[1:]]
 
 
-def naive_sampling(tree, b, s, coins, final, target, draft, t_single=1.0, t_acc=1.0):
+def naive_sampling(tree, b, s, coins, final, target, draft, t_single=1.0, t_acc=1.0, rule="le"):
+    """Scalar model of the sampling kernel: accept iff ``coin <= acc / t_acc`` (``rule="le"``, AOT
+    sgl-kernel) or ``coin < acc / t_acc`` (``"lt"``), or ``p >= t_single``; ``acc`` in float32."""
     draft = draft.clone()
-    coin = [float(coins[b, 0])]
+    coin = [coins[b, 0]]
 
     def accept(parent, tok, node, st):
-        p = float(target[b, parent, tok])
-        st["acc"] = st.get("acc", 0.0) + p
-        if p > 0 and (coin[0] < st["acc"] / t_acc or p >= t_single):
-            coin[0] = float(coins[b, node])
+        p = target[b, parent, tok]
+        st["acc"] = st.get("acc", torch.zeros((), dtype=torch.float32)) + p
+        scaled = st["acc"] / t_acc
+        if bool(coin[0] <= scaled if rule == "le" else coin[0] < scaled) or float(p) >= t_single:
+            coin[0] = coins[b, node]
             return True
         draft[b, parent, tok] = p
         return False

