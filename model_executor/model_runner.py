@@ -10,7 +10,7 @@ import torch
 
 from kernels.attention import TorchAttentionBackend
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kv_cache import KVCache, ReqToTokenPool, TokenSlotAllocator
+from model_executor.kv_cache import KVCache, KVCacheLayout, ReqToTokenPool, TokenSlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.model_registry import get_model_class
 from model_executor.models.output import ModelOutput
@@ -20,12 +20,27 @@ from model_executor.weight_loader import iter_weights
 logger = logging.getLogger(__name__)
 
 
-def pick_attention_backend(device: torch.device):
-    try:
-        from kernels.attention_select import get_attention_backend
-    except ImportError:
+def pick_attention_backend(device: torch.device, dtype: torch.dtype, layout: KVCacheLayout):
+    """The attention backend for a model of ``dtype`` whose KV cache has ``layout`` (flashinfer on CUDA
+    when the dtype and head dims fit it; kernels.attention_select). A layout without a V buffer (MLA) is
+    a model that runs its own latent attention and never calls the backend."""
+    if layout.v_dim == 0:
         return TorchAttentionBackend()
-    return get_attention_backend("auto", device)
+    from kernels.attention_select import get_attention_backend
+
+    return get_attention_backend("auto", device, dtype, layout.k_dim, layout.v_dim)
+
+
+def warm_up_attention(backend, layout: KVCacheLayout, model: torch.nn.Module, dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """JIT-compile and run each kernel of a compiling backend (flashinfer) once at start-up, so the first
+    request does not pay for it and the server turns healthy only afterwards. No-op for the reference."""
+    if not hasattr(backend, "warmup"):
+        return
+    num_q = model.layers[0].self_attn.local_heads  # llama-style models and DFlash drafters
+    t0 = time.time()
+    ran = backend.warmup(num_q, layout.kv_heads, layout.k_dim, layout.v_dim, dtype, device)
+    logger.info("attention kernels warmed up in %.1fs: %s", time.time() - t0, ", ".join(ran))
 
 
 def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.nn.Module:
@@ -60,7 +75,8 @@ class ModelRunner:
         self.kv = KVCache(layout, max_total_tokens, config.dtype, self.device)
         self.allocator = TokenSlotAllocator(max_total_tokens, self.device)
         self.req_to_token = ReqToTokenPool(max_reqs, max_context, self.device)
-        self.backend = pick_attention_backend(self.device)
+        self.backend = pick_attention_backend(self.device, config.dtype, layout)
+        warm_up_attention(self.backend, layout, self.model, config.dtype, self.device)
         logger.info("KV cache: %d tokens x %d bytes", max_total_tokens, per_token)
 
     @torch.inference_mode()
