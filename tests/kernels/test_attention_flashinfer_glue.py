@@ -16,8 +16,8 @@ from tests.kernels.flashinfer_standin import make_flashinfer_standin
 HQ, HKV, D = 4, 2, 16
 
 
-def _batch(mode: ForwardMode, prefix: list[int], extend: list[int]):
-    """A forward over len(prefix) requests, built in inference mode like the engine does."""
+def _batch(mode: ForwardMode, prefix: list[int], extend: list[int], d: int = D):
+    """A forward over len(prefix) requests (head dim ``d``), built in inference mode like the engine does."""
     g = torch.Generator().manual_seed(sum(prefix) * 7 + sum(extend))
     with torch.inference_mode():
         bs = len(prefix)
@@ -45,9 +45,9 @@ def _batch(mode: ForwardMode, prefix: list[int], extend: list[int]):
             torch.tensor(extend),
             tree_mask=tree,
         )
-        k_cache = torch.randn(64, HKV, D, generator=g)
-        v_cache = torch.randn(64, HKV, D, generator=g)
-        qkv = [torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV)]
+        k_cache = torch.randn(64, HKV, d, generator=g)
+        v_cache = torch.randn(64, HKV, d, generator=g)
+        qkv = [torch.randn(t, h, d, generator=g) for h in (HQ, HKV, HKV)]
     return fb, k_cache, v_cache, qkv
 
 
