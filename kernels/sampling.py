@@ -216,3 +216,12 @@ def sampling_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     if bool((probs < 0).any()) or not bool(torch.isfinite(probs).all()):
         raise ValueError("probs must be finite and non-negative")
     return inverse_cdf_sample(probs, uniforms)
+
+
+def warm_up_filters(device: torch.device | str, vocab: int) -> str:
+    """Run the top-k and top-p filters once on ``device`` (flashinfer JIT-compiles its sampling module at
+    first use; call at start-up so no request pays for it). Returns the backend that ran."""
+    probs = torch.full((2, vocab), 1.0 / vocab, device=device)  # [2, V]
+    fn = _flashinfer_filter(probs, _FI_TOP_K)
+    top_p_renorm_prob(top_k_renorm_prob(probs, 1), 0.5)
+    return "flashinfer" if fn is not None else "torch reference"

@@ -9,6 +9,7 @@ import time
 import torch
 
 from kernels.attention import TorchAttentionBackend
+from kernels.sampling import warm_up_filters
 from model_executor.forward_batch import ForwardBatch
 from model_executor.kv_cache import KVCache, KVCacheLayout, ReqToTokenPool, TokenSlotAllocator
 from model_executor.model_config import ModelConfig
@@ -77,6 +78,8 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(max_reqs, max_context, self.device)
         self.backend = pick_attention_backend(self.device, config.dtype, layout)
         warm_up_attention(self.backend, layout, self.model, config.dtype, self.device)
+        if self.device.type == "cuda":  # flashinfer's sampling module JIT-compiles at first use
+            logger.info("sampling filters warmed up: %s", warm_up_filters(self.device, config.vocab_size))
         logger.info("KV cache: %d tokens x %d bytes", max_total_tokens, per_token)
 
     @torch.inference_mode()
