@@ -1,11 +1,14 @@
 # syntax=docker/dockerfile:1
 # ddtree-serve on CUDA 13 (B300 sm103, RTX PRO 6000 sm120, H100/H200 sm90, B200 sm100).
 #   docker build -t ddtree-serve .
-#   docker run --gpus all --ipc=host -p 30000:30000 -v <models>:/models ddtree-serve \
+#   docker run --gpus all --ipc=host -p 30000:30000 -v <models>:/models \
+#       -v ddtree-flashinfer:/root/.cache/flashinfer ddtree-serve \
 #       serve --config configs/kimi-k2.6-8x-b300.yaml
-# The devel image is deliberate: flashinfer JIT-compiles its kernels at first use on sm120, so nvcc and
-# ninja must stay in the runtime image. Versions below must agree with pyproject.toml's `cuda` extra and
-# the torch pin (tests/parallel/test_deploy_files.py checks it).
+# The devel image is deliberate: flashinfer JIT-compiles its kernels (at server start-up, before /health
+# turns 200, for the GPU in use only: the server sets FLASHINFER_CUDA_ARCH_LIST from the detected device
+# when it is unset), so nvcc and ninja must stay in the runtime image. Keep the compiled kernels across
+# containers with a volume: -v ddtree-flashinfer:/root/.cache/flashinfer (docs/DEPLOY.md). Versions below
+# must agree with pyproject.toml's `cuda` extra and torch range (tests/parallel/test_deploy_files.py).
 FROM nvidia/cuda:13.0.2-devel-ubuntu24.04
 
 ARG PYTHON_VERSION=3.12
@@ -19,8 +22,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
-    TORCH_CUDA_ARCH_LIST="9.0;10.0;10.3;12.0" \
-    FLASHINFER_CUDA_ARCH_LIST="9.0a 10.0a 10.3a 12.0f" \
+    FLASHINFER_WORKSPACE_BASE=/root \
     HF_HOME=/root/.cache/huggingface
 
 # Python 3.12 (Ubuntu 24.04's), ninja for the flashinfer JIT, git for pip VCS fallbacks. Ubuntu point
@@ -48,7 +50,7 @@ COPY model_executor ./model_executor
 COPY kernels ./kernels
 COPY configs ./configs
 COPY docs ./docs
-# This project; its dependencies are pinned in pyproject.toml (torch and the cuda extra above).
+# This project; torch is installed above (pyproject bounds it: >=2.11), the cuda extra is pinned.
 # hadolint ignore=DL3013
 RUN pip install ".[cuda]"
 

@@ -8,13 +8,44 @@ attention output for every new token. The torch reference (SDPA over a padded ga
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class AttentionMeta:
+    """What every layer of one forward shares: ``ForwardBatch``'s attention metadata as plain tensors.
+
+    ``causal``: the mask is "whole prefix + causal among the new tokens" (EXTEND/DECODE), so a backend
+    may use a causal kernel and ignore ``attn_mask``; False: ``attn_mask`` is arbitrary (tree
+    verification, drafter blocks) and must be applied as given. ``decode``: every request adds exactly
+    one token. ``prefix_lens``/``extend_lens`` [bs] int64: keys of request b are the first
+    ``prefix_lens[b] + extend_lens[b]`` columns of ``kv_indices[b]``, its queries the first
+    ``extend_lens[b]`` padded rows.
+    """
+
+    causal: bool
+    decode: bool
+    kv_indices: torch.Tensor  # [bs, K]
+    attn_mask: torch.Tensor  # [bs, Q, K] bool
+    q_index: torch.Tensor  # [T]
+    prefix_lens: torch.Tensor  # [bs]
+    extend_lens: torch.Tensor  # [bs]
+
+    def describes(self, kv_indices: torch.Tensor, attn_mask: torch.Tensor, q_index: torch.Tensor) -> bool:
+        """True when a layer's metadata tensors are this forward's (the same objects)."""
+        return kv_indices is self.kv_indices and attn_mask is self.attn_mask and q_index is self.q_index
+
+
 class AttentionBackend(Protocol):
+    def begin_forward(self, meta: AttentionMeta) -> None:
+        """Called once per model forward, before its first layer: drops any plan of an earlier forward
+        (the caller owns the step; nothing is inferred from tensor versions)."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, d]
@@ -56,6 +87,9 @@ def masked_paged_attention(
 
 class TorchAttentionBackend:
     """SDPA over a padded gather of each request's keys; the contract every backend must match."""
+
+    def begin_forward(self, meta: AttentionMeta) -> None:
+        """Nothing to plan: every call reads its mask directly."""
 
     def forward(self, q, k, v, k_cache, v_cache, out_cache_loc, kv_indices, attn_mask, q_index, scale):
         k_cache[out_cache_loc] = k.to(k_cache.dtype)

@@ -1,78 +1,86 @@
-"""flashinfer backend for ``kernels.attention``'s interface (CUDA only; not exercised on CPU CI).
+"""flashinfer backend for ``kernels.attention``'s interface (CUDA only; its glue is tested on CPU against a
+recording stand-in for the flashinfer module, tests/kernels/test_attention_flashinfer_glue.py).
 
 Same ``forward`` contract as ``TorchAttentionBackend``: write the new tokens' k/v into the token-granular
-cache at ``out_cache_loc``, then attend every new token to the keys of its request selected by
-``attn_mask``. flashinfer sees the cache as pages of one token (``page_size=1``, NHD layout), each
-request's keys as the first ``kv_len[b]`` entries of ``kv_indices[b]``, and the mask (ancestor-only for
-tree verify, causal for extend/decode) as a flattened per-request ``custom_mask`` that flashinfer packs
-into bits. One ``plan`` serves every layer of a forward: it is redone only when the metadata tensors
-passed in change (identity and in-place version check), so pass the same tensors to all layers.
-Assumes ``q_index`` puts request b's tokens in its first ``extend_len[b]`` padded rows (ForwardBatch).
+cache at ``out_cache_loc``, then attend every new token to the keys of its request. flashinfer sees the
+cache as pages of one token (``page_size=1``, NHD layout) and request b's keys as the first
+``prefix_lens[b] + extend_lens[b]`` entries of ``kv_indices[b]``. Kernel per forward kind:
+
+- decode (one new token per request): ``BatchDecodeWithPagedKVCacheWrapper``, no mask;
+- extend (prefill, chunked prefill): ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``
+  (flashinfer aligns the queries to the end of the keys: query i sees the prefix and new tokens <= i),
+  no mask, so FA3 is eligible on Hopper;
+- tree verification and drafter blocks (``meta.causal`` False): the same prefill wrapper with a
+  flattened per-request ``custom_mask`` (the only place an O(Q x K) mask is built and packed).
+
+Plans are per forward: the model calls ``begin_forward(meta)`` once before its first layer, which drops
+the previous plan; the first layer plans (one host sync, flashinfer's plan copies its index pointers to
+the host) and the other layers reuse it. No tensor version counters are read (inference tensors have
+none), and ``forward`` refuses metadata that is not the begun forward's.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from kernels.dispatch import FLASHINFER, import_cuda_library
+from kernels.attention import AttentionMeta
+from kernels.dispatch import FLASHINFER, require_cuda_library
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
-class FlashInferAttentionBackend:
-    """Paged prefill attention with a custom mask via flashinfer's BatchPrefillWithPagedKVCacheWrapper."""
+def plan_arguments(
+    meta: AttentionMeta, hq: int, hkv: int, d: int, dv: int, dtype: torch.dtype, scale: float
+) -> tuple[str, tuple, dict]:
+    """(kernel, positional args, keyword args) of the flashinfer ``plan`` call for one forward.
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
-        fi = import_cuda_library(FLASHINFER)
-        if fi is None or not torch.cuda.is_available():
-            raise RuntimeError("FlashInferAttentionBackend needs CUDA and the flashinfer package")
-        self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
-        self._planned_for: tuple | None = None  # (kv_indices, attn_mask, q_index, shapes) last planned
-
-    def _plan(self, q, k_cache, v_cache, kv_indices, attn_mask, q_index, scale) -> None:
-        # Same tensor objects, not modified in place since (version counters), same shapes: reuse the plan.
-        meta = (kv_indices, attn_mask, q_index)
-        key = (*meta, *(t._version for t in meta), q.shape, k_cache.shape, v_cache.shape, float(scale))
-        if self._planned_for is not None and all(
-            a is b if isinstance(a, torch.Tensor) else a == b
-            for a, b in zip(self._planned_for, key, strict=True)
-        ):
-            return
-        bs, q_max, _ = attn_mask.shape
-        dev = q.device
-        req_of_row = torch.div(q_index, q_max, rounding_mode="floor")  # [T]
-        qo_len = torch.bincount(req_of_row, minlength=bs)  # [bs]
-        # Real query rows of request b are the first qo_len[b] rows; keys used = last visible column + 1.
+    kernel: ``"decode"`` (BatchDecodeWithPagedKVCacheWrapper) or ``"prefill"``
+    (BatchPrefillWithPagedKVCacheWrapper, causal or with ``custom_mask``)."""
+    bs, q_max, k_max = meta.attn_mask.shape
+    dev = meta.kv_indices.device
+    qo_len = meta.extend_lens.to(device=dev, dtype=torch.int64)  # [bs]
+    kv_len = meta.prefix_lens.to(device=dev, dtype=torch.int64) + qo_len  # [bs]
+    cols = torch.arange(k_max, device=dev)  # [K]
+    key_used = cols[None, :] < kv_len[:, None]  # [bs, K]
+    page_indices = meta.kv_indices[key_used].to(torch.int32)  # [sum kv_len]
+    kv_indptr = torch.cat([kv_len.new_zeros(1), kv_len.cumsum(0)]).to(torch.int32)  # [bs+1]
+    last_page_len = torch.ones(bs, dtype=torch.int32, device=dev)  # [bs] pages of one token
+    common = dict(sm_scale=float(scale), q_data_type=dtype, kv_data_type=dtype)
+    if meta.decode and dv == d:
+        return "decode", (kv_indptr, page_indices, last_page_len, hq, hkv, d, 1), common
+    qo_indptr = torch.cat([qo_len.new_zeros(1), qo_len.cumsum(0)]).to(torch.int32)  # [bs+1]
+    extra = {} if dv == d else {"head_dim_vo": dv}
+    if meta.causal:
+        extra["causal"] = True
+    else:
         real_q = torch.arange(q_max, device=dev)[None, :] < qo_len[:, None]  # [bs, Q]
-        visible = (attn_mask & real_q[:, :, None]).any(dim=1)  # [bs, K]
-        cols = torch.arange(attn_mask.shape[2], device=dev)  # [K]
-        kv_len = torch.where(visible, cols + 1, 0).amax(dim=1)  # [bs]
-        qo_indptr = torch.cat([qo_len.new_zeros(1), qo_len.cumsum(0)]).to(torch.int32)  # [bs+1]
-        kv_indptr = torch.cat([kv_len.new_zeros(1), kv_len.cumsum(0)]).to(torch.int32)  # [bs+1]
-        key_used = cols[None, :] < kv_len[:, None]  # [bs, K]
-        page_indices = kv_indices[key_used].to(torch.int32)  # [sum kv_len]
-        mask_used = real_q[:, :, None] & key_used[:, None, :]  # [bs, Q, K]
-        custom_mask = attn_mask[mask_used]  # flattened per request, row-major [qo_len[b], kv_len[b]]
-        hq, d = q.shape[1], q.shape[2]
-        hkv, dv = k_cache.shape[1], v_cache.shape[2]
-        extra = {} if dv == d else {"head_dim_vo": dv}
-        self._wrapper.plan(
-            qo_indptr,
-            kv_indptr,
-            page_indices,
-            torch.ones(bs, dtype=torch.int32, device=dev),
-            hq,
-            hkv,
-            d,
-            1,
-            custom_mask=custom_mask,
-            sm_scale=float(scale),
-            q_data_type=q.dtype,
-            kv_data_type=k_cache.dtype,
-            **extra,
-        )
-        self._planned_for = key
+        used = real_q[:, :, None] & key_used[:, None, :]  # [bs, Q, K]
+        extra["custom_mask"] = meta.attn_mask[used]  # row-major [qo_len[b], kv_len[b]] per request
+    return "prefill", (qo_indptr, kv_indptr, page_indices, last_page_len, hq, hkv, d, 1), {**extra, **common}
+
+
+class FlashInferAttentionBackend:
+    """Paged attention through flashinfer's decode and prefill wrappers (module docstring)."""
+
+    def __init__(self, device: torch.device | str = "cuda", flashinfer: ModuleType | None = None) -> None:
+        """``flashinfer``: the module to use (tests pass a recording stand-in); default: import it, which
+        needs CUDA and the package."""
+        if flashinfer is None:
+            if not torch.cuda.is_available():
+                raise RuntimeError("FlashInferAttentionBackend needs CUDA")
+            flashinfer = require_cuda_library(FLASHINFER, "FlashInferAttentionBackend")
+        self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self._meta: AttentionMeta | None = None
+        self._planned: tuple | None = None  # (head counts, dims, dtype, scale) of the current plan
+        self._kernel = ""  # "prefill" | "decode": the wrapper planned for this forward
+
+    def begin_forward(self, meta: AttentionMeta) -> None:
+        self._meta = meta
+        self._planned = None
 
     def forward(
         self,
@@ -87,8 +95,65 @@ class FlashInferAttentionBackend:
         q_index: torch.Tensor,  # [T] rows into [bs * Q], request after request
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, dv]
+        meta = self._meta
+        if meta is None or not meta.describes(kv_indices, attn_mask, q_index):
+            raise RuntimeError(
+                "FlashInferAttentionBackend.forward: begin_forward(meta) was not called with "
+                "this forward's metadata (kv_indices, attn_mask, q_index)"
+            )
+        if meta.decode and q.shape[0] != kv_indices.shape[0]:
+            raise ValueError(f"decode forward with {q.shape[0]} tokens for {kv_indices.shape[0]} requests")
         k_cache[out_cache_loc] = k.to(k_cache.dtype)
         v_cache[out_cache_loc] = v.to(v_cache.dtype)
-        self._plan(q, k_cache, v_cache, kv_indices, attn_mask, q_index, scale)
+        shape = (q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2], k_cache.dtype, float(scale))
+        if self._planned != shape:
+            kernel, args, kwargs = plan_arguments(meta, *shape)
+            (self._decode if kernel == "decode" else self._prefill).plan(*args, **kwargs)
+            self._planned, self._kernel = shape, kernel
+        wrapper = self._decode if self._kernel == "decode" else self._prefill
         paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # [num_slots, page=1, Hkv, d]
-        return self._wrapper.run(q.to(k_cache.dtype), paged)
+        return wrapper.run(q.to(k_cache.dtype), paged)
+
+    def warmup(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        head_dim_vo: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> list[str]:
+        """Compile (JIT) and run every kernel this backend uses once, on two tiny requests: decode,
+        causal extend and custom-mask prefill. Call at start-up, before the server reports healthy.
+        Returns the kernels run."""
+        dev = torch.device(device)
+        k_cache = torch.zeros(8, num_kv_heads, head_dim, dtype=dtype, device=dev)  # [slots, Hkv, d]
+        v_cache = torch.zeros(8, num_kv_heads, head_dim_vo, dtype=dtype, device=dev)
+        kv_indices = torch.tensor([[1, 2, 3], [4, 5, 6]], device=dev)  # [2, 3]
+        done = []
+        for kind, ext in (("decode", 1), ("extend", 2), ("tree", 2)):
+            bs, k_max = 2, 3
+            prefix = torch.full((bs,), k_max - ext, dtype=torch.int64, device=dev)
+            extend = torch.full((bs,), ext, dtype=torch.int64, device=dev)
+            mask = torch.ones(bs, ext, k_max, dtype=torch.bool, device=dev)  # [bs, Q, K]
+            if kind != "tree":
+                mask = torch.tril(mask, diagonal=k_max - ext)
+            q_index = torch.arange(bs * ext, device=dev)  # [T]
+            meta = AttentionMeta(kind != "tree", kind == "decode", kv_indices, mask, q_index, prefix, extend)
+            t = bs * ext
+            self.begin_forward(meta)
+            self.forward(
+                torch.zeros(t, num_qo_heads, head_dim, dtype=dtype, device=dev),
+                torch.zeros(t, num_kv_heads, head_dim, dtype=dtype, device=dev),
+                torch.zeros(t, num_kv_heads, head_dim_vo, dtype=dtype, device=dev),
+                k_cache,
+                v_cache,
+                kv_indices[:, k_max - ext :].reshape(-1),
+                kv_indices,
+                mask,
+                q_index,
+                head_dim**-0.5,
+            )
+            done.append(f"{kind}:{self._kernel}")
+        self._meta, self._planned = None, None
+        return done

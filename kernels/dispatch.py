@@ -3,13 +3,18 @@
 The CUDA path is taken only when every tensor of the call lives on a CUDA device, the library imports,
 and the environment does not force the reference (``DDTREE_KERNELS=torch``). sgl-kernel raises
 ImportError on machines without CUDA (missing libnvrtc), so imports are probed inside try/except.
-No module-level mutable state: the import probe is memoised with ``functools.lru_cache``.
+No module-level mutable state: the import probe is memoised with ``functools.cache``.
+
+``DDTREE_REQUIRE_CUDA_KERNELS=1`` (the GPU check sets it) turns every silent fallback into an error: a
+call on CUDA tensors whose library does not import raises ``CudaKernelUnavailable`` (with the import
+error) instead of running the reference, so a check cannot pass without exercising the libraries.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from types import ModuleType
 
@@ -18,16 +23,65 @@ import torch
 SGL_KERNEL = "sgl_kernel"
 FLASHINFER = "flashinfer"
 _ENV = "DDTREE_KERNELS"
+REQUIRE_ENV = "DDTREE_REQUIRE_CUDA_KERNELS"
+FLASHINFER_ARCH_ENV = "FLASHINFER_CUDA_ARCH_LIST"
+
+# Human names of the implementations, as the GPU check prints them.
+BACKEND_NAMES = {SGL_KERNEL: "sgl-kernel", FLASHINFER: "flashinfer", "torch": "torch reference"}
+
+logger = logging.getLogger(__name__)
+
+
+class CudaKernelUnavailable(RuntimeError):
+    """A CUDA library was required (``DDTREE_REQUIRE_CUDA_KERNELS=1``) but cannot run."""
+
+
+def cuda_kernels_required() -> bool:
+    """True when ``DDTREE_REQUIRE_CUDA_KERNELS`` is set to 1/true/yes."""
+    return os.environ.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def target_detected_cuda_arch() -> str | None:
+    """Make flashinfer's JIT compile for the GPU in use only: when neither ``FLASHINFER_CUDA_ARCH_LIST``
+    is set nor CUDA is unavailable, set it to the current device's ``major.minor`` (flashinfer adds the
+    ``a``/``f`` suffix itself). Must run before flashinfer is imported (it reads the variable at import).
+    Returns the value in effect, None without CUDA."""
+    if FLASHINFER_ARCH_ENV in os.environ:
+        return os.environ[FLASHINFER_ARCH_ENV]
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    os.environ[FLASHINFER_ARCH_ENV] = f"{major}.{minor}"
+    return os.environ[FLASHINFER_ARCH_ENV]
 
 
 @functools.cache
+def _import(name: str) -> tuple[ModuleType | None, str]:
+    if name.split(".")[0] == FLASHINFER:
+        target_detected_cuda_arch()
+    try:
+        return importlib.import_module(name), ""
+    except (ImportError, OSError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
 def import_cuda_library(name: str) -> ModuleType | None:
     """Import ``name`` (``"sgl_kernel"``, ``"flashinfer"`` or a submodule such as ``"flashinfer.sampling"``)
     once; None when it is not installed or cannot load (no CUDA runtime)."""
-    try:
-        return importlib.import_module(name)
-    except (ImportError, OSError, RuntimeError):
-        return None
+    return _import(name)[0]
+
+
+def import_error(name: str) -> str:
+    """Why ``name`` did not import ("" when it did)."""
+    return _import(name)[1]
+
+
+def require_cuda_library(name: str, what: str) -> ModuleType:
+    """Import ``name`` or raise ``CudaKernelUnavailable`` naming ``what`` needed it and why it failed."""
+    mod = import_cuda_library(name)
+    if mod is None:
+        raise CudaKernelUnavailable(f"{what} needs {name}, which does not import ({import_error(name)})")
+    return mod
 
 
 def kernels_forced_to_torch() -> bool:
@@ -39,12 +93,28 @@ def use_cuda_kernels(*tensors: torch.Tensor, library: str = SGL_KERNEL) -> bool:
     """True when the CUDA implementation of ``library`` should run for a call on ``tensors``.
 
     Requires: CUDA available, every tensor on a CUDA device (at least one tensor given), ``library``
-    importable, and ``DDTREE_KERNELS`` not set to ``torch``.
+    importable, and ``DDTREE_KERNELS`` not set to ``torch``. Under ``DDTREE_REQUIRE_CUDA_KERNELS=1`` a
+    call on CUDA tensors whose library is forced off or does not import raises ``CudaKernelUnavailable``.
     """
-    if kernels_forced_to_torch() or not tensors:
-        return False
-    if not torch.cuda.is_available():
+    if not tensors or not torch.cuda.is_available():
         return False
     if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         return False
-    return import_cuda_library(library) is not None
+    if kernels_forced_to_torch():
+        if cuda_kernels_required():
+            raise CudaKernelUnavailable(f"{REQUIRE_ENV}=1 contradicts {_ENV}=torch")
+        return False
+    if import_cuda_library(library) is None:
+        if cuda_kernels_required():
+            raise CudaKernelUnavailable(
+                f"{library} does not import ({import_error(library)}) and {REQUIRE_ENV}=1 forbids the fallback"
+            )
+        return False
+    return True
+
+
+def backend_name(*tensors: torch.Tensor, library: str = SGL_KERNEL) -> str:
+    """Which implementation a call on ``tensors`` runs: ``"sgl-kernel"``, ``"flashinfer"`` or
+    ``"torch reference"`` (what the GPU check prints for each part)."""
+    lib = library.split(".")[0]
+    return BACKEND_NAMES[lib] if use_cuda_kernels(*tensors, library=library) else BACKEND_NAMES["torch"]

@@ -6,20 +6,61 @@ never modified. Kept entries are renormalised to sum to 1; a row whose parameter
 (``top_k <= 0`` or ``top_k >= V``; ``top_p >= 1``; ``min_p <= 0``) is returned bit-for-bit unchanged.
 
 CUDA path: ``flashinfer.sampling.top_k_renorm_probs`` / ``top_p_renorm_probs`` when the tensors are on
-CUDA and flashinfer imports (see ``kernels.dispatch``); everything else is the vectorised PyTorch
-reference below (which also runs on CUDA tensors). ``sampling_from_probs`` always uses the reference,
+CUDA and flashinfer imports (see ``kernels.dispatch``), always with ``is_deterministic=True``: by
+default flashinfer's top-p accumulates its radix histogram with float atomics and its multi-block top-k
+sums partial masses with atomics, so two TP ranks (or a seeded replay) could keep different boundary
+tokens. A flashinfer without that argument is not used (the reference runs instead, which is
+deterministic). Everything else is the vectorised PyTorch reference below (which also runs on CUDA). ``sampling_from_probs`` always uses the reference,
 because flashinfer draws its own random numbers while this contract takes explicit uniforms.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
 
-from kernels.dispatch import FLASHINFER, import_cuda_library, use_cuda_kernels
+from kernels.dispatch import (
+    FLASHINFER,
+    CudaKernelUnavailable,
+    cuda_kernels_required,
+    import_cuda_library,
+    use_cuda_kernels,
+)
 
 _FI_SAMPLING = FLASHINFER + ".sampling"
+_FI_TOP_K = ("top_k_renorm_probs", "top_k_renorm_prob")
+_FI_TOP_P = ("top_p_renorm_probs", "top_p_renorm_prob")
 # Top-p first tries a partial top-k of these sizes before falling back to a full sort of the row.
 _TOP_P_PARTIAL_KS = (256, 4096)
+
+
+def _flashinfer_filter(probs: torch.Tensor, names: tuple[str, ...]) -> Callable | None:
+    """The flashinfer filter to run on ``probs`` (None: the reference runs). Under
+    ``DDTREE_REQUIRE_CUDA_KERNELS=1`` a flashinfer without a deterministic mode is an error."""
+    if not use_cuda_kernels(probs, library=_FI_SAMPLING):
+        return None
+    fn = deterministic_flashinfer_filter(names)
+    if fn is None and cuda_kernels_required():
+        raise CudaKernelUnavailable(f"flashinfer.sampling.{names[0]} has no is_deterministic argument")
+    return fn
+
+
+def deterministic_flashinfer_filter(names: tuple[str, ...]) -> Callable | None:
+    """The first of ``flashinfer.sampling.<names>`` that accepts ``is_deterministic``, else None."""
+    fi = import_cuda_library(_FI_SAMPLING)
+    for name in names:
+        fn = getattr(fi, name, None)
+        if fn is None:
+            continue
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            continue
+        if "is_deterministic" in params:
+            return fn
+    return None
 
 
 def _check_probs(probs: torch.Tensor, name: str = "probs") -> None:
@@ -68,10 +109,10 @@ def top_k_renorm_prob(probs: torch.Tensor, top_k: torch.Tensor | int) -> torch.T
     active = (k > 0) & (k < vocab)  # [n]
     if probs.shape[0] == 0 or not bool(active.any()):
         return probs.clone()
-    if use_cuda_kernels(probs, library=_FI_SAMPLING):
-        fi = import_cuda_library(_FI_SAMPLING)
-        fn = getattr(fi, "top_k_renorm_probs", None) or fi.top_k_renorm_prob
-        out = fn(probs.float(), torch.where(active, k, torch.full_like(k, vocab)).to(torch.int32))
+    fn = _flashinfer_filter(probs, _FI_TOP_K)
+    if fn:
+        kk = torch.where(active, k, torch.full_like(k, vocab)).to(torch.int32)
+        out = fn(probs.float(), kk, is_deterministic=True)
         return torch.where(active[:, None], out.to(probs.dtype), probs)
     k_max = int(k[active].max())
     top_vals = torch.topk(probs, k_max, dim=-1, sorted=True).values  # [n, k_max]
@@ -118,10 +159,9 @@ def top_p_renorm_prob(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch
     active = p < 1.0  # [n]
     if probs.shape[0] == 0 or not bool(active.any()):
         return probs.clone()
-    if use_cuda_kernels(probs, library=_FI_SAMPLING):
-        fi = import_cuda_library(_FI_SAMPLING)
-        fn = getattr(fi, "top_p_renorm_probs", None) or fi.top_p_renorm_prob
-        out = fn(probs.float(), torch.where(active, p, torch.ones_like(p)))
+    fn = _flashinfer_filter(probs, _FI_TOP_P)
+    if fn:
+        out = fn(probs.float(), torch.where(active, p, torch.ones_like(p)), is_deterministic=True)
         return torch.where(active[:, None], out.to(probs.dtype), probs)
     thr = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)  # [n]
     act_idx = active.nonzero()[:, 0]  # [a]
@@ -176,3 +216,12 @@ def sampling_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     if bool((probs < 0).any()) or not bool(torch.isfinite(probs).all()):
         raise ValueError("probs must be finite and non-negative")
     return inverse_cdf_sample(probs, uniforms)
+
+
+def warm_up_filters(device: torch.device | str, vocab: int) -> str:
+    """Run the top-k and top-p filters once on ``device`` (flashinfer JIT-compiles its sampling module at
+    first use; call at start-up so no request pays for it). Returns the backend that ran."""
+    probs = torch.full((2, vocab), 1.0 / vocab, device=device)  # [2, V]
+    fn = _flashinfer_filter(probs, _FI_TOP_K)
+    top_p_renorm_prob(top_k_renorm_prob(probs, 1), 0.5)
+    return "flashinfer" if fn is not None else "torch reference"

@@ -223,10 +223,34 @@ def verify_tree_greedy(
     w.write(predicts, accept_index, accept_token_num, flat_target[w.last_global])
 
 
-def _call_sgl_sampling(kwargs: dict) -> None:
-    fn = import_cuda_library(SGL_KERNEL).tree_speculative_sampling_target_only
+# sgl-kernel's TreeSpeculativeSamplingTargetOnly addresses target/draft probabilities with a uint32 row
+# offset (``bx * num_draft_tokens * d``): a call must keep rows x D x V below 2^32. We cap at 2^31 so a
+# build that uses signed 32-bit offsets is safe too (e.g. 163,840 vocab x D 256: 51 requests per call).
+SGL_SAMPLING_MAX_ELEMENTS = 2**31
+_PER_REQUEST = ("accept_index", "accept_token_num", "candidates", "retrive_index", "retrive_next_token",
+                "retrive_next_sibling", "uniform_samples", "uniform_samples_for_final_sampling",
+                "target_probs", "draft_probs")
+
+
+def sgl_sampling_chunks(bs: int, d: int, vocab: int, max_elements: int = SGL_SAMPLING_MAX_ELEMENTS):
+    """Request ranges ``[lo, hi)`` per kernel call, each with ``(hi - lo) * d * vocab <= max_elements``."""
+    per_call = max_elements // (d * vocab)
+    if per_call < 1:
+        raise ValueError(f"one request's D x V = {d} x {vocab} exceeds the kernel's {max_elements} elements")
+    return [(lo, min(lo + per_call, bs)) for lo in range(0, bs, per_call)]
+
+
+def _call_sgl_sampling(kwargs: dict, kernel=None, max_elements: int = SGL_SAMPLING_MAX_ELEMENTS) -> None:
+    """Run sgl-kernel's sampled verification over request chunks (``sgl_sampling_chunks``). Each call
+    gets row slices (contiguous views) of the per-request tensors and the whole ``predicts``:
+    ``retrive_index`` holds global rows ``b * D + i``, which the kernel writes to ``predicts`` and
+    ``accept_index`` as given. ``kernel`` defaults to sgl-kernel's function (tests pass a stand-in)."""
+    fn = kernel or import_cuda_library(SGL_KERNEL).tree_speculative_sampling_target_only
     params = inspect.signature(fn).parameters
-    fn(**{k: v for k, v in kwargs.items() if k in params})  # newer sgl-kernel dropped draft_probs
+    bs, d, vocab = kwargs["target_probs"].shape
+    for lo, hi in sgl_sampling_chunks(bs, d, vocab, max_elements):
+        part = {k: (v[lo:hi] if k in _PER_REQUEST else v) for k, v in kwargs.items() if k in params}
+        fn(**part)  # newer sgl-kernel dropped draft_probs
 
 
 def tree_speculative_sampling_target_only(

@@ -20,6 +20,8 @@ from enum import Enum
 
 import torch
 
+from kernels.attention import AttentionMeta
+
 
 class ForwardMode(Enum):
     EXTEND = "extend"  # prefill or chunked prefill; also drafter context/blocks
@@ -50,6 +52,20 @@ class ForwardBatch:
     @property
     def max_q(self) -> int:
         return int(self.attn_mask.shape[1])
+
+    def attention_meta(self) -> AttentionMeta:
+        """The per-forward attention metadata a backend plans from (``begin_forward``): EXTEND and DECODE
+        masks are causal by construction, so backends may use causal kernels for them; TARGET_VERIFY
+        (trees, drafter blocks) carries an arbitrary mask."""
+        return AttentionMeta(
+            causal=self.mode in (ForwardMode.EXTEND, ForwardMode.DECODE),
+            decode=self.mode == ForwardMode.DECODE,
+            kv_indices=self.kv_indices,
+            attn_mask=self.attn_mask,
+            q_index=self.q_index,
+            prefix_lens=self.prefix_lens,
+            extend_lens=self.extend_lens,
+        )
 
 
 def build_forward_batch(

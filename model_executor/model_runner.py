@@ -9,8 +9,9 @@ import time
 import torch
 
 from kernels.attention import TorchAttentionBackend
+from kernels.sampling import warm_up_filters
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kv_cache import KVCache, ReqToTokenPool, TokenSlotAllocator
+from model_executor.kv_cache import KVCache, KVCacheLayout, ReqToTokenPool, TokenSlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.model_registry import get_model_class
 from model_executor.models.output import ModelOutput
@@ -20,16 +21,28 @@ from model_executor.weight_loader import iter_weights
 logger = logging.getLogger(__name__)
 
 
-def pick_attention_backend(device: torch.device, name: str = "auto"):
-    """The MHA attention backend (``name``: auto | torch | flashinfer). MLA models run their own latent
-    attention (torch or triton) and get the unused torch one."""
-    if name in ("torch", "triton"):
+def pick_attention_backend(device: torch.device, dtype: torch.dtype, layout: KVCacheLayout, name: str = "auto"):
+    """The attention backend for a model of ``dtype`` whose KV cache has ``layout`` (``name``: auto | torch |
+    flashinfer, from ``--attention-backend``; auto = flashinfer on CUDA when the dtype and head dims fit it,
+    kernels.attention_select). A layout without a V buffer (MLA) is a model that runs its own latent
+    attention (torch or triton) and never calls the backend."""
+    if layout.v_dim == 0 or name in ("torch", "triton"):
         return TorchAttentionBackend()
-    try:
-        from kernels.attention_select import get_attention_backend
-    except ImportError:
-        return TorchAttentionBackend()
-    return get_attention_backend(name, device)
+    from kernels.attention_select import get_attention_backend
+
+    return get_attention_backend(name, device, dtype, layout.k_dim, layout.v_dim)
+
+
+def warm_up_attention(backend, layout: KVCacheLayout, model: torch.nn.Module, dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """JIT-compile and run each kernel of a compiling backend (flashinfer) once at start-up, so the first
+    request does not pay for it and the server turns healthy only afterwards. No-op for the reference."""
+    if not hasattr(backend, "warmup"):
+        return
+    num_q = model.layers[0].self_attn.local_heads  # llama-style models and DFlash drafters
+    t0 = time.time()
+    ran = backend.warmup(num_q, layout.kv_heads, layout.k_dim, layout.v_dim, dtype, device)
+    logger.info("attention kernels warmed up in %.1fs: %s", time.time() - t0, ", ".join(ran))
 
 
 def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.nn.Module:
@@ -66,7 +79,10 @@ class ModelRunner:
         self.kv = KVCache(layout, max_total_tokens, config.dtype, self.device)
         self.allocator = TokenSlotAllocator(max_total_tokens, self.device)
         self.req_to_token = ReqToTokenPool(max_reqs, max_context, self.device)
-        self.backend = pick_attention_backend(self.device, config.attention_backend)
+        self.backend = pick_attention_backend(self.device, config.dtype, layout, config.attention_backend)
+        warm_up_attention(self.backend, layout, self.model, config.dtype, self.device)
+        if self.device.type == "cuda":  # flashinfer's sampling module JIT-compiles at first use
+            logger.info("sampling filters warmed up: %s", warm_up_filters(self.device, config.vocab_size))
         self.graphs = None
         if cuda_graph_max_bs > 0:
             from model_executor.cuda_graph_runner import CudaGraphRunner, check_graphable, graph_batch_sizes

@@ -21,7 +21,7 @@ import torch
 from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from model_executor.kv_cache import KVCache
 from model_executor.model_config import ModelConfig
-from model_executor.model_runner import ModelRunner, load_model
+from model_executor.model_runner import ModelRunner, load_model, pick_attention_backend, warm_up_attention
 from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, token_logprobs
 from model_executor.sampling_params import SamplingParams, find_stop
@@ -77,6 +77,9 @@ class SpecWorker:
         self.budget = self.depth_limit if self.chain else budget
         self.capture_layer_ids = tuple(drafter.target_layer_ids)
         self.draft_kv = KVCache(drafter.kv_cache_layout(), runner.num_slots, runner.config.dtype, runner.device)
+        # The drafter's own attention backend: its head dims may differ from the target's.
+        self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, drafter.kv_cache_layout())
+        warm_up_attention(self.draft_backend, drafter.kv_cache_layout(), drafter, runner.config.dtype, runner.device)
         self.timer = StepTimer()
 
     @classmethod
@@ -151,7 +154,7 @@ class SpecWorker:
             ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.req_to_token.table,
             idx, cached, torch.full((bs,), bsz), tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool),
             input_embeds=r.model.embed(ids.view(-1)))
-        hidden = self.drafter(fb, self.draft_kv, r.backend).view(bs, bsz, -1)  # [bs, B, H]
+        hidden = self.drafter(fb, self.draft_kv, self.draft_backend).view(bs, bsz, -1)  # [bs, B, H]
         r.allocator.free(slots)
         return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
 

@@ -150,6 +150,7 @@ class DFlashDraftModel(nn.Module):
             raise ValueError("DFlash forward needs fb.input_embeds (the target's embeddings of the block)")
         h = fb.input_embeds.to(self.dtype)  # [T, H]
         cos_sin = self.rotary.cos_sin(fb.positions)
+        backend.begin_forward(fb.attention_meta())  # one plan for every layer of this forward
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             q, k, v = a.block_qkv(layer.input_layernorm(h), self.rotary, cos_sin)

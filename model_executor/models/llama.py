@@ -112,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> ModelOutput:
         h = fb.input_embeds if fb.input_embeds is not None else self.embed_tokens(fb.input_ids)  # [T, H]
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(fb.positions)
+        backend.begin_forward(fb.attention_meta())  # one plan for every layer of this forward
         captured = []
         for i, layer in enumerate(self.layers):
             h = layer(h, fb, kv, backend, cos_sin)

@@ -11,6 +11,9 @@ import torch
 from kernels.attention import TorchAttentionBackend
 from kernels.dispatch import FLASHINFER, SGL_KERNEL, import_cuda_library, use_cuda_kernels
 from kernels.sampling import sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
+from model_executor.forward_batch import ForwardMode
+from tests.gpu.spy import spy
+from tests.kernels.test_attention_flashinfer_glue import _batch
 from tests.kernels.tree_helpers import pack_trees, random_tree, run_greedy, run_sampling
 
 pytestmark = [
@@ -20,6 +23,7 @@ pytestmark = [
 
 
 def need(lib: str) -> None:
+    """Skip when ``lib`` cannot run (a failure under DDTREE_REQUIRE_CUDA_KERNELS=1: conftest.py)."""
     if not use_cuda_kernels(torch.zeros(1, device="cuda"), library=lib):
         pytest.skip(f"{lib} not usable (not installed or DDTREE_KERNELS=torch)")
 
@@ -51,18 +55,22 @@ def compare(ref: dict, got: dict, bs: int, d: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_verify_tree_greedy_matches_reference(seed):
+def test_verify_tree_greedy_matches_reference(seed, monkeypatch, backend_report):
     need(SGL_KERNEL)
+    calls = spy(monkeypatch, SGL_KERNEL, "verify_tree_greedy")
     tree, logits, s = random_batch(seed, bs=16, d=12, vocab=64)
     tp = logits.argmax(-1)
     ref = run_greedy(tree, tp, s)
     got = run_greedy(cuda(tree), tp.cuda(), s)
     compare(ref, got, 16, 12)
+    assert len(calls) == 1
+    backend_report.append(f"verify_tree_greedy (seed {seed}): sgl-kernel vs torch reference on CPU")
 
 
 @pytest.mark.parametrize("seed,vocab", [(0, 64), (1, 1000), (2, 32000)])
-def test_tree_sampling_matches_reference(seed, vocab):
+def test_tree_sampling_matches_reference(seed, vocab, monkeypatch, backend_report):
     need(SGL_KERNEL)
+    calls = spy(monkeypatch, SGL_KERNEL, "tree_speculative_sampling_target_only")
     bs, d = 16, 12
     tree, logits, s = random_batch(seed, bs, d, vocab)
     target = logits.softmax(-1)
@@ -74,6 +82,8 @@ def test_tree_sampling_matches_reference(seed, vocab):
     fn = import_cuda_library(SGL_KERNEL).tree_speculative_sampling_target_only
     if "draft_probs" in inspect.signature(fn).parameters:  # older sgl-kernel: rejected siblings written there
         assert torch.allclose(ref["draft_probs"], got["draft_probs"].cpu())
+    assert len(calls) == 1
+    backend_report.append(f"tree_speculative_sampling_target_only (V={vocab}): sgl-kernel vs torch reference")
 
 
 def test_tree_sampling_one_hot_equals_greedy_on_cuda():
@@ -87,8 +97,9 @@ def test_tree_sampling_one_hot_equals_greedy_on_cuda():
 
 
 @pytest.mark.parametrize("vocab", [1000, 129280])
-def test_renorm_filters_match_reference(vocab):
+def test_renorm_filters_match_reference(vocab, monkeypatch, backend_report):
     need(FLASHINFER + ".sampling")
+    calls = spy(monkeypatch, FLASHINFER + ".sampling", "top_p_renorm_probs")
     g = torch.Generator().manual_seed(vocab)
     probs = (torch.randn(24, vocab, generator=g) * 3).softmax(-1)
     top_k = torch.randint(1, 100, (24,), generator=g)
@@ -98,6 +109,12 @@ def test_renorm_filters_match_reference(vocab):
         got = fn(probs.cuda(), param.cuda() if isinstance(param, torch.Tensor) else param).cpu()
         assert torch.equal(ref > 0, got > 0), fn.__name__
         assert torch.allclose(ref, got, atol=1e-5), fn.__name__
+        again = fn(probs.cuda(), param.cuda() if isinstance(param, torch.Tensor) else param).cpu()
+        assert torch.equal(got, again), f"{fn.__name__} is not deterministic"
+    assert len(calls) == 2
+    backend_report.append(
+        f"top_k/top_p renorm (V={vocab}): flashinfer, is_deterministic=True, bitwise replay"
+    )
 
 
 def test_renorm_filters_keep_ties_on_cuda():
@@ -115,68 +132,74 @@ def test_sampling_from_probs_on_cuda_matches_cpu():
     assert torch.equal(sampling_from_probs(probs, u), sampling_from_probs(probs.cuda(), u.cuda()).cpu())
 
 
-def tree_attention_inputs(dtype: torch.dtype):
-    """Two requests with prefixes 5 and 3 and trees of 4 and 2 nodes (ancestor-only mask)."""
-    hq, hkv, d = 8, 2, 64
-    prefix, parents = [5, 3], [[-1, 0, 0, 1], [-1, 0]]
-    bs, q_max = 2, 4
-    k_max = max(p + len(t) for p, t in zip(prefix, parents, strict=True))
-    num_slots = 64
-    slots = torch.randperm(num_slots - 1)[: sum(prefix) + 6] + 1  # slot 0 is padding
-    kv_indices = torch.zeros(bs, k_max, dtype=torch.long)
-    mask = torch.zeros(bs, q_max, k_max, dtype=torch.bool)
-    mask[:, :, 0] = True  # padded query rows see key 0 only
-    out_loc, q_index, used = [], [], 0
-    for b in range(bs):
-        n = len(parents[b])
-        kv_indices[b, : prefix[b] + n] = slots[used : used + prefix[b] + n]
-        out_loc.append(slots[used + prefix[b] : used + prefix[b] + n])
-        used += prefix[b] + n
-        for i in range(n):
-            mask[b, i, : prefix[b]] = True
-            j = i
-            while j != -1:
-                mask[b, i, prefix[b] + j] = True
-                j = parents[b][j]
-            q_index.append(b * q_max + i)
-    t = len(q_index)
-    g = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(num_slots, hkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_slots, hkv, d, generator=g).to(dtype)
-    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
-    return dict(
-        q=q,
-        k=k,
-        v=v,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        out_cache_loc=torch.cat(out_loc),
-        kv_indices=kv_indices,
-        attn_mask=mask,
-        q_index=torch.tensor(q_index),
-        scale=d**-0.5,
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
+def test_flashinfer_attention_matches_torch_backend(mode, monkeypatch, backend_report):
+    """Each forward kind on flashinfer (causal prefill, decode, custom-mask prefill) against the torch
+    reference, metadata built in inference mode as the engine does, bf16."""
+    need(FLASHINFER)
+    from kernels.attention_flashinfer import FlashInferAttentionBackend
+
+    kernel = (
+        "BatchDecodeWithPagedKVCacheWrapper"
+        if mode == ForwardMode.DECODE
+        else "BatchPrefillWithPagedKVCacheWrapper"
     )
+    runs = spy(monkeypatch, FLASHINFER, f"{kernel}.run")
+    prefix, extend = ([3, 6], [1, 1]) if mode == ForwardMode.DECODE else ([2, 5], [3, 4])
+    fb, k_cache, v_cache, qkv = _batch(mode, prefix, extend, d=64)
+    ref = TorchAttentionBackend().forward(
+        *qkv,
+        k_cache.clone(),
+        v_cache.clone(),
+        fb.out_cache_loc,
+        fb.kv_indices,
+        fb.attn_mask,
+        fb.q_index,
+        64**-0.5,
+    )
+    dev = torch.device("cuda")
+    with torch.inference_mode():
+        fb_cuda = type(fb)(
+            **{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in vars(fb).items()}
+        )
+        kc, vc = k_cache.to(dev, torch.bfloat16), v_cache.to(dev, torch.bfloat16)
+        backend = FlashInferAttentionBackend()
+        backend.begin_forward(fb_cuda.attention_meta())
+        args = [t.to(dev, torch.bfloat16) for t in qkv]
+        got = backend.forward(
+            *args,
+            kc,
+            vc,
+            fb_cuda.out_cache_loc,
+            fb_cuda.kv_indices,
+            fb_cuda.attn_mask,
+            fb_cuda.q_index,
+            64**-0.5,
+        )
+        again = backend.forward(
+            *args,
+            kc,
+            vc,
+            fb_cuda.out_cache_loc,
+            fb_cuda.kv_indices,
+            fb_cuda.attn_mask,
+            fb_cuda.q_index,
+            64**-0.5,
+        )  # a second layer reuses the plan
+    assert torch.allclose(ref, got.float().cpu(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(got, again) and len(runs) == 2
+    backend_report.append(f"attention {mode.value}: flashinfer {kernel} (bf16) vs torch reference")
 
 
-def test_flashinfer_attention_matches_torch_backend():
-    if import_cuda_library(FLASHINFER) is None:
-        pytest.skip("flashinfer not installed")
+def test_flashinfer_chosen_for_bf16_and_warm_up_runs(backend_report):
+    need(FLASHINFER)
     from kernels.attention_flashinfer import FlashInferAttentionBackend
     from kernels.attention_select import get_attention_backend
 
-    inputs = tree_attention_inputs(torch.bfloat16)
-    ref_in = {
-        k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-        for k, v in inputs.items()
-    }
-    ref = TorchAttentionBackend().forward(**ref_in)
-    got_in = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    backend = FlashInferAttentionBackend()
-    got = backend.forward(**got_in)
-    assert torch.allclose(ref, got.float().cpu(), atol=3e-2, rtol=3e-2)
-    assert torch.equal(got_in["k_cache"][got_in["out_cache_loc"]].cpu(), inputs["k"])
-    again = backend.forward(**got_in)  # second layer of the same forward reuses the plan
-    assert torch.equal(got, again)
-    if not use_cuda_kernels(torch.zeros(1, device="cuda"), library=FLASHINFER):
-        return
-    assert isinstance(get_attention_backend("auto"), FlashInferAttentionBackend)
+    backend = get_attention_backend("auto", "cuda", torch.bfloat16, 64, 64)
+    assert isinstance(backend, FlashInferAttentionBackend)
+    assert not isinstance(
+        get_attention_backend("auto", "cuda", torch.float32, 64, 64), FlashInferAttentionBackend
+    )
+    ran = backend.warmup(9, 3, 64, 64, torch.bfloat16, "cuda")
+    backend_report.append(f"attention warm-up: flashinfer {', '.join(ran)}; float32 -> torch reference")

@@ -1,13 +1,16 @@
 """GPU check (run by benchmarks/gpu_check.sh on a lent GPU): the tiny Kimi INT4 checkpoint on CUDA with
 INT4-resident experts (the CUDA default) against the CPU dequantize-at-load path, float32 on both devices
 (greedy tokens of a random tiny model; GEMM kernels differ, so a near-tie could flip a token: the check
-allows none), and greedy DDTree on CUDA equal to plain greedy on CUDA (lossless)."""
+allows none), and greedy DDTree on CUDA equal to plain greedy on CUDA (lossless). float32 is deliberate:
+flashinfer attention is 16-bit only, so the drafter's attention must select the torch reference here
+(kernels/attention_select.py) instead of crashing in flashinfer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels.attention import TorchAttentionBackend
 from model_executor.sampling_params import SamplingParams
 from server.engine import Engine
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
@@ -25,15 +28,24 @@ def _greedy(path: str, device: str, **kw) -> list[list[int]]:
         sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outs = eng.generate(input_ids=[[3, 17, 42, 99, 7], [11, 200, 300, 12]], sampling_params=sp)
         assert kw.get("int4_experts") or eng.scheduler.model_config.int4_experts == (
-            "packed" if device == "cuda" else "dequant")
+            "packed" if device == "cuda" else "dequant"
+        )
+        if eng.scheduler.spec is not None:  # float32: the drafter's attention is the torch reference
+            assert isinstance(eng.scheduler.spec.draft_backend, TorchAttentionBackend)
         return [o.token_ids for o in outs]
     finally:
         eng.shutdown()
 
 
-def test_tiny_kimi_packed_int4_on_cuda_matches_cpu(tmp_path):
+def test_tiny_kimi_packed_int4_on_cuda_matches_cpu(tmp_path, backend_report):
     path = str(write_tiny_deepseek(tmp_path / "k", int4=True, kimi=True, moe_intermediate_size=64).path)
     drafter = write_random_drafter(path, tmp_path / "d", num_layers=1, block_size=4)
     ref = _greedy(path, "cpu")
     assert _greedy(path, "cuda") == ref
-    assert _greedy(path, "cuda", speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=6) == ref
+    assert (
+        _greedy(path, "cuda", speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=6)
+        == ref
+    )
+    backend_report.append(
+        "tiny Kimi float32: MLA + packed INT4 on CUDA == CPU; drafter attention: torch (float32)"
+    )

@@ -43,39 +43,48 @@ def pack_trees(trees: list[tuple[list[int], list[int]]], d: int, pad_garbage: bo
     )
 
 
-def outputs(bs: int, d: int, s: int) -> dict:
+def outputs(bs: int, d: int, s: int, device: torch.device | str = "cpu") -> dict:
+    """The in-place output buffers of both kernels, on ``device`` (the tree's)."""
     return dict(
-        predicts=torch.full((bs * d,), -7, dtype=torch.int32),
-        accept_index=torch.full((bs, s), -3, dtype=torch.int32),
-        accept_token_num=torch.full((bs,), -3, dtype=torch.int32),
+        predicts=torch.full((bs * d,), -7, dtype=torch.int32, device=device),
+        accept_index=torch.full((bs, s), -3, dtype=torch.int32, device=device),
+        accept_token_num=torch.full((bs,), -3, dtype=torch.int32, device=device),
     )
 
 
-def run_greedy(tree: dict, target_predict: torch.Tensor, s: int) -> dict:
+def greedy_args(tree: dict, target_predict: torch.Tensor, s: int) -> dict:
+    """Every argument of verify_tree_greedy, outputs on the tree's device."""
     bs, d = tree["candidates"].shape
-    out = outputs(bs, d, s)
-    verify_tree_greedy(
-        **out, **{k: v for k, v in tree.items() if k != "depth"}, target_predict=target_predict
-    )
-    return out
+    out = outputs(bs, d, s, tree["candidates"].device)
+    return dict(**out, **{k: v for k, v in tree.items() if k != "depth"}, target_predict=target_predict)
 
 
-def run_sampling(tree, coins, final, target, draft=None, s=None, **kw) -> dict:
+def sampling_args(tree, coins, final, target, draft=None, s=None) -> dict:
+    """Every tensor argument of tree_speculative_sampling_target_only, outputs on the tree's device."""
     bs, d = tree["candidates"].shape
     s = s if s is not None else int(tree["depth"].max()) + 1
-    out = outputs(bs, d, s)
+    out = outputs(bs, d, s, tree["candidates"].device)
     draft = torch.zeros_like(target) if draft is None else draft
-    tree_speculative_sampling_target_only(
+    return dict(
         **out,
         **{k: v for k, v in tree.items() if k != "depth"},
         uniform_samples=coins,
         uniform_samples_for_final_sampling=final,
         target_probs=target,
         draft_probs=draft,
-        **kw,
     )
-    out["draft_probs"] = draft
-    return out
+
+
+def run_greedy(tree: dict, target_predict: torch.Tensor, s: int) -> dict:
+    args = greedy_args(tree, target_predict, s)
+    verify_tree_greedy(**args)
+    return {k: args[k] for k in ("predicts", "accept_index", "accept_token_num")}
+
+
+def run_sampling(tree, coins, final, target, draft=None, s=None, **kw) -> dict:
+    args = sampling_args(tree, coins, final, target, draft, s)
+    tree_speculative_sampling_target_only(**args, **kw)
+    return {k: args[k] for k in ("predicts", "accept_index", "accept_token_num", "draft_probs")}
 
 
 def random_tree(rng: random.Random, n_nodes: int, vocab: int) -> tuple[list[int], list[int]]:
