@@ -41,27 +41,38 @@ def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, max_total_tokens: int | None, kv_memory_gb: float, max_reqs: int,
-                 max_context: int, tp: TPGroup = TPGroup(), device: str = "cpu"):
+    """Loads the weights at construction. The KV cache is allocated then when ``max_total_tokens`` is given;
+    otherwise the owner sizes it once everything else is resident (``model_executor.memory``) and calls
+    ``allocate_kv``."""
+
+    def __init__(self, config: ModelConfig, max_reqs: int, max_context: int, tp: TPGroup = TPGroup(),
+                 device: str = "cpu", max_total_tokens: int | None = None):
         self.config = config
         self.device = torch.device(device)
         self.tp = tp
+        self.max_reqs, self.max_context = max_reqs, max_context
         self.model = load_model(config, tp, self.device)
-        layout = self.model.kv_cache_layout()
-        per_token = layout.bytes_per_token(config.dtype)
-        if max_total_tokens is None:
-            max_total_tokens = int(kv_memory_gb * (1 << 30) // per_token)
-            max_total_tokens = min(max_total_tokens, max_reqs * max_context)
-        if tp.size > 1:  # ranks may hold different KV heads: every rank must schedule the same capacity
-            max_total_tokens = tp.min_int(max_total_tokens)
-        if max_total_tokens < 16:
-            raise ValueError(f"max_total_tokens must be >= 16, got {max_total_tokens}")
-        self.num_slots = max_total_tokens
-        self.kv = KVCache(layout, max_total_tokens, config.dtype, self.device)
-        self.allocator = TokenSlotAllocator(max_total_tokens, self.device)
-        self.req_to_token = ReqToTokenPool(max_reqs, max_context, self.device)
+        self.kv_layout = self.model.kv_cache_layout()
+        self.num_slots = 0
         self.backend = pick_attention_backend(self.device)
-        logger.info("KV cache: %d tokens x %d bytes", max_total_tokens, per_token)
+        if max_total_tokens is not None:
+            self.allocate_kv(max_total_tokens)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_layout.bytes_per_token(self.config.dtype)
+
+    def allocate_kv(self, num_slots: int) -> None:
+        """Allocate the KV cache, slot allocator and request->token table (once)."""
+        if self.num_slots:
+            raise RuntimeError("the KV cache is already allocated")
+        if num_slots < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {num_slots}")
+        self.num_slots = num_slots
+        self.kv = KVCache(self.kv_layout, num_slots, self.config.dtype, self.device)
+        self.allocator = TokenSlotAllocator(num_slots, self.device)
+        self.req_to_token = ReqToTokenPool(self.max_reqs, self.max_context, self.device)
+        logger.info("KV cache: %d tokens x %d bytes", num_slots, self.kv_bytes_per_token)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
