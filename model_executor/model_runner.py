@@ -62,8 +62,10 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return self.kv_layout.bytes_per_token(self.config.dtype)
 
-    def allocate_kv(self, num_slots: int) -> None:
-        """Allocate the KV cache, slot allocator and request->token table (once)."""
+    def allocate_kv(self, num_slots: int, table_margin: int = 0) -> None:
+        """Allocate the KV cache, slot allocator and request->token table (once). ``table_margin``: extra
+        table columns past ``max_context`` for the temporary slots of a step (a draft block or a tree
+        written after the last cached position of a request at the context limit)."""
         if self.num_slots:
             raise RuntimeError("the KV cache is already allocated")
         if num_slots < 16:
@@ -71,7 +73,7 @@ class ModelRunner:
         self.num_slots = num_slots
         self.kv = KVCache(self.kv_layout, num_slots, self.config.dtype, self.device)
         self.allocator = TokenSlotAllocator(num_slots, self.device)
-        self.req_to_token = ReqToTokenPool(self.max_reqs, self.max_context, self.device)
+        self.req_to_token = ReqToTokenPool(self.max_reqs, self.max_context + table_margin, self.device)
         logger.info("KV cache: %d tokens x %d bytes", num_slots, self.kv_bytes_per_token)
 
     @torch.inference_mode()

@@ -78,7 +78,7 @@ class Scheduler:
             max_total_tokens=cache.max_total_tokens, kv_memory_gb=cache.kv_memory_gb,
             mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe)
         logger.info("%s; max verify tokens per step %d", self.kv_sizing.describe(), self.workspace.max_verify_tokens)
-        self.runner.allocate_kv(self.kv_sizing.tokens)
+        self.runner.allocate_kv(self.kv_sizing.tokens, table_margin=spec.max_step_tokens if spec else 0)
         if spec is not None:
             spec.allocate_kv()
             spec.max_verify_tokens = self.workspace.max_verify_tokens
