@@ -73,8 +73,9 @@ def logit_rows_bytes(rows: int, vocab: int) -> int:
     return rows * vocab * LOGIT_ROW_BYTES_PER_ENTRY
 
 
-def verify_workspace(vocab: int, max_batch: int, budget: int | None, block_size: int | None,
-                     workspace_gb: float | None = None) -> Workspace:
+def verify_workspace(
+    vocab: int, max_batch: int, budget: int | None, block_size: int | None, workspace_gb: float | None = None
+) -> Workspace:
     """The step workspace and the verify tokens it allows.
 
     ``budget``: non-root tree nodes per request (None: no speculation, a decode step is ``max_batch``
@@ -96,8 +97,10 @@ def verify_workspace(vocab: int, max_batch: int, budget: int | None, block_size:
     max_verify = total // row - draft_rows
     if max_verify < max_batch:
         need = logit_rows_bytes(max_batch + draft_rows, vocab) / GIB
-        raise ValueError(f"verify_workspace_gb {total / GIB:.3f} GiB cannot hold one step of {max_batch} requests "
-                         f"(vocabulary {vocab}: at least {need:.3f} GiB); raise it or lower max_running_requests")
+        raise ValueError(
+            f"verify_workspace_gb {total / GIB:.3f} GiB cannot hold one step of {max_batch} requests "
+            f"(vocabulary {vocab}: at least {need:.3f} GiB); raise it or lower max_running_requests"
+        )
     return Workspace(total, max_verify, draft_rows)
 
 
@@ -119,21 +122,33 @@ class KVSizing:
     source: str  # "max_total_tokens" | "kv_memory_gb" | "mem_fraction_static" | "host_memory"
 
     def describe(self) -> str:
-        return (f"KV pool: {self.tokens} tokens x {self.bytes_per_token} B = {self.tokens * self.bytes_per_token / GIB:.2f}"
-                f" GiB (from {self.source}; device {self.total_bytes / GIB:.2f} GiB, in use {self.used_bytes / GIB:.2f}"
-                f" GiB, workspace {self.workspace_bytes / GIB:.2f} GiB)")
+        return (
+            f"KV pool: {self.tokens} tokens x {self.bytes_per_token} B = {self.tokens * self.bytes_per_token / GIB:.2f}"
+            f" GiB (from {self.source}; device {self.total_bytes / GIB:.2f} GiB, in use {self.used_bytes / GIB:.2f}"
+            f" GiB, workspace {self.workspace_bytes / GIB:.2f} GiB)"
+        )
 
 
-def kv_pool_bytes(device_type: str, total: int, used: int, mem_fraction_static: float, workspace_bytes: int) -> int:
+def kv_pool_bytes(
+    device_type: str, total: int, used: int, mem_fraction_static: float, workspace_bytes: int
+) -> int:
     """Bytes for the KV cache on one rank, measured after weights and drafter are resident."""
     if device_type == "cuda":
         return int(mem_fraction_static * total) - used - workspace_bytes
     return min(CPU_KV_CAP_BYTES, int(CPU_KV_FRACTION * (total - used - workspace_bytes)))
 
 
-def size_kv_pool(device: torch.device | str, bytes_per_token: int, workspace_bytes: int, token_limit: int,
-                 max_total_tokens: int | None = None, kv_memory_gb: float | None = None,
-                 mem_fraction_static: float = 0.85, tp: Any = None, probe: MemoryProbe = device_memory) -> KVSizing:
+def size_kv_pool(
+    device: torch.device | str,
+    bytes_per_token: int,
+    workspace_bytes: int,
+    token_limit: int,
+    max_total_tokens: int | None = None,
+    kv_memory_gb: float | None = None,
+    mem_fraction_static: float = 0.85,
+    tp: Any = None,
+    probe: MemoryProbe = device_memory,
+) -> KVSizing:
     """KV slots for this server (precedence in the module docstring), at most ``token_limit`` (no request
     mix can use more: max requests x context). ``tp``: a TPGroup; the result is the minimum over ranks."""
     if bytes_per_token < 1:
@@ -154,10 +169,13 @@ def size_kv_pool(device: torch.device | str, bytes_per_token: int, workspace_byt
             if pool <= 0:
                 raise ValueError(
                     f"no memory left for the KV cache: {used / GIB:.2f} GiB in use of {total / GIB:.2f} GiB after "
-                    f"loading, workspace {workspace_bytes / GIB:.2f} GiB, mem_fraction_static {mem_fraction_static}")
+                    f"loading, workspace {workspace_bytes / GIB:.2f} GiB, mem_fraction_static {mem_fraction_static}"
+                )
         tokens = min(max(pool, 0) // bytes_per_token, token_limit)
     if tp is not None and tp.size > 1:
         tokens = tp.min_int(tokens)
     if tokens < MIN_KV_TOKENS:
-        raise ValueError(f"the KV cache holds {tokens} tokens ({source}); at least {MIN_KV_TOKENS} are needed")
+        raise ValueError(
+            f"the KV cache holds {tokens} tokens ({source}); at least {MIN_KV_TOKENS} are needed"
+        )
     return KVSizing(tokens, bytes_per_token, pool, workspace_bytes, total, used, source)

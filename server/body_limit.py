@@ -53,9 +53,22 @@ class BodyGuard:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send: Any) -> None:
-        payload = json.dumps(error_body(413, f"the request body exceeds max_request_body_bytes ({self.max_bytes})",
-                                        code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
+        payload = json.dumps(
+            error_body(
+                413,
+                f"the request body exceeds max_request_body_bytes ({self.max_bytes})",
+                code="request_too_large",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})

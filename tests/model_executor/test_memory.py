@@ -25,6 +25,7 @@ def _probe(total: int, used: int, calls: list | None = None):
         if calls is not None:
             calls.append(dev)
         return total, used
+
     return probe
 
 
@@ -34,17 +35,26 @@ def _no_probe(dev):
 
 def test_cuda_pool_is_mem_fraction_of_total_minus_used_minus_workspace() -> None:
     calls: list = []
-    s = size_kv_pool("cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.9,
-                     probe=_probe(96 * GIB, 75 * GIB, calls))
+    s = size_kv_pool(
+        "cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.9, probe=_probe(96 * GIB, 75 * GIB, calls)
+    )
     assert s.tokens == (int(0.9 * 96 * GIB) - 75 * GIB - 2 * GIB) // 70272  # 9.4 GiB of 70 KB tokens
     assert s.source == "mem_fraction_static" and calls and calls[0].type == "cuda"
     assert s.total_bytes == 96 * GIB and s.used_bytes == 75 * GIB
     assert "mem_fraction_static" in s.describe()
     # more memory in use -> fewer tokens; a tighter token limit wins
-    assert size_kv_pool("cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.9,
-                        probe=_probe(96 * GIB, 80 * GIB)).tokens < s.tokens
-    assert size_kv_pool("cuda", 70272, 2 * GIB, 1000, mem_fraction_static=0.9,
-                        probe=_probe(96 * GIB, 75 * GIB)).tokens == 1000
+    assert (
+        size_kv_pool(
+            "cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.9, probe=_probe(96 * GIB, 80 * GIB)
+        ).tokens
+        < s.tokens
+    )
+    assert (
+        size_kv_pool(
+            "cuda", 70272, 2 * GIB, 1000, mem_fraction_static=0.9, probe=_probe(96 * GIB, 75 * GIB)
+        ).tokens
+        == 1000
+    )
 
 
 def test_overrides_take_precedence_over_the_probe() -> None:
@@ -65,7 +75,9 @@ def test_cpu_default_is_a_capped_share_of_available_host_memory() -> None:
 
 def test_no_room_is_an_error_naming_the_numbers() -> None:
     with pytest.raises(ValueError, match="no memory left for the KV cache"):
-        size_kv_pool("cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.88, probe=_probe(64 * GIB, 60 * GIB))
+        size_kv_pool(
+            "cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.88, probe=_probe(64 * GIB, 60 * GIB)
+        )
     with pytest.raises(ValueError, match="at least 16"):
         size_kv_pool("cuda", 70272, 0, 10**9, kv_memory_gb=1e-6, probe=_no_probe)
 
@@ -90,8 +102,15 @@ def _rank_tokens(rank: int, addr: str, totals: tuple[int, ...], out) -> None:
 
     tp = init_tp(ParallelArgs(tp_size=2), rank, "cpu", addr)
     try:  # a "CUDA" pool on each rank from its own (fake) device: every rank must end with the minimum
-        s = size_kv_pool("cuda", 1 << 20, 0, 10**9, mem_fraction_static=0.5, tp=tp,
-                         probe=functools.partial(_fixed, totals[rank]))
+        s = size_kv_pool(
+            "cuda",
+            1 << 20,
+            0,
+            10**9,
+            mem_fraction_static=0.5,
+            tp=tp,
+            probe=functools.partial(_fixed, totals[rank]),
+        )
         out.put((rank, s.tokens, s.pool_bytes))
     finally:
         destroy_tp(tp)
@@ -128,9 +147,18 @@ def test_scheduler_sizes_target_plus_drafter_from_the_probe(tiny_llama_factory, 
 
     target = tiny_llama_factory("llama")
     drafter = write_random_drafter(target, tmp_path / "drafter", num_layers=1, block_size=4)
-    cfg = ServerConfig.from_flat(dict(model_path=target, dtype="float32", device="cpu", context_length=256,
-                                      max_running_requests=4, speculative_algorithm="ddtree",
-                                      speculative_draft_model_path=drafter, speculative_ddtree_budget=6))
+    cfg = ServerConfig.from_flat(
+        dict(
+            model_path=target,
+            dtype="float32",
+            device="cpu",
+            context_length=256,
+            max_running_requests=4,
+            speculative_algorithm="ddtree",
+            speculative_draft_model_path=drafter,
+            speculative_ddtree_budget=6,
+        )
+    )
     calls: list = []
     total, used = 1 * GIB, GIB - 8 * 1024 * 1024  # 8 MiB available on a fake host
     s = Scheduler(cfg, memory_probe=_probe(total, used, calls))

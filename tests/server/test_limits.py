@@ -25,9 +25,23 @@ def server(tmp_path_factory):
     ensure_default_model()
     port = free_port()
     log = tmp_path_factory.mktemp("limits") / "server.log"
-    proc = start_server(["--port", str(port), "--context-length", str(CONTEXT), "--max-running-requests", "1",
-                         "--max-waiting-requests", "1", "--max-request-body-bytes", str(MAX_BODY),
-                         "--max-prompt-tokens", str(MAX_PROMPT)], log)
+    proc = start_server(
+        [
+            "--port",
+            str(port),
+            "--context-length",
+            str(CONTEXT),
+            "--max-running-requests",
+            "1",
+            "--max-waiting-requests",
+            "1",
+            "--max-request-body-bytes",
+            str(MAX_BODY),
+            "--max-prompt-tokens",
+            str(MAX_PROMPT),
+        ],
+        log,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, 240, log)
@@ -69,12 +83,21 @@ def test_body_size_limit_gives_413(server) -> None:
     def chunks():  # no Content-Length: counted while reading
         yield json.dumps(big).encode()
 
-    _error(httpx.post(server + "/v1/completions", content=chunks(), timeout=60,
-                      headers={"Content-Type": "application/json"}), 413)
+    _error(
+        httpx.post(
+            server + "/v1/completions",
+            content=chunks(),
+            timeout=60,
+            headers={"Content-Type": "application/json"},
+        ),
+        413,
+    )
 
 
 def test_prompt_token_limit_gives_400(server) -> None:
-    err = _error(_post(server, "/v1/completions", {"prompt": list(range(1, MAX_PROMPT + 2)), "max_tokens": 1}), 400)
+    err = _error(
+        _post(server, "/v1/completions", {"prompt": list(range(1, MAX_PROMPT + 2)), "max_tokens": 1}), 400
+    )
     assert "max_prompt_tokens" in err["message"]
     ok = _post(server, "/v1/completions", {"prompt": list(range(1, MAX_PROMPT + 1)), "max_tokens": 1})
     assert ok.status_code == 200, ok.text
@@ -121,7 +144,13 @@ BAD_MESSAGES = [
     [{"role": "assistant"}],
     [{"role": "user"}],
     [{"role": "system", "content": None}],
-    [{"role": "user", "content": "x", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}],
+    [
+        {
+            "role": "user",
+            "content": "x",
+            "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+        }
+    ],
 ]
 
 
@@ -132,14 +161,22 @@ def test_message_role_rules(server, messages) -> None:
 
 def test_body_is_json_whatever_the_content_type(server) -> None:
     for ctype in ("application/x-www-form-urlencoded", "text/plain"):
-        r = _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers={"Content-Type": ctype})
+        r = _post(
+            server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers={"Content-Type": ctype}
+        )
         assert r.status_code == 200, r.text
-    assert _error(_post(server, "/v1/completions", b"[1, 2]"), 400)["message"] == "the request body must be a JSON object"
+    assert (
+        _error(_post(server, "/v1/completions", b"[1, 2]"), 400)["message"]
+        == "the request body must be a JSON object"
+    )
 
 
 def test_openapi_spec_and_docs(server) -> None:
     spec = httpx.get(server + "/openapi.json", timeout=30).json()
-    for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest")):
+    for path, model in (
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/v1/completions", "CompletionRequest"),
+    ):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
         assert "400" in spec["paths"][path]["post"]["responses"]

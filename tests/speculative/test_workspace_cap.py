@@ -64,8 +64,10 @@ def test_no_max_tokens_runs_to_the_request_limit(tiny) -> None:
     for kw in ({}, dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=8)):
         e = Engine(target, dtype="float32", context_length=40, max_total_tokens=4096, **kw)
         try:
-            out = e.generate(input_ids=PROMPTS[:1], sampling_params=SamplingParams(temperature=0, max_tokens=None,
-                                                                                   ignore_eos=True))[0]
+            out = e.generate(
+                input_ids=PROMPTS[:1],
+                sampling_params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+            )[0]
             assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 40
             with pytest.raises(ValueError, match="leaves no room"):
                 e.generate(input_ids=[[1] * 40], sampling_params=SamplingParams(max_tokens=None))
@@ -75,8 +77,10 @@ def test_no_max_tokens_runs_to_the_request_limit(tiny) -> None:
     e = Engine(target, dtype="float32", context_length=4096, max_total_tokens=64)
     try:
         assert e.scheduler.max_request_tokens == 63
-        out = e.generate(input_ids=PROMPTS[:1], sampling_params=SamplingParams(temperature=0, max_tokens=None,
-                                                                               ignore_eos=True))[0]
+        out = e.generate(
+            input_ids=PROMPTS[:1],
+            sampling_params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        )[0]
         assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 63
     finally:
         e.shutdown()
