@@ -45,6 +45,7 @@ def device_memory(device: torch.device | str) -> tuple[int, int]:
     """(total bytes, bytes in use) of ``device``: a CUDA device from cudaMemGetInfo, else host RAM."""
     dev = torch.device(device)
     if dev.type == "cuda":
+        torch.cuda.empty_cache()  # cached-but-free blocks (loading temporaries) are not "in use"
         free, total = torch.cuda.mem_get_info(dev)
         return int(total), int(total - free)
     return _host_memory()
