@@ -58,39 +58,56 @@ def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, max_total_tokens: int | None, kv_memory_gb: float, max_reqs: int,
-                 max_context: int, tp: TPGroup = TPGroup(), device: str = "cpu", cuda_graph_max_bs: int = 0):
-        """``cuda_graph_max_bs > 0``: replay DECODE / TARGET_VERIFY forwards of up to that many requests from
-        CUDA graphs (model_executor/cuda_graph_runner.py; MLA models with the Triton backends only)."""
+    """Loads the weights at construction. The KV cache is allocated then when ``max_total_tokens`` is given;
+    otherwise the owner sizes it once everything else is resident (``model_executor.memory``) and calls
+    ``allocate_kv``. ``cuda_graph_max_bs > 0``: replay DECODE / TARGET_VERIFY forwards of up to that many
+    requests from CUDA graphs (model_executor/cuda_graph_runner.py; MLA models with the Triton backends only)."""
+
+    def __init__(self, config: ModelConfig, max_reqs: int, max_context: int, tp: TPGroup = TPGroup(),
+                 device: str = "cpu", max_total_tokens: int | None = None, cuda_graph_max_bs: int = 0):
         self.config = config
         self.device = torch.device(device)
         self.tp = tp
+        self.max_reqs, self.max_context = max_reqs, max_context
         self.model = load_model(config, tp, self.device)
-        layout = self.model.kv_cache_layout()
-        per_token = layout.bytes_per_token(config.dtype)
-        if max_total_tokens is None:
-            max_total_tokens = int(kv_memory_gb * (1 << 30) // per_token)
-            max_total_tokens = min(max_total_tokens, max_reqs * max_context)
-        if tp.size > 1:  # ranks may hold different KV heads: every rank must schedule the same capacity
-            max_total_tokens = tp.min_int(max_total_tokens)
-        if max_total_tokens < 16:
-            raise ValueError(f"max_total_tokens must be >= 16, got {max_total_tokens}")
-        self.num_slots = max_total_tokens
-        self.kv = KVCache(layout, max_total_tokens, config.dtype, self.device)
-        self.allocator = TokenSlotAllocator(max_total_tokens, self.device)
-        self.req_to_token = ReqToTokenPool(max_reqs, max_context, self.device)
-        self.backend = pick_attention_backend(self.device, config.dtype, layout, config.attention_backend)
-        warm_up_attention(self.backend, layout, self.model, config.dtype, self.device)
+        self.kv_layout = self.model.kv_cache_layout()
+        self.num_slots = 0
+        self.backend = pick_attention_backend(self.device, config.dtype, self.kv_layout, config.attention_backend)
+        warm_up_attention(self.backend, self.kv_layout, self.model, config.dtype, self.device)
         if self.device.type == "cuda":  # flashinfer's sampling module JIT-compiles at first use
             logger.info("sampling filters warmed up: %s", warm_up_filters(self.device, config.vocab_size))
+        self.cuda_graph_max_bs = cuda_graph_max_bs
         self.graphs = None
         if cuda_graph_max_bs > 0:
-            from model_executor.cuda_graph_runner import CudaGraphRunner, check_graphable, graph_batch_sizes
+            from model_executor.cuda_graph_runner import check_graphable
 
             check_graphable(config)
-            self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, graph_batch_sizes(cuda_graph_max_bs),
-                                          max_context, self.device)
-        logger.info("KV cache: %d tokens x %d bytes", max_total_tokens, per_token)
+        if max_total_tokens is not None:
+            self.allocate_kv(max_total_tokens)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_layout.bytes_per_token(self.config.dtype)
+
+    def allocate_kv(self, num_slots: int, table_margin: int = 0) -> None:
+        """Allocate the KV cache, slot allocator and request->token table (once), and the CUDA graph runner
+        over them when enabled. ``table_margin``: extra table columns past ``max_context`` for the temporary
+        slots of a step (a draft block or a tree written after the last cached position of a request at the
+        context limit)."""
+        if self.num_slots:
+            raise RuntimeError("the KV cache is already allocated")
+        if num_slots < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {num_slots}")
+        self.num_slots = num_slots
+        self.kv = KVCache(self.kv_layout, num_slots, self.config.dtype, self.device)
+        self.allocator = TokenSlotAllocator(num_slots, self.device)
+        self.req_to_token = ReqToTokenPool(self.max_reqs, self.max_context + table_margin, self.device)
+        if self.cuda_graph_max_bs > 0:
+            from model_executor.cuda_graph_runner import CudaGraphRunner, graph_batch_sizes
+
+            self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, graph_batch_sizes(self.cuda_graph_max_bs),
+                                          self.max_context, self.device)
+        logger.info("KV cache: %d tokens x %d bytes", num_slots, self.kv_bytes_per_token)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:

@@ -6,14 +6,18 @@ Model of the memory of one rank (GiB = 2^30 bytes; ``--gpu-memory-gb`` is read a
   ``quantization_config`` quantizes (Kimi: the routed experts), counted packed (int32 words) + BF16 group
   scales. TP sharding as our layers do it: vocab-parallel embedding/lm_head, heads split for q_b/kv_b/o,
   q_a/kv_a/norms replicated, dense and expert intermediate dims split; the MoE router is held in float32.
-- static pool = ``gpu_memory * mem_fraction`` holds weights + KV cache (SGLang's mem_fraction_static);
-  the rest minus ``overhead_gib`` (CUDA context, NCCL, graphs) is the activation workspace.
+- KV pool and workspace: the server's own functions (model_executor/memory.py) with a device of
+  ``gpu_memory`` GiB of which ``weights + drafter + overhead_gib`` (CUDA context, NCCL, graphs) are in use:
+  the step workspace (``verify_workspace``: ``max_running_requests x (budget + 1)`` verify tokens plus the
+  drafted rows unless ``verify_workspace_gb`` states it) is reserved, and the KV pool is
+  ``mem_fraction x total - in use - workspace`` (``size_kv_pool``), at most ``(max_running_requests + 1) x
+  context`` tokens, exactly as ``ddtree-serve serve`` sizes it on that device.
 - KV per token: MLA caches only the latent, ``layers * (kv_lora_rank + qk_rope_head_dim)`` values, the
-  same on every rank; otherwise ``2 * layers * kv_heads_per_rank * head_dim``. BF16 unless told.
-- a DDTree request at context ``C`` and budget ``B`` holds ``C + B + 1`` KV slots during verify; a verify
-  forward over ``batch * (B + 1)`` tokens needs, per token, the float32 logits, target and draft
-  probabilities over the vocabulary (3 x V x 4 bytes) plus ~layer activations; batch = min(KV bound,
-  workspace bound). An optional drafter (z-lab DFlash config) is counted replicated on every rank.
+  same on every rank; otherwise ``2 * layers * kv_heads_per_rank * head_dim``. BF16 unless told. An
+  optional drafter (z-lab DFlash config) is counted replicated on every rank, its KV per token included.
+- budget table: a DDTree request at context ``C`` and budget ``B`` holds ``C + B + 1`` KV slots during
+  verify; the workspace verifies ``max_verify_tokens // (B + 1)`` requests per step uncapped; batch = the
+  smaller of the two bounds.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model_executor.memory import GIB, size_kv_pool, verify_workspace
 from model_executor.quantization import Int4Config, packed_nbytes
 
-GIB = 1 << 30
+__all__ = ["GIB", "BudgetRow", "Plan", "make_plan", "weight_bytes", "kv_bytes_per_token"]
 BUDGETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -53,7 +58,10 @@ class Plan:
     draft_bytes_per_rank: int
     kv_bytes_per_token: int  # per rank, target + drafter
     kv_tokens: int  # KV slots that fit per rank (0 if the weights do not fit)
-    workspace_bytes: int
+    workspace_bytes: int  # the step workspace reserved before the KV pool
+    max_verify_tokens: int  # tree nodes one verify step may hold (the speculative worker's cap)
+    max_running_requests: int
+    budget: int  # the configured DDTree budget the workspace is sized for
     rows: tuple[BudgetRow, ...] = field(default_factory=tuple)
 
     @property
@@ -72,13 +80,19 @@ class Plan:
             lines.append(f"  drafter per rank      {g(self.draft_bytes_per_rank)}")
         lines += [f"  KV bytes per token    {self.kv_bytes_per_token:>8} B ({self.kv_bytes_per_token / 1024:.1f} KiB)",
                   f"  KV token capacity     {self.kv_tokens:>8}",
-                  f"  verify workspace      {g(self.workspace_bytes)}",
+                  f"  verify workspace      {g(self.workspace_bytes)} (budget {self.budget} x "
+                  f"{self.max_running_requests} requests)",
+                  f"  max verify tokens     {self.max_verify_tokens:>8}",
                   "  budget  max_batch  (kv bound, workspace bound)  verify tokens"]
         lines += [f"  {r.budget:>6}  {r.max_batch:>9}  ({r.kv_bound:>8}, {r.workspace_bound:>8})  {r.verify_tokens:>13}"
                   for r in self.rows]
         b = self.best
-        lines.append(f"  largest budget x batch: {b.budget} x {b.max_batch}" if b else
-                     "  does not fit: weights exceed the static memory pool")
+        if b:
+            lines.append(f"  largest budget x batch: {b.budget} x {b.max_batch}")
+        elif self.kv_tokens:
+            lines.append(f"  no request of {self.context_len} tokens fits: the KV pool holds {self.kv_tokens} tokens")
+        else:
+            lines.append("  does not fit: weights and workspace exceed the static memory pool")
         return "\n".join(lines)
 
 
@@ -157,29 +171,35 @@ def _drafter(draft: dict[str, Any] | None) -> tuple[int, int]:
 def make_plan(model_path: str | Path, tp_size: int = 8, gpu_memory_gb: float = 96.0, mem_fraction: float = 0.88,
               context_len: int = 8192, overhead_gib: float = 2.0, kv_dtype_bytes: int = 2,
               draft_model_path: str | Path | None = None, budgets: tuple[int, ...] = BUDGETS,
-              expert_parallel: bool = False) -> Plan:
-    """Plan one TP rank of ``model_path`` (a directory with config.json, or the file itself)."""
+              expert_parallel: bool = False, max_running_requests: int = 64, budget: int = 16,
+              block_size: int | None = None, verify_workspace_gb: float | None = None) -> Plan:
+    """Plan one TP rank of ``model_path`` (a directory with config.json, or the file itself).
+    ``block_size``: the drafter block (default: the drafter config's, else 8)."""
     if tp_size < 1 or not 0 < mem_fraction < 1 or gpu_memory_gb <= 0 or context_len < 1:
         raise ValueError("need tp_size >= 1, 0 < mem_fraction < 1, gpu_memory_gb > 0, context_len >= 1")
     full = _load(model_path)
     cfg = full.get("text_config") or full
     parts = weight_bytes(full, tp_size, expert_parallel=expert_parallel)
     weights = sum(parts.values())
-    d_w, d_kv = _drafter(_load(draft_model_path) if draft_model_path else None)
+    draft = _load(draft_model_path) if draft_model_path else None
+    d_w, d_kv = _drafter(draft)
+    block = block_size or int((draft or {}).get("block_size") or 8)
     kv_tok = kv_bytes_per_token(full, tp_size, kv_dtype_bytes) + d_kv
-    total = gpu_memory_gb * GIB
-    kv_pool = int(total * mem_fraction) - weights - d_w
-    kv_tokens = max(0, kv_pool // kv_tok)
-    workspace = max(0, int(total * (1 - mem_fraction) - overhead_gib * GIB))
-    h, v = cfg["hidden_size"], cfg["vocab_size"]
-    act = 3 * v * 4 + 16 * h * 2 + 2 * cfg.get("num_experts_per_tok", 1) * _shard(
-        cfg.get("moe_intermediate_size", cfg["intermediate_size"]), tp_size) * 2
+    total = int(gpu_memory_gb * GIB)
+    used = weights + d_w + int(overhead_gib * GIB)
+    ws = verify_workspace(cfg["vocab_size"], max_running_requests, budget, block, verify_workspace_gb)
+    try:
+        kv_tokens = size_kv_pool("cuda", kv_tok, ws.bytes, (max_running_requests + 1) * context_len,
+                                 mem_fraction_static=mem_fraction, probe=lambda _dev: (total, used)).tokens
+    except ValueError:  # the weights (or the workspace) leave no KV pool
+        kv_tokens = 0
     rows = []
     for bgt in budgets:
         kv_b = kv_tokens // (context_len + bgt + 1)
-        ws_b = workspace // (act * (bgt + 1))
+        ws_b = ws.max_verify_tokens // (bgt + 1)
         rows.append(BudgetRow(bgt, min(kv_b, ws_b), kv_b, ws_b))
     return Plan(architecture=full["architectures"][0], tp_size=tp_size, gpu_memory_gib=gpu_memory_gb,
                 mem_fraction=mem_fraction, context_len=context_len, weight_bytes_per_rank=weights,
                 weight_breakdown=parts, draft_bytes_per_rank=d_w, kv_bytes_per_token=kv_tok, kv_tokens=kv_tokens,
-                workspace_bytes=workspace, rows=tuple(rows))
+                workspace_bytes=ws.bytes, max_verify_tokens=ws.max_verify_tokens,
+                max_running_requests=max_running_requests, budget=budget, rows=tuple(rows))

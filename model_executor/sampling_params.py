@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy. top_k <= 0 (or >= vocab) disables top-k; top_p 1 disables top-p;
-    min_p 0 disables min-p. ``logprobs``: None for none, k >= 0 for the chosen token's logprob plus the
-    top-k alternatives. ``stop_token_ids`` end generation like EOS (the token is emitted).
+    min_p 0 disables min-p. ``max_tokens`` None: until the request limit (the context length, or what the
+    KV cache can hold for one request, whichever is smaller), resolved at admission. ``logprobs``: None for
+    none, k >= 0 for the chosen token's logprob plus the top-k alternatives. ``stop_token_ids`` end
+    generation like EOS (the token is emitted).
 
     Penalties (definitions in ``model_executor.penalties``): ``presence_penalty`` and ``frequency_penalty``
     in [-2, 2] (OpenAI; over the generated tokens), ``repetition_penalty`` in (0, 2] (SGLang/vLLM; over
@@ -22,7 +24,7 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -55,8 +57,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):

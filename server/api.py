@@ -1,9 +1,12 @@
 """The HTTP front end: a FastAPI app built by ``create_app`` (no module-level app or state).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
-With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (401 otherwise); /health and
-/metrics stay open for orchestrators and scrapers. Every error has the OpenAI shape
-``{"error": {"message", "type", "param", "code"}}``; clients never see a stack trace.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics, and the
+OpenAPI spec at GET /openapi.json (browsable at /docs), whose request bodies are the pydantic models of
+server/protocol.py. With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (401 otherwise);
+/health, /metrics and the spec stay open. Every error has the OpenAI shape
+``{"error": {"message", "type", "param", "code"}}`` (validation errors are 400, not FastAPI's 422); clients
+never see a stack trace. Request bodies over ``max_request_body_bytes`` get 413 before they are parsed, and
+a body is read as JSON whatever its Content-Type says (as OpenAI's API does).
 """
 
 from __future__ import annotations
@@ -14,14 +17,25 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.body_limit import BodyGuard
 from server.config import ServerConfig
-from server.protocol import ModelCard, ModelList, error_body
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    error_body,
+)
 from server.serving_chat import ChatHandler
-from server.serving_common import APIError, check_serving
+from server.serving_common import APIError, check_serving, validation_error
 from server.serving_completion import CompletionHandler
 from server.tokenizer_manager import TokenizerManager
 
@@ -30,6 +44,14 @@ logger = logging.getLogger(__name__)
 
 def served_model_name(config: ServerConfig) -> str:
     return config.model.served_model_name or config.model.model_path
+
+
+def _responses(ok: type) -> dict:
+    """OpenAPI responses of a generation route: the body model, and every error in the OpenAI shape."""
+    errors = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model", 413: "body too large",
+              503: "starting, failed, or queue full (Retry-After)"}
+    return {200: {"model": ok, "description": "the completion (JSON), or server-sent events when streaming"},
+            **{code: {"model": ErrorResponse, "description": d} for code, d in errors.items()}}
 
 
 def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
@@ -46,8 +68,10 @@ def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
         finally:
             await tm.stop()
 
-    app = FastAPI(title="ddtree-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ddtree-serve", summary="OpenAI-compatible server with DFlash + DDTree speculative decoding",
+                  lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.tokenizer_manager = tm
+    app.add_middleware(BodyGuard, max_bytes=config.server.max_request_body_bytes)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):  # noqa: ANN202 - starlette middleware signature
@@ -61,7 +85,12 @@ def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(list(exc.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -86,12 +115,14 @@ def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
         card = ModelCard(id=served, max_model_len=tm.max_context_len or None)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await chat.handle(request)
+    @app.post("/v1/chat/completions", response_model=None, responses=_responses(ChatCompletionResponse))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions; ``stream: true`` answers with server-sent events of chunks."""
+        return await chat.handle(request, body)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await completion.handle(request)
+    @app.post("/v1/completions", response_model=None, responses=_responses(CompletionResponse))
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI (legacy) completions over text or token-id prompts."""
+        return await completion.handle(request, body)
 
     return app

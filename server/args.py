@@ -37,9 +37,13 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("cuda_graph_max_bs", int, "Replay decode and verify forwards of up to this many requests from CUDA "
      "graphs (MLA models with the triton backends, CUDA only); 0 = off.", None),
     ("served_model_name", str, "Model name in the API (default: --model-path).", None),
-    ("max_total_tokens", int, "KV cache size in tokens (default: from --kv-memory-gb or free GPU memory).", None),
-    ("kv_memory_gb", float, "KV cache budget in GiB when --max-total-tokens is not set (CPU).", None),
-    ("mem_fraction_static", float, "Fraction of free GPU memory for weights + KV cache (CUDA).", None),
+    ("max_total_tokens", int, "KV cache size in tokens; overrides --kv-memory-gb and the memory probe.", None),
+    ("kv_memory_gb", float, "KV cache size in GiB per rank (target + drafter) when --max-total-tokens is not "
+     "set; overrides the memory probe (default: CUDA mem_fraction_static, CPU a capped share of free RAM).", None),
+    ("mem_fraction_static", float, "Share of total GPU memory for weights + verify workspace + KV cache (CUDA).",
+     None),
+    ("verify_workspace_gb", float, "Memory per rank for one step's logits and probabilities, reserved before "
+     "the KV cache; caps the tree nodes verified per step (default: enough for the full batch x budget).", None),
     ("max_running_requests", int, "Most requests decoded at once.", None),
     ("chunked_prefill_size", int, "Prefill token budget per scheduler step (long prompts are chunked).", None),
     ("speculative_algorithm", str, "Speculative decoding: none, dflash (chain) or ddtree (tree).", _SPEC_ALGOS),
@@ -58,6 +62,10 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("tool_call_parser", str, "Parse tool calls from the output in this format.", _TOOL_PARSERS),
     ("reasoning_parser", str, "Split <think> reasoning into reasoning_content.", _REASONING_PARSERS),
     ("log_level", str, "Logging level.", _LOG_LEVELS),
+    ("max_request_body_bytes", int, "Largest accepted HTTP request body in bytes (413 beyond).", None),
+    ("max_prompt_tokens", int, "Longest accepted prompt in tokens (400 beyond; default: the context length).", None),
+    ("max_waiting_requests", int, "Requests that may wait beyond --max-running-requests (503 with Retry-After "
+     "beyond).", None),
 )
 
 
@@ -155,3 +163,15 @@ def validate_config(config: ServerConfig) -> None:
         raise ValueError("tp_size must be >= 1")
     if config.speculative.ddtree_budget < 1:
         raise ValueError("speculative_ddtree_budget must be >= 1")
+    srv, cache = config.server, config.cache
+    if srv.max_request_body_bytes < 1024:
+        raise ValueError("max_request_body_bytes must be >= 1024")
+    if srv.max_prompt_tokens is not None and srv.max_prompt_tokens < 1:
+        raise ValueError("max_prompt_tokens must be >= 1")
+    if srv.max_waiting_requests < 0:
+        raise ValueError("max_waiting_requests must be >= 0")
+    if not 0 < cache.mem_fraction_static <= 1:
+        raise ValueError("mem_fraction_static must be in (0, 1]")
+    for name in ("kv_memory_gb", "verify_workspace_gb"):
+        if getattr(cache, name) is not None and getattr(cache, name) <= 0:
+            raise ValueError(f"{name} must be > 0")

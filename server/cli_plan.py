@@ -2,8 +2,9 @@
 
     ddtree-serve plan --model-path DIR --tp-size 8 --gpu-memory-gb 96
 
-Prints weight bytes per rank, KV bytes per token, KV token capacity and the DDTree budget x batch table
-(model_executor/plan.py documents the memory model). ``--json`` prints the plan as JSON instead.
+Prints weight bytes per rank, KV bytes per token, the verify workspace and max verify tokens, the KV token
+capacity and the DDTree budget x batch table, computed with the server's own sizing functions
+(model_executor/memory.py; model_executor/plan.py documents the memory model). ``--json`` prints the plan as JSON instead.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-size", type=int, default=8)
     parser.add_argument("--gpu-memory-gb", type=float, default=96.0, help="memory per GPU, GiB")
     parser.add_argument("--mem-fraction-static", type=float, default=0.88,
-                        help="share of GPU memory for weights + KV cache (the rest is workspace)")
+                        help="share of GPU memory for weights + verify workspace + KV cache")
     parser.add_argument("--context-len", type=int, default=8192, help="context length planned per request")
     parser.add_argument("--overhead-gb", type=float, default=2.0, help="CUDA context, NCCL, graphs (GiB)")
     parser.add_argument("--speculative-draft-model-path", default=None, help="DFlash drafter to count too")
     parser.add_argument("--expert-parallel", action="store_true", help="whole routed experts per rank (EP)")
+    parser.add_argument("--max-running-requests", type=int, default=64, help="requests decoded at once")
+    parser.add_argument("--speculative-ddtree-budget", type=int, default=16, help="DDTree budget per request")
+    parser.add_argument("--speculative-block-size", type=int, default=None, help="drafter block (default: its config's, else 8)")
+    parser.add_argument("--verify-workspace-gb", type=float, default=None,
+                        help="step workspace per GPU, GiB (default: the full batch x budget)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -38,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(path, tp_size=args.tp_size, gpu_memory_gb=args.gpu_memory_gb,
                      mem_fraction=args.mem_fraction_static, context_len=args.context_len,
                      overhead_gib=args.overhead_gb, draft_model_path=args.speculative_draft_model_path,
-                     expert_parallel=args.expert_parallel)
+                     expert_parallel=args.expert_parallel, max_running_requests=args.max_running_requests,
+                     budget=args.speculative_ddtree_budget, block_size=args.speculative_block_size,
+                     verify_workspace_gb=args.verify_workspace_gb)
     if args.json:
         d = dataclasses.asdict(plan)
         best = plan.best

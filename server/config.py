@@ -27,9 +27,12 @@ class ModelArgs:
 
 @dataclass(frozen=True)
 class CacheArgs:
-    max_total_tokens: int | None = None  # KV slots; None: from kv_memory_gb
-    kv_memory_gb: float = 2.0  # KV budget when max_total_tokens is None (CPU)
-    mem_fraction_static: float = 0.85  # fraction of free GPU memory for weights + KV (CUDA)
+    # KV pool precedence (model_executor/memory.py): max_total_tokens > kv_memory_gb > device memory
+    # (CUDA: mem_fraction_static x total - in use after loading - workspace; CPU: a capped share of free RAM).
+    max_total_tokens: int | None = None  # KV slots, target and drafter caches alike
+    kv_memory_gb: float | None = None  # KV bytes (target + drafter) per rank, when max_total_tokens is None
+    mem_fraction_static: float = 0.85  # share of GPU memory for weights + workspace + KV cache (CUDA)
+    verify_workspace_gb: float | None = None  # per-step logits workspace; None: enough for the full batch x budget
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class ServerArgs:
     tool_call_parser: str | None = None  # "kimi_k2" | "hermes"
     reasoning_parser: str | None = None  # "kimi_k2" | "deepseek-r1"
     log_level: str = "info"
+    max_request_body_bytes: int = 16 << 20  # larger request bodies get 413
+    max_prompt_tokens: int | None = None  # longer prompts get 400; None: only the context length limits them
+    max_waiting_requests: int = 1024  # requests in flight beyond max_running_requests; more get 503 + Retry-After
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@
     for delta in engine.generate_stream(["Hello"], params): ...
     engine.shutdown()
 
+``SamplingParams(max_tokens=None)`` generates until the request limit (the context length, or what the KV
+pool can hold for one request if that is smaller) and ends with ``length`` there.
+
 Keyword arguments mirror the CLI flags (``ServerConfig.from_flat`` names), plus the short spellings
 ``speculative_algorithm``, ``draft_model_path``, ``ddtree_budget`` and ``block_size``.
 """

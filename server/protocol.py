@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _REQ = ConfigDict(strict=True, extra="ignore")
 
@@ -75,6 +75,22 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallMsg] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> ChatMessage:
+        """OpenAI's per-role rules: a tool message answers a call (content and tool_call_id); an assistant
+        message has content or tool_calls; other roles have content; only assistants make tool calls."""
+        if self.role == "tool":
+            if self.content is None or self.tool_call_id is None:
+                raise ValueError("a 'tool' message needs 'content' and 'tool_call_id'")
+        elif self.role == "assistant":
+            if self.content is None and not self.tool_calls:
+                raise ValueError("an 'assistant' message needs 'content' or 'tool_calls'")
+        elif self.content is None:
+            raise ValueError(f"a {self.role!r} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only 'assistant' messages carry 'tool_calls' (got role {self.role!r})")
+        return self
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
@@ -167,6 +183,21 @@ class ChatCompletionRequest(_SamplingFields):
         if v == "required" or isinstance(v, ToolChoice):
             raise ValueError("forcing a tool call ('required' or a named function) is not supported yet; "
                              "use 'auto' or 'none'")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_answers_a_call(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        """As OpenAI: a 'tool' message must follow an assistant message with 'tool_calls' (or another tool
+        message answering the same turn)."""
+        for i, m in enumerate(v):
+            if m.role == "tool":
+                j = i - 1
+                while j >= 0 and v[j].role == "tool":
+                    j -= 1
+                if j < 0 or v[j].role != "assistant" or not v[j].tool_calls:
+                    raise ValueError(f"messages[{i}]: a 'tool' message must answer a preceding assistant "
+                                     "message with 'tool_calls'")
         return v
 
     @property

@@ -10,6 +10,7 @@ KV exhaustion during decode retracts the newest request back to the queue (its o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections import deque
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from model_executor.forward_batch import ForwardMode, build_forward_batch
+from model_executor.memory import MemoryProbe, device_memory, size_kv_pool, verify_workspace
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
 from model_executor.penalties import BatchPenalties, TokenCounts
@@ -40,7 +42,9 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: ServerConfig, tp=None, model_path: str | None = None):
+    def __init__(self, config: ServerConfig, tp=None, model_path: str | None = None,
+                 memory_probe: MemoryProbe = device_memory):
+        """``memory_probe``: ``(total, used)`` bytes of a device, read once to size the KV pool."""
         from model_executor.parallel_state import TPGroup
         from server.model_path import resolve_model_path
 
@@ -53,16 +57,35 @@ class Scheduler:
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
         sc = config.scheduler
-        self.runner = ModelRunner(self.model_config, config.cache.max_total_tokens, config.cache.kv_memory_gb,
-                                  sc.max_running_requests + 1, self.max_context_len, tp or TPGroup(), device,
+        tp = tp or TPGroup()
+        self.runner = ModelRunner(self.model_config, sc.max_running_requests + 1, self.max_context_len, tp, device,
                                   cuda_graph_max_bs=config.model.cuda_graph_max_bs)
         self.spec = build_spec_worker(config.speculative, self.runner, self.model_config)
+        self._size_memory(config, tp, device, memory_probe)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.outbox: list[TokenOut] = []
         self._seed_rng = random.Random(0x5EED)
         self.total_verify_steps = 0
         self.total_spec_tokens = 0
+
+    def _size_memory(self, config: ServerConfig, tp, device: str, probe: MemoryProbe) -> None:
+        """With the target and drafter weights resident: reserve the step workspace, size the KV pool from
+        what is left (model_executor/memory.py), allocate it, and hand the verify cap to the worker."""
+        spec, cache = self.spec, config.cache
+        self.workspace = verify_workspace(self.model_config.vocab_size, config.scheduler.max_running_requests,
+                                          spec.budget if spec else None, spec.block_size if spec else None,
+                                          cache.verify_workspace_gb)
+        per_token = self.runner.kv_bytes_per_token + (spec.draft_kv_bytes_per_token if spec else 0)
+        self.kv_sizing = size_kv_pool(
+            device, per_token, self.workspace.bytes, self.runner.max_reqs * self.max_context_len,
+            max_total_tokens=cache.max_total_tokens, kv_memory_gb=cache.kv_memory_gb,
+            mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe)
+        logger.info("%s; max verify tokens per step %d", self.kv_sizing.describe(), self.workspace.max_verify_tokens)
+        self.runner.allocate_kv(self.kv_sizing.tokens, table_margin=spec.max_step_tokens if spec else 0)
+        if spec is not None:
+            spec.allocate_kv()
+            spec.max_verify_tokens = self.workspace.max_verify_tokens
 
     # ---------------------------------------------------------------- requests in / out
     def add_request(self, req: GenerateReq) -> None:
@@ -71,11 +94,17 @@ class Scheduler:
         p.validate(vocab)
         if not req.input_ids:
             raise ValueError("prompt must not be empty")
-        if len(req.input_ids) + p.max_tokens > self.max_context_len:
+        n = len(req.input_ids)
+        if p.max_tokens is None:  # until the request limit: ends with "length" there
+            if n + 1 > self.max_request_tokens:
+                raise ValueError(f"the prompt ({n} tokens) leaves no room to generate: a request holds at most "
+                                 f"{self.max_request_tokens} tokens (context length {self.max_context_len}, KV "
+                                 f"cache {self.runner.num_slots} tokens)")
+            p = dataclasses.replace(p, max_tokens=self.max_request_tokens - n)
+        if n + p.max_tokens > self.max_context_len:
             raise ValueError(
-                f"prompt ({len(req.input_ids)} tokens) plus max_tokens ({p.max_tokens}) exceeds the context "
-                f"length {self.max_context_len}")
-        if len(req.input_ids) + p.max_tokens + self._spec_margin() > self.runner.num_slots:
+                f"prompt ({n} tokens) plus max_tokens ({p.max_tokens}) exceeds the context length {self.max_context_len}")
+        if n + p.max_tokens + self._spec_margin() > self.runner.num_slots:
             raise ValueError(f"prompt plus max_tokens exceeds the KV cache capacity ({self.runner.num_slots} tokens)")
         if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -83,6 +112,12 @@ class Scheduler:
         gen = torch.Generator().manual_seed(seed)
         counts = TokenCounts(req.input_ids, vocab, self.runner.device) if p.needs_token_counts else None
         self.waiting.append(Req(req.rid, list(req.input_ids), p, gen, token_counts=counts))
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most prompt + output tokens one request may hold: the context length, or the KV pool less one
+        step's temporary slots, whichever is smaller."""
+        return min(self.max_context_len, self.runner.num_slots - self._spec_margin())
 
     def abort_request(self, rid: str) -> None:
         for req in list(self.waiting):

@@ -34,10 +34,10 @@ from server.serving_common import (
     ChoiceAccum,
     cancel_task,
     check_model,
+    check_queue,
     check_serving,
     first_output,
     make_params,
-    parse_body,
     raise_choice_error,
     spec_of,
     sse,
@@ -82,14 +82,15 @@ class ChatHandler:
         thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True)))
         return reasoning, tools, thinking
 
-    async def handle(self, request: Request) -> JSONResponse | StreamingResponse:
-        req = parse_body(ChatCompletionRequest, await request.body())
+    async def handle(self, request: Request, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        """``req``: the body, validated by the route (server/api.py)."""
         check_model(req.model, self.served)
         check_serving(self.tm)
+        check_queue(self.tm, req.n)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
         try:
             ids = self.tm.encode_chat(_messages(req), tools, req.chat_template_kwargs)
-            max_tokens = req.max_new_tokens or max(1, self.tm.max_context_len - len(ids))
+            max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
             self.tm.check_length(len(ids), max_tokens)
         except InputError as e:
             raise APIError(400, str(e)) from None

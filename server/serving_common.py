@@ -20,10 +20,15 @@ from server.tokenizer_manager import TokenizerManager
 M = TypeVar("M", bound=BaseModel)
 
 
+RETRY_AFTER_S = 1  # Retry-After of a 503 for a full queue
+
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
@@ -32,24 +37,33 @@ class APIError(Exception):
 _MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "input_audio", "audio_url")
 
 
+def validation_error(errors: list[dict]) -> APIError:
+    """The 400 for a request body that failed validation (pydantic errors, as FastAPI reports them with a
+    leading ``"body"`` in each location): names the parameter, never a 422."""
+    for err in errors:
+        if err["loc"][-1:] == ("type",) and err.get("input") in _MEDIA_PARTS:
+            return APIError(400, f"{err['input']} content is not supported: this server serves the language "
+                                 "model only (no vision tower is loaded); send text parts",
+                            param="messages", code="unsupported_content")
+    err = errors[0]
+    loc = [str(x) for x in err["loc"]][1 if err["loc"][:1] == ("body",) else 0:]
+    if err["type"] == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", err["msg"])
+        return APIError(400, f"malformed JSON body: {detail}", code="invalid_json")
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type") and not loc:
+        return APIError(400, "the request body must be a JSON object")
+    if err["type"] == "missing" and not loc:
+        return APIError(400, "the request body is empty: send a JSON object")
+    param = loc[0] if loc else None
+    return APIError(400, f"{'.'.join(loc)}: {err['msg']}", param=param, code="invalid_value")
+
+
 def parse_body(model: type[M], body: bytes) -> M:
+    """Validate a raw JSON body against ``model`` (the 400 of ``validation_error`` on failure)."""
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        errors = e.errors(include_url=False)
-        for err in errors:
-            if err["loc"][-1:] == ("type",) and err.get("input") in _MEDIA_PARTS:
-                raise APIError(400, f"{err['input']} content is not supported: this server serves the language "
-                                    "model only (no vision tower is loaded); send text parts",
-                               param="messages", code="unsupported_content") from None
-        err = errors[0]
-        if err["type"] == "json_invalid":
-            raise APIError(400, f"malformed JSON body: {err['msg']}", code="invalid_json") from None
-        if err["type"] == "model_type":
-            raise APIError(400, "the request body must be a JSON object") from None
-        loc = [str(x) for x in err["loc"]]
-        param = loc[0] if loc else None
-        raise APIError(400, f"{'.'.join(loc)}: {err['msg']}", param=param, code="invalid_value") from None
+        raise validation_error(e.errors(include_url=False)) from None
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -64,10 +78,18 @@ def check_serving(tm: TokenizerManager) -> None:
                        code="service_unavailable")
 
 
-def make_params(req: Any, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+def check_queue(tm: TokenizerManager, n: int) -> None:
+    """503 with Retry-After when ``n`` more requests would overfill the waiting queue."""
+    if tm.queue_full(n):
+        raise APIError(503, f"the server is busy: more than max_waiting_requests "
+                            f"({tm.config.server.max_waiting_requests}) requests are waiting; retry later",
+                       code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | None) -> SamplingParams:
     params = SamplingParams(
         temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
-        seed=None if req.seed is None else req.seed + choice, max_tokens=int(max_tokens),
+        seed=None if req.seed is None else req.seed + choice, max_tokens=None if max_tokens is None else int(max_tokens),
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
         presence_penalty=float(req.presence_penalty or 0.0), frequency_penalty=float(req.frequency_penalty or 0.0),
         repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),

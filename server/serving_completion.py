@@ -25,10 +25,10 @@ from server.serving_common import (
     ChoiceAccum,
     cancel_task,
     check_model,
+    check_queue,
     check_serving,
     first_output,
     make_params,
-    parse_body,
     raise_choice_error,
     spec_of,
     sse,
@@ -53,10 +53,11 @@ class CompletionHandler:
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
         self.config, self.tm, self.served = config, tm, served_model
 
-    async def handle(self, request: Request) -> JSONResponse | StreamingResponse:
-        req = parse_body(CompletionRequest, await request.body())
+    async def handle(self, request: Request, req: CompletionRequest) -> JSONResponse | StreamingResponse:
+        """``req``: the body, validated by the route (server/api.py)."""
         check_model(req.model, self.served)
         check_serving(self.tm)
+        check_queue(self.tm, req.n * len(req.prompts()))
         prompts: list[list[int]] = []
         texts: list[str] = []
         try:

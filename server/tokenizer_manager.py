@@ -135,13 +135,25 @@ class TokenizerManager:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+    def check_length(self, prompt_len: int, max_tokens: int | None) -> None:
+        """``max_tokens`` None: the prompt needs room for one token (the scheduler also checks the KV pool)."""
         ctx = self.max_context_len
         if prompt_len == 0:
             raise InputError("the prompt is empty")
-        if ctx and prompt_len + max_tokens > ctx:
+        limit = self.config.server.max_prompt_tokens
+        if limit is not None and prompt_len > limit:
+            raise InputError(f"the prompt ({prompt_len} tokens) exceeds max_prompt_tokens ({limit} tokens)")
+        if ctx and max_tokens is None and prompt_len >= ctx:
+            raise InputError(f"the prompt ({prompt_len} tokens) leaves no room to generate within the context "
+                             f"length ({ctx} tokens)")
+        if ctx and max_tokens is not None and prompt_len + max_tokens > ctx:
             raise InputError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
                              f"context length ({ctx} tokens)")
+
+    def queue_full(self, n: int) -> bool:
+        """Would ``n`` more requests exceed max_running_requests + max_waiting_requests in flight?"""
+        cap = self.config.scheduler.max_running_requests + self.config.server.max_waiting_requests
+        return len(self.states) + n > cap
 
     def check_token_ids(self, ids: list[int]) -> None:
         vocab = len(self.tokenizer)

@@ -20,6 +20,7 @@ import torch
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from model_executor.kv_cache import KVCache
+from model_executor.memory import step_budget
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model, pick_attention_backend, warm_up_attention
 from model_executor.penalties import BatchPenalties, TokenCounts
@@ -76,11 +77,23 @@ class SpecWorker:
         self.depth_limit = block_size - 1
         self.budget = self.depth_limit if self.chain else budget
         self.capture_layer_ids = tuple(drafter.target_layer_ids)
-        self.draft_kv = KVCache(drafter.kv_cache_layout(), runner.num_slots, runner.config.dtype, runner.device)
+        self.draft_kv: KVCache | None = None
+        if runner.num_slots:
+            self.allocate_kv()
         # The drafter's own attention backend: its head dims may differ from the target's.
         self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, drafter.kv_cache_layout())
         warm_up_attention(self.draft_backend, drafter.kv_cache_layout(), drafter, runner.config.dtype, runner.device)
+        self.max_verify_tokens: int | None = None  # verify-workspace cap (model_executor/memory.py); None: none
         self.timer = StepTimer()
+
+    @property
+    def draft_kv_bytes_per_token(self) -> int:
+        return self.drafter.kv_cache_layout().bytes_per_token(self.runner.config.dtype)
+
+    def allocate_kv(self) -> None:
+        """The drafter's context cache, one slot per target KV slot (after the runner's ``allocate_kv``)."""
+        r = self.runner
+        self.draft_kv = KVCache(self.drafter.kv_cache_layout(), r.num_slots, r.config.dtype, r.device)
 
     @classmethod
     def create(cls, algorithm: str, draft_model_path: str | None, budget: int, block_size: int | None,
@@ -123,7 +136,10 @@ class SpecWorker:
         roots = torch.tensor([q.output_ids[-1] for q in reqs], device=dev)  # [bs]
         draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
         t.lap("draft")
-        budgets = torch.full((len(reqs),), self.budget)
+        # Verify-workspace cap (issue 14 item 2): lower this step's budget so that bs x (budget + 1) tree nodes
+        # fit max_verify_tokens; budget 0 is a root-only tree, i.e. a plain decode step.
+        budget = self.budget if self.max_verify_tokens is None else step_budget(self.budget, bs, self.max_verify_tokens)
+        budgets = torch.full((len(reqs),), budget)
         depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
         tree = build_ddtree(draft_logits, budgets, roots, cached, chain=self.chain, max_depths=depths)
         t.lap("build")

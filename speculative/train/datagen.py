@@ -43,7 +43,7 @@ def _save_atomic(obj: object, path: Path) -> None:
 
 def make_runner(model_path: str, max_tokens_in_flight: int, device: str = "cpu") -> ModelRunner:
     cfg = ModelConfig.load(model_path, "float32", device)
-    return ModelRunner(cfg, max_total_tokens=max_tokens_in_flight + 16, kv_memory_gb=0.0, max_reqs=256,
+    return ModelRunner(cfg, max_total_tokens=max_tokens_in_flight + 16, max_reqs=256,
                        max_context=8192, device=device)
 
 

@@ -24,7 +24,7 @@ def test_graph_replay_equals_eager(tmp_path):
     cfg = ModelConfig.load(
         path, "float32", "cuda", "packed", attention_backend="triton", moe_backend="triton"
     )
-    r = ModelRunner(cfg, 512, 0.1, 8, 64, device="cuda")
+    r = ModelRunner(cfg, max_reqs=8, max_context=64, device="cuda", max_total_tokens=512)
     graphs = CudaGraphRunner(r.model, r.kv, r.backend, (1, 2, 4, 8), 64, "cuda")
     dev = torch.device("cuda")
     lens = torch.tensor([9, 4, 6], device=dev)

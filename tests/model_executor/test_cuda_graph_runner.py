@@ -36,14 +36,14 @@ def test_batch_sizes_and_graphable_models(tmp_path):
         ValueError, match="CUDA graphs are wired"
     ):  # --cuda-graph-max-bs is checked at startup
         ModelRunner(
-            cfg, max_total_tokens=64, kv_memory_gb=0.1, max_reqs=2, max_context=32, cuda_graph_max_bs=2
+            cfg, max_total_tokens=64, max_reqs=2, max_context=32, cuda_graph_max_bs=2
         )
 
 
 def test_padded_static_batches_equal_the_plain_forward(tmp_path):
     path = write_tiny_deepseek(tmp_path, int4=True, kimi=True, seed=3, num_hidden_layers=2).path
     cfg = ModelConfig.load(path, "float32", "cpu", "packed", attention_backend="triton", moe_backend="triton")
-    r = ModelRunner(cfg, max_total_tokens=256, kv_memory_gb=0.1, max_reqs=4, max_context=64)
+    r = ModelRunner(cfg, max_total_tokens=256, max_reqs=4, max_context=64)
     graphs = CudaGraphRunner(r.model, r.kv, r.backend, (1, 4), 64, "cpu", capture=False)
     lens = [9, 4, 6]
     for b, n in enumerate(lens):  # prefill three requests

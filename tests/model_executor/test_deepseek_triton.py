@@ -30,7 +30,7 @@ REFERENCE = dict(attention_backend="torch", moe_backend="torch")
 
 def _runner(path: str, int4_experts: str = "packed", **backends) -> ModelRunner:
     cfg = ModelConfig.load(path, "float32", "cpu", int4_experts, **backends)
-    return ModelRunner(cfg, max_total_tokens=256, kv_memory_gb=0.1, max_reqs=2, max_context=128)
+    return ModelRunner(cfg, max_total_tokens=256, max_reqs=2, max_context=128)
 
 
 @pytest.fixture(scope="module")

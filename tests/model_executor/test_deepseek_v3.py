@@ -20,7 +20,7 @@ ATOL, RTOL = 2e-4, 1e-4
 
 
 def _runner(path: str) -> ModelRunner:
-    return ModelRunner(ModelConfig.load(path, "float32"), max_total_tokens=1024, kv_memory_gb=0.1, max_reqs=4,
+    return ModelRunner(ModelConfig.load(path, "float32"), max_total_tokens=1024, max_reqs=4,
                        max_context=256)
 
 

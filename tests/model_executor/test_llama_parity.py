@@ -13,7 +13,7 @@ from model_executor.model_runner import ModelRunner
 
 def _runner(path: str) -> ModelRunner:
     cfg = ModelConfig.load(path, "float32")
-    return ModelRunner(cfg, max_total_tokens=2048, kv_memory_gb=0.1, max_reqs=4, max_context=512)
+    return ModelRunner(cfg, max_total_tokens=2048, max_reqs=4, max_context=512)
 
 
 def _extend_logits(r: ModelRunner, ids: list[int], req: int = 0, prefix: int = 0) -> torch.Tensor:

@@ -49,7 +49,7 @@ def test_packed_logits_equal_dequantized(kimi):
 
     def runner(mode: str) -> ModelRunner:
         cfg = ModelConfig.load(kimi, "float32", "cpu", int4_experts=mode)
-        return ModelRunner(cfg, max_total_tokens=256, kv_memory_gb=0.1, max_reqs=2, max_context=128)
+        return ModelRunner(cfg, max_total_tokens=256, max_reqs=2, max_context=128)
 
     packed, dense = runner("packed"), runner("dequant")
     assert all(isinstance(e, Int4Experts) for e in _experts(packed.model))

@@ -37,9 +37,13 @@ def test_expert_parallel_plan_holds_whole_experts():
 
 
 def test_kv_capacity_and_budget_table_are_consistent():
-    small, big = make_plan(KIMI, 8, 96), make_plan(KIMI, 8, 288)
+    small, big = make_plan(KIMI, 8, 96), make_plan(KIMI, 8, 288, verify_workspace_gb=40)
     assert 0 < small.kv_tokens < big.kv_tokens
-    expect = (int(96 * GIB * 0.88) - small.weight_bytes_per_rank) // small.kv_bytes_per_token
+    # The server's rule (model_executor/memory.py): mem_fraction x total - in use (weights + 2 GiB overhead)
+    # - the workspace (64 requests x (16 + 1) verify tokens + 64 x 7 drafted rows, 16 B per vocab entry).
+    workspace = (64 * 17 + 64 * 7) * 163840 * 16
+    assert small.workspace_bytes == workspace and small.max_verify_tokens == 64 * 17
+    expect = (int(96 * GIB * 0.88) - small.weight_bytes_per_rank - 2 * GIB - workspace) // small.kv_bytes_per_token
     assert small.kv_tokens == expect
     for row in small.rows:
         assert row.max_batch == min(row.kv_bound, row.workspace_bound)

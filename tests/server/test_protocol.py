@@ -101,3 +101,13 @@ def test_image_parts_rejected_clearly() -> None:
     with pytest.raises(APIError) as e:
         parse_body(ChatCompletionRequest, json.dumps(body).encode())
     assert e.value.status == 400 and "not supported" in e.value.message and e.value.param == "messages"
+
+
+def test_two_tool_answers_to_one_assistant_turn_are_accepted() -> None:
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in (1, 2)]
+    r = _chat(messages=[*MSG, {"role": "assistant", "content": "", "tool_calls": calls},
+                        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+                        {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "2"}]}])
+    assert [m.role for m in r.messages] == ["user", "assistant", "tool", "tool"]
+    with pytest.raises(APIError, match="must answer a preceding assistant"):
+        _chat(messages=[*MSG, {"role": "tool", "tool_call_id": "c1", "content": "1"}])

@@ -210,6 +210,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404),
     ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "tool"}]}, 400),  # a tool message needs content + tool_call_id
+    ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, 400),  # content or tool_calls
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"},
+                                           {"role": "tool", "content": "1", "tool_call_id": "c"}]}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 8192}, 400),
     ("/v1/completions", {"prompt": [10**9]}, 400),
     ("/v1/completions", {"prompt": []}, 400),

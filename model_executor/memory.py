@@ -1,0 +1,182 @@
+"""Device memory: the probe, the verify-step workspace and the KV pool size (docs/DEPLOY.md, "KV sizing").
+
+The server and ``ddtree-serve plan`` compute their numbers with these same functions.
+
+- ``device_memory(device) -> (total_bytes, used_bytes)`` is the one device-memory probe. CUDA: from
+  ``cudaMemGetInfo`` (used = total - free, so other processes' allocations count, as SGLang's free-memory
+  probe does). CPU: host RAM, used = total - available. Callers that size from memory take the probe as a
+  parameter (``MemoryProbe``), so tests pass a fake device instead.
+- Workspace: the transient memory of one step is dominated by rows of vocabulary-sized float32 tensors:
+  per verified token (``bs x (budget + 1)`` tree nodes) the target logits, their tempered float32 copy,
+  the target probabilities and the zero draft probabilities the tree-sampling kernel takes
+  (``LOGIT_ROW_BYTES_PER_ENTRY`` = 4 x 4 bytes per vocabulary entry), and the same again per drafted row
+  (``bs x (block - 1)``). ``verify_workspace`` turns a stated workspace into ``max_verify_tokens``, the most
+  tree nodes one verify forward may hold summed over the batch; the speculative worker lowers the
+  per-request budget of a step that would exceed it.
+- KV pool, in order of precedence: ``max_total_tokens`` (tokens) > ``kv_memory_gb`` (bytes) > on CUDA
+  ``mem_fraction_static x total - used - workspace`` measured after the target weights, the drafter and the
+  CUDA context are resident (SGLang's rule, with the workspace reserved first) > on CPU
+  ``min(CPU_KV_CAP_BYTES, CPU_KV_FRACTION x (available - workspace))``. Bytes become tokens at the per-token
+  KV bytes of the target and drafter caches together; under tensor parallelism every rank takes the
+  minimum over ranks (ranks schedule identically, so they must agree on the capacity).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+LOGIT_ROW_BYTES_PER_ENTRY = 16  # 4 float32 copies of a vocabulary row per verified or drafted token
+CPU_KV_FRACTION = 0.25  # CPU default: a quarter of the available host memory ...
+CPU_KV_CAP_BYTES = 2 * GIB  # ... and at most 2 GiB
+MIN_KV_TOKENS = 16
+
+MemoryProbe = Callable[[torch.device], tuple[int, int]]
+
+
+def device_memory(device: torch.device | str) -> tuple[int, int]:
+    """(total bytes, bytes in use) of ``device``: a CUDA device from cudaMemGetInfo, else host RAM."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # cached-but-free blocks (loading temporaries) are not "in use"
+        free, total = torch.cuda.mem_get_info(dev)
+        return int(total), int(total - free)
+    return _host_memory()
+
+
+def _host_memory() -> tuple[int, int]:
+    info: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            info[key] = int(rest.split()[0]) * 1024
+    total = info["MemTotal"]
+    available = info.get("MemAvailable", info.get("MemFree", 0))
+    return total, total - available
+
+
+# ---------------------------------------------------------------- workspace
+@dataclass(frozen=True)
+class Workspace:
+    bytes: int  # transient memory reserved for one step's vocabulary-sized tensors
+    max_verify_tokens: int  # tree nodes (root included) one verify forward may hold, summed over the batch
+    draft_rows: int  # drafted rows per step at the full batch, counted inside ``bytes``
+
+
+def logit_rows_bytes(rows: int, vocab: int) -> int:
+    return rows * vocab * LOGIT_ROW_BYTES_PER_ENTRY
+
+
+def verify_workspace(
+    vocab: int, max_batch: int, budget: int | None, block_size: int | None, workspace_gb: float | None = None
+) -> Workspace:
+    """The step workspace and the verify tokens it allows.
+
+    ``budget``: non-root tree nodes per request (None: no speculation, a decode step is ``max_batch``
+    rows). ``block_size``: the drafter block (its ``block - 1`` drafted rows per request count too).
+    ``workspace_gb`` None sizes the workspace for ``max_batch x (budget + 1)`` verify tokens, so the cap
+    only binds when a smaller workspace is stated. Raises ValueError when the workspace cannot hold even a
+    budget-0 step (one verify token per request) at ``max_batch``."""
+    if vocab < 1 or max_batch < 1:
+        raise ValueError("vocab and max_batch must be >= 1")
+    draft_rows = max_batch * (block_size - 1) if budget is not None and block_size else 0
+    row = logit_rows_bytes(1, vocab)
+    if workspace_gb is None:
+        verify = max_batch * (budget + 1) if budget is not None else max_batch
+        total = logit_rows_bytes(verify + draft_rows, vocab)
+    else:
+        if workspace_gb <= 0:
+            raise ValueError(f"verify_workspace_gb must be > 0, got {workspace_gb}")
+        total = int(workspace_gb * GIB)
+    max_verify = total // row - draft_rows
+    if max_verify < max_batch:
+        need = logit_rows_bytes(max_batch + draft_rows, vocab) / GIB
+        raise ValueError(
+            f"verify_workspace_gb {total / GIB:.3f} GiB cannot hold one step of {max_batch} requests "
+            f"(vocabulary {vocab}: at least {need:.3f} GiB); raise it or lower max_running_requests"
+        )
+    return Workspace(total, max_verify, draft_rows)
+
+
+def step_budget(budget: int, batch: int, max_verify_tokens: int) -> int:
+    """The per-request budget of one step: ``budget``, lowered so that ``batch x (budget + 1)`` verify
+    tokens fit ``max_verify_tokens``; 0 (root only: a plain decode step) at the floor."""
+    return max(0, min(budget, max_verify_tokens // max(batch, 1) - 1))
+
+
+# ---------------------------------------------------------------- KV pool
+@dataclass(frozen=True)
+class KVSizing:
+    tokens: int  # KV slots (the same on every TP rank)
+    bytes_per_token: int  # target + drafter caches, this rank
+    pool_bytes: int  # bytes this rank could give the KV cache (before the minimum over ranks)
+    workspace_bytes: int
+    total_bytes: int  # device (or host) memory as probed; 0 when not probed
+    used_bytes: int
+    source: str  # "max_total_tokens" | "kv_memory_gb" | "mem_fraction_static" | "host_memory"
+
+    def describe(self) -> str:
+        return (
+            f"KV pool: {self.tokens} tokens x {self.bytes_per_token} B = {self.tokens * self.bytes_per_token / GIB:.2f}"
+            f" GiB (from {self.source}; device {self.total_bytes / GIB:.2f} GiB, in use {self.used_bytes / GIB:.2f}"
+            f" GiB, workspace {self.workspace_bytes / GIB:.2f} GiB)"
+        )
+
+
+def kv_pool_bytes(
+    device_type: str, total: int, used: int, mem_fraction_static: float, workspace_bytes: int
+) -> int:
+    """Bytes for the KV cache on one rank, measured after weights and drafter are resident."""
+    if device_type == "cuda":
+        return int(mem_fraction_static * total) - used - workspace_bytes
+    return min(CPU_KV_CAP_BYTES, int(CPU_KV_FRACTION * (total - used - workspace_bytes)))
+
+
+def size_kv_pool(
+    device: torch.device | str,
+    bytes_per_token: int,
+    workspace_bytes: int,
+    token_limit: int,
+    max_total_tokens: int | None = None,
+    kv_memory_gb: float | None = None,
+    mem_fraction_static: float = 0.85,
+    tp: Any = None,
+    probe: MemoryProbe = device_memory,
+) -> KVSizing:
+    """KV slots for this server (precedence in the module docstring), at most ``token_limit`` (no request
+    mix can use more: max requests x context). ``tp``: a TPGroup; the result is the minimum over ranks."""
+    if bytes_per_token < 1:
+        raise ValueError("bytes_per_token must be >= 1")
+    if not 0 < mem_fraction_static <= 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
+    dev = torch.device(device)
+    total = used = 0
+    if max_total_tokens is not None:
+        source, pool, tokens = "max_total_tokens", max_total_tokens * bytes_per_token, max_total_tokens
+    else:
+        if kv_memory_gb is not None:
+            source, pool = "kv_memory_gb", int(kv_memory_gb * GIB)
+        else:
+            total, used = probe(dev)
+            source = "mem_fraction_static" if dev.type == "cuda" else "host_memory"
+            pool = kv_pool_bytes(dev.type, total, used, mem_fraction_static, workspace_bytes)
+            if pool <= 0:
+                raise ValueError(
+                    f"no memory left for the KV cache: {used / GIB:.2f} GiB in use of {total / GIB:.2f} GiB after "
+                    f"loading, workspace {workspace_bytes / GIB:.2f} GiB, mem_fraction_static {mem_fraction_static}"
+                )
+        tokens = min(max(pool, 0) // bytes_per_token, token_limit)
+    if tp is not None and tp.size > 1:
+        tokens = tp.min_int(tokens)
+    if tokens < MIN_KV_TOKENS:
+        raise ValueError(
+            f"the KV cache holds {tokens} tokens ({source}); at least {MIN_KV_TOKENS} are needed"
+        )
+    return KVSizing(tokens, bytes_per_token, pool, workspace_bytes, total, used, source)
