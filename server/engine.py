@@ -38,6 +38,7 @@ class RequestOutput:
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: [(token_id, logprob, top)]
 
     @property
     def acceptance_length(self) -> float:
@@ -193,6 +194,8 @@ def _apply(out: RequestOutput, d: TokenOut) -> None:
     out.spec_verify_steps, out.spec_accepted_tokens = d.spec_verify_steps, d.spec_accepted_tokens
     if d.logprobs is not None:
         out.logprobs = (out.logprobs or []) + d.logprobs
+    if d.prompt_logprobs is not None:
+        out.prompt_logprobs = d.prompt_logprobs
     if d.finished:
         out.finish_reason = d.finish_reason
         if d.error:

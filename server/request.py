@@ -23,6 +23,8 @@ class Req:
     spec_accepted_tokens: int = 0
     pending_logprobs: list = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
+    prompt_lps: list = field(default_factory=list)  # (logprob, top) of prompt tokens 1.. scored so far
+    prompt_lps_sent: bool = False
 
     @property
     def all_ids(self) -> list[int]:

@@ -64,11 +64,13 @@ def check_serving(tm: TokenizerManager) -> None:
                        code="service_unavailable")
 
 
-def make_params(req: Any, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+def make_params(req: Any, max_tokens: int, choice: int, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
     params = SamplingParams(
         temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
         seed=None if req.seed is None else req.seed + choice, max_tokens=int(max_tokens),
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate()
@@ -100,9 +102,12 @@ class ChoiceAccum:
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
     error: str | None = None
     error_status: int = 400
+    prompt_logprobs: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
 
     def add(self, out: TextOut) -> None:
         self.text += out.text
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
         self.verify_steps = max(self.verify_steps, out.spec_verify_steps)
