@@ -4,6 +4,8 @@
     outs = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason
     for delta in engine.generate_stream(["Hello"], params): ...
+    scored = engine.generate(["The sky is blue"], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    scored[0].prompt_logprobs  # [(token_id, logprob | None, [(alt_id, logprob)] | None) per prompt token]
     engine.shutdown()
 
 Keyword arguments mirror the CLI flags (``ServerConfig.from_flat`` names), plus the short spellings

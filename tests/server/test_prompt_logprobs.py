@@ -106,6 +106,20 @@ def test_only_requests_that_ask_are_scored(engine):
         assert (o.prompt_logprobs is not None) == bool(i % 2)
 
 
+@pytest.mark.parametrize("start, n, prompt_len, scored, want", [
+    (0, 16, 40, 0, range(0, 16)),  # first chunk: row q predicts prompt token q + 1
+    (16, 16, 40, 16, range(16, 32)),
+    (32, 8, 40, 32, range(32, 39)),  # last chunk: the last row predicts a generated token, not a prompt one
+    (0, 5, 5, 0, range(0, 4)),
+    (0, 1, 1, 0, range(0, 0)),  # a one-token prompt has nothing to score
+    (0, 40, 40, 39, range(39, 39)),  # already scored (a retracted request prefilled again)
+])
+def test_chunk_rows(start, n, prompt_len, scored, want):
+    from model_executor.prompt_logprobs import chunk_rows
+
+    assert chunk_rows(start, n, prompt_len, scored) == want
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(prompt_logprobs=21), "prompt_logprobs"),
