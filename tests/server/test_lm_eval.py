@@ -112,5 +112,7 @@ def test_lm_eval_local_completions_equals_hf_backend(server, task_dir, default_m
         assert len(api_lls[doc_id]) == len(DOCS[doc_id][1])
         assert api_lls[doc_id] == pytest.approx(want, abs=LL_TOL), f"doc {doc_id}"
         assert all(ll < 0 for ll in want)  # real scores, not the all-zero answer of a server without them
+    diff = max(abs(a - b) for d in hf_lls for a, b in zip(api_lls[d], hf_lls[d], strict=True))
+    print(f"lm-eval acc: local-completions {api_acc:.4f}, hf {hf_acc:.4f}; max |loglikelihood diff| {diff:.2e}")
     assert api_acc == hf_acc
     assert 0.25 < hf_acc  # the model beats chance on these easy questions: the scores carry signal
