@@ -23,7 +23,7 @@ pytest.importorskip("lm_eval")
 
 MODEL = "smollm"
 TASK = "ddtree_local_mc"
-LL_TOL = 1e-3  # absolute, per choice: a sum of a few float32 token logprobs (~2e-5 apart each, measured)
+LL_TOL = 1e-4  # absolute, per choice: a sum of a few float32 token logprobs (measured max 4.8e-7 here)
 DOCS = [
     ("The capital of France is", ["Paris", "London", "Berlin", "Madrid"], 0),
     ("Two plus two equals", ["three", "four", "five", "six"], 1),
