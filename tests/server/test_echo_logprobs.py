@@ -19,16 +19,30 @@ from tests.server.conftest import free_port, start_server, wait_healthy
 CHUNK = 16
 TOL = 1e-4  # float32, absolute, per token: our forward vs transformers' (measured ~2e-5)
 MODEL = "smollm"
-LONG = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
-        "for i in range(10):\n    print(i, fibonacci(i))  # the first ten Fibonacci numbers, one per line")
+LONG = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "for i in range(10):\n    print(i, fibonacci(i))  # the first ten Fibonacci numbers, one per line"
+)
 PROMPTS = ["The capital of France is", LONG, "Question: What is 2 + 2?\nAnswer: 4"]
 
 
 def _start(tmp_path_factory, algorithm: str):
     port = free_port()
     log = tmp_path_factory.mktemp(f"server-{algorithm}") / "server.log"
-    args = ["--port", str(port), "--served-model-name", MODEL, "--max-total-tokens", "4096", "--dtype", "float32",
-            "--chunked-prefill-size", str(CHUNK), "--speculative-algorithm", algorithm]
+    args = [
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        "--max-total-tokens",
+        "4096",
+        "--dtype",
+        "float32",
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--speculative-algorithm",
+        algorithm,
+    ]
     if algorithm != "none":
         args += ["--speculative-draft-model-path", "default"]
     return start_server(args, log), f"http://127.0.0.1:{port}", log
@@ -99,7 +113,7 @@ def test_echo_layout_and_prompt_logprobs_equal_transformers(servers, hf):
         _check_layout(choice, len(ids), 2, 2)
         assert res["usage"]["prompt_tokens"] == len(ids) and res["usage"]["completion_tokens"] == 2
         ref = hf_logprobs(ids)
-        got = choice["logprobs"]["token_logprobs"][1:len(ids)]
+        got = choice["logprobs"]["token_logprobs"][1 : len(ids)]
         assert got == pytest.approx([ref[p - 1, ids[p]].item() for p in range(1, len(ids))], abs=TOL)
         for p in range(1, len(ids)):
             top = choice["logprobs"]["top_logprobs"][p]
@@ -107,8 +121,10 @@ def test_echo_layout_and_prompt_logprobs_equal_transformers(servers, hf):
         # the completion part is what the same request returns without echo
         plain = _ok(servers["plain"], prompt=prompt, logprobs=2, max_tokens=2)["choices"][0]
         assert choice["text"] == prompt + plain["text"]
-        assert choice["logprobs"]["tokens"][len(ids):] == plain["logprobs"]["tokens"]
-        assert choice["logprobs"]["token_logprobs"][len(ids):] == pytest.approx(plain["logprobs"]["token_logprobs"])
+        assert choice["logprobs"]["tokens"][len(ids) :] == plain["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"][len(ids) :] == pytest.approx(
+            plain["logprobs"]["token_logprobs"]
+        )
 
 
 def test_ddtree_server_scores_like_plain(servers, hf):
@@ -117,8 +133,10 @@ def test_ddtree_server_scores_like_plain(servers, hf):
     tok, _ = hf
     for prompt in PROMPTS[:2]:
         n = len(tok.encode(prompt))
-        a, b = (_ok(servers[s], prompt=prompt, echo=True, logprobs=3, max_tokens=4)["choices"][0]
-                for s in ("plain", "ddtree"))
+        a, b = (
+            _ok(servers[s], prompt=prompt, echo=True, logprobs=3, max_tokens=4)["choices"][0]
+            for s in ("plain", "ddtree")
+        )
         assert a["text"] == b["text"]  # lossless greedy
         la, lb = a["logprobs"], b["logprobs"]
         assert la["tokens"] == lb["tokens"] and la["text_offset"] == lb["text_offset"]
@@ -143,7 +161,9 @@ def test_token_id_prompts_and_lists(servers, hf):
         for g, s in zip(got, singles, strict=True):
             assert g["logprobs"]["tokens"] == s["logprobs"]["tokens"]
             # batched prefill (three prompts in one forward) rounds differently from one prompt alone
-            assert g["logprobs"]["token_logprobs"][1:] == pytest.approx(s["logprobs"]["token_logprobs"][1:], abs=TOL)
+            assert g["logprobs"]["token_logprobs"][1:] == pytest.approx(
+                s["logprobs"]["token_logprobs"][1:], abs=TOL
+            )
 
 
 def test_max_tokens_zero(servers, hf):
@@ -157,7 +177,8 @@ def test_max_tokens_zero(servers, hf):
     _check_layout(c, len(ids), 0, 1)
     ref = hf_logprobs(ids)
     assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(
-        [ref[p - 1, ids[p]].item() for p in range(1, len(ids))], abs=TOL)
+        [ref[p - 1, ids[p]].item() for p in range(1, len(ids))], abs=TOL
+    )
     echo_only = _ok(base, prompt=["a b", "c"], echo=True, max_tokens=0)
     assert [c["text"] for c in echo_only["choices"]] == ["a b", "c"]
     assert all(c["logprobs"] is None and c["finish_reason"] == "length" for c in echo_only["choices"])
@@ -169,9 +190,20 @@ def test_stream_echo_logprobs(servers):
     base = servers["plain"]
     full = _ok(base, prompt=PROMPTS[0], echo=True, logprobs=2, max_tokens=4)["choices"][0]
     chunks = []
-    with httpx.stream("POST", f"{base}/v1/completions", timeout=300,
-                      json={"model": MODEL, "prompt": PROMPTS[0], "echo": True, "logprobs": 2, "max_tokens": 4,
-                            "temperature": 0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/completions",
+        timeout=300,
+        json={
+            "model": MODEL,
+            "prompt": PROMPTS[0],
+            "echo": True,
+            "logprobs": 2,
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+        },
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -196,12 +228,17 @@ def test_lm_eval_request_shape(servers, hf):
     ``echo``, ``logprobs`` 1, ``max_tokens`` 1, a batch of prompts) and how it reads the answer
     (``token_logprobs[ctxlen:-1]``): equals the continuation's loglikelihood under transformers."""
     tok, hf_logprobs = hf
-    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " a banana"),
-             ("Question: What is 2 + 2?\nAnswer:", " 4")]
+    pairs = [
+        ("The capital of France is", " Paris"),
+        ("The capital of France is", " a banana"),
+        ("Question: What is 2 + 2?\nAnswer:", " 4"),
+    ]
     reqs = [(tok.encode(c), tok.encode(x)) for c, x in pairs]
-    res = _ok(servers["ddtree"], prompt=[c + x for c, x in reqs], echo=True, logprobs=1, max_tokens=1, seed=1234)
+    res = _ok(
+        servers["ddtree"], prompt=[c + x for c, x in reqs], echo=True, logprobs=1, max_tokens=1, seed=1234
+    )
     for choice, (ctx, cont) in zip(sorted(res["choices"], key=lambda c: c["index"]), reqs, strict=True):
-        got = sum(choice["logprobs"]["token_logprobs"][len(ctx):-1])
+        got = sum(choice["logprobs"]["token_logprobs"][len(ctx) : -1])
         ref = hf_logprobs(ctx + cont)
         want = sum(ref[len(ctx) + j - 1, t].item() for j, t in enumerate(cont))
         assert got == pytest.approx(want, abs=TOL * len(cont))

@@ -58,7 +58,9 @@ metadata:
 def task_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("lm_eval_task")
     data = d / "data.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in DOCS))
+    data.write_text(
+        "".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in DOCS)
+    )
     (d / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=data))
     return d
 
@@ -68,8 +70,19 @@ def server(tmp_path_factory, default_model_path):
     port = free_port()
     log = tmp_path_factory.mktemp("server-lm-eval") / "server.log"
     # the default serve configuration: DDTree speculation with the shipped drafter; float32 as the hf run
-    proc = start_server(["--port", str(port), "--served-model-name", MODEL, "--dtype", "float32",
-                         "--max-total-tokens", "8192"], log)
+    proc = start_server(
+        [
+            "--port",
+            str(port),
+            "--served-model-name",
+            MODEL,
+            "--dtype",
+            "float32",
+            "--max-total-tokens",
+            "8192",
+        ],
+        log,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, 300, log)
@@ -84,10 +97,30 @@ def server(tmp_path_factory, default_model_path):
 
 def _lm_eval(args: list[str], task_dir: Path, out: Path) -> tuple[float, dict[int, list[float]]]:
     """Run ``lm-eval run`` offline; return (accuracy, {doc_id: [loglikelihood per choice]})."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_DATASETS_CACHE=str(out / "hf-datasets"), TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "lm_eval", "run", *args, "--tasks", TASK, "--include_path", str(task_dir),
-           "--batch_size", "4", "--log_samples", "--output_path", str(out)]
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(out / "hf-datasets"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        *args,
+        "--tasks",
+        TASK,
+        "--include_path",
+        str(task_dir),
+        "--batch_size",
+        "4",
+        "--log_samples",
+        "--output_path",
+        str(out),
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     results = json.loads(next(out.rglob("results_*.json")).read_text())
@@ -101,10 +134,21 @@ def _lm_eval(args: list[str], task_dir: Path, out: Path) -> tuple[float, dict[in
 
 @pytest.mark.slow
 def test_lm_eval_local_completions_equals_hf_backend(server, task_dir, default_model_path, tmp_path):
-    api_args = ["--model", "local-completions", "--model_args",
-                f"model={MODEL},base_url={server}/v1/completions,tokenizer={default_model_path},"
-                "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1"]
-    hf_args = ["--model", "hf", "--model_args", f"pretrained={default_model_path},dtype=float32", "--device", "cpu"]
+    api_args = [
+        "--model",
+        "local-completions",
+        "--model_args",
+        f"model={MODEL},base_url={server}/v1/completions,tokenizer={default_model_path},"
+        "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1",
+    ]
+    hf_args = [
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={default_model_path},dtype=float32",
+        "--device",
+        "cpu",
+    ]
     api_acc, api_lls = _lm_eval(api_args, task_dir, tmp_path / "api")
     hf_acc, hf_lls = _lm_eval(hf_args, task_dir, tmp_path / "hf")
     assert sorted(api_lls) == sorted(hf_lls) == list(range(len(DOCS)))
@@ -113,6 +157,8 @@ def test_lm_eval_local_completions_equals_hf_backend(server, task_dir, default_m
         assert api_lls[doc_id] == pytest.approx(want, abs=LL_TOL), f"doc {doc_id}"
         assert all(ll < 0 for ll in want)  # real scores, not the all-zero answer of a server without them
     diff = max(abs(a - b) for d in hf_lls for a, b in zip(api_lls[d], hf_lls[d], strict=True))
-    print(f"lm-eval acc: local-completions {api_acc:.4f}, hf {hf_acc:.4f}; max |loglikelihood diff| {diff:.2e}")
+    print(
+        f"lm-eval acc: local-completions {api_acc:.4f}, hf {hf_acc:.4f}; max |loglikelihood diff| {diff:.2e}"
+    )
     assert api_acc == hf_acc
     assert 0.25 < hf_acc  # the model beats chance on these easy questions: the scores carry signal

@@ -22,8 +22,13 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine(default_model_path):
-    e = Engine(default_model_path, dtype="float32", max_total_tokens=4096, chunked_prefill_size=CHUNK,
-               speculative_algorithm="none")
+    e = Engine(
+        default_model_path,
+        dtype="float32",
+        max_total_tokens=4096,
+        chunked_prefill_size=CHUNK,
+        speculative_algorithm="none",
+    )
     yield e
     e.shutdown()
 
@@ -95,8 +100,10 @@ def test_only_requests_that_ask_are_scored(engine):
 
     runner.logits = counting
     try:
-        params = [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1 if i % 2 else None)
-                  for i in range(len(PROMPTS))]
+        params = [
+            SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1 if i % 2 else None)
+            for i in range(len(PROMPTS))
+        ]
         outs = engine.generate(PROMPTS, params)
     finally:
         del runner.logits
@@ -106,25 +113,37 @@ def test_only_requests_that_ask_are_scored(engine):
         assert (o.prompt_logprobs is not None) == bool(i % 2)
 
 
-@pytest.mark.parametrize("start, n, prompt_len, scored, want", [
-    (0, 16, 40, 0, range(0, 16)),  # first chunk: row q predicts prompt token q + 1
-    (16, 16, 40, 16, range(16, 32)),
-    (32, 8, 40, 32, range(32, 39)),  # last chunk: the last row predicts a generated token, not a prompt one
-    (0, 5, 5, 0, range(0, 4)),
-    (0, 1, 1, 0, range(0, 0)),  # a one-token prompt has nothing to score
-    (0, 40, 40, 39, range(39, 39)),  # already scored (a retracted request prefilled again)
-])
+@pytest.mark.parametrize(
+    "start, n, prompt_len, scored, want",
+    [
+        (0, 16, 40, 0, range(0, 16)),  # first chunk: row q predicts prompt token q + 1
+        (16, 16, 40, 16, range(16, 32)),
+        (
+            32,
+            8,
+            40,
+            32,
+            range(32, 39),
+        ),  # last chunk: the last row predicts a generated token, not a prompt one
+        (0, 5, 5, 0, range(0, 4)),
+        (0, 1, 1, 0, range(0, 0)),  # a one-token prompt has nothing to score
+        (0, 40, 40, 39, range(39, 39)),  # already scored (a retracted request prefilled again)
+    ],
+)
 def test_chunk_rows(start, n, prompt_len, scored, want):
     from model_executor.prompt_logprobs import chunk_rows
 
     assert chunk_rows(start, n, prompt_len, scored) == want
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(prompt_logprobs=21), "prompt_logprobs"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    ],
+)
 def test_bad_params(engine, kw, field):
     with pytest.raises(ValueError, match=field):
         engine.generate(["Hello"], SamplingParams(**kw))
