@@ -17,7 +17,12 @@ class SamplingParams:
     Penalties (definitions in ``model_executor.penalties``): ``presence_penalty`` and ``frequency_penalty``
     in [-2, 2] (OpenAI; over the generated tokens), ``repetition_penalty`` in (0, 2] (SGLang/vLLM; over
     prompt and generated tokens; 1 = off), ``logit_bias`` {token id: bias in [-100, 100]} (OpenAI; ids are
-    checked against the vocabulary at admission). Logprobs stay those of the raw model logits."""
+    checked against the vocabulary at admission). Logprobs stay those of the raw model logits.
+
+    ``prompt_logprobs`` (vLLM's name): None for none; k >= 0 scores the prompt during prefill: for every
+    prompt token after the first, its raw-model logprob given the tokens before it plus the top-k
+    alternatives (the first token has no context: ``None``). ``max_tokens`` 0 is allowed only with
+    ``prompt_logprobs``: the request is prefilled, scored and finishes ("length") without sampling."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -32,6 +37,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -57,10 +63,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
+            raise ValueError(f"max_tokens must be None or an integer >= {least}, got {self.max_tokens!r}"
+                             + ("" if least == 0 else " (0 only with prompt_logprobs: scoring the prompt alone)"))
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -105,6 +105,7 @@ class IncrementalDetokenizer:
             matched_stop=matched, prompt_tokens=out.prompt_tokens, completion_tokens=st.completion_tokens,
             spec_verify_steps=out.spec_verify_steps, spec_accepted_tokens=out.spec_accepted_tokens,
             logprobs=logprobs, abort_scheduler=abort,
+            prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs) if out.prompt_logprobs else None,
         )
 
     def _logprobs(self, out: TokenOut) -> list[tuple[str, float, list[tuple[str, float]]]]:
@@ -112,6 +113,15 @@ class IncrementalDetokenizer:
         for tok, (lp, top) in zip(out.token_ids, out.logprobs or [], strict=False):
             res.append((self._decode([tok], False), float(lp),
                         [(self._decode([t], False), float(v)) for t, v in top]))
+        return res
+
+
+    def _prompt_logprobs(self, entries: list) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
+        """Prompt token ids -> their text, each token decoded alone (as the generated tokens' logprobs)."""
+        res = []
+        for tok, lp, top in entries:
+            alts = None if top is None else [(self._decode([t], False), float(v)) for t, v in top]
+            res.append((self._decode([tok], False), None if lp is None else float(lp), alts))
         return res
 
 

@@ -4,6 +4,8 @@
     outs = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason
     for delta in engine.generate_stream(["Hello"], params): ...
+    scored = engine.generate(["The sky is blue"], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    scored[0].prompt_logprobs  # [(token_id, logprob | None, [(alt_id, logprob)] | None) per prompt token]
     engine.shutdown()
 
 ``SamplingParams(max_tokens=None)`` generates until the request limit (the context length, or what the KV
@@ -42,6 +44,7 @@ class RequestOutput:
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: [(token_id, logprob, top)]
 
     @property
     def acceptance_length(self) -> float:
@@ -198,6 +201,8 @@ def _apply(out: RequestOutput, d: TokenOut) -> None:
     out.spec_verify_steps, out.spec_accepted_tokens = d.spec_verify_steps, d.spec_accepted_tokens
     if d.logprobs is not None:
         out.logprobs = (out.logprobs or []) + d.logprobs
+    if d.prompt_logprobs is not None:
+        out.prompt_logprobs = d.prompt_logprobs
     if d.finished:
         out.finish_reason = d.finish_reason
         if d.error:

@@ -25,8 +25,10 @@ class AbortReq:
 class TokenOut:
     """What one scheduler step produced for one request: the new token ids of this step (possibly several
     in a speculative step), and when finished, why. ``logprobs`` (when asked): one entry per new token,
-    ``(token_logprob, [(token_id, logprob), ...top alternatives])``. ``error`` set means the request was
-    rejected or failed; it is then also finished."""
+    ``(token_logprob, [(token_id, logprob), ...top alternatives])``. ``prompt_logprobs`` (when asked, once,
+    in the first output after prefill): one entry per prompt token, ``(token_id, logprob, top)``, the first
+    ``(token_id, None, None)``. ``error`` set means the request was rejected or failed; it is then also
+    finished."""
 
     rid: str
     token_ids: list[int]
@@ -38,6 +40,7 @@ class TokenOut:
     spec_accepted_tokens: int = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     error: str | None = None
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
 
 
 @dataclass
@@ -96,7 +99,8 @@ class BatchTokenOut:
 class TextOut:
     """Detokenizer -> tokenizer manager: the new text of one request. ``logprobs`` entries are
     ``(token_text, logprob, [(alt_text, logprob), ...])``. ``abort_scheduler``: the detokenizer finished the
-    request itself (stop string); the scheduler still runs it and must be told to drop it."""
+    request itself (stop string); the scheduler still runs it and must be told to drop it.
+    ``prompt_logprobs``: as ``TokenOut``'s, in text: ``(token_text, logprob | None, [(alt_text, logprob)] | None)``."""
 
     rid: str
     text: str
@@ -112,6 +116,7 @@ class TextOut:
     error: str | None = None
     error_status: int = 400
     abort_scheduler: bool = False
+    prompt_logprobs: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
 
 
 @dataclass

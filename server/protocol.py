@@ -211,7 +211,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt alone (checked by the handler)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 

@@ -25,6 +25,8 @@ class Req:
     pending_logprobs: list = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
     token_counts: TokenCounts | None = None  # token statistics, only when a penalty reads them
+    prompt_lps: list = field(default_factory=list)  # (logprob, top) of prompt tokens 1.. scored so far
+    prompt_lps_sent: bool = False
 
     @property
     def all_ids(self) -> list[int]:

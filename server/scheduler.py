@@ -23,6 +23,7 @@ from model_executor.memory import MemoryProbe, device_memory, size_kv_pool, veri
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
 from model_executor.penalties import BatchPenalties, TokenCounts
+from model_executor.prompt_logprobs import chunk_rows, score_rows
 from model_executor.sampler import BatchSamplingInfo, sample, token_logprobs
 from model_executor.sampling_params import find_stop
 from server.config import ServerConfig
@@ -236,17 +237,45 @@ class Scheduler:
         out = r.forward(fb)
         if self.spec is not None:
             self.spec.on_extend(fb, out.captured)
+        self._score_prompts(batch, out.hidden)
         for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
             req.num_cached += n
         results: list[list[int]] = [[] for _ in batch.reqs]
+        scored_only = [i for i in done if batch.reqs[i].params.max_tokens == 0]
+        done = [i for i in done if batch.reqs[i].params.max_tokens > 0]
         if done:
             tokens = self._sample([batch.reqs[i] for i in done], r.logits(out.hidden[cum[done]]))  # [n_done, V]
             for j, i in enumerate(done):
                 results[i] = [tokens[j]]
-        for req in batch.reqs:
-            if req.num_cached == _prefill_len(req):
+        for i, req in enumerate(batch.reqs):
+            if i in scored_only:  # max_tokens 0: the prompt is scored, nothing is generated
+                self._release(req)
+                self._finish_out(req, "length")
+            elif req.num_cached == _prefill_len(req):
                 self.running.append(req)  # a retracted request resumes without a new token
         return results
+
+    def _score_prompts(self, batch: Batch, hidden: torch.Tensor) -> None:
+        """Prompt logprobs of this chunk's rows, only for requests with ``prompt_logprobs`` (one batched
+        projection over all of them). ``hidden`` [T, H] is the extend forward's output, rows in batch order."""
+        rows, targets, owners = [], [], []
+        off = 0
+        for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
+            if req.params.prompt_logprobs is not None:
+                start = req.num_cached
+                for q in chunk_rows(start, n, len(req.prompt_ids), len(req.prompt_lps)):
+                    rows.append(off + q - start)
+                    targets.append(req.prompt_ids[q + 1])
+                    owners.append(req)
+            off += n
+        if not rows:
+            return
+        dev = hidden.device
+        top_n = max(q.params.prompt_logprobs for q in owners)
+        scored = score_rows(self.runner.logits, hidden, torch.tensor(rows, device=dev),
+                            torch.tensor(targets, device=dev), top_n)
+        for req, (lp, top) in zip(owners, scored, strict=True):
+            req.prompt_lps.append((lp, top[:req.params.prompt_logprobs]))
 
     # ---------------------------------------------------------------- decode
     def _run_decode(self, batch: Batch) -> list[list[int]]:
@@ -340,7 +369,16 @@ class Scheduler:
             lps, req.pending_logprobs = req.pending_logprobs[:len(new)], req.pending_logprobs[len(new):]
         return TokenOut(req.rid, list(new), prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                         spec_verify_steps=req.spec_verify_steps, spec_accepted_tokens=req.spec_accepted_tokens,
-                        logprobs=lps)
+                        logprobs=lps, prompt_logprobs=self._take_prompt_logprobs(req))
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Req) -> list | None:
+        """The prompt's logprobs, once, in the first output after the whole prompt is scored."""
+        if req.params.prompt_logprobs is None or req.prompt_lps_sent or len(req.prompt_lps) < len(req.prompt_ids) - 1:
+            return None
+        req.prompt_lps_sent = True
+        ids = req.prompt_ids
+        return [(ids[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(ids[1:], req.prompt_lps, strict=True)]
 
 
 def _prefill_len(req: Req) -> int:

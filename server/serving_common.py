@@ -86,7 +86,8 @@ def check_queue(tm: TokenizerManager, n: int) -> None:
                        code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | None) -> SamplingParams:
+def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
     params = SamplingParams(
         temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
         seed=None if req.seed is None else req.seed + choice, max_tokens=None if max_tokens is None else int(max_tokens),
@@ -94,6 +95,7 @@ def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | N
         presence_penalty=float(req.presence_penalty or 0.0), frequency_penalty=float(req.frequency_penalty or 0.0),
         repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
         logit_bias=req.logit_bias_ids(),
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate()
@@ -125,9 +127,12 @@ class ChoiceAccum:
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
     error: str | None = None
     error_status: int = 400
+    prompt_logprobs: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
 
     def add(self, out: TextOut) -> None:
         self.text += out.text
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
         self.verify_steps = max(self.verify_steps, out.spec_verify_steps)

@@ -17,6 +17,7 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
     new_id,
 )
 from server.serving_common import (
@@ -38,8 +39,20 @@ from server.serving_common import (
 from server.tokenizer_manager import InputError, TokenizerManager
 
 
-def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int) -> CompletionLogprobs:
+def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int,
+              prompt: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
+              ) -> CompletionLogprobs:
+    """OpenAI's legacy layout. With ``prompt`` (echo): the prompt's tokens first, text offsets from 0 (the
+    first token's logprob and top alternatives are null: it has no context), then the completion's tokens,
+    offsets from ``offset`` (the length of the echoed prompt text)."""
     lp = CompletionLogprobs()
+    pos = 0
+    for t, v, top in prompt or ():
+        lp.tokens.append(t)
+        lp.token_logprobs.append(v)
+        lp.top_logprobs.append(None if top is None else dict(top))
+        lp.text_offset.append(pos)
+        pos += len(t)
     for t, v, top in entries:
         lp.tokens.append(t)
         lp.token_logprobs.append(v)
@@ -56,6 +69,9 @@ class CompletionHandler:
     async def handle(self, request: Request, req: CompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (server/api.py)."""
         check_model(req.model, self.served)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens must be at least 1; 0 is allowed only with echo (to score the "
+                                "prompt alone)", param="max_tokens", code="invalid_value")
         check_serving(self.tm)
         check_queue(self.tm, req.n * len(req.prompts()))
         prompts: list[list[int]] = []
@@ -70,12 +86,16 @@ class CompletionHandler:
                 texts.append(p if isinstance(p, str) else self.tm.decode(ids))
         except InputError as e:
             raise APIError(400, str(e), param="prompt") from None
+        if req.max_tokens == 0 and req.logprobs is None:
+            return self._echo_only(req, texts, sum(len(p) for p in prompts))
+        prompt_logprobs = req.logprobs if req.echo else None  # vLLM: echo scores the prompt at the same k
         base = uuid.uuid4().hex
         group = []
         for pi, ids in enumerate(prompts):
             for j in range(req.n):
                 rid = f"{base}-{pi * req.n + j}"
-                group.append((GenerateReq(rid, ids, make_params(req, req.max_tokens, j, req.logprobs)),
+                params = make_params(req, req.max_tokens, j, req.logprobs, prompt_logprobs)
+                group.append((GenerateReq(rid, ids, params),
                               DetokenizeReq(rid, stop=tuple(req.stop_list()),
                                             stop_token_ids=tuple(req.stop_token_ids or ()),
                                             logprobs=req.logprobs is not None)))
@@ -101,7 +121,8 @@ class CompletionHandler:
             await cancel_task(watcher)
         raise_choice_error(acc)
         choices = [CompletionChoice(index=i, text=echo[i] + c.text, finish_reason=c.finish_reason,
-                                    logprobs=_logprobs(c.logprobs, len(echo[i])) if req.logprobs is not None else None)
+                                    logprobs=_logprobs(c.logprobs, len(echo[i]), c.prompt_logprobs)
+                                    if req.logprobs is not None else None)
                    for i, c in enumerate(acc)]
         resp = CompletionResponse(id=new_id("cmpl"), model=self.served, choices=choices,
                                   usage=usage_of(acc, prompt_tokens), spec_stats=spec_of(acc))
@@ -118,9 +139,11 @@ class CompletionHandler:
             async for item in gen:
                 yield item
 
+        # with logprobs, a choice's echo waits for its first output, which carries the prompt's logprobs
+        held = [bool(e) and req.logprobs is not None for e in echo]
         try:
             for i, e in enumerate(echo):
-                if e:
+                if e and not held[i]:
                     yield sse(CompletionResponse(id=cid, model=self.served,
                                                  choices=[CompletionChoice(index=i, text=e)]))
             async with contextlib.aclosing(gen):
@@ -129,6 +152,11 @@ class CompletionHandler:
                     if out.error is not None:
                         yield sse(APIError(out.error_status, out.error).body())
                         break
+                    if held[idx]:
+                        held[idx] = False
+                        lp = _logprobs([], 0, out.prompt_logprobs or [])
+                        yield sse(CompletionResponse(id=cid, model=self.served, choices=[
+                            CompletionChoice(index=idx, text=echo[idx], logprobs=lp)]))
                     lp = None
                     if req.logprobs is not None and out.logprobs:
                         lp = _logprobs(out.logprobs, offsets[idx])
@@ -146,3 +174,22 @@ class CompletionHandler:
             yield SSE_DONE
         finally:
             await cancel_task(watcher)
+
+    def _echo_only(self, req: CompletionRequest, texts: list[str], prompt_tokens: int
+                   ) -> JSONResponse | StreamingResponse:
+        """``echo`` with ``max_tokens`` 0 and no logprobs: the prompt back, nothing to run on the model."""
+        choices = [CompletionChoice(index=i, text=texts[i // req.n], finish_reason="length")
+                   for i in range(len(texts) * req.n)]
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
+        resp = CompletionResponse(id=new_id("cmpl"), model=self.served, choices=choices, usage=usage)
+        if not req.stream:
+            return JSONResponse(resp.model_dump())
+
+        async def events() -> AsyncIterator[str]:
+            for c in choices:
+                yield sse(CompletionResponse(id=resp.id, model=self.served, choices=[c]))
+            if req.include_usage:
+                yield sse(CompletionResponse(id=resp.id, model=self.served, choices=[], usage=usage))
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
