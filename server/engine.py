@@ -7,7 +7,8 @@
     engine.shutdown()
 
 Keyword arguments mirror the CLI flags (``ServerConfig.from_flat`` names), plus the short spellings
-``speculative_algorithm``, ``draft_model_path``, ``ddtree_budget`` and ``block_size``.
+``speculative_algorithm``, ``draft_model_path``, ``ddtree_budget`` (an int, or "auto": the default),
+``ddtree_max_budget`` and ``block_size``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from server.tp_worker import close_scheduler, make_scheduler
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta"]
 
 _ALIASES = {"draft_model_path": "speculative_draft_model_path", "ddtree_budget": "speculative_ddtree_budget",
-            "block_size": "speculative_block_size"}
+            "ddtree_max_budget": "speculative_ddtree_max_budget", "block_size": "speculative_block_size"}
 
 
 @dataclass
