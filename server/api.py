@@ -1,6 +1,7 @@
 """The HTTP front end: a FastAPI app built by ``create_app`` (no module-level app or state).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
+GET /get_server_info (every setting, the API key withheld).
 With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (401 otherwise); /health and
 /metrics stay open for orchestrators and scrapers. Every error has the OpenAI shape
 ``{"error": {"message", "type", "param", "code"}}``; clients never see a stack trace.
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.config import ServerConfig
+from server.config import ServerConfig, public_info
 from server.protocol import ModelCard, ModelList, error_body
 from server.serving_chat import ChatHandler
 from server.serving_common import APIError, check_serving
@@ -80,6 +81,10 @@ def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/get_server_info")
+    async def server_info() -> JSONResponse:
+        return JSONResponse(public_info(tm.config))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

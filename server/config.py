@@ -115,6 +115,18 @@ class ServerConfig:
         return cls(**{a: area_classes[a](**kw) for a, kw in per_area.items()})
 
 
+def public_info(config: ServerConfig) -> dict[str, Any]:
+    """Every setting by flat name, for ``GET /get_server_info`` (the API key is withheld), plus
+    ``speculative_lossy``: whether accept thresholds below 1 make sampled verification lossy."""
+    out: dict[str, Any] = {}
+    for area in dataclasses.fields(config):
+        for f in dataclasses.fields(getattr(config, area.name)):
+            out[_flat_name(area.name, f.name)] = getattr(getattr(config, area.name), f.name)
+    out["api_key"] = None if config.server.api_key is None else "(set)"
+    out["speculative_lossy"] = config.speculative.lossy
+    return out
+
+
 # Flat names follow SGLang's flags: speculative fields are prefixed (--speculative-algorithm, ...).
 def _flat_name(area: str, name: str) -> str:
     return f"speculative_{name}" if area == "speculative" else name

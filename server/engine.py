@@ -38,6 +38,7 @@ class RequestOutput:
     finish_reason: str | None = None
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_budget_sum: int = 0
     logprobs: list | None = None
 
     @property
@@ -46,6 +47,11 @@ class RequestOutput:
         definition as the API's ``spec_stats.acceptance_length``); 0 without speculation."""
         steps = self.spec_verify_steps
         return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
+
+    @property
+    def mean_budget(self) -> float:
+        """Draft tree nodes offered per verify step (``spec_stats.mean_budget``); 0 without speculation."""
+        return self.spec_budget_sum / self.spec_verify_steps if self.spec_verify_steps else 0.0
 
 
 @dataclass
@@ -192,6 +198,7 @@ def _load_tokenizer(path: str, trust_remote_code: bool):
 def _apply(out: RequestOutput, d: TokenOut) -> None:
     out.token_ids.extend(d.token_ids)
     out.spec_verify_steps, out.spec_accepted_tokens = d.spec_verify_steps, d.spec_accepted_tokens
+    out.spec_budget_sum = d.spec_budget_sum
     if d.logprobs is not None:
         out.logprobs = (out.logprobs or []) + d.logprobs
     if d.finished:

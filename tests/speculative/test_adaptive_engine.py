@@ -132,3 +132,22 @@ def test_sampled_auto_matches_target_distribution(tiny):
     assert emp.flatten()[exact.flatten() == 0].sum() == 0
     assert VOCAB == exact.shape[0] and np.isfinite(tv)
     _assert_pool_full(e)
+
+
+def test_accept_thresholds_reach_verification(tiny, caplog):
+    """SGLang's lossy thresholds: single = 0 accepts the first child at every depth (every tree path of the
+    chain is taken); the default 1.0 is exact and accepts far less on this random drafter."""
+    target, drafter = tiny
+    prompts = _prompts(8, seed=4)
+    sp = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True) for i in range(8)]
+    kw = dict(dtype="float32", max_total_tokens=16384, speculative_algorithm="ddtree", draft_model_path=drafter,
+              ddtree_budget=4)
+    exact = Engine(target, **kw).generate(input_ids=prompts, sampling_params=sp)
+    with caplog.at_level("WARNING"):
+        lossy = Engine(target, speculative_accept_threshold_single=0.0, **kw)
+    assert "LOSSY" in caplog.text
+    out = lossy.generate(input_ids=prompts, sampling_params=sp)
+    acc_exact = sum(o.spec_accepted_tokens for o in exact) / sum(o.spec_verify_steps for o in exact)
+    acc_lossy = sum(o.spec_accepted_tokens for o in out) / sum(o.spec_verify_steps for o in out)
+    assert acc_lossy > acc_exact + 0.5
+    assert all(3 < o.mean_budget <= 4 for o in exact)  # 4 nodes, fewer only near max_tokens
