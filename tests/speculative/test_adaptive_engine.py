@@ -111,12 +111,12 @@ def test_sampled_auto_matches_target_distribution(tiny):
     exact = _exact_joint(target, prompt, 1.0, -1, 1.0)  # [V, V]
     n = 3000
     e = _auto(target, drafter, max_running_requests=512)
-    _set_costs(e, 2e-5)  # a moderate per-token price (the probe's timings on a shared CPU are noise)
+    _set_costs(e, 2e-6)  # a price at which it mixes plain steps and trees of several sizes (deterministic)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
-    assert sum(o.spec_accepted_tokens for o in outs) > n // 4, (
-        "acceptance too low to exercise the sampled walk"
-    )
+    assert sum(o.spec_accepted_tokens for o in outs) > n // 10, "acceptance too low to exercise the sampled walk"
+    chosen = e.scheduler.spec.controller.stats()["budget_counts"]
+    assert chosen.get(0, 0) > 0 and len([b for b in chosen if b > 0]) >= 2, chosen  # plain steps and trees
     emp = _joint_counts(outs) / n
     tv = 0.5 * (emp - exact).abs().sum().item()
     plain = Engine(target, dtype="float32", max_total_tokens=16384, max_running_requests=512).generate(
