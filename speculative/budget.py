@@ -18,8 +18,9 @@ step-time model (``speculative.step_cost``) turns them into a rate; the argmax w
 
 A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
 decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode,
-drafter forward included, and drafts only if that wins (or every ``explore_every`` skipped steps, to keep
-the curve fresh). After drafting (``choose``) the drafter's cost is paid; the budgets come from this step's
+drafter forward included, and drafts only if that wins (or, to keep the curve fresh, once every
+``explore_every`` steps; each exploration that still ends in a plain step doubles that gap, up to
+``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards). After drafting (``choose``) the drafter's cost is paid; the budgets come from this step's
 own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
 """
 
@@ -43,7 +44,8 @@ class BudgetConfig:
     prior: float = 4.0  # pseudo-steps at ratio 1 per depth (calibration prior)
     decay: float = 0.995  # per-step forgetting of the calibration evidence
     curve_rate: float = 0.1  # EMA rate of the mean gain curve used before drafting
-    explore_every: int = 16  # draft at least once every this many steps
+    explore_every: int = 16  # draft at least once every this many steps ...
+    max_explore_every: int = 256  # ... a gap that doubles while explorations keep choosing plain steps
     probe_seconds: float = 1.5  # start-up cost probe budget
 
 
@@ -139,14 +141,17 @@ class BudgetController:
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
         self.curve_seen = np.zeros(2, dtype=bool)
         self.skipped = 0
+        self.explore_gap = config.explore_every
+        self._exploring = False
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
 
     def plan_draft(self, sampled: np.ndarray) -> bool:
         """Whether this step should run the drafter (False: a plain decode step)."""
         bs = len(sampled)
         modes = np.unique(sampled.astype(np.int64))
-        if not self.curve_seen[modes].all() or self.skipped + 1 >= self.config.explore_every:
-            self.skipped = 0
+        self._exploring = False
+        if not self.curve_seen[modes].all() or self.skipped + 1 >= self.explore_gap:
+            self.skipped, self._exploring = 0, bool(self.curve_seen[modes].all())
             return True
         gains = self.curve[sampled.astype(np.int64)]  # [bs, B]
         _, spec_rate = choose_budgets(
@@ -177,6 +182,10 @@ class BudgetController:
         budgets, _ = choose_budgets(
             gains, lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens, self.padded
         )
+        if not budgets.any() and self._exploring:
+            self.explore_gap = min(2 * self.explore_gap, self.config.max_explore_every)
+        elif budgets.any():
+            self.explore_gap = self.config.explore_every
         return budgets
 
     def record(

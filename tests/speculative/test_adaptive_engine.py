@@ -114,7 +114,9 @@ def test_sampled_auto_matches_target_distribution(tiny):
     _set_costs(e, 2e-6)  # a price at which it mixes plain steps and trees of several sizes (deterministic)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
-    assert sum(o.spec_accepted_tokens for o in outs) > n // 10, "acceptance too low to exercise the sampled walk"
+    assert sum(o.spec_accepted_tokens for o in outs) > n // 10, (
+        "acceptance too low to exercise the sampled walk"
+    )
     chosen = e.scheduler.spec.controller.stats()["budget_counts"]
     assert chosen.get(0, 0) > 0 and len([b for b in chosen if b > 0]) >= 2, chosen  # plain steps and trees
     emp = _joint_counts(outs) / n
@@ -140,8 +142,13 @@ def test_accept_thresholds_reach_verification(tiny, caplog):
     target, drafter = tiny
     prompts = _prompts(8, seed=4)
     sp = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True) for i in range(8)]
-    kw = dict(dtype="float32", max_total_tokens=16384, speculative_algorithm="ddtree", draft_model_path=drafter,
-              ddtree_budget=4)
+    kw = dict(
+        dtype="float32",
+        max_total_tokens=16384,
+        speculative_algorithm="ddtree",
+        draft_model_path=drafter,
+        ddtree_budget=4,
+    )
     exact = Engine(target, **kw).generate(input_ids=prompts, sampling_params=sp)
     with caplog.at_level("WARNING"):
         lossy = Engine(target, speculative_accept_threshold_single=0.0, **kw)

@@ -92,6 +92,10 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.plan_draft(greedy)
     ctl.curve[0] = [0.3, 0.1, 0.0]  # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain
     assert [ctl.plan_draft(greedy) for _ in range(4)] == [False, False, False, True]  # explores every 4th
+    poor = _popped([[np.log(0.1), np.log(0.05), -np.inf]], [[1, 2, 0]], [[0, 1, -1]])  # 1.1 / 3 < 1 / 2.5
+    assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration still chose a plain step: gap 4 -> 8
+    assert [ctl.plan_draft(greedy) for _ in range(8)] == [False] * 7 + [True]
+    assert ctl.choose(popped, greedy).tolist() == [2] and ctl.explore_gap == 4  # pays again: gap back to 4
     ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.0)
     assert ctl.stats()["budget_counts"] == {0: 1}
 
