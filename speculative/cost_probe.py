@@ -45,9 +45,10 @@ def _time_draft(worker: SpecWorker, bs: int) -> float | None:
     try:
         idx = torch.tensor(rows, device=r.device)  # [bs]
         zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
+        _sync(r.device)
         t = time.perf_counter()
         logits = worker._draft(idx, zeros, zeros)  # [bs, L, V]
-        pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain)
+        pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain)  # host copy: synchronises
         return time.perf_counter() - t
     finally:
         for i in rows:
@@ -86,14 +87,21 @@ def _time_verify(worker: SpecWorker, n: int) -> float | None:
             tree_mask=mask,
             capture_layer_ids=worker.capture_layer_ids,
         )
+        _sync(r.device)
         t = time.perf_counter()
         out = r.forward(fb)
         r.logits(out.hidden)
+        _sync(r.device)  # CUDA runs asynchronously: wait for the forward before reading the clock
         return time.perf_counter() - t
     finally:
         r.allocator.free(slots)
         for i in rows:
             r.req_to_token.free(i)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def probe_step_cost(worker: SpecWorker, cost: StepCostModel, seconds: float) -> None:
