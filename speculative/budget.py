@@ -133,9 +133,9 @@ class AcceptanceCalibrator:
 class BudgetController:
     """Chooses every step's per-request budgets (see the module docstring). Host-side numpy only."""
 
-    def __init__(self, config: BudgetConfig, depth_limit: int, cost: StepCostModel, padded: bool = True):
+    def __init__(self, config: BudgetConfig, depth_limit: int, cost: StepCostModel, padded: bool = False):
         self.config = config
-        self.padded = padded  # the verify forward pads every tree to the widest (see choose_budgets)
+        self.padded = padded  # whether the verify forward pads every tree to the widest (see choose_budgets)
         self.cost = cost
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index

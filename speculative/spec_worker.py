@@ -99,7 +99,7 @@ class SpecWorker:
             cfg = budget_config or BudgetConfig(max_budget=self.budget)
             max_reqs = runner.req_to_token.table.shape[0] - 1
             cost = StepCostModel(max_reqs, max_reqs * (self.budget + 1))
-            self.controller = BudgetController(cfg, self.depth_limit, cost)
+            self.controller = BudgetController(cfg, self.depth_limit, cost)  # ragged verify: padded=False
             probe_step_cost(self, cost, cfg.probe_seconds)
 
     @classmethod
@@ -179,8 +179,8 @@ class SpecWorker:
         n_used = tree.num_nodes.cpu()  # [bs]
         for o, n in zip(out, n_used.tolist(), strict=True):
             o.budget = n
-        if ctl is not None:  # the verify forward runs bs * D tokens (every tree padded to the widest)
-            ctl.record(n_used.numpy(), tree, res.accept_length.cpu().numpy(), sampled, bs, tree.candidates.numel(),
+        if ctl is not None:  # the (ragged) verify forward ran bs + sum(nodes) tokens
+            ctl.record(n_used.numpy(), tree, res.accept_length.cpu().numpy(), sampled, bs, bs + int(n_used.sum()),
                        draft_s, time.perf_counter() - built_at)
         return out
 
@@ -201,18 +201,29 @@ class SpecWorker:
         return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor):
-        """Target forward over every tree node (root included) with the ancestor-only mask."""
+        """Target forward over every used tree slot (root included) with the ancestor-only mask: ragged, a
+        request with fewer nodes than the widest tree costs only its own tokens. Returns logits and captured
+        features in the padded ``[bs, D]`` layout (rows of unused slots are zero and no link reaches them)
+        and the KV slots ``[bs, D]`` (-1 for unused slots)."""
         r = self.runner
         bs, d = tree.candidates.shape
-        slots = r.allocator.alloc(bs * d).view(bs, d)  # [bs, D]
-        r.req_to_token.table[idx[:, None], cached[:, None] + torch.arange(d, device=r.device)] = slots
+        lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
+        used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
+        flat = r.allocator.alloc(int(lens.sum()))  # [T]
+        slots = torch.full((bs, d), -1, dtype=torch.int64, device=r.device)  # [bs, D]
+        slots[used] = flat
+        pos = cached[:, None] + torch.arange(d, device=r.device)  # [bs, D]
+        r.req_to_token.table[idx[:, None].expand(bs, d)[used], pos[used]] = flat
         fb = build_forward_batch(
-            ForwardMode.TARGET_VERIFY, tree.candidates.reshape(-1), tree.positions.reshape(-1), slots.reshape(-1),
-            r.req_to_token.table, idx, cached, torch.full((bs,), d), tree_mask=tree.tree_mask,
-            capture_layer_ids=self.capture_layer_ids)
+            ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.req_to_token.table, idx,
+            cached, lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids)
         out = r.forward(fb)
-        logits = r.logits(out.hidden).view(bs, d, -1)  # [bs, D, V]
-        return logits, out.captured, slots
+        rows = r.logits(out.hidden)  # [T, V]
+        logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
+        logits[used.view(-1)] = rows
+        captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
+        captured[used.view(-1)] = out.captured
+        return logits.view(bs, d, -1), captured, slots
 
     def _commit(self, reqs, tree: DraftTree, res, idx, cached, tree_slots, captured, eos_ids) -> list[DecodeResult]:
         """Unified commit for greedy and sampled verification: keep the KV of the root and the accepted
@@ -237,7 +248,7 @@ class SpecWorker:
         path_slots = tree_slots.gather(1, path)  # [bs, S]
         kept_mask = torch.zeros(bs, d, dtype=torch.bool, device=r.device)  # [bs, D]
         kept_mask[torch.arange(bs, device=r.device)[:, None].expand(bs, s)[valid], path[valid]] = True
-        r.allocator.free(tree_slots[~kept_mask])
+        r.allocator.free(tree_slots[~kept_mask & (tree_slots >= 0)])
         rows = idx[:, None].expand(bs, s)[valid]
         pos = (cached[:, None] + cols[None, :])[valid]  # [n_kept] absolute positions
         r.req_to_token.table[rows, pos] = path_slots[valid]
