@@ -21,6 +21,20 @@ _REASONING_PARSERS = ("kimi_k2", "deepseek-r1")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _KERNEL_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
+
+def budget_value(text: str) -> int | str:
+    """``--speculative-ddtree-budget``: "auto" or a positive integer."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value}")
+    return value
+
+
 # (dest, type, help, choices); bool fields use --flag / --no-flag.
 _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("model_path", str, "Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct, prepared once).", None),
@@ -48,8 +62,16 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
     ("chunked_prefill_size", int, "Prefill token budget per scheduler step (long prompts are chunked).", None),
     ("speculative_algorithm", str, "Speculative decoding: none, dflash (chain) or ddtree (tree).", _SPEC_ALGOS),
     ("speculative_draft_model_path", str, "DFlash drafter directory ('default' = the default model's).", None),
-    ("speculative_ddtree_budget", int, "DDTree: draft tree nodes per request and step (root excluded).", None),
+    ("speculative_ddtree_budget", budget_value, "DDTree: draft tree nodes per request and step (root excluded), "
+     "or 'auto': chosen every step per request from measured step cost and calibrated expected acceptance "
+     "(0 = a plain decode step).", None),
+    ("speculative_ddtree_max_budget", int, "Upper bound of the auto tree budget.", None),
     ("speculative_block_size", int, "Drafter block size (default: from the drafter config).", None),
+    ("speculative_accept_threshold_single", float, "Sampled verification: accept a draft token whose target "
+     "probability reaches this (values below 1 are LOSSY: output no longer follows the target distribution).",
+     None),
+    ("speculative_accept_threshold_acc", float, "Sampled verification: accept a draft token once the "
+     "accumulated target probability reaches this (values below 1 are LOSSY).", None),
     ("tp_size", int, "Tensor-parallel size (GPUs per model replica).", None),
     ("nnodes", int, "Number of nodes for tensor parallelism.", None),
     ("node_rank", int, "Rank of this node.", None),
@@ -161,8 +183,15 @@ def validate_config(config: ServerConfig) -> None:
         raise ValueError("cuda_graph_max_bs must be >= 0")
     if config.parallel.tp_size < 1:
         raise ValueError("tp_size must be >= 1")
-    if config.speculative.ddtree_budget < 1:
-        raise ValueError("speculative_ddtree_budget must be >= 1")
+    spec = config.speculative
+    budget = spec.ddtree_budget
+    if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"speculative_ddtree_budget must be 'auto' or an integer >= 1; got {budget!r}")
+    if spec.ddtree_max_budget < 1:
+        raise ValueError("speculative_ddtree_max_budget must be >= 1")
+    for name in ("accept_threshold_single", "accept_threshold_acc"):
+        if not 0.0 <= getattr(spec, name) <= 1.0:
+            raise ValueError(f"speculative_{name} must be in [0, 1]; got {getattr(spec, name)}")
     srv, cache = config.server, config.cache
     if srv.max_request_body_bytes < 1024:
         raise ValueError("max_request_body_bytes must be >= 1024")

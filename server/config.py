@@ -45,8 +45,15 @@ class SchedulerArgs:
 class SpeculativeArgs:
     algorithm: str = "none"  # "none" | "dflash" | "ddtree"
     draft_model_path: str | None = None  # "default" = the shipped drafter of the default model
-    ddtree_budget: int = 16  # non-root tree nodes per request
+    ddtree_budget: int | str = "auto"  # non-root tree nodes per request, or "auto" (chosen per step)
+    ddtree_max_budget: int = 64  # upper bound of the auto budget
     block_size: int | None = None  # None: from the draft config
+    accept_threshold_single: float = 1.0  # < 1: lossy sampled verification (SGLang's flag)
+    accept_threshold_acc: float = 1.0  # < 1: lossy sampled verification (SGLang's flag)
+
+    @property
+    def lossy(self) -> bool:
+        return self.accept_threshold_single < 1.0 or self.accept_threshold_acc < 1.0
 
     @property
     def enabled(self) -> bool:
@@ -116,16 +123,22 @@ class ServerConfig:
         return cls(**{a: area_classes[a](**kw) for a, kw in per_area.items()})
 
 
+def public_info(config: ServerConfig) -> dict[str, Any]:
+    """Every setting by flat name, for ``GET /get_server_info`` (the API key is withheld), plus
+    ``speculative_lossy``: whether accept thresholds below 1 make sampled verification lossy."""
+    out: dict[str, Any] = {}
+    for area in dataclasses.fields(config):
+        for f in dataclasses.fields(getattr(config, area.name)):
+            out[_flat_name(area.name, f.name)] = getattr(getattr(config, area.name), f.name)
+    out["api_key"] = None if config.server.api_key is None else "(set)"
+    out["speculative_lossy"] = config.speculative.lossy
+    return out
+
+
 # Flat names follow SGLang's flags: speculative fields are prefixed (--speculative-algorithm, ...).
 def _flat_name(area: str, name: str) -> str:
-    if area == "speculative":
-        return {"algorithm": "speculative_algorithm", "draft_model_path": "speculative_draft_model_path",
-                "ddtree_budget": "speculative_ddtree_budget", "block_size": "speculative_block_size"}[name]
-    return name
+    return f"speculative_{name}" if area == "speculative" else name
 
 
 def _field_name(area: str, flat: str) -> str:
-    if area == "speculative":
-        return {"speculative_algorithm": "algorithm", "speculative_draft_model_path": "draft_model_path",
-                "speculative_ddtree_budget": "ddtree_budget", "speculative_block_size": "block_size"}[flat]
-    return flat
+    return flat.removeprefix("speculative_") if area == "speculative" else flat

@@ -12,7 +12,8 @@
 pool can hold for one request if that is smaller) and ends with ``length`` there.
 
 Keyword arguments mirror the CLI flags (``ServerConfig.from_flat`` names), plus the short spellings
-``speculative_algorithm``, ``draft_model_path``, ``ddtree_budget`` and ``block_size``.
+``speculative_algorithm``, ``draft_model_path``, ``ddtree_budget`` (an int, or "auto": the default),
+``ddtree_max_budget`` and ``block_size``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from server.tp_worker import close_scheduler, make_scheduler
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta"]
 
 _ALIASES = {"draft_model_path": "speculative_draft_model_path", "ddtree_budget": "speculative_ddtree_budget",
-            "block_size": "speculative_block_size"}
+            "ddtree_max_budget": "speculative_ddtree_max_budget", "block_size": "speculative_block_size"}
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RequestOutput:
     finish_reason: str | None = None
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_budget_sum: int = 0
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: [(token_id, logprob, top)]
 
@@ -52,6 +54,11 @@ class RequestOutput:
         definition as the API's ``spec_stats.acceptance_length``); 0 without speculation."""
         steps = self.spec_verify_steps
         return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
+
+    @property
+    def mean_budget(self) -> float:
+        """Draft tree nodes offered per verify step (``spec_stats.mean_budget``); 0 without speculation."""
+        return self.spec_budget_sum / self.spec_verify_steps if self.spec_verify_steps else 0.0
 
 
 @dataclass
@@ -199,6 +206,7 @@ def _load_tokenizer(path: str, trust_remote_code: bool):
 def _apply(out: RequestOutput, d: TokenOut) -> None:
     out.token_ids.extend(d.token_ids)
     out.spec_verify_steps, out.spec_accepted_tokens = d.spec_verify_steps, d.spec_accepted_tokens
+    out.spec_budget_sum = d.spec_budget_sum
     if d.logprobs is not None:
         out.logprobs = (out.logprobs or []) + d.logprobs
     if d.prompt_logprobs is not None:

@@ -38,6 +38,7 @@ class TokenOut:
     completion_tokens: int = 0
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_budget_sum: int = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     error: str | None = None
     prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
@@ -51,6 +52,7 @@ class SchedulerStats:
     kv_total_tokens: int = 0
     spec_verify_steps: int = 0
     spec_generated_tokens: int = 0
+    spec_budget: dict = field(default_factory=dict)  # auto budget: BudgetController.stats() (cumulative)
     extra: dict = field(default_factory=dict)
 
 
@@ -112,6 +114,7 @@ class TextOut:
     completion_tokens: int = 0
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_budget_sum: int = 0
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
     error: str | None = None
     error_status: int = 400

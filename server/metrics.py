@@ -8,6 +8,7 @@ from server.io_struct import SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                     5.0, 10.0, 20.0, 40.0, 80.0)
+_BUDGET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
 
 
@@ -32,6 +33,15 @@ class ServerMetrics:
         self.accept_len = Histogram(f"{p}_spec_acceptance_length",
                                     "Tokens per target verify step of finished speculative requests", labels,
                                     buckets=_ACCEPT_BUCKETS, registry=reg)
+        self.budget = Histogram(f"{p}_spec_chosen_budget", "Draft tree nodes chosen per request and verify step "
+                                "(auto budget; 0 = a plain decode step)", labels, buckets=_BUDGET_BUCKETS,
+                                registry=reg)
+        self.accept_pred = Counter(f"{p}_spec_predicted_accepted_tokens", "Accepted draft tokens the auto budget "
+                                   "controller predicted (calibrated), by sampling mode", labels + ["mode"],
+                                   registry=reg)
+        self.accept_obs = Counter(f"{p}_spec_observed_accepted_tokens", "Accepted draft tokens of the trees the "
+                                  "auto budget controller chose, by sampling mode", labels + ["mode"], registry=reg)
+        self._budget_seen: dict = {}  # cumulative controller stats already exported
         self.running = Gauge(f"{p}_num_running_reqs", "Requests being decoded", labels, registry=reg)
         self.queued = Gauge(f"{p}_num_queue_reqs", "Requests waiting for admission", labels, registry=reg)
         self.kv_used = Gauge(f"{p}_kv_used_tokens", "KV cache slots in use", labels, registry=reg)
@@ -71,6 +81,23 @@ class ServerMetrics:
         self.kv_used.labels(m).set(stats.kv_used_tokens)
         self.kv_total.labels(m).set(stats.kv_total_tokens)
         self.kv_usage.labels(m).set(stats.kv_used_tokens / stats.kv_total_tokens if stats.kv_total_tokens else 0.0)
+        if stats.spec_budget:
+            self._update_budget(stats.spec_budget)
+
+    def _update_budget(self, spec: dict) -> None:
+        """Export the growth of the controller's cumulative counters since the last update."""
+        m, seen = self._model, self._budget_seen
+        hist = self.budget.labels(m)
+        for budget, count in spec.get("budget_counts", {}).items():
+            for _ in range(count - seen.get(("b", budget), 0)):
+                hist.observe(budget)
+            seen[("b", budget)] = count
+        for key, counter in (("predicted_accepted", self.accept_pred), ("observed_accepted", self.accept_obs)):
+            for mode, value in zip(("greedy", "sampled"), spec.get(key, ()), strict=False):
+                delta = value - seen.get((key, mode), 0.0)
+                if delta > 0:
+                    counter.labels(m, mode).inc(delta)
+                seen[(key, mode)] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

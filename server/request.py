@@ -22,6 +22,7 @@ class Req:
     finish_reason: str | None = None
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_budget_sum: int = 0  # tree nodes offered over all verify steps (auto budget: mean = sum / steps)
     pending_logprobs: list = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
     token_counts: TokenCounts | None = None  # token statistics, only when a penalty reads them

@@ -140,7 +140,8 @@ class Scheduler:
         return SchedulerStats(running=len(self.running), waiting=len(self.waiting),
                               kv_used_tokens=alloc.num_slots - alloc.num_free, kv_total_tokens=alloc.num_slots,
                               spec_verify_steps=self.total_verify_steps,
-                              spec_generated_tokens=self.total_spec_tokens)
+                              spec_generated_tokens=self.total_spec_tokens,
+                              spec_budget=self.spec.controller.stats() if self.spec and self.spec.controller else {})
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[TokenOut]:
@@ -306,6 +307,7 @@ class Scheduler:
         for req, res in zip(batch.reqs, results, strict=True):
             req.spec_verify_steps += 1
             req.spec_accepted_tokens += res.accepted
+            req.spec_budget_sum += res.budget
             self.total_verify_steps += 1
             self.total_spec_tokens += len(res.tokens)
             if req.params.logprobs is not None and res.logprobs is not None:
@@ -369,6 +371,7 @@ class Scheduler:
             lps, req.pending_logprobs = req.pending_logprobs[:len(new)], req.pending_logprobs[len(new):]
         return TokenOut(req.rid, list(new), prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                         spec_verify_steps=req.spec_verify_steps, spec_accepted_tokens=req.spec_accepted_tokens,
+                        spec_budget_sum=req.spec_budget_sum,
                         logprobs=lps, prompt_logprobs=self._take_prompt_logprobs(req))
 
     @staticmethod

@@ -124,6 +124,7 @@ class ChoiceAccum:
     completion_tokens: int = 0
     verify_steps: int = 0
     accepted_tokens: int = 0
+    budget_sum: int = 0
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
     error: str | None = None
     error_status: int = 400
@@ -137,6 +138,7 @@ class ChoiceAccum:
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
         self.verify_steps = max(self.verify_steps, out.spec_verify_steps)
         self.accepted_tokens = max(self.accepted_tokens, out.spec_accepted_tokens)
+        self.budget_sum = max(self.budget_sum, out.spec_budget_sum)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
         if out.finished:
@@ -152,7 +154,8 @@ def usage_of(choices: list[ChoiceAccum], prompt_tokens: int) -> UsageInfo:
 
 
 def spec_of(choices: list[ChoiceAccum]) -> SpecStats:
-    return SpecStats.of(sum(c.verify_steps for c in choices), sum(c.accepted_tokens for c in choices))
+    return SpecStats.of(sum(c.verify_steps for c in choices), sum(c.accepted_tokens for c in choices),
+                        sum(c.budget_sum for c in choices))
 
 
 def raise_choice_error(choices: list[ChoiceAccum]) -> None:

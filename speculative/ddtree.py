@@ -160,6 +160,123 @@ def _link_and_mask(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor,
     return next_token, next_sibling, mask
 
 
+@dataclass
+class PoppedNodes:
+    """The best-first pop order of every request, before a tree is assembled (numpy, host memory).
+
+    Row b holds ``counts[b]`` nodes in pop order (descending path probability); the first ``k`` of them are
+    the optimal tree of budget ``k`` for every ``k <= counts[b]``, so one pop at the largest budget serves
+    every smaller budget (``assemble_tree`` truncates). Unused entries: token 0, parent -1, depth 0,
+    log-weight -inf."""
+
+    tokens: np.ndarray  # [bs, B] int64
+    parents: np.ndarray  # [bs, B] int64, parent slot (0 = root; slot of pop i is i + 1)
+    depths: np.ndarray  # [bs, B] int64
+    logws: np.ndarray  # [bs, B] float64, cumulative draft log-prob of the prefix
+    counts: np.ndarray  # [bs] int64
+
+    @classmethod
+    def empty(cls, bs: int) -> PoppedNodes:
+        """No pops for any request (every tree is the root alone)."""
+        z = np.zeros((bs, 0), dtype=np.int64)
+        return cls(z, z.copy(), z.copy(), np.zeros((bs, 0)), np.zeros(bs, dtype=np.int64))
+
+    def path_probs(self) -> np.ndarray:
+        """Q(prefix) of every popped node, 0 for unused entries: [bs, B]. ``1 + cumsum(row)[k-1]`` is the
+        expected number of tokens a budget-k tree emits if the drafter were the target (DDTree objective)."""
+        return np.exp(self.logws)
+
+
+def pop_nodes(
+    draft_logits: torch.Tensor,
+    budgets: torch.Tensor,
+    chain: bool = False,
+    max_depths: torch.Tensor | None = None,
+) -> PoppedNodes:
+    """Algorithm 1's pops for every request (see ``build_ddtree`` for the arguments)."""
+    bs, depth_limit, vocab = draft_logits.shape
+    budget_list = [int(x) for x in budgets.tolist()]
+    if any(b < 0 for b in budget_list):
+        raise ValueError(f"budgets must be >= 0, got {budget_list}")
+    depth_list = (
+        [depth_limit] * bs if max_depths is None else [min(int(x), depth_limit) for x in max_depths.tolist()]
+    )
+    budget_list = [bud if dep > 0 else 0 for bud, dep in zip(budget_list, depth_list, strict=True)]
+    width = max(budget_list) if budget_list else 0
+    k = 1 if chain else max(1, min(width, vocab))
+    if width > 0:
+        top_lp, top_ids = _topk_logprobs(draft_logits, k)  # [bs, L, K] (numpy)
+    out = PoppedNodes(
+        tokens=np.zeros((bs, width), dtype=np.int64),
+        parents=np.full((bs, width), -1, dtype=np.int64),
+        depths=np.zeros((bs, width), dtype=np.int64),
+        logws=np.full((bs, width), _NEG_INF, dtype=np.float64),
+        counts=np.zeros(bs, dtype=np.int64),
+    )
+    for b in range(bs if width > 0 else 0):
+        if chain:
+            t, p, dep, w = _chain(top_lp[b, : depth_list[b]], top_ids[b, : depth_list[b]], budget_list[b])
+        else:
+            kb = min(budget_list[b], vocab)
+            t, p, dep, w = _best_first(
+                top_lp[b, : depth_list[b], :kb].tolist(),
+                top_ids[b, : depth_list[b], :kb].tolist(),
+                budget_list[b],
+                kb,
+            )
+        n = len(t)
+        out.counts[b] = n
+        out.tokens[b, :n] = t
+        out.parents[b, :n] = p
+        out.depths[b, :n] = dep
+        out.logws[b, :n] = w
+    return out
+
+
+def assemble_tree(
+    popped: PoppedNodes,
+    budgets: torch.Tensor,
+    root_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    device: torch.device | str,
+) -> DraftTree:
+    """The retrieve-buffer tree of the first ``min(budgets[b], counts[b])`` pops of each request
+    (budgets [bs] int64 >= 0; a prefix of the pop order is itself the optimal tree of that size)."""
+    bs = int(popped.counts.shape[0])
+    n_used = np.minimum(np.asarray(budgets.tolist(), dtype=np.int64).reshape(bs), popped.counts)  # [bs]
+    d = 1 + (int(n_used.max()) if bs else 0)
+    used = np.arange(d - 1)[None, :] < n_used[:, None]  # [bs, D-1]
+    tokens = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
+    parents = np.full((bs, d), -1, dtype=np.int64)  # [bs, D]
+    depths = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
+    logws = np.full((bs, d), _NEG_INF, dtype=np.float64)  # [bs, D]
+    logws[:, 0] = 0.0
+    tokens[:, 1:] = np.where(used, popped.tokens[:, : d - 1], 0)
+    parents[:, 1:] = np.where(used, popped.parents[:, : d - 1], -1)
+    depths[:, 1:] = np.where(used, popped.depths[:, : d - 1], 0)
+    logws[:, 1:] = np.where(used, popped.logws[:, : d - 1], _NEG_INF)
+
+    dev = torch.device(device)
+    candidates = torch.from_numpy(tokens).to(dev)  # [bs, D]
+    candidates[:, 0] = root_tokens.to(device=dev, dtype=torch.int64)
+    parents_t = torch.from_numpy(parents).to(dev)  # [bs, D]
+    depths_t = torch.from_numpy(depths).to(dev)  # [bs, D]
+    max_depth = int(depths.max()) if depths.size else 0
+    next_token, next_sibling, mask = _link_and_mask(parents_t, max_depth)
+    return DraftTree(
+        candidates=candidates,
+        parents=parents_t,
+        depths=depths_t,
+        node_logws=torch.from_numpy(logws.astype(np.float32)).to(dev),
+        num_nodes=torch.from_numpy(n_used).to(dev),
+        retrive_index=torch.arange(bs * d, dtype=torch.int64, device=dev).view(bs, d),
+        retrive_next_token=next_token,
+        retrive_next_sibling=next_sibling,
+        positions=seq_lens.to(device=dev, dtype=torch.int64).view(bs, 1) + depths_t,
+        tree_mask=mask,
+    )
+
+
 def build_ddtree(
     draft_logits: torch.Tensor,
     budgets: torch.Tensor,
@@ -177,56 +294,5 @@ def build_ddtree(
     max_tokens gains nothing from deeper nodes); the tree is then optimal over that truncated draft.
     The node set of request b is exactly the budgets[b] most probable prefixes under
     Q = prod_d softmax(draft_logits[b, d]) (ties: see the module docstring)."""
-    bs, depth_limit, vocab = draft_logits.shape
-    dev = draft_logits.device
-    budget_list = [int(x) for x in budgets.tolist()]
-    if any(b < 0 for b in budget_list):
-        raise ValueError(f"budgets must be >= 0, got {budget_list}")
-    depth_list = [depth_limit] * bs if max_depths is None else [min(int(x), depth_limit) for x in max_depths.tolist()]
-    budget_list = [bud if dep > 0 else 0 for bud, dep in zip(budget_list, depth_list, strict=True)]
-    d = 1 + (max(budget_list) if budget_list else 0)
-    k = max(1, min(d - 1, vocab))
-    if chain:
-        k = 1
-    if d > 1:
-        top_lp, top_ids = _topk_logprobs(draft_logits, k)  # [bs, L, K] (numpy)
-
-    tokens = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
-    parents = np.full((bs, d), -1, dtype=np.int64)  # [bs, D]
-    depths = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
-    logws = np.full((bs, d), _NEG_INF, dtype=np.float64)  # [bs, D]
-    logws[:, 0] = 0.0
-    num_nodes = np.zeros(bs, dtype=np.int64)  # [bs]
-    for b in range(bs if d > 1 else 0):
-        if chain:
-            t, p, dep, w = _chain(top_lp[b, : depth_list[b]], top_ids[b, : depth_list[b]], budget_list[b])
-        else:
-            kb = min(budget_list[b], vocab)
-            t, p, dep, w = _best_first(
-                top_lp[b, : depth_list[b], :kb].tolist(), top_ids[b, : depth_list[b], :kb].tolist(), budget_list[b], kb
-            )
-        n = len(t)
-        num_nodes[b] = n
-        tokens[b, 1 : n + 1] = t
-        parents[b, 1 : n + 1] = p
-        depths[b, 1 : n + 1] = dep
-        logws[b, 1 : n + 1] = w
-
-    candidates = torch.from_numpy(tokens).to(dev)  # [bs, D]
-    candidates[:, 0] = root_tokens.to(device=dev, dtype=torch.int64)
-    parents_t = torch.from_numpy(parents).to(dev)  # [bs, D]
-    depths_t = torch.from_numpy(depths).to(dev)  # [bs, D]
-    max_depth = int(depths.max()) if depths.size else 0
-    next_token, next_sibling, mask = _link_and_mask(parents_t, max_depth)
-    return DraftTree(
-        candidates=candidates,
-        parents=parents_t,
-        depths=depths_t,
-        node_logws=torch.from_numpy(logws.astype(np.float32)).to(dev),
-        num_nodes=torch.from_numpy(num_nodes).to(dev),
-        retrive_index=torch.arange(bs * d, dtype=torch.int64, device=dev).view(bs, d),
-        retrive_next_token=next_token,
-        retrive_next_sibling=next_sibling,
-        positions=seq_lens.to(device=dev, dtype=torch.int64).view(bs, 1) + depths_t,
-        tree_mask=mask,
-    )
+    popped = pop_nodes(draft_logits, budgets, chain=chain, max_depths=max_depths)
+    return assemble_tree(popped, torch.from_numpy(popped.counts), root_tokens, seq_lens, draft_logits.device)

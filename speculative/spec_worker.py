@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
@@ -26,7 +27,9 @@ from model_executor.model_runner import ModelRunner, load_model, pick_attention_
 from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, token_logprobs
 from model_executor.sampling_params import SamplingParams, find_stop
-from speculative.ddtree import DraftTree, build_ddtree
+from speculative.budget import BudgetConfig, BudgetController
+from speculative.ddtree import DraftTree, PoppedNodes, assemble_tree, pop_nodes
+from speculative.step_cost import StepCostModel
 from speculative.types import DecodeResult, OutOfKVSlots
 from speculative.verify import verify_tree
 
@@ -58,46 +61,70 @@ class StepTimer:
     def start(self) -> None:
         self._t = time.perf_counter()
 
-    def lap(self, phase: str) -> None:
+    def lap(self, phase: str) -> float:
+        """Close the current phase; returns its seconds."""
         now = time.perf_counter()
-        self.totals[phase] += now - self._t
+        dt = now - self._t
+        self.totals[phase] += dt
         self._t = now
+        return dt
 
 
 class SpecWorker:
-    def __init__(self, algorithm: str, drafter: torch.nn.Module, budget: int, block_size: int, runner: ModelRunner):
+    """budget: an int (fixed tree size) or "auto" (``speculative.budget``: per step and request, from measured
+    cost and calibrated expected acceptance, at most ``max_budget``; 0 everywhere = a plain decode step)."""
+
+    def __init__(self, algorithm: str, drafter: torch.nn.Module, budget: int | str, block_size: int,
+                 runner: ModelRunner, max_budget: int = 64, accept_thresholds: tuple[float, float] = (1.0, 1.0),
+                 budget_config: BudgetConfig | None = None):
         if algorithm not in ("dflash", "ddtree"):
             raise ValueError(f"speculative_algorithm must be 'dflash' or 'ddtree', got {algorithm!r}")
-        if budget < 1:
-            raise ValueError(f"speculative_ddtree_budget must be >= 1, got {budget}")
+        auto = budget == "auto"
+        if not auto and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"speculative_ddtree_budget must be 'auto' or an integer >= 1, got {budget!r}")
+        if max_budget < 1:
+            raise ValueError(f"speculative_ddtree_max_budget must be >= 1, got {max_budget}")
         self.chain = algorithm == "dflash"
         self.drafter = drafter
         self.runner = runner
         self.block_size = block_size
         self.depth_limit = block_size - 1
-        self.budget = self.depth_limit if self.chain else budget
+        self.budget = self.depth_limit if self.chain else (max_budget if auto else budget)
+        self.accept_thresholds = accept_thresholds
+        self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
         self.capture_layer_ids = tuple(drafter.target_layer_ids)
         self.draft_kv: KVCache | None = None
-        if runner.num_slots:
-            self.allocate_kv()
         # The drafter's own attention backend: its head dims may differ from the target's.
         self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, drafter.kv_cache_layout())
         warm_up_attention(self.draft_backend, drafter.kv_cache_layout(), drafter, runner.config.dtype, runner.device)
-        self.max_verify_tokens: int | None = None  # verify-workspace cap (model_executor/memory.py); None: none
         self.timer = StepTimer()
+        self.auto, self.budget_config = auto, budget_config
+        self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
+        if runner.num_slots:
+            self.allocate_kv()
 
     @property
     def draft_kv_bytes_per_token(self) -> int:
         return self.drafter.kv_cache_layout().bytes_per_token(self.runner.config.dtype)
 
     def allocate_kv(self) -> None:
-        """The drafter's context cache, one slot per target KV slot (after the runner's ``allocate_kv``)."""
+        """The drafter's context cache, one slot per target KV slot (after the runner's ``allocate_kv``); then,
+        for the auto budget, the step-cost model and its start-up probe (which runs real forwards)."""
         r = self.runner
         self.draft_kv = KVCache(self.drafter.kv_cache_layout(), r.num_slots, r.config.dtype, r.device)
+        if self.auto:
+            from speculative.cost_probe import probe_step_cost
+
+            cfg = self.budget_config or BudgetConfig(max_budget=self.budget)
+            max_reqs = r.req_to_token.table.shape[0] - 1
+            cost = StepCostModel(max_reqs, max_reqs * (self.budget + 1))
+            self.controller = BudgetController(cfg, self.depth_limit, cost)  # ragged verify: padded=False
+            probe_step_cost(self, cost, cfg.probe_seconds)
 
     @classmethod
-    def create(cls, algorithm: str, draft_model_path: str | None, budget: int, block_size: int | None,
-               runner: ModelRunner, target_config: ModelConfig) -> SpecWorker:
+    def create(cls, algorithm: str, draft_model_path: str | None, budget: int | str, block_size: int | None,
+               runner: ModelRunner, target_config: ModelConfig, max_budget: int = 64,
+               accept_thresholds: tuple[float, float] = (1.0, 1.0)) -> SpecWorker:
         path = _resolve_draft_path(draft_model_path)
         cfg = ModelConfig.load(path, "float32", str(runner.device))
         cfg = ModelConfig(cfg.path, cfg.hf, cfg.architecture, cfg.eos_token_ids, target_config.dtype)
@@ -107,8 +134,9 @@ class SpecWorker:
         bsz = block_size or int(drafter.block_size)
         if bsz < 2:
             raise ValueError(f"speculative_block_size must be >= 2, got {bsz}")
-        logger.info("speculative %s: drafter %s, block %d, budget %d", algorithm, path, bsz, budget)
-        return cls(algorithm, drafter, budget, bsz, runner)
+        logger.info("speculative %s: drafter %s, block %d, budget %s (max %d)", algorithm, path, bsz, budget,
+                    max_budget)
+        return cls(algorithm, drafter, budget, bsz, runner, max_budget, accept_thresholds)
 
     @property
     def max_step_tokens(self) -> int:
@@ -130,32 +158,53 @@ class SpecWorker:
             raise OutOfKVSlots()
         t = self.timer
         t.start()
+        t0 = time.perf_counter()
         dev = r.device
         idx = torch.tensor([q.req_pool_idx for q in reqs], device=dev)  # [bs]
         cached = torch.tensor([q.num_cached for q in reqs], device=dev)  # [bs] = root position
         roots = torch.tensor([q.output_ids[-1] for q in reqs], device=dev)  # [bs]
-        draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
-        t.lap("draft")
-        # Verify-workspace cap (issue 14 item 2): lower this step's budget so that bs x (budget + 1) tree nodes
-        # fit max_verify_tokens; budget 0 is a root-only tree, i.e. a plain decode step.
-        budget = self.budget if self.max_verify_tokens is None else step_budget(self.budget, bs, self.max_verify_tokens)
-        budgets = torch.full((len(reqs),), budget)
-        depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
-        tree = build_ddtree(draft_logits, budgets, roots, cached, chain=self.chain, max_depths=depths)
+        sampled = np.array([not q.params.is_greedy for q in reqs])  # [bs] bool
+        ctl = self.controller  # auto budget; under TP rank 0 decides (timings differ per rank) and broadcasts
+        drafted = True if ctl is None else bool(r.tp.broadcast_object(ctl.plan_draft(sampled)))
+        if drafted:
+            draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+            t.lap("draft")
+            full = torch.full((bs,), self.budget)  # [bs]
+            depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
+            popped = pop_nodes(draft_logits, full, chain=self.chain, max_depths=depths)
+            if ctl is not None:
+                budgets = torch.from_numpy(r.tp.broadcast_object(ctl.choose(popped, sampled, self.max_verify_tokens)))
+            elif self.max_verify_tokens is not None:  # verify-workspace cap: bs x (budget + 1) fits the workspace
+                budgets = torch.full((bs,), step_budget(self.budget, bs, self.max_verify_tokens))
+            else:
+                budgets = full
+        else:  # a plain decode step: the verify forward over the roots alone still feeds the drafter's context
+            popped, budgets = PoppedNodes.empty(bs), torch.zeros(bs, dtype=torch.int64)
+        tree = assemble_tree(popped, budgets, roots, cached, dev)
         t.lap("build")
+        built_at = time.perf_counter()
+        draft_s = built_at - t0 if drafted else None  # drafter forward + pops + decision + tree
         logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
         t.lap("verify_forward")
         info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
         want_lp = any(q.params.logprobs is not None for q in reqs)
         pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
+        single, acc = self.accept_thresholds
         res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy,
-                          [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p, penalties=pen)
+                          [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p, penalties=pen,
+                          threshold_single=single, threshold_acc=acc)
         t.lap("verify")
         out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
         if want_lp:
             _attach_logprobs(reqs, res, logits, out)
         t.lap("commit")
         t.steps += 1
+        n_used = tree.num_nodes.cpu()  # [bs]
+        for o, n in zip(out, n_used.tolist(), strict=True):
+            o.budget = n
+        if ctl is not None:  # the (ragged) verify forward ran bs + sum(nodes) tokens
+            ctl.record(n_used.numpy(), tree, res.accept_length.cpu().numpy(), sampled, bs, bs + int(n_used.sum()),
+                       draft_s, time.perf_counter() - built_at)
         return out
 
     def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
@@ -175,18 +224,29 @@ class SpecWorker:
         return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor):
-        """Target forward over every tree node (root included) with the ancestor-only mask."""
+        """Target forward over every used tree slot (root included) with the ancestor-only mask: ragged, a
+        request with fewer nodes than the widest tree costs only its own tokens. Returns logits and captured
+        features in the padded ``[bs, D]`` layout (rows of unused slots are zero and no link reaches them)
+        and the KV slots ``[bs, D]`` (-1 for unused slots)."""
         r = self.runner
         bs, d = tree.candidates.shape
-        slots = r.allocator.alloc(bs * d).view(bs, d)  # [bs, D]
-        r.req_to_token.table[idx[:, None], cached[:, None] + torch.arange(d, device=r.device)] = slots
+        lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
+        used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
+        flat = r.allocator.alloc(int(lens.sum()))  # [T]
+        slots = torch.full((bs, d), -1, dtype=torch.int64, device=r.device)  # [bs, D]
+        slots[used] = flat
+        pos = cached[:, None] + torch.arange(d, device=r.device)  # [bs, D]
+        r.req_to_token.table[idx[:, None].expand(bs, d)[used], pos[used]] = flat
         fb = build_forward_batch(
-            ForwardMode.TARGET_VERIFY, tree.candidates.reshape(-1), tree.positions.reshape(-1), slots.reshape(-1),
-            r.req_to_token.table, idx, cached, torch.full((bs,), d), tree_mask=tree.tree_mask,
-            capture_layer_ids=self.capture_layer_ids)
+            ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.req_to_token.table, idx,
+            cached, lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids)
         out = r.forward(fb)
-        logits = r.logits(out.hidden).view(bs, d, -1)  # [bs, D, V]
-        return logits, out.captured, slots
+        rows = r.logits(out.hidden)  # [T, V]
+        logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
+        logits[used.view(-1)] = rows
+        captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
+        captured[used.view(-1)] = out.captured
+        return logits.view(bs, d, -1), captured, slots
 
     def _commit(self, reqs, tree: DraftTree, res, idx, cached, tree_slots, captured, eos_ids) -> list[DecodeResult]:
         """Unified commit for greedy and sampled verification: keep the KV of the root and the accepted
@@ -211,7 +271,7 @@ class SpecWorker:
         path_slots = tree_slots.gather(1, path)  # [bs, S]
         kept_mask = torch.zeros(bs, d, dtype=torch.bool, device=r.device)  # [bs, D]
         kept_mask[torch.arange(bs, device=r.device)[:, None].expand(bs, s)[valid], path[valid]] = True
-        r.allocator.free(tree_slots[~kept_mask])
+        r.allocator.free(tree_slots[~kept_mask & (tree_slots >= 0)])
         rows = idx[:, None].expand(bs, s)[valid]
         pos = (cached[:, None] + cols[None, :])[valid]  # [n_kept] absolute positions
         r.req_to_token.table[rows, pos] = path_slots[valid]

@@ -19,3 +19,4 @@ class DecodeResult:
     tokens: list[int]
     accepted: int
     logprobs: list | None = None
+    budget: int = 0  # tree nodes this step offered the request (0: a plain decode step)

@@ -62,6 +62,18 @@ def test_tiny_kimi_tp2_expert_parallel_equals_tp1(tmp_path) -> None:
     _check_model(path, drafter, [[3, 17, 42, 99, 7], [5, 6, 7], [11, 200, 300, 400, 12, 13]], expert_parallel=True)
 
 
+def test_tiny_kimi_tp2_auto_budget(tmp_path) -> None:
+    """The adaptive budget under TP: rank 0 decides (its probe and step timings) and broadcasts, so every
+    rank builds the same trees; greedy equals TP=1 and the sampled requests agree across ranks (close())."""
+    ckpt = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True)
+    path = str(ckpt.path)
+    drafter = write_random_drafter(path, tmp_path / "drafter", num_layers=1, block_size=4)
+    prompts = [[3, 17, 42, 99, 7], [5, 6, 7]]
+    spec = _run(path, prompts, tp_size=2, speculative_algorithm="ddtree", draft_model_path=drafter,
+                ddtree_budget="auto", ddtree_max_budget=8)
+    assert spec == _run(path, prompts)
+
+
 def test_dead_follower_fails_clearly() -> None:
     """Killing rank 1 makes rank 0 raise an error naming it (never a hang)."""
     from server.tp_worker import TPRankError

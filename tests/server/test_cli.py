@@ -57,3 +57,23 @@ def test_subcommands() -> None:
     help_text = parser._subparsers._group_actions[0].choices["serve"].format_help()
     for flag in ("--model-path", "--speculative-ddtree-budget", "--api-key", "--reasoning-parser", "--config"):
         assert flag in help_text
+
+
+def test_budget_auto_and_thresholds(tmp_path) -> None:
+    cfg = config_from_args(_parse([]))
+    assert cfg.speculative.ddtree_budget == "auto" and cfg.speculative.ddtree_max_budget == 64
+    assert not cfg.speculative.lossy
+    cfg = config_from_args(_parse(["--speculative-ddtree-budget", "auto", "--speculative-ddtree-max-budget", "32",
+                                   "--speculative-accept-threshold-single", "0.9"]))
+    assert cfg.speculative.ddtree_budget == "auto" and cfg.speculative.ddtree_max_budget == 32
+    assert cfg.speculative.accept_threshold_single == 0.9 and cfg.speculative.lossy
+    for bad in ("0", "many", "-3"):
+        with pytest.raises(SystemExit):
+            _parse(["--speculative-ddtree-budget", bad])
+    preset = tmp_path / "p.yaml"
+    for text, field in (("speculative_ddtree_budget: sometimes\n", "speculative_ddtree_budget"),
+                        ("speculative_accept_threshold_acc: 1.5\n", "speculative_accept_threshold_acc"),
+                        ("speculative_ddtree_max_budget: 0\n", "speculative_ddtree_max_budget")):
+        preset.write_text(text)
+        with pytest.raises(ValueError, match=field):
+            config_from_args(_parse(["--config", str(preset)]))

@@ -21,7 +21,7 @@ def test_default_serve_uses_ddtree_with_shipped_drafter():
     except FileNotFoundError:
         pytest.fail("the default drafter must ship with the package")
     spec = _config().speculative
-    assert spec.algorithm == "ddtree" and spec.draft_model_path == "default"
+    assert spec.algorithm == "ddtree" and spec.draft_model_path == "default" and spec.ddtree_budget == "auto"
 
 
 def test_explicit_choices_win(tmp_path):

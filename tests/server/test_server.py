@@ -88,7 +88,8 @@ def test_chat_sync_stream_and_not(client, model_name) -> None:
     assert c.message.role == "assistant" and c.message.content
     assert c.finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 8 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.model_extra["spec_stats"].keys() == {"verify_steps", "accepted_tokens", "acceptance_length"}
+    assert r.model_extra["spec_stats"].keys() == {"verify_steps", "accepted_tokens", "acceptance_length",
+                                                  "mean_budget"}
     text, usage, finish = "", None, None
     for ch in client.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
                                              stream=True, stream_options={"include_usage": True}):
@@ -283,7 +284,9 @@ def test_metrics_parse(server, model_name) -> None:
     for name, kind in (("ddtree_requests", "counter"), ("ddtree_time_to_first_token_seconds", "histogram"),
                        ("ddtree_inter_token_latency_seconds", "histogram"),
                        ("ddtree_spec_acceptance_length", "histogram"), ("ddtree_kv_usage", "gauge"),
-                       ("ddtree_num_running_reqs", "gauge"), ("ddtree_num_queue_reqs", "gauge")):
+                       ("ddtree_num_running_reqs", "gauge"), ("ddtree_num_queue_reqs", "gauge"),
+                       ("ddtree_spec_chosen_budget", "histogram"), ("ddtree_spec_observed_accepted_tokens", "counter"),
+                       ("ddtree_spec_predicted_accepted_tokens", "counter")):
         assert families.get(name) == kind, name
     m = _metrics(server)
     for name in ("ddtree_requests_total", "ddtree_prompt_tokens_total", "ddtree_generation_tokens_total",
@@ -291,6 +294,14 @@ def test_metrics_parse(server, model_name) -> None:
                  "ddtree_kv_total_tokens"):
         assert name in m, name
     assert m["ddtree_generation_tokens_total"] > 0 and m["ddtree_kv_total_tokens"] > 0
+    assert m["ddtree_spec_chosen_budget_count"] > 0  # the default: auto budget, one observation per request-step
+
+
+def test_server_info(server) -> None:
+    info = httpx.get(server["base"] + "/get_server_info", timeout=30).json()
+    assert info["speculative_algorithm"] == "ddtree" and info["speculative_ddtree_budget"] == "auto"
+    assert info["speculative_accept_threshold_single"] == info["speculative_accept_threshold_acc"] == 1.0
+    assert info["speculative_lossy"] is False and info["api_key"] == "(set)"
 
 
 def test_dead_child_gives_503_then_exit(server) -> None:

@@ -1,0 +1,217 @@
+"""Adaptive tree budget: each step, the per-request budgets that maximise the batch's expected emitted tokens
+per second, down to none (a plain decode step).
+
+Expected tokens (DDTree, arXiv 2604.12989): the best-first builder pops prefixes in decreasing path
+probability Q, and a tree's expected accepted length is the sum of Q over its nodes, so
+``1 + cumsum(Q over the pop order)`` is the expected number of emitted tokens of every budget at once. The
+drafter's probabilities are not calibrated: ``AcceptanceCalibrator`` scales the Q of a depth-d node by a
+ratio r_d = (observed + prior) / (predicted + prior) of how often verification reached depth d against the
+summed Q of the depth-d nodes it was offered, kept separately for greedy and sampled requests (for a
+deterministic draft tree, target-only sampling accepts a child c with probability p_target(c), so the same
+sum is the sampled prediction). Old evidence decays geometrically, so the prior returns when nothing is
+observed.
+
+Decision (``choose_budgets``): with the marginal gains of every request non-increasing along its pop
+order, the best allocation of n extra tree tokens over the batch takes the n largest gains (each request
+keeps a prefix of its pops); one sort and one cumulative sum give the expected tokens of every n, and the
+step-time model (``speculative.step_cost``) turns them into a rate; the argmax wins (n = 0: no tree).
+
+A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
+decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode,
+drafter forward included, and drafts only if that wins (or, to keep the curve fresh, once every
+``explore_every`` steps; each exploration that still ends in a plain step doubles that gap, up to
+``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards). After drafting (``choose``) the drafter's cost is paid; the budgets come from this step's
+own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from speculative.ddtree import DraftTree, PoppedNodes
+from speculative.step_cost import StepCostModel
+
+GREEDY, SAMPLED = 0, 1
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    max_budget: int = 64  # upper bound of any request's budget
+    prior: float = 4.0  # pseudo-steps at ratio 1 per depth (calibration prior)
+    decay: float = 0.995  # per-step forgetting of the calibration evidence
+    curve_rate: float = 0.1  # EMA rate of the mean gain curve used before drafting
+    explore_every: int = 16  # draft at least once every this many steps ...
+    max_explore_every: int = 256  # ... a gap that doubles while explorations keep choosing plain steps
+    probe_seconds: float = 1.5  # start-up cost probe budget
+
+
+def choose_budgets(
+    gains: np.ndarray,
+    step_time: Callable[[np.ndarray], np.ndarray],
+    max_total_tokens: int | None = None,
+    padded: bool = False,
+) -> tuple[np.ndarray, float]:
+    """Budgets [bs] maximising ``(bs + expected accepted tokens) / step_time(verified tokens)``, and that rate.
+
+    gains [bs, B]: expected accepted tokens added by each successive pop of each request (non-increasing
+    along a row; zero for pops that do not exist). step_time: seconds for a number of verified tree tokens,
+    roots included (vectorised). max_total_tokens: cap on those tokens. padded=False: a step verifies
+    ``bs + sum(budgets)`` tokens, so the n largest gains of the batch win (each request keeps a prefix of
+    its pops); padded=True: every request is padded to the widest tree, ``bs * (1 + max(budgets))`` tokens,
+    so for a width w every request takes its first w pops. Ties prefer fewer tokens; among equal gains in
+    the unpadded case, the earlier request."""
+    bs, width = gains.shape
+    positive = (gains > 0).sum(axis=1)  # [bs] pops worth anything (a prefix: rows are non-increasing)
+    if padded:
+        expected = bs + np.concatenate([[0.0], np.cumsum(gains.sum(axis=0))])  # [B+1] by width
+        tokens = bs * (1 + np.arange(width + 1))  # [B+1]
+    else:
+        flat = gains.reshape(-1)  # [bs*B]
+        keep = np.flatnonzero(flat > 0)
+        order = keep[np.argsort(-flat[keep], kind="stable")]  # row-major stable: each row keeps a prefix
+        expected = bs + np.concatenate([[0.0], np.cumsum(flat[order])])  # [n+1] by extra tokens
+        tokens = bs + np.arange(len(order) + 1)  # [n+1]
+    rate = expected / np.maximum(step_time(tokens), 1e-12)
+    if max_total_tokens is not None:
+        rate[1:][tokens[1:] > max_total_tokens] = -np.inf
+    n = int(np.argmax(rate))
+    if padded:
+        return np.minimum(positive, n), float(rate[n])
+    return np.bincount(order[:n] // width, minlength=bs), float(rate[n])
+
+
+class AcceptanceCalibrator:
+    """Per sampling mode and depth: ratio of observed to predicted acceptance, with a prior of ratio 1."""
+
+    def __init__(self, max_depth: int, prior: float, decay: float):
+        self.pred = np.zeros((2, max_depth + 1))  # [mode, depth] decayed sum of offered Q at depth d
+        self.obs = np.zeros((2, max_depth + 1))  # [mode, depth] decayed count of reaching depth d
+        self.prior, self.decay = prior, decay
+        self.predicted_total = np.zeros(2)  # [mode] calibrated expected accepted tokens of built trees
+        self.observed_total = np.zeros(2)  # [mode] accepted tokens
+
+    def ratios(self) -> np.ndarray:
+        """[2, max_depth + 1] calibration factors (depth 0 unused)."""
+        return (self.obs + self.prior) / (self.pred + self.prior)
+
+    def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
+        """Calibrated marginal gains [bs, B]: Q * r[mode, depth], made non-increasing along the pop order
+        (a running minimum, so that taking the largest gains keeps a prefix of every request's pops)."""
+        r = self.ratios()[sampled.astype(np.int64)[:, None], popped.depths]  # [bs, B]
+        g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
+        return np.minimum.accumulate(g, axis=1) if g.size else g
+
+    def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray) -> None:
+        """Verification result of a built tree batch: per depth, the offered Q and whether it was reached."""
+        self.pred *= self.decay
+        self.obs *= self.decay
+        depths = tree.depths.cpu().numpy()  # [bs, D] (0: root / unused)
+        q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * (depths > 0)  # [bs, D]
+        mode = sampled.astype(np.int64)  # [bs]
+        ratios = self.ratios()
+        self.predicted_total += np.bincount(mode, (q * ratios[mode[:, None], depths]).sum(1), minlength=2)
+        self.observed_total += np.bincount(mode, accept_length, minlength=2)
+        np.add.at(self.pred, (np.broadcast_to(mode[:, None], depths.shape), depths), q)
+        d = np.arange(1, self.pred.shape[1])  # [L]
+        offered = d[None, :] <= depths.max(axis=1, initial=0)[:, None]  # [bs, L]
+        reached = offered & (accept_length[:, None] >= d[None, :])  # [bs, L]
+        np.add.at(
+            self.obs,
+            (np.broadcast_to(mode[:, None], reached.shape), np.broadcast_to(d, reached.shape)),
+            reached.astype(np.float64),
+        )
+
+    def decay_only(self) -> None:
+        self.pred *= self.decay
+        self.obs *= self.decay
+
+
+class BudgetController:
+    """Chooses every step's per-request budgets (see the module docstring). Host-side numpy only."""
+
+    def __init__(self, config: BudgetConfig, depth_limit: int, cost: StepCostModel, padded: bool = False):
+        self.config = config
+        self.padded = padded  # whether the verify forward pads every tree to the widest (see choose_budgets)
+        self.cost = cost
+        self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)
+        self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
+        self.curve_seen = np.zeros(2, dtype=bool)
+        self.skipped = 0
+        self.explore_gap = config.explore_every
+        self._exploring = False
+        self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
+
+    def plan_draft(self, sampled: np.ndarray) -> bool:
+        """Whether this step should run the drafter (False: a plain decode step)."""
+        bs = len(sampled)
+        modes = np.unique(sampled.astype(np.int64))
+        self._exploring = False
+        if not self.curve_seen[modes].all() or self.skipped + 1 >= self.explore_gap:
+            self.skipped, self._exploring = 0, bool(self.curve_seen[modes].all())
+            return True
+        gains = self.curve[sampled.astype(np.int64)]  # [bs, B]
+        _, spec_rate = choose_budgets(
+            gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
+        )
+        plain_rate = bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
+        if spec_rate > plain_rate:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def choose(
+        self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
+    ) -> np.ndarray:
+        """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
+        bs = len(sampled)
+        gains = self.calib.gains(popped, sampled)  # [bs, B]
+        for m in (GREEDY, SAMPLED):
+            rows = gains[sampled.astype(np.int64) == m]
+            if len(rows):
+                mean = np.zeros(self.config.max_budget)
+                w = min(rows.shape[1], self.config.max_budget)
+                mean[:w] = rows[:, :w].mean(0)
+                rate = 1.0 if not self.curve_seen[m] else self.config.curve_rate
+                self.curve[m] = (1 - rate) * self.curve[m] + rate * mean
+                self.curve_seen[m] = True
+        budgets, _ = choose_budgets(
+            gains, lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens, self.padded
+        )
+        if not budgets.any() and self._exploring:
+            self.explore_gap = min(2 * self.explore_gap, self.config.max_explore_every)
+        elif budgets.any():
+            self.explore_gap = self.config.explore_every
+        return budgets
+
+    def record(
+        self,
+        budgets: np.ndarray,
+        tree: DraftTree | None,
+        accept_length: np.ndarray,
+        sampled: np.ndarray,
+        bs: int,
+        total_tokens: int,
+        draft_s: float | None,
+        verify_s: float,
+    ) -> None:
+        """After the step: the chosen budgets (metrics), the verification outcome (calibration; ``tree``
+        None or without nodes: nothing to calibrate) and the measured phase times (cost model)."""
+        self.chosen.update(int(b) for b in budgets)
+        if tree is not None and int(tree.num_nodes.max()) > 0:
+            self.calib.observe(tree, accept_length, sampled)
+        else:
+            self.calib.decay_only()
+        self.cost.observe(bs, total_tokens, draft_s, verify_s)
+
+    def stats(self) -> dict:
+        """Cumulative counters for metrics: request-steps per budget, predicted/observed accepted tokens."""
+        return {
+            "budget_counts": dict(self.chosen),
+            "predicted_accepted": self.calib.predicted_total.tolist(),
+            "observed_accepted": self.calib.observed_total.tolist(),
+        }

@@ -1,0 +1,114 @@
+"""Start-up probe of the step-cost model: time real drafter and target-verify forwards on empty contexts.
+
+Runs once when the worker is built (before any request holds KV): ``bs`` drafter blocks (plus the pops of
+the largest budget) for the drafter table, and tree-verify forwards over ``n`` tokens split into requests of
+``max_budget + 1`` causal tokens for the verify table (the last request takes the remainder). Every slot and request row it takes is returned.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from model_executor.forward_batch import ForwardMode, build_forward_batch
+from speculative.ddtree import pop_nodes
+from speculative.step_cost import StepCostModel
+
+if TYPE_CHECKING:
+    from speculative.spec_worker import SpecWorker
+
+
+def _rows(worker: SpecWorker, n: int) -> list[int] | None:
+    pool = worker.runner.req_to_token
+    rows = []
+    for _ in range(n):
+        idx = pool.alloc()
+        if idx is None:
+            for i in rows:
+                pool.free(i)
+            return None
+        rows.append(idx)
+    return rows
+
+
+@torch.inference_mode()
+def _time_draft(worker: SpecWorker, bs: int) -> float | None:
+    r = worker.runner
+    if r.allocator.num_free < bs * worker.block_size:
+        return None
+    rows = _rows(worker, bs)
+    if rows is None:
+        return None
+    try:
+        idx = torch.tensor(rows, device=r.device)  # [bs]
+        zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
+        _sync(r.device)
+        t = time.perf_counter()
+        logits = worker._draft(idx, zeros, zeros)  # [bs, L, V]
+        pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain)  # host copy: synchronises
+        return time.perf_counter() - t
+    finally:
+        for i in rows:
+            r.req_to_token.free(i)
+
+
+@torch.inference_mode()
+def _time_verify(worker: SpecWorker, n: int) -> float | None:
+    r = worker.runner
+    per = worker.budget + 1
+    bs = math.ceil(n / per)
+    lens = [per] * (bs - 1) + [n - per * (bs - 1)]
+    d = max(lens)
+    if r.allocator.num_free < n:
+        return None
+    rows = _rows(worker, bs)
+    if rows is None:
+        return None
+    slots = r.allocator.alloc(n)  # [n]
+    try:
+        idx = torch.tensor(rows, device=r.device)  # [bs]
+        pos = torch.cat([torch.arange(k) for k in lens]).to(r.device)  # [n]
+        r.req_to_token.table[idx.repeat_interleave(torch.tensor(lens, device=r.device)), pos] = slots
+        mask = (
+            torch.ones(d, d, dtype=torch.bool).tril().expand(bs, d, d)
+        )  # [bs, d, d] causal chain per request
+        fb = build_forward_batch(
+            ForwardMode.TARGET_VERIFY,
+            torch.zeros(n, dtype=torch.int64, device=r.device),
+            pos,
+            slots,
+            r.req_to_token.table,
+            idx,
+            torch.zeros(bs, dtype=torch.int64, device=r.device),
+            torch.tensor(lens),
+            tree_mask=mask,
+            capture_layer_ids=worker.capture_layer_ids,
+        )
+        _sync(r.device)
+        t = time.perf_counter()
+        out = r.forward(fb)
+        r.logits(out.hidden)
+        _sync(r.device)  # CUDA runs asynchronously: wait for the forward before reading the clock
+        return time.perf_counter() - t
+    finally:
+        r.allocator.free(slots)
+        for i in rows:
+            r.req_to_token.free(i)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def probe_step_cost(worker: SpecWorker, cost: StepCostModel, seconds: float) -> None:
+    tp = worker.runner.tp
+    cost.probe(
+        lambda bs: _time_draft(worker, bs),
+        lambda n: _time_verify(worker, n),
+        seconds,
+        agree=lambda stop: bool(tp.broadcast_object(stop)),
+    )

@@ -1,0 +1,160 @@
+"""The adaptive budget ("auto") end to end: lossless greedy on the default model with the shipped drafter,
+plain decode steps that keep the drafter's context so speculation resumes, exact sampled verification."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.engine import Engine, SamplingParams
+from tests.speculative.test_spec_engine import (
+    VOCAB,
+    _assert_pool_full,
+    _exact_joint,
+    _joint_counts,
+    _prompts,
+    tiny,
+)
+
+__all__ = ["tiny"]  # the module fixture, shared
+
+
+def _auto(target: str, drafter: str | None, **kw) -> Engine:
+    return Engine(
+        target,
+        dtype="float32",
+        max_total_tokens=16384,
+        speculative_algorithm="ddtree",
+        draft_model_path=drafter,
+        ddtree_budget="auto",
+        **kw,
+    )
+
+
+def test_auto_is_the_default_budget(tiny):
+    target, drafter = tiny
+    e = Engine(
+        target,
+        dtype="float32",
+        max_total_tokens=4096,
+        speculative_algorithm="ddtree",
+        draft_model_path=drafter,
+        ddtree_max_budget=12,
+    )
+    spec = e.scheduler.spec
+    assert spec.controller is not None and spec.budget == 12 and spec.controller.cost.probed
+    assert spec.max_step_tokens == 13
+
+
+def test_auto_greedy_lossless_shipped_drafter(default_model_path):
+    from benchmarks.common import CHAT_PROMPTS, chat_ids
+
+    base = Engine(default_model_path, dtype="float32", max_total_tokens=16384)
+    ids = chat_ids(base.tokenizer, CHAT_PROMPTS)[:4]
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    ref = base.generate(input_ids=ids, sampling_params=sp)
+    base.shutdown()
+    e = _auto(default_model_path, "default")
+    got = e.generate(input_ids=ids, sampling_params=sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    counts = e.scheduler.spec.controller.stats()["budget_counts"]
+    assert sum(counts.values()) == sum(o.spec_verify_steps for o in got)
+    assert all(0 <= b <= 64 for b in counts)
+    _assert_pool_full(e)
+
+
+def _set_costs(engine: Engine, verify_per_token: float) -> None:
+    """Freeze the cost model at hand-set values: draft 1 ms, verify 10 ms + ``verify_per_token`` per token."""
+    cost = engine.scheduler.spec.controller.cost
+    cost.lr = 0.0
+    cost.draft.y[:] = 1e-3
+    cost.verify.y[:] = 1e-2 + verify_per_token * cost.verify.x
+
+
+def test_plain_steps_keep_the_drafter_context(tiny):
+    """With verification priced out, every step is a plain decode step (budget 0), still lossless; priced in
+    again, speculation resumes on the context the plain steps wrote and accepts drafts."""
+    target, drafter = tiny
+    prompts = _prompts(6, seed=2)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = Engine(target, dtype="float32", max_total_tokens=16384).generate(
+        input_ids=prompts, sampling_params=sp
+    )
+    e = _auto(target, drafter)
+    ctl = e.scheduler.spec.controller
+    _set_costs(e, 1.0)  # a token costs 100x a step's base: never worth it
+    got = e.generate(input_ids=prompts, sampling_params=sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert set(ctl.stats()["budget_counts"]) == {0} and sum(o.spec_accepted_tokens for o in got) == 0
+    # priced out for the first 10 tokens of each request, then free: the plain steps wrote the drafter
+    # context that the speculative steps then draft from (a drafter without it would accept nothing here)
+    ctl.chosen.clear()
+    _set_costs(e, 1.0)
+    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for d in e.generate_stream(input_ids=prompts, sampling_params=sp):
+        toks[d.index].extend(d.token_ids)
+        if min(len(t) for t in toks.values()) >= 10:
+            _set_costs(e, 0.0)
+    assert [toks[i] for i in range(len(prompts))] == [o.token_ids for o in ref]
+    counts = ctl.stats()["budget_counts"]
+    assert counts.get(0, 0) >= 9 * len(prompts) and max(counts) > 0
+    assert e.scheduler.total_spec_tokens > e.scheduler.total_verify_steps  # drafts were accepted
+    _assert_pool_full(e)
+
+
+def test_sampled_auto_matches_target_distribution(tiny):
+    """As ``test_sampled_ddtree_matches_target_distribution`` (same N, tolerances and prompt), with the
+    budget chosen per step: the joint of tokens 2-3 matches the exact target joint."""
+    from scipy.stats import chisquare
+
+    target, drafter = tiny
+    prompt = [3, 7, 1, 9]
+    exact = _exact_joint(target, prompt, 1.0, -1, 1.0)  # [V, V]
+    n = 3000
+    e = _auto(target, drafter, max_running_requests=512)
+    _set_costs(e, 1e-6)  # a price at which it mixes plain steps and trees of many sizes (deterministic)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
+    assert sum(o.spec_accepted_tokens for o in outs) > n // 10, (
+        "acceptance too low to exercise the sampled walk"
+    )
+    chosen = e.scheduler.spec.controller.stats()["budget_counts"]
+    assert chosen.get(0, 0) > 0 and len([b for b in chosen if b > 0]) >= 2, chosen  # plain steps and trees
+    emp = _joint_counts(outs) / n
+    tv = 0.5 * (emp - exact).abs().sum().item()
+    plain = Engine(target, dtype="float32", max_total_tokens=16384, max_running_requests=512).generate(
+        input_ids=[prompt] * n, sampling_params=params
+    )
+    tv_plain = 0.5 * (_joint_counts(plain) / n - exact).abs().sum().item()
+    cells = exact.flatten() * n >= 5
+    obs = (emp.flatten() * n)[cells]
+    exp = exact.flatten()[cells] * n
+    exp = exp * obs.sum() / exp.sum()
+    p = chisquare(obs.numpy(), exp.numpy()).pvalue
+    assert p > 1e-3 and tv < tv_plain + 0.05, (p, tv, tv_plain)
+    assert emp.flatten()[exact.flatten() == 0].sum() == 0
+    assert VOCAB == exact.shape[0] and np.isfinite(tv)
+    _assert_pool_full(e)
+
+
+def test_accept_thresholds_reach_verification(tiny, caplog):
+    """SGLang's lossy thresholds: single = 0 accepts the first child at every depth (every tree path of the
+    chain is taken); the default 1.0 is exact and accepts far less on this random drafter."""
+    target, drafter = tiny
+    prompts = _prompts(8, seed=4)
+    sp = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True) for i in range(8)]
+    kw = dict(
+        dtype="float32",
+        max_total_tokens=16384,
+        speculative_algorithm="ddtree",
+        draft_model_path=drafter,
+        ddtree_budget=4,
+    )
+    exact = Engine(target, **kw).generate(input_ids=prompts, sampling_params=sp)
+    with caplog.at_level("WARNING"):
+        lossy = Engine(target, speculative_accept_threshold_single=0.0, **kw)
+    assert "LOSSY" in caplog.text
+    out = lossy.generate(input_ids=prompts, sampling_params=sp)
+    acc_exact = sum(o.spec_accepted_tokens for o in exact) / sum(o.spec_verify_steps for o in exact)
+    acc_lossy = sum(o.spec_accepted_tokens for o in out) / sum(o.spec_verify_steps for o in out)
+    assert acc_lossy > acc_exact + 0.5
+    assert all(3 < o.mean_budget <= 4 for o in exact)  # 4 nodes, fewer only near max_tokens

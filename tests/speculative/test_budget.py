@@ -1,0 +1,123 @@
+"""The adaptive budget controller with hand-set costs and acceptance: budgets computed by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from speculative.budget import AcceptanceCalibrator, BudgetConfig, BudgetController, choose_budgets
+from speculative.ddtree import PoppedNodes, assemble_tree
+from speculative.step_cost import PiecewiseLinear, StepCostModel
+
+# Two requests: pops offer 0.9, 0.5, 0.1 and 0.6, 0.3 (then nothing) expected accepted tokens.
+GAINS = np.array([[0.9, 0.5, 0.1], [0.6, 0.3, 0.0]])
+
+
+def _linear(base: float, per_token: float):
+    return lambda n: base + per_token * (np.asarray(n, dtype=np.float64) - 2)
+
+
+def test_unpadded_takes_the_largest_gains_of_the_batch():
+    # order 0.9 (r0), 0.6 (r1), 0.5 (r0), 0.3 (r1), 0.1 (r0); expected 2, 2.9, 3.5, 4.0, 4.3, 4.4
+    # step time 1 + 0.25 * extra: rates 2, 2.32, 2.333, 2.286, 2.15, 1.956 -> 2 extra tokens, one each
+    budgets, rate = choose_budgets(GAINS, _linear(1.0, 0.25))
+    assert budgets.tolist() == [1, 1] and rate == pytest.approx(3.5 / 1.5)
+    budgets, rate = choose_budgets(GAINS, _linear(1.0, 0.25), max_total_tokens=3)  # cap: roots + 1 node
+    assert budgets.tolist() == [1, 0] and rate == pytest.approx(2.9 / 1.25)
+    assert choose_budgets(GAINS, lambda n: np.ones_like(n, dtype=float))[0].tolist() == [3, 2]  # free: all
+    assert choose_budgets(GAINS, _linear(1.0, 2.0))[0].tolist() == [0, 0]  # dear: a plain decode step
+
+
+def test_padded_chooses_one_width_for_the_batch():
+    # widths 0..3 cost 2, 4, 6, 8 tokens; expected 2, 3.5, 4.3, 4.4
+    budgets, rate = choose_budgets(GAINS, _linear(1.0, 0.25), padded=True)  # times 1, 1.5, 2, 2.5
+    assert budgets.tolist() == [1, 1] and rate == pytest.approx(3.5 / 1.5)
+    gpu_like = lambda n: np.maximum(1.0, 0.2 * np.asarray(n, dtype=float))  # noqa: E731 flat, then linear
+    budgets, rate = choose_budgets(GAINS, gpu_like, padded=True)  # times 1, 1, 1.2, 1.6 -> width 2
+    assert budgets.tolist() == [2, 2] and rate == pytest.approx(4.3 / 1.2)
+    budgets, _ = choose_budgets(GAINS, lambda n: np.ones_like(n, dtype=float), padded=True)
+    assert budgets.tolist() == [3, 2]  # row 1 has only two pops worth anything
+    assert choose_budgets(GAINS, gpu_like, max_total_tokens=5, padded=True)[0].tolist() == [1, 1]
+
+
+def _popped(logws: list[list[float]], depths: list[list[int]], parents: list[list[int]]) -> PoppedNodes:
+    n = np.array([len(r) for r in logws])
+    return PoppedNodes(
+        np.ones((len(n), 3), dtype=np.int64),
+        np.array(parents),
+        np.array(depths),
+        np.array(logws, dtype=np.float64),
+        n,
+    )
+
+
+def test_calibrator_ratio_per_depth_and_mode():
+    # one greedy request: depth-1 nodes Q = 0.5, 0.25, one depth-2 node Q = 0.4; verification accepted 1
+    popped = _popped([[np.log(0.5), np.log(0.4), np.log(0.25)]], [[1, 2, 1]], [[0, 1, 0]])
+    tree = assemble_tree(popped, torch.tensor([3]), torch.tensor([7]), torch.tensor([10]), "cpu")
+    cal = AcceptanceCalibrator(max_depth=3, prior=1.0, decay=1.0)
+    cal.observe(tree, np.array([1]), np.array([False]))
+    r = cal.ratios()
+    assert r[0, 1] == pytest.approx(2 / 1.75) and r[0, 2] == pytest.approx(1 / 1.4) and r[0, 3] == 1.0
+    assert (r[1] == 1.0).all()  # sampled requests: untouched
+    assert cal.predicted_total[0] == pytest.approx(1.15) and cal.observed_total[0] == 1
+    # calibrated gains in pop order 0.5*r1, 0.4*r2, 0.25*r1, made non-increasing
+    g = cal.gains(popped, np.array([False]))
+    assert g[0].tolist() == pytest.approx([0.5 * 2 / 1.75, 0.4 / 1.4, 0.25 * 2 / 1.75])
+    cal.observe(tree, np.array([2]), np.array([True]))  # the sampled mode learns separately
+    assert cal.ratios()[1, 2] == pytest.approx(2 / 1.4) and cal.ratios()[0, 2] == pytest.approx(1 / 1.4)
+
+
+class _FakeCost:
+    """Hand-set step times: draft 1 s, verify 1 s per 2 tokens plus 1 s."""
+
+    def step_time(self, bs, total_tokens, drafted):
+        return 1.0 + 0.5 * np.asarray(total_tokens, dtype=float) + (1.0 if drafted else 0.0)
+
+    def observe(self, *args):
+        pass
+
+
+def test_controller_drafts_only_when_it_pays_and_explores():
+    ctl = BudgetController(BudgetConfig(max_budget=3, explore_every=4), depth_limit=3, cost=_FakeCost())
+    greedy = np.array([False])
+    assert ctl.plan_draft(greedy)  # no curve yet: draft
+    # one request, pops Q = 0.9, 0.8, 0.1 (prior ratios 1): widths 0..3 -> tokens 1..4, times 2.5, 3, 3.5, 4
+    # expected 1, 1.9, 2.7, 2.8 -> rates 0.4, 0.633, 0.771, 0.7 -> budget 2
+    popped = _popped([[np.log(0.9), np.log(0.8), np.log(0.1)]], [[1, 2, 3]], [[0, 1, 2]])
+    assert ctl.choose(popped, greedy).tolist() == [2]
+    assert ctl.curve[0].tolist() == pytest.approx([0.9, 0.8, 0.1])
+    # before drafting: plain step 1 token in 1.5 s (0.667/s) vs the curve's best 0.771/s -> draft
+    assert ctl.plan_draft(greedy)
+    ctl.curve[0] = [0.3, 0.1, 0.0]  # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain
+    assert [ctl.plan_draft(greedy) for _ in range(4)] == [False, False, False, True]  # explores every 4th
+    poor = _popped([[np.log(0.1), np.log(0.05), -np.inf]], [[1, 2, 0]], [[0, 1, -1]])  # 1.1 / 3 < 1 / 2.5
+    assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration still chose a plain step: gap 4 -> 8
+    assert [ctl.plan_draft(greedy) for _ in range(8)] == [False] * 7 + [True]
+    assert ctl.choose(popped, greedy).tolist() == [2] and ctl.explore_gap == 4  # pays again: gap back to 4
+    ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.0)
+    assert ctl.stats()["budget_counts"] == {0: 1}
+
+
+def test_piecewise_linear_and_online_update():
+    f = PiecewiseLinear(np.array([1.0, 2.0, 4.0]), np.array([1.0, 2.0, 2.0]))
+    assert f(np.array([1.5, 3.0, 8.0])).tolist() == [1.5, 2.0, 2.0]
+    f.update(3.0, 4.0, lr=1.0)  # error 2 split half/half between the points 2 and 4
+    assert f.y.tolist() == [1.0, 3.0, 3.0]
+
+
+def test_probe_fills_tables_by_hand():
+    cost = StepCostModel(max_batch=8, max_tokens=64)
+    calls = []
+
+    def verify(n):
+        calls.append(n)
+        return 0.01 + 0.001 * n
+
+    cost.probe(lambda bs: 0.1 * bs, verify, budget_s=0.0)
+    # 3 points (1, 4, 16) after a warm-up, interpolated between and extrapolated past: exact for a line
+    assert calls == [1, 1, 4, 16]
+    assert cost.verify(np.array([2.0, 64.0])).tolist() == pytest.approx([0.012, 0.074])
+    assert float(cost.draft(8)) == pytest.approx(0.8)
+    assert float(cost.step_time(4, 16, drafted=True)) == pytest.approx(0.026 + 0.4)
