@@ -1,4 +1,4 @@
-"""Tree verification kernels (DESIGN 4.1/4.2): sgl-kernel's names, argument order, dtypes and outputs.
+"""Tree verification kernels (docs/DESIGN.md 4.1, 4.2): sgl-kernel's names, argument order, dtypes and outputs.
 
 Tree encoding per request ``b`` (``D = 1 + num_nodes`` slots, local index 0 = root): ``candidates[b, i]``
 token of node i; ``retrive_index[b, i]`` its global row ``b * D + i``; ``retrive_next_token[b, i]`` first

@@ -8,7 +8,7 @@ after request into ``T = sum(extend_lens)`` rows. Attention uses a padded per-re
   the padding slot, where ``j >= prefix_lens[b] + extend_lens[b]``).
 - ``attn_mask[b, i, j]``: query ``i`` of request ``b`` may see key ``j``. EXTEND/DECODE: the whole prefix
   and the new tokens causally. TARGET_VERIFY: the whole prefix, and among the new (tree) tokens only the
-  ancestors of node ``i`` and itself (DESIGN 4.1). Padded query rows see key 0 only (their output is
+  ancestors of node ``i`` and itself (docs/DESIGN.md 4.1). Padded query rows see key 0 only (their output is
   discarded), so no row is fully masked.
 - ``q_index[t]``: row of flat token ``t`` in the padded ``[bs * Q]`` layout.
 """

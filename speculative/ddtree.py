@@ -8,7 +8,7 @@ the top-K tokens of each depth can appear in it (K = min(B, V)); a best-first se
 finds it in B pops: pop the best frontier node, push its next sibling (same parent, next rank) and its
 first child (next depth, rank 0).
 
-Output encoding is the retrieve-buffer layout of DESIGN 4.1 (SGLang / sgl-kernel): local slot 0 is the
+Output encoding is the retrieve-buffer layout of docs/DESIGN.md 4.1 (SGLang / sgl-kernel): local slot 0 is the
 root (the last emitted token), slots 1..num_nodes hold the nodes in pop order (so parent < child and the
 children of a node appear in descending cumulative log-probability), slots past num_nodes are padding
 that no link reaches.

@@ -1,5 +1,5 @@
 """The speculative decode step: DFlash draft -> DDTree build -> one target verify forward -> greedy or
-sampled verification -> one unified commit (DESIGN.md section 3; DFlash arXiv 2602.06036, DDTree arXiv
+sampled verification -> one unified commit (docs/DESIGN.md section 3; DFlash arXiv 2602.06036, DDTree arXiv
 2604.12989).
 
 KV bookkeeping invariant (shared with the scheduler): a running request has ``num_cached = seq_len - 1``

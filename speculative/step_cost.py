@@ -105,8 +105,10 @@ class StepCostModel:
                     break
                 xs.append(x)
                 ys.append(y)
-            if len(xs) < 2:
-                raise RuntimeError("the step-cost probe could not time two grid points (KV cache too small?)")
+            if not xs:
+                raise RuntimeError("the step-cost probe could not time a single forward (KV cache too small?)")
+            if len(xs) == 1:  # a small pool or one request row: proportional beyond the one point (pessimistic)
+                xs, ys = [0.0, xs[0]], [0.0, ys[0]]
             ys = np.maximum.accumulate(np.asarray(ys))  # more work never takes less time
             inside = table.x <= xs[-1]
             table.y[inside] = np.interp(table.x[inside], xs, ys)

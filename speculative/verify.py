@@ -10,7 +10,7 @@ the sibling walk + residual draw of ``kernels.speculative.tree_speculative_sampl
 A batch may mix both: when every request is greedy the argmax kernel ``verify_tree_greedy`` runs; else
 the sampling kernel runs for all, greedy rows carrying one-hot argmax distributions (a one-hot child is
 accepted by ``p >= threshold_single = 1``, and the residual of a one-hot row is the argmax itself), so
-both branches return the same structure and the same greedy tokens. Contracts: DESIGN.md 4.1, 4.2, 4.4.
+both branches return the same structure and the same greedy tokens. Contracts: docs/DESIGN.md 4.1, 4.2, 4.4.
 
 Coins are exact under both acceptance rules of the sampling kernel (``coin <= acc`` of the pinned AOT
 sgl-kernel, ``coin < acc`` of JIT builds; ``kernels.speculative.PINNED_COIN_RULE``): greedy rows carry

@@ -14,7 +14,7 @@ from kernels.speculative import tree_speculative_sampling_target_only, verify_tr
 
 def pack_trees(trees: list[tuple[list[int], list[int]]], d: int, pad_garbage: bool = True) -> dict:
     """trees: (parents, tokens) per request; parents[0] = -1, parents[i] < i; siblings in index order.
-    Returns the retrieve buffers of DESIGN 4.1 for D = d slots (padding slots filled with garbage)."""
+    Returns the retrieve buffers of docs/DESIGN.md 4.1 for D = d slots (padding slots filled with garbage)."""
     bs = len(trees)
     g = torch.Generator().manual_seed(123)
     cand = (
@@ -105,7 +105,7 @@ def random_tree(rng: random.Random, n_nodes: int, vocab: int) -> tuple[list[int]
 
 
 def naive_walk(tree: dict, b: int, s: int, accept) -> tuple[list[int], list[int]]:
-    """Scalar transcription of DESIGN 4.2: returns (path of local nodes, accepted child per parent)."""
+    """Scalar transcription of docs/DESIGN.md 4.2: returns (path of local nodes, accepted child per parent)."""
     nt, ns, cand = tree["retrive_next_token"][b], tree["retrive_next_sibling"][b], tree["candidates"][b]
     path = [0]
     for _ in range(1, s):

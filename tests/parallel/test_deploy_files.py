@@ -37,7 +37,8 @@ def test_kimi_presets_budget_ordering() -> None:
     pcie = ServerConfig.from_flat(load_yaml(str(REPO / "configs/kimi-k2.6-8x-rtx-pro-6000.yaml")))
     nvlink = ServerConfig.from_flat(load_yaml(str(REPO / "configs/kimi-k2.6-8x-b300.yaml")))
     assert pcie.parallel.tp_size == nvlink.parallel.tp_size == 8
-    assert pcie.speculative.ddtree_budget < nvlink.speculative.ddtree_budget
+    assert pcie.speculative.ddtree_budget == nvlink.speculative.ddtree_budget == "auto"
+    assert pcie.speculative.ddtree_max_budget < nvlink.speculative.ddtree_max_budget
 
 
 def _docker_args() -> dict[str, str]:

@@ -39,6 +39,8 @@ def server(tmp_path_factory):
             str(MAX_BODY),
             "--max-prompt-tokens",
             str(MAX_PROMPT),
+            "--speculative-ddtree-budget",  # a fixed budget: its per-step KV margin (17 slots) fits this tiny pool
+            "16",
         ],
         log,
     )

@@ -121,3 +121,14 @@ def test_probe_fills_tables_by_hand():
     assert cost.verify(np.array([2.0, 64.0])).tolist() == pytest.approx([0.012, 0.074])
     assert float(cost.draft(8)) == pytest.approx(0.8)
     assert float(cost.step_time(4, 16, drafted=True)) == pytest.approx(0.026 + 0.4)
+
+
+def test_probe_with_room_for_one_point_only():
+    """A pool with one request row (max_running_requests 1) or few KV slots times one grid point: the table
+    is then proportional to it beyond (pessimistic), not an error; no point at all is an error."""
+    cost = StepCostModel(max_batch=2, max_tokens=64)
+    cost.probe(lambda bs: 0.1 if bs == 1 else None, lambda n: 0.01 * n if n < 4 else None, budget_s=0.0)
+    assert float(cost.draft(1)) == pytest.approx(0.1) and float(cost.draft(2)) == pytest.approx(0.2)
+    assert cost.verify(np.array([1.0, 8.0])).tolist() == pytest.approx([0.01, 0.08])
+    with pytest.raises(RuntimeError, match="single forward"):
+        StepCostModel(max_batch=2, max_tokens=8).probe(lambda bs: None, lambda n: None, budget_s=0.0)

@@ -45,7 +45,7 @@ def _children(tree: DraftTree, b: int, node: int) -> list[int]:
 
 
 def _oracle(tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, final: torch.Tensor, b: int, rule: str):
-    """Plain-Python walk of one request (DESIGN 4.2 semantics, thresholds 1, draft_probs 0) under the
+    """Plain-Python walk of one request (docs/DESIGN.md 4.2 semantics, thresholds 1, draft_probs 0) under the
     kernel's acceptance rule ``coin <= acc`` (``le``) or ``coin < acc`` (``lt``), no ``p > 0`` test."""
     node, coin, path, toks = 0, coins[b, 0], [0], []
     residual = probs[b, 0].clone()
