@@ -237,9 +237,11 @@ class SpecWorker:
         slots[used] = flat
         pos = cached[:, None] + torch.arange(d, device=r.device)  # [bs, D]
         r.req_to_token.table[idx[:, None].expand(bs, d)[used], pos[used]] = flat
+        plain = d == 1  # every tree is its root alone: a plain decode step, on the causal decode path
         fb = build_forward_batch(
-            ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.req_to_token.table, idx,
-            cached, lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids)
+            ForwardMode.DECODE if plain else ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used],
+            flat, r.req_to_token.table, idx, cached, lens, tree_mask=None if plain else tree.tree_mask,
+            capture_layer_ids=self.capture_layer_ids)
         out = r.forward(fb)
         rows = r.logits(out.hidden)  # [T, V]
         logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
