@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,7 +43,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below GREEDY_TEMPERATURE, logits / T overflows float32 (a probability row of NaN): such a request is
+        # greedy, as in SGLang and vLLM
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def needs_token_counts(self) -> bool:

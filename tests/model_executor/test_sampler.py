@@ -65,3 +65,17 @@ def test_greedy_rows_and_batch_independence():
     alone = sample(logits[1:2], BatchSamplingInfo.build(params[1:2], 8, torch.device("cpu")),
                    [torch.Generator().manual_seed(1)])
     assert alone[0] == toks[1]
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    """A positive temperature below 1e-5 (an OpenAI client may send 1e-300) decodes greedily: logits / T
+    would overflow to a NaN probability row."""
+    from model_executor.sampler import BatchSamplingInfo, sample
+    from model_executor.sampling_params import SamplingParams
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5]])
+    for t in (1e-300, 5e-324, 1e-6):
+        p = SamplingParams(temperature=t, max_tokens=1)
+        assert p.is_greedy
+        info = BatchSamplingInfo.build([p], 4, torch.device("cpu"))
+        assert sample(logits, info, [torch.Generator().manual_seed(0)]).tolist() == [1]
