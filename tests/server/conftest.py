@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -66,3 +70,37 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout: float, log_path: Pa
             pass
         time.sleep(0.5)
     raise RuntimeError(f"server not healthy after {timeout}s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then kill after 30 s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+@dataclass(frozen=True)
+class ServerHandle:
+    proc: subprocess.Popen
+    base: str  # http://127.0.0.1:<port>
+    log: Path
+
+
+@contextmanager
+def running_server(args: list[str], log_dir: Path, timeout: float = 240, name: str = "server") -> Iterator[ServerHandle]:
+    """A real ``ddtree-serve serve`` process on a free port (``--port`` is added), healthy on entry, stopped
+    on exit; its output goes to ``log_dir/<name>.log``."""
+    port = free_port()
+    log = log_dir / f"{name}.log"
+    proc = start_server(["--port", str(port), *args], log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, base, timeout, log)
+        yield ServerHandle(proc, base, log)
+    finally:
+        stop_server(proc)

@@ -6,15 +6,13 @@ transformers' (both float32) and a DDTree server returns the same as a plain one
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 
-from tests.server.conftest import free_port, start_server, wait_healthy
+from tests.server.conftest import free_port, start_server, stop_server, wait_healthy
 
 CHUNK = 16
 TOL = 1e-4  # float32, absolute, per token: our forward vs transformers' (measured ~2e-5)
@@ -57,12 +55,7 @@ def servers(tmp_path_factory, default_model_path):
         yield {"plain": started[0][1], "ddtree": started[1][1]}
     finally:
         for proc, _, _ in started:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _, _ in started:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ Moonshot's own tokenizer file is not exercised here.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from server.io_struct import DetokenizeReq, IpcEndpoints, TokenOut
 from server.metrics import ServerMetrics
 from server.process_utils import load_tokenizer
 from server.tokenizer_manager import TokenizerManager
-from tests.server.conftest import REPO, free_port, start_server, wait_healthy
+from tests.server.conftest import REPO, free_port, running_server
 from tests.server.kimi_tokenizer_files import special_token_ids, write_tiny_kimi
 from tests.server.tokenization_kimi_standin import SPECIAL_TOKENS
 
@@ -176,23 +175,10 @@ def test_untrusted_remote_code_fails_clearly(kimi_dir) -> None:
 
 @pytest.fixture(scope="module")
 def kimi_server(kimi_dir, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("kimi-server") / "server.log"
-    proc = start_server(["--model-path", str(kimi_dir), "--device", "cpu", "--dtype", "float32",
-                         "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2",
-                         "--max-total-tokens", "2048", "--port", str(port), "--log-level", "warning"], log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, 240, log)
-        yield base
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    args = ["--model-path", str(kimi_dir), "--device", "cpu", "--dtype", "float32", "--tool-call-parser", "kimi_k2",
+            "--reasoning-parser", "kimi_k2", "--max-total-tokens", "2048", "--log-level", "warning"]
+    with running_server(args, tmp_path_factory.mktemp("kimi-server")) as srv:
+        yield srv.base
 
 
 def _chat(base: str, **extra) -> dict:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, start_server, wait_healthy
+from tests.server.conftest import running_server
 
 CONTEXT, MAX_BODY, MAX_PROMPT = 40, 4096, 36  # the chat prompt below is 33 tokens
 USER = [{"role": "user", "content": "Say hi."}]
@@ -23,37 +22,12 @@ def server(tmp_path_factory):
     from model_executor.default_model import ensure_default_model
 
     ensure_default_model()
-    port = free_port()
-    log = tmp_path_factory.mktemp("limits") / "server.log"
-    proc = start_server(
-        [
-            "--port",
-            str(port),
-            "--context-length",
-            str(CONTEXT),
-            "--max-running-requests",
-            "1",
-            "--max-waiting-requests",
-            "1",
-            "--max-request-body-bytes",
-            str(MAX_BODY),
-            "--max-prompt-tokens",
-            str(MAX_PROMPT),
-            "--speculative-ddtree-budget",  # a fixed budget: its per-step KV margin (17 slots) fits this tiny pool
-            "16",
-        ],
-        log,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, 240, log)
-        yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except Exception:  # noqa: BLE001
-            proc.kill()
+    args = ["--context-length", str(CONTEXT), "--max-running-requests", "1", "--max-waiting-requests", "1",
+            "--max-request-body-bytes", str(MAX_BODY), "--max-prompt-tokens", str(MAX_PROMPT),
+            # a fixed budget: its per-step KV margin (17 slots) fits this tiny pool
+            "--speculative-ddtree-budget", "16"]
+    with running_server(args, tmp_path_factory.mktemp("limits")) as srv:
+        yield srv.base
 
 
 def _post(base: str, path: str, body, **kw) -> httpx.Response:

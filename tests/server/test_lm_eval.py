@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import REPO, free_port, start_server, wait_healthy
+from tests.server.conftest import REPO, running_server
 
 pytest.importorskip("lm_eval")
 
@@ -67,32 +66,10 @@ def task_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_path):
-    port = free_port()
-    log = tmp_path_factory.mktemp("server-lm-eval") / "server.log"
     # the default serve configuration: DDTree speculation with the shipped drafter; float32 as the hf run
-    proc = start_server(
-        [
-            "--port",
-            str(port),
-            "--served-model-name",
-            MODEL,
-            "--dtype",
-            "float32",
-            "--max-total-tokens",
-            "8192",
-        ],
-        log,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, 300, log)
-        yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    args = ["--served-model-name", MODEL, "--dtype", "float32", "--max-total-tokens", "8192"]
+    with running_server(args, tmp_path_factory.mktemp("server-lm-eval"), timeout=300) as srv:
+        yield srv.base
 
 
 def _lm_eval(args: list[str], task_dir: Path, out: Path) -> tuple[float, dict[int, list[float]]]:

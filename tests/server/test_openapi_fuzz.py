@@ -4,11 +4,9 @@ examples per operation, each a real request to a real model (a short context kee
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
-from tests.server.conftest import free_port, start_server, wait_healthy
+from tests.server.conftest import running_server
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 20  # per operation and generation mode
@@ -19,19 +17,9 @@ def server(tmp_path_factory):
     from model_executor.default_model import ensure_default_model
 
     ensure_default_model()
-    port = free_port()
-    log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    proc = start_server(["--port", str(port), "--context-length", "64", "--max-running-requests", "16"], log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, 240, log)
-        yield base, log
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except Exception:  # noqa: BLE001
-            proc.kill()
+    with running_server(["--context-length", "64", "--max-running-requests", "16"],
+                        tmp_path_factory.mktemp("fuzz")) as srv:
+        yield srv.base, srv.log
 
 
 def _fuzz(op, mode, base: str, log, seen: dict[str, set[int]]) -> None:

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import alive, descendants, free_port, start_server, wait_healthy
+from tests.server.conftest import alive, descendants, free_port, running_server, start_server
 
 KEY = "sk-test-key"
 MAX_TOTAL_TOKENS = 16384
@@ -29,20 +29,9 @@ def server(tmp_path_factory):
     from model_executor.default_model import ensure_default_model
 
     ensure_default_model()
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = start_server(["--port", str(port), "--api-key", KEY, "--max-total-tokens", str(MAX_TOTAL_TOKENS)], log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, 240, log)
-        yield {"proc": proc, "base": base, "log": log, "children": descendants(proc.pid)}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except Exception:  # noqa: BLE001
-                proc.kill()
+    with running_server(["--api-key", KEY, "--max-total-tokens", str(MAX_TOTAL_TOKENS)],
+                        tmp_path_factory.mktemp("server")) as srv:
+        yield {"proc": srv.proc, "base": srv.base, "log": srv.log, "children": descendants(srv.proc.pid)}
 
 
 @pytest.fixture(scope="module")
