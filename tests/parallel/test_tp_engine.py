@@ -76,7 +76,7 @@ def test_tiny_kimi_tp2_auto_budget(tmp_path) -> None:
 
 def test_dead_follower_fails_clearly() -> None:
     """Killing rank 1 makes rank 0 raise an error naming it (never a hang)."""
-    from server.tp_worker import TPRankError
+    from server.tp_protocol import TPRankError
 
     eng = Engine("default", device="cpu", dtype="float32", max_total_tokens=256, tp_size=2)
     try:
