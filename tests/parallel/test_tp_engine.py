@@ -80,6 +80,9 @@ def test_dead_follower_fails_clearly() -> None:
 
     eng = Engine("default", device="cpu", dtype="float32", max_total_tokens=256, tp_size=2)
     try:
+        from server.scheduler_factory import SchedulerLike
+
+        assert isinstance(eng.scheduler, SchedulerLike)
         follower = eng.scheduler.followers[0]
         follower.kill()
         follower.join(10)
