@@ -102,7 +102,7 @@ def _answer(args: argparse.Namespace, model_path: str, device: str, chats: list,
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.model_path import resolve_model_path
+    from server.startup import resolve_model_path
     from speculative.train.trainer import TrainConfig, pick_device, train
 
     model_path = resolve_model_path(args.model_path)

@@ -1,55 +1,198 @@
 """Frozen configuration per area, composed once into ``ServerConfig``.
 
-Built from CLI flags over an optional YAML preset (server/args.py); derived values are properties. No
-module-level mutable configuration anywhere.
+One definition per field (docs/DESIGN.md section 5): the dataclass field holds its type (the annotation),
+its default, and in ``setting(...)`` its help text, allowed values and range. Each area checks its values
+in ``__post_init__`` (``Area``), so a CLI flag, a YAML preset key and an Engine keyword are validated by
+the same code. Flat names (CLI dest names, preset keys, Engine kwargs, ``/get_server_info`` keys) follow
+one rule, ``flat_name``: the area's ``PREFIX`` + the field name. server/args.py builds the CLI from this
+metadata; derived values are properties. No module-level mutable configuration anywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import types
+import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+SETTING = "setting"  # the key of a field's ``Setting`` in its dataclass metadata
+DEFAULT = "default"  # the model / drafter path that names the shipped default model / drafter
+
+
+def is_default_path(path: str | None) -> bool:
+    """Whether a model or drafter path names the shipped default (``"default"``; unset counts too)."""
+    return path in (None, "", DEFAULT)
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    model_path: str = "default"  # "default" = SmolLM2-135M-Instruct, converted once into the cache
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    context_length: int | None = None  # None: the model's max_position_embeddings
-    trust_remote_code: bool = True
-    int4_experts: str = "auto"  # INT4 MoE experts: "auto" | "packed" (INT4-resident) | "dequant" (at load)
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton" (MLA) | "flashinfer" (MHA)
-    moe_backend: str = "auto"  # routed experts: "auto" | "torch" | "triton"
-    cuda_graph_max_bs: int = 0  # CUDA graphs for decode/verify up to this batch size; 0 = off
-    served_model_name: str | None = None
+class Setting:
+    """A field's help text and valid values. ``choices`` lists the allowed values of a text field, or the
+    words allowed besides the range for a numeric one (``"auto"``); ``low``/``high`` bound a number
+    (``low_open``: ``low`` itself is excluded). ``None`` is valid exactly when the annotation allows it."""
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def in_range(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self, kinds: tuple[type, ...], optional: bool) -> str:
+        parts = []
+        if self.choices:
+            parts.append(("one of " if len(self.choices) > 1 else "") + ", ".join(repr(c) for c in self.choices))
+        numeric = next((k for k in kinds if k in (int, float)), None)
+        if numeric is not None:
+            what = "an integer" if numeric is int else "a number"
+            if self.low is not None and self.high is not None:
+                what += f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+            elif self.low is not None:
+                what += f" {'>' if self.low_open else '>='} {self.low:g}"
+            elif self.high is not None:
+                what += f" <= {self.high:g}"
+            parts.append(what)
+        elif not self.choices:
+            parts.append({bool: "true or false", str: "a string"}.get(kinds[0], kinds[0].__name__))
+        if optional:
+            parts.append("null")
+        return " or ".join(parts)
+
+
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, low: float | None = None,
+            high: float | None = None, low_open: bool = False) -> Any:
+    """A configuration field: its default and its ``Setting`` (the one place its flag is described)."""
+    return field(default=default, metadata={SETTING: Setting(help, choices, low, high, low_open)})
+
+
+def field_kinds(cls: type, name: str) -> tuple[tuple[type, ...], bool]:
+    """The non-None types a field's annotation allows, and whether it allows None."""
+    hint = typing.get_type_hints(cls)[name]
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    kinds = tuple(a for a in args if a is not type(None))
+    return kinds, len(kinds) < len(args)
+
+
+def check_value(cls: type, name: str, value: Any) -> Any:
+    """``value`` if it is valid for field ``name`` of area ``cls`` (a path-like becomes its string), else
+    ValueError naming the flat name and what is allowed."""
+    meta: Setting = next(f for f in dataclasses.fields(cls) if f.name == name).metadata[SETTING]
+    kinds, optional = field_kinds(cls, name)
+    if isinstance(value, os.PathLike) and str in kinds:
+        value = os.fspath(value)
+    if value is None and optional:
+        return value
+    if isinstance(value, str) and meta.choices is not None and value in meta.choices:
+        return value
+    if isinstance(value, bool):
+        ok = bool in kinds
+    elif isinstance(value, int | float):
+        ok = (float in kinds or (int in kinds and isinstance(value, int))) and meta.in_range(value)
+    else:
+        ok = isinstance(value, str) and str in kinds and meta.choices is None
+    if not ok:
+        raise ValueError(f"{cls.PREFIX}{name} must be {meta.describe(kinds, optional)}; got {value!r}")
+    return value
+
+
+class Area:
+    """Base of the per-area dataclasses: ``PREFIX`` starts every flat name of the area, and
+    ``__post_init__`` checks every field against its annotation and ``Setting``."""
+
+    PREFIX: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            checked = check_value(type(self), f.name, value)
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+
+
+def flat_name(area: type[Area], name: str) -> str:
+    """The one flat-name rule: area prefix + field name (``speculative_`` follows SGLang's flags)."""
+    return area.PREFIX + name
+
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 @dataclass(frozen=True)
-class CacheArgs:
+class ModelArgs(Area):
+    model_path: str | None = setting(DEFAULT, "Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct, "
+                              "prepared once).")
+    dtype: str = setting("auto", "Weight and activation dtype; 'auto' = bfloat16 on CUDA, float32 on CPU.",
+                         choices=_DTYPES)
+    device: str = setting("auto", "Device to run on; 'auto' = CUDA when available.",
+                          choices=("auto", "cpu", "cuda"))
+    context_length: int | None = setting(None, "Maximum prompt + completion length in tokens (default: the "
+                                         "model's).", low=1)
+    trust_remote_code: bool = setting(True, "Allow the model's own tokenizer/config code (Kimi needs it).")
+    int4_experts: str = setting("auto", "INT4 MoE experts: packed (INT4 in memory), dequant (dense at load); "
+                                "auto = packed on CUDA, dequant on CPU.", choices=("auto", "packed", "dequant"))
+    attention_backend: str = setting("auto", "Attention kernels: torch (reference), triton (MLA models), "
+                                     "flashinfer (MHA models); auto = the fast one on CUDA, torch on CPU.",
+                                     choices=_BACKENDS)
+    moe_backend: str = setting("auto", "Routed-expert kernels: torch (reference) or triton (grouped GEMM, dense "
+                               "or INT4); auto = triton on CUDA, torch on CPU.", choices=_BACKENDS)
+    cuda_graph_max_bs: int = setting(0, "Replay decode and verify forwards of up to this many requests from CUDA "
+                                     "graphs (MLA models with the triton backends, CUDA only); 0 = off.", low=0)
+    served_model_name: str | None = setting(None, "Model name in the API (default: --model-path).")
+
+
+@dataclass(frozen=True)
+class CacheArgs(Area):
     # KV pool precedence (model_executor/memory.py): max_total_tokens > kv_memory_gb > device memory
     # (CUDA: mem_fraction_static x total - in use after loading - workspace; CPU: a capped share of free RAM).
-    max_total_tokens: int | None = None  # KV slots, target and drafter caches alike
-    kv_memory_gb: float | None = None  # KV bytes (target + drafter) per rank, when max_total_tokens is None
-    mem_fraction_static: float = 0.85  # share of GPU memory for weights + workspace + KV cache (CUDA)
-    verify_workspace_gb: float | None = None  # per-step logits workspace; None: enough for the full batch x budget
+    max_total_tokens: int | None = setting(None, "KV cache size in tokens (target and drafter caches alike); "
+                                           "overrides --kv-memory-gb and the memory probe.", low=1)
+    kv_memory_gb: float | None = setting(None, "KV cache size in GiB per rank (target + drafter) when "
+                                         "--max-total-tokens is not set; overrides the memory probe (default: "
+                                         "CUDA mem_fraction_static, CPU a capped share of free RAM).",
+                                         low=0, low_open=True)
+    mem_fraction_static: float = setting(0.85, "Share of total GPU memory for weights + verify workspace + KV "
+                                         "cache (CUDA).", low=0, high=1, low_open=True)
+    verify_workspace_gb: float | None = setting(None, "Memory per rank for one step's logits and probabilities, "
+                                                "reserved before the KV cache; caps the tree nodes verified per "
+                                                "step (default: enough for the full batch x budget).",
+                                                low=0, low_open=True)
 
 
 @dataclass(frozen=True)
-class SchedulerArgs:
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 512  # per-step prefill token budget (summed over the batch's requests)
+class SchedulerArgs(Area):
+    max_running_requests: int = setting(64, "Most requests decoded at once.", low=1)
+    chunked_prefill_size: int = setting(512, "Prefill token budget per scheduler step, summed over the batch's "
+                                        "requests (long prompts are chunked).", low=1)
 
 
 @dataclass(frozen=True)
-class SpeculativeArgs:
-    algorithm: str = "none"  # "none" | "dflash" | "ddtree"
-    draft_model_path: str | None = None  # "default" = the shipped drafter of the default model
-    ddtree_budget: int | str = "auto"  # non-root tree nodes per request, or "auto" (chosen per step)
-    ddtree_max_budget: int = 64  # upper bound of the auto budget
-    block_size: int | None = None  # None: from the draft config
-    accept_threshold_single: float = 1.0  # < 1: lossy sampled verification (SGLang's flag)
-    accept_threshold_acc: float = 1.0  # < 1: lossy sampled verification (SGLang's flag)
+class SpeculativeArgs(Area):
+    PREFIX: ClassVar[str] = "speculative_"
+
+    algorithm: str = setting("none", "Speculative decoding: none, dflash (chain) or ddtree (tree).",
+                             choices=("none", "dflash", "ddtree"))
+    draft_model_path: str | None = setting(None, "DFlash drafter directory ('default' or unset = the default "
+                                           "model's shipped drafter).")
+    ddtree_budget: int | str = setting("auto", "DDTree: draft tree nodes per request and step (root excluded), "
+                                       "or 'auto': chosen every step per request from measured step cost and "
+                                       "calibrated expected acceptance (0 = a plain decode step).",
+                                       choices=("auto",), low=1)
+    ddtree_max_budget: int = setting(64, "Upper bound of the auto tree budget.", low=1)
+    block_size: int | None = setting(None, "Drafter block size (default: from the drafter config).", low=2)
+    accept_threshold_single: float = setting(1.0, "Sampled verification: accept a draft token whose target "
+                                             "probability reaches this (values below 1 are LOSSY: output no "
+                                             "longer follows the target distribution).", low=0, high=1)
+    accept_threshold_acc: float = setting(1.0, "Sampled verification: accept a draft token once the accumulated "
+                                          "target probability reaches this (values below 1 are LOSSY).",
+                                          low=0, high=1)
 
     @property
     def lossy(self) -> bool:
@@ -61,25 +204,31 @@ class SpeculativeArgs:
 
 
 @dataclass(frozen=True)
-class ParallelArgs:
-    tp_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None  # host:port of rank 0 (multi-node)
-    expert_parallel: bool = False  # MoE experts partitioned over the TP ranks (EP size = tp_size)
+class ParallelArgs(Area):
+    tp_size: int = setting(1, "Tensor-parallel size (GPUs per model replica).", low=1)
+    nnodes: int = setting(1, "Number of nodes for tensor parallelism.", low=1)
+    node_rank: int = setting(0, "Rank of this node.", low=0)
+    dist_init_addr: str | None = setting(None, "host:port of node rank 0 (multi-node).")
+    expert_parallel: bool = setting(False, "MoE: give each TP rank whole experts (expert parallelism, EP size = "
+                                    "tp_size) instead of a slice of every expert.")
 
 
 @dataclass(frozen=True)
-class ServerArgs:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    tool_call_parser: str | None = None  # "kimi_k2" | "hermes"
-    reasoning_parser: str | None = None  # "kimi_k2" | "deepseek-r1"
-    log_level: str = "info"
-    max_request_body_bytes: int = 16 << 20  # larger request bodies get 413
-    max_prompt_tokens: int | None = None  # longer prompts get 400; None: only the context length limits them
-    max_waiting_requests: int = 1024  # requests in flight beyond max_running_requests; more get 503 + Retry-After
+class ServerArgs(Area):
+    host: str = setting("127.0.0.1", "HTTP host to bind.")
+    port: int = setting(30000, "HTTP port.", low=1, high=65535)
+    api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on /v1 routes.")
+    tool_call_parser: str | None = setting(None, "Parse tool calls from the output in this format.",
+                                           choices=("kimi_k2", "hermes"))
+    reasoning_parser: str | None = setting(None, "Split <think> reasoning into reasoning_content.",
+                                           choices=("kimi_k2", "deepseek-r1"))
+    log_level: str = setting("info", "Logging level.", choices=("debug", "info", "warning", "error"))
+    max_request_body_bytes: int = setting(16 << 20, "Largest accepted HTTP request body in bytes (413 beyond).",
+                                          low=1024)
+    max_prompt_tokens: int | None = setting(None, "Longest accepted prompt in tokens (400 beyond; default: the "
+                                            "context length).", low=1)
+    max_waiting_requests: int = setting(1024, "Requests that may wait beyond --max-running-requests (503 with "
+                                        "Retry-After beyond).", low=0)
 
 
 @dataclass(frozen=True)
@@ -92,53 +241,48 @@ class ServerConfig:
     server: ServerArgs = field(default_factory=ServerArgs)
 
     @classmethod
-    def from_flat(cls, values: dict[str, Any]) -> ServerConfig:
-        """Compose from a flat mapping of field names (CLI dest names / Engine kwargs / YAML keys).
-        Unknown keys raise ValueError naming them."""
-        areas = {f.name: f.type for f in dataclasses.fields(cls)}
-        area_classes = {
-            "model": ModelArgs,
-            "cache": CacheArgs,
-            "scheduler": SchedulerArgs,
-            "speculative": SpeculativeArgs,
-            "parallel": ParallelArgs,
-            "server": ServerArgs,
-        }
-        assert set(areas) == set(area_classes)
-        owner: dict[str, str] = {}
-        for area, klass in area_classes.items():
-            for f in dataclasses.fields(klass):
-                owner[_flat_name(area, f.name)] = area
-        per_area: dict[str, dict[str, Any]] = {a: {} for a in area_classes}
+    def from_flat(cls, values: dict[str, Any], short_names: bool = False) -> ServerConfig:
+        """Compose from a flat mapping (CLI dest names / YAML keys; ``-`` may stand for ``_``). With
+        ``short_names`` (Engine kwargs) a prefixed field may also go by its bare name (``ddtree_budget``).
+        Unknown keys, and invalid values (``Area.__post_init__``), raise ValueError naming them."""
+        owner = {flat: (area, f.name) for flat, area, _, f in config_fields()}
+        if short_names:
+            owner.update({f.name: (area, f.name) for _, area, klass, f in config_fields() if klass.PREFIX})
+        per_area: dict[str, dict[str, Any]] = {area: {} for area in area_classes()}
         unknown = []
         for key, value in values.items():
             key = key.replace("-", "_")
             if key not in owner:
                 unknown.append(key)
                 continue
-            area = owner[key]
-            per_area[area][_field_name(area, key)] = value
+            area, name = owner[key]
+            per_area[area][name] = value
         if unknown:
             raise ValueError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
-        return cls(**{a: area_classes[a](**kw) for a, kw in per_area.items()})
+        return cls(**{area: klass(**per_area[area]) for area, klass in area_classes().items()})
+
+    def replace(self, area: str, **changes: Any) -> ServerConfig:
+        """A copy with fields of one area changed (validated again)."""
+        return dataclasses.replace(self, **{area: dataclasses.replace(getattr(self, area), **changes)})
+
+
+def area_classes() -> dict[str, type[Area]]:
+    """Area attribute of ``ServerConfig`` -> its dataclass, in declaration order."""
+    hints = typing.get_type_hints(ServerConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(ServerConfig)}
+
+
+def config_fields() -> Iterator[tuple[str, str, type[Area], dataclasses.Field]]:
+    """Every configuration field: (flat name, area attribute, area class, dataclass field)."""
+    for area, klass in area_classes().items():
+        for f in dataclasses.fields(klass):
+            yield flat_name(klass, f.name), area, klass, f
 
 
 def public_info(config: ServerConfig) -> dict[str, Any]:
     """Every setting by flat name, for ``GET /get_server_info`` (the API key is withheld), plus
     ``speculative_lossy``: whether accept thresholds below 1 make sampled verification lossy."""
-    out: dict[str, Any] = {}
-    for area in dataclasses.fields(config):
-        for f in dataclasses.fields(getattr(config, area.name)):
-            out[_flat_name(area.name, f.name)] = getattr(getattr(config, area.name), f.name)
+    out = {flat: getattr(getattr(config, area), f.name) for flat, area, _, f in config_fields()}
     out["api_key"] = None if config.server.api_key is None else "(set)"
     out["speculative_lossy"] = config.speculative.lossy
     return out
-
-
-# Flat names follow SGLang's flags: speculative fields are prefixed (--speculative-algorithm, ...).
-def _flat_name(area: str, name: str) -> str:
-    return f"speculative_{name}" if area == "speculative" else name
-
-
-def _field_name(area: str, flat: str) -> str:
-    return flat.removeprefix("speculative_") if area == "speculative" else flat

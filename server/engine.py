@@ -11,9 +11,9 @@
 ``SamplingParams(max_tokens=None)`` generates until the request limit (the context length, or what the KV
 pool can hold for one request if that is smaller) and ends with ``length`` there.
 
-Keyword arguments mirror the CLI flags (``ServerConfig.from_flat`` names), plus the short spellings
-``speculative_algorithm``, ``draft_model_path``, ``ddtree_budget`` (an int, or "auto": the default),
-``ddtree_max_budget`` and ``block_size``.
+Keyword arguments mirror the CLI flags (``ServerConfig.from_flat`` names); a ``speculative_`` field may
+also go by its bare name (``draft_model_path``, ``ddtree_budget``: an int, or "auto", the default,
+``ddtree_max_budget``, ``block_size``, ...).
 """
 
 from __future__ import annotations
@@ -26,14 +26,10 @@ from model_executor.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.detokenizer import IncrementalDetokenizer
 from server.io_struct import DetokenizeReq, GenerateReq, TokenOut
-from server.process_utils import check_trust_remote_code
-from server.tp_worker import close_scheduler, make_scheduler
+from server.scheduler_factory import SchedulerLike, make_scheduler
+from server.startup import resolve_config
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta"]
-
-_ALIASES = {"draft_model_path": "speculative_draft_model_path", "ddtree_budget": "speculative_ddtree_budget",
-            "ddtree_max_budget": "speculative_ddtree_max_budget", "block_size": "speculative_block_size"}
-
 
 @dataclass
 class RequestOutput:
@@ -72,13 +68,10 @@ class StreamDelta:
 
 class Engine:
     def __init__(self, model_path: str = "default", **kwargs):
-        flat = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
-        flat["model_path"] = model_path
-        self.config = ServerConfig.from_flat(flat)
-        if model_path not in (None, "", "default"):  # fail before loading weights, not after
-            check_trust_remote_code(model_path, self.config.model.trust_remote_code)
-        self.scheduler = make_scheduler(self.config)  # a TPScheduler (rank 0 + spawned followers) if tp_size > 1
-        self.tokenizer = _load_tokenizer(self.scheduler.model_path, self.config.model.trust_remote_code)
+        # paths and device resolved once, before any weights load (server/startup.py)
+        self.config = resolve_config(ServerConfig.from_flat({**kwargs, "model_path": model_path}, short_names=True))
+        self.scheduler: SchedulerLike = make_scheduler(self.config)  # TP rank 0 + spawned followers if tp_size > 1
+        self.tokenizer = _load_tokenizer(self.config.model.model_path, self.config.model.trust_remote_code)
         self._ids = itertools.count()
         self._inbox: dict[str, list[TokenOut]] = {}  # outputs awaiting their consumer
 
@@ -189,7 +182,7 @@ class Engine:
         try:
             self.scheduler.step()
         finally:
-            close_scheduler(self.scheduler)  # TP: stops the follower ranks
+            self.scheduler.close()  # TP: stops the follower ranks
 
 
 def _load_tokenizer(path: str, trust_remote_code: bool):

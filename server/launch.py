@@ -8,7 +8,6 @@ server answers 503 for a moment, then exits with status 1.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -42,21 +41,20 @@ def launch_server(config: ServerConfig) -> int:
     from server.api import create_app
     from server.detokenizer import run_detokenizer_process
     from server.metrics import ServerMetrics
-    from server.model_path import resolve_model_path
-    from server.process_utils import check_trust_remote_code, load_tokenizer
+    from server.process_utils import load_tokenizer
     from server.scheduler_process import run_scheduler_process
+    from server.startup import resolve_config
     from server.tokenizer_manager import TokenizerManager
 
     logging.basicConfig(level=config.server.log_level.upper(), format="[%(asctime)s http] %(levelname)s %(message)s")
+    served = config.model.served_model_name or config.model.model_path
+    config = resolve_config(config)  # paths and device, once, before any process starts (server/startup.py)
     if config.parallel.node_rank > 0:  # multi-node TP: this node only runs its ranks (docs/PARALLEL.md)
-        from server.tp_worker import run_node_followers
+        from server.tp_spawn import run_node_followers
 
         return run_node_followers(config)
-    served = config.model.served_model_name or config.model.model_path
-    resolved = resolve_model_path(config.model.model_path)
-    check_trust_remote_code(resolved, config.model.trust_remote_code)  # before any process starts
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, model_path=resolved,
-                                                                   served_model_name=served))
+    config = config.replace("model", served_model_name=served)
+    resolved = config.model.model_path
     tmpdir = tempfile.mkdtemp(prefix="ddtree-serve-")
     endpoints = IpcEndpoints.in_dir(tmpdir)
     ctx = mp.get_context("spawn")

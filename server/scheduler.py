@@ -22,6 +22,7 @@ from model_executor.forward_batch import ForwardMode, build_forward_batch
 from model_executor.memory import MemoryProbe, device_memory, size_kv_pool, verify_workspace
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
+from model_executor.parallel_state import TPGroup
 from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.prompt_logprobs import chunk_rows, score_rows
 from model_executor.sampler import BatchSamplingInfo, sample, token_logprobs
@@ -29,7 +30,8 @@ from model_executor.sampling_params import find_stop
 from server.config import ServerConfig
 from server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from server.request import Req
-from server.spec_setup import build_spec_worker
+from server.startup import is_resolved
+from speculative.spec_worker import SpecWorker
 from speculative.types import OutOfKVSlots
 
 logger = logging.getLogger(__name__)
@@ -43,15 +45,14 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: ServerConfig, tp=None, model_path: str | None = None,
-                 memory_probe: MemoryProbe = device_memory):
-        """``memory_probe``: ``(total, used)`` bytes of a device, read once to size the KV pool."""
-        from model_executor.parallel_state import TPGroup
-        from server.model_path import resolve_model_path
-
+    def __init__(self, config: ServerConfig, tp: TPGroup | None = None, memory_probe: MemoryProbe = device_memory):
+        """``config`` is resolved (server/startup.py: a model directory and a concrete device); ``tp``: this
+        rank's TP group (None: a single process); ``memory_probe``: ``(total, used)`` bytes of a device, read
+        once to size the KV pool."""
+        if not is_resolved(config):
+            raise ValueError("Scheduler needs a resolved config (server.startup.resolve_config)")
         self.config = config
-        self.model_path = model_path or resolve_model_path(config.model.model_path)
-        device = _resolve_device(config.model.device)
+        self.model_path, device = config.model.model_path, config.model.device
         self.model_config = ModelConfig.load(self.model_path, config.model.dtype, device, config.model.int4_experts,
                                              attention_backend=config.model.attention_backend,
                                              moe_backend=config.model.moe_backend)
@@ -61,7 +62,8 @@ class Scheduler:
         tp = tp or TPGroup()
         self.runner = ModelRunner(self.model_config, sc.max_running_requests + 1, self.max_context_len, tp, device,
                                   cuda_graph_max_bs=config.model.cuda_graph_max_bs)
-        self.spec = build_spec_worker(config.speculative, self.runner, self.model_config)
+        spec = config.speculative
+        self.spec = SpecWorker.create(spec, self.runner, self.model_config) if spec.enabled else None
         self._size_memory(config, tp, device, memory_probe)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -69,6 +71,9 @@ class Scheduler:
         self._seed_rng = random.Random(0x5EED)
         self.total_verify_steps = 0
         self.total_spec_tokens = 0
+
+    def close(self) -> None:
+        """Nothing to release in a single process (``SchedulerLike.close``; TP rank 0 stops its followers)."""
 
     def _size_memory(self, config: ServerConfig, tp, device: str, probe: MemoryProbe) -> None:
         """With the target and drafter weights resident: reserve the step workspace, size the KV pool from
@@ -387,9 +392,3 @@ class Scheduler:
 def _prefill_len(req: Req) -> int:
     """Tokens to cache before decoding: all of them, except the last emitted token (the next root)."""
     return req.seq_len - (1 if req.output_ids else 0)
-
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device

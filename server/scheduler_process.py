@@ -27,6 +27,7 @@ from server.io_struct import (
     TokenOut,
 )
 from server.process_utils import ChildGuard
+from server.scheduler_factory import SchedulerLike
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler, recv: zmq.Socket, send: zmq.Socket, guard: ChildGuard) -> None:
+    def __init__(self, scheduler: SchedulerLike, recv: zmq.Socket, send: zmq.Socket, guard: ChildGuard) -> None:
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
@@ -93,7 +94,7 @@ class SchedulerLoop:
             logger.exception("abort_request(%s) failed", rid)
 
     def _step(self) -> None:
-        from server.tp_worker import TPRankError
+        from server.tp_protocol import TPRankError
 
         try:
             outs = self.scheduler.step()
@@ -132,7 +133,7 @@ class SchedulerLoop:
 
 
 def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_pid: int) -> None:
-    """Entry point of the scheduler process."""
+    """Entry point of the scheduler process; ``config`` is resolved (server/startup.py)."""
     guard = ChildGuard("scheduler", parent_pid, config.server.log_level)
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
@@ -140,11 +141,11 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
     send = ctx.socket(zmq.PUSH)
     send.connect(endpoints.detokenizer_input)
     try:
-        from server.tp_worker import make_scheduler
+        from server.scheduler_factory import make_scheduler
 
         scheduler = make_scheduler(config)  # tp_size > 1: rank 0 of the TP world, followers spawned here
         send.send_pyobj(SchedulerReady(int(scheduler.max_context_len), tuple(scheduler.eos_token_ids),
-                                       str(scheduler.model_path)))
+                                       config.model.model_path))
     except Exception as e:  # noqa: BLE001
         logger.error("cannot start the scheduler:\n%s", traceback.format_exc())
         send.send_pyobj(ProcessFailed("scheduler", f"cannot start: {type(e).__name__}: {e}"))
@@ -156,9 +157,7 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
         send.send_pyobj(ProcessFailed("scheduler", f"repeated step failures: {type(e).__name__}: {e}"))
         send.close(2000)
         os._exit(1)
-    from server.tp_worker import close_scheduler
-
-    close_scheduler(scheduler)
+    scheduler.close()
     recv.close(0)
     send.close(0)
     ctx.term()

@@ -30,7 +30,7 @@ from model_executor.sampling_params import SamplingParams, find_stop
 from speculative.budget import BudgetConfig, BudgetController
 from speculative.ddtree import DraftTree, PoppedNodes, assemble_tree, pop_nodes
 from speculative.step_cost import StepCostModel
-from speculative.types import DecodeResult, OutOfKVSlots
+from speculative.types import DecodeResult, OutOfKVSlots, SpecSettings
 from speculative.verify import verify_tree
 
 logger = logging.getLogger(__name__)
@@ -122,21 +122,28 @@ class SpecWorker:
             probe_step_cost(self, cost, cfg.probe_seconds)
 
     @classmethod
-    def create(cls, algorithm: str, draft_model_path: str | None, budget: int | str, block_size: int | None,
-               runner: ModelRunner, target_config: ModelConfig, max_budget: int = 64,
-               accept_thresholds: tuple[float, float] = (1.0, 1.0)) -> SpecWorker:
-        path = _resolve_draft_path(draft_model_path)
+    def create(cls, settings: SpecSettings, runner: ModelRunner, target_config: ModelConfig) -> SpecWorker:
+        """Load the drafter at ``settings.draft_model_path`` (a resolved directory) onto the target's ranks
+        and device, and build the worker; warns when the accept thresholds make sampling lossy."""
+        path = settings.draft_model_path
+        if path is None:
+            raise ValueError("speculative_draft_model_path is unset (server/startup.py resolves 'default')")
         cfg = ModelConfig.load(path, "float32", str(runner.device))
         cfg = ModelConfig(cfg.path, cfg.hf, cfg.architecture, cfg.eos_token_ids, target_config.dtype)
         if cfg.hidden_size != target_config.hidden_size:
             raise ValueError(f"drafter hidden size {cfg.hidden_size} != target hidden size {target_config.hidden_size}")
         drafter = load_model(cfg, runner.tp, runner.device)
-        bsz = block_size or int(drafter.block_size)
+        bsz = settings.block_size or int(drafter.block_size)
         if bsz < 2:
             raise ValueError(f"speculative_block_size must be >= 2, got {bsz}")
-        logger.info("speculative %s: drafter %s, block %d, budget %s (max %d)", algorithm, path, bsz, budget,
-                    max_budget)
-        return cls(algorithm, drafter, budget, bsz, runner, max_budget, accept_thresholds)
+        budget, max_budget = settings.ddtree_budget, settings.ddtree_max_budget
+        logger.info("speculative %s: drafter %s, block %d, budget %s (max %d)", settings.algorithm, path, bsz,
+                    budget, max_budget)
+        thresholds = (settings.accept_threshold_single, settings.accept_threshold_acc)
+        if settings.lossy:
+            logger.warning("speculative accept thresholds single=%g acc=%g are below 1: sampled verification is "
+                           "LOSSY (outputs no longer follow the target distribution)", *thresholds)
+        return cls(settings.algorithm, drafter, budget, bsz, runner, max_budget, thresholds)
 
     @property
     def max_step_tokens(self) -> int:
@@ -293,11 +300,3 @@ def _attach_logprobs(reqs, res, logits: torch.Tensor, out: list[DecodeResult]) -
         k = len(r.tokens)
         rows = logits[b, res.accept_index[b, :k]]  # [k, V] rows of the root and accepted nodes
         r.logprobs = token_logprobs(rows, torch.tensor(r.tokens, device=rows.device), q.params.logprobs)
-
-
-def _resolve_draft_path(path: str | None) -> str:
-    if path in (None, "", "default"):
-        from model_executor.default_drafter import default_drafter_path
-
-        return default_drafter_path()
-    return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class OutOfKVSlots(Exception):
@@ -20,3 +21,32 @@ class DecodeResult:
     accepted: int
     logprobs: list | None = None
     budget: int = 0  # tree nodes this step offered the request (0: a plain decode step)
+
+
+class SpecSettings(Protocol):
+    """What ``SpecWorker.create`` builds the worker from. server/config.py ``SpeculativeArgs`` satisfies it,
+    validated and with ``draft_model_path`` resolved to a directory (server/startup.py)."""
+
+    @property
+    def algorithm(self) -> str: ...  # "dflash" (chain) | "ddtree" (tree)
+
+    @property
+    def draft_model_path(self) -> str | None: ...
+
+    @property
+    def ddtree_budget(self) -> int | str: ...  # an int >= 1, or "auto"
+
+    @property
+    def ddtree_max_budget(self) -> int: ...
+
+    @property
+    def block_size(self) -> int | None: ...  # None: the drafter config's
+
+    @property
+    def accept_threshold_single(self) -> float: ...
+
+    @property
+    def accept_threshold_acc(self) -> float: ...
+
+    @property
+    def lossy(self) -> bool: ...  # a threshold below 1: sampled verification no longer follows the target

@@ -134,3 +134,10 @@ def test_bad_prompt_and_model_path(engine):
     with pytest.raises(ValueError, match="model_path"):
         Engine("/nonexistent/model")
     _assert_pool_full(engine)
+
+
+def test_engine_drives_a_scheduler_protocol_over_a_resolved_config(engine, default_model_path):
+    from server.scheduler_factory import SchedulerLike
+
+    assert isinstance(engine.scheduler, SchedulerLike)
+    assert engine.config.model.model_path == default_model_path and engine.config.model.device in ("cpu", "cuda")

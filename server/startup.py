@@ -1,0 +1,63 @@
+"""Start-up resolution, done once before anything is built: the model and drafter paths and the device.
+
+``resolve_config`` turns the user's configuration into a resolved one (``model_path`` and, with
+speculation, ``speculative_draft_model_path`` are existing directories, ``"default"`` replaced by the
+shipped model / drafter; ``device`` is ``cpu`` or ``cuda``). Everything below it (``make_scheduler``,
+``Scheduler``, ``SpecWorker.create``, the TP ranks) reads those fields as they are and resolves nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from server.config import ServerConfig, is_default_path
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` -> ``"cuda"`` when CUDA is available, else ``"cpu"``; any other value as given."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_model_path(path: str | None) -> str:
+    """A local Hugging Face directory; ``"default"`` = SmolLM2-135M-Instruct, converted once into the cache."""
+    if is_default_path(path):
+        from model_executor.default_model import ensure_default_model
+
+        return ensure_default_model()
+    if not Path(path).is_dir():
+        raise ValueError(f"model_path {path!r} does not exist or is not a directory "
+                         "(hub downloads are not supported: pass a local Hugging Face directory)")
+    return str(path)
+
+
+def resolve_draft_path(path: str | None) -> str:
+    """A drafter directory; ``"default"`` or unset = the default model's shipped drafter."""
+    if is_default_path(path):
+        from model_executor.default_drafter import default_drafter_path
+
+        return default_drafter_path()
+    return str(path)
+
+
+def is_resolved(config: ServerConfig) -> bool:
+    """Whether ``resolve_config`` has nothing left to do (a concrete device and model path)."""
+    spec = config.speculative
+    return (config.model.device != "auto" and not is_default_path(config.model.model_path)
+            and not (spec.enabled and is_default_path(spec.draft_model_path)))
+
+
+def resolve_config(config: ServerConfig) -> ServerConfig:
+    """The configuration with its paths and device resolved (idempotent), after refusing a model whose
+    tokenizer needs remote code that is not trusted: all before any weights load or process starts."""
+    from server.process_utils import check_trust_remote_code
+
+    model_path = resolve_model_path(config.model.model_path)
+    check_trust_remote_code(model_path, config.model.trust_remote_code)
+    config = config.replace("model", model_path=model_path, device=resolve_device(config.model.device))
+    if config.speculative.enabled:
+        config = config.replace("speculative", draft_model_path=resolve_draft_path(config.speculative.draft_model_path))
+    return config
