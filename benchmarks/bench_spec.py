@@ -1,30 +1,42 @@
-"""Speculative decoding on the default model: tau and decode tokens/s for none, DDTree at fixed budgets and
-the adaptive budget ("auto", issue 15), optionally dflash (chain), at several batch sizes, greedy and T=1,
-all in one run, plus a per-step time breakdown (draft, tree build, verify forward, verify, commit,
-scheduler). For auto it prints the budgets it chose (mean and the most frequent) and a summary: auto
-against none and against the best of none and every fixed budget, per batch size and temperature (the
-issue's bar: >= 0.95x the best, never below none). Table + JSON.
+"""Speculative decoding on the default model: decode tokens/s and tau of none, DDTree at fixed budgets and the
+adaptive budget ("auto", issue 15), optionally dflash (chain), at several batch sizes, greedy and T=1, all in
+one run, with INTERLEAVED repetitions: every configuration has its own engine, built once, and each (batch
+size, temperature) cell runs the configurations in rounds, the order rotated every round, so that the
+machine's drift (2-3x between runs minutes apart on a shared CPU) hits all of them alike. Per cell and
+configuration it reports the median tokens/s over the rounds and the median of the per-round ratios to
+none (paired: the same round), plus the budgets auto chose (mean, share of plain steps, most frequent) and
+a per-step time breakdown; then a summary of auto against none and against the best of {none, every fixed
+budget} (the issue's bar: >= 0.95x the best, never below none). Table + JSON.
 
-    python benchmarks/bench_spec.py [--budgets 4,16,64] [--auto] [--dflash] [--batch-sizes 1,4,16,32]
-        [--max-tokens 64] [--draft-model-path default] [--dtype float32] [--out bench_out/spec.json]
+    python benchmarks/bench_spec.py [--budgets 4,16,64] [--no-auto] [--dflash] [--batch-sizes 1,4,16,32]
+        [--temperatures 0,1] [--max-tokens 64] [--rounds 3] [--fixed-rounds N] [--out bench_out/spec.json]
+
+``--fixed-rounds`` (default: ``--rounds``) runs the fixed budgets and dflash only in the first N rounds
+(their paired ratios then come from those rounds), to save time where they are far slower than none.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from benchmarks.common import CHAT_PROMPTS, chat_ids, machine, print_table, write_json  # noqa: E402
 from server.engine import Engine, SamplingParams  # noqa: E402
 
+PHASES = ("draft", "build", "verify_forward", "verify", "commit", "plain")
+
 
 def run(engine: Engine, ids: list[list[int]], params: SamplingParams) -> dict:
-    sch = engine.scheduler
-    spec = sch.spec
+    """One generate call: tokens/s, tau, per-step phase times (ms) and the budgets auto chose."""
+    spec = engine.scheduler.spec
     ctl = spec.controller if spec is not None else None
     if spec is not None:
         spec.timer.totals.clear()
@@ -35,24 +47,90 @@ def run(engine: Engine, ids: list[list[int]], params: SamplingParams) -> dict:
     outs = engine.generate(input_ids=ids, sampling_params=params)
     wall = time.perf_counter() - t
     gen = sum(len(o.token_ids) for o in outs)
-    row = {"tok_s": gen / wall, "generated": gen}
+    row: dict = {"tok_s": gen / wall, "generated": gen, "wall_s": wall}
     if spec is not None:
         steps = sum(o.spec_verify_steps for o in outs)
         row["tau"] = sum(len(o.token_ids) - 1 for o in outs) / max(steps, 1)  # first token comes from prefill
-        phases = dict(spec.timer.totals)
-        spec_time = sum(phases.values())
-        row.update({f"{k}_ms": 1000 * v / max(spec.timer.steps, 1) for k, v in phases.items()})
-        fwd = phases.get("draft", 0) + phases.get("verify_forward", 0)
-        sched = max(wall - spec_time, 0.0)
-        overhead = phases.get("build", 0) + phases.get("verify", 0) + phases.get("commit", 0) + sched
-        row["sched_ms"] = 1000 * sched / max(spec.timer.steps, 1)
-        row["overhead_share"] = overhead / max(fwd + overhead, 1e-9)
+        n = max(spec.timer.steps, 1)
+        row.update({f"{k}_ms": 1000 * v / n for k, v in spec.timer.totals.items()})
+        row["sched_ms"] = 1000 * max(wall - sum(spec.timer.totals.values()), 0.0) / n
         row["mean_budget"] = sum(o.spec_budget_sum for o in outs) / max(steps, 1)
     if ctl is not None:
-        top = ctl.chosen.most_common(4)
-        row["budgets_chosen"] = " ".join(f"{b}:{n}" for b, n in top)  # budget:request-steps, most frequent
         row["budget_counts"] = dict(ctl.chosen)
     return row
+
+
+def configs_from(args) -> list[tuple[str, str, int | str]]:
+    """(label, algorithm, budget) of every configuration; none first."""
+    out = [("none", "none", 0)] + ([("dflash", "dflash", 0)] if args.dflash else [])
+    out += [(f"ddtree@{b}", "ddtree", int(b)) for b in args.budgets.split(",") if b]
+    return out + ([("auto", "ddtree", "auto")] if args.auto else [])
+
+
+def build_engine(alg: str, budget: int | str, args) -> Engine:
+    kw = {} if alg == "none" else {"speculative_algorithm": alg, "draft_model_path": args.draft_model_path,
+                                   "ddtree_budget": budget or 1, "ddtree_max_budget": args.max_budget}
+    engine = Engine("default", dtype=args.dtype, max_total_tokens=16384, **kw)
+    ids = chat_ids(engine.tokenizer, CHAT_PROMPTS)
+    run(engine, ids[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    return engine
+
+
+def run_cell(engines: dict, labels: list[str], ids, params, rounds: int, fixed_rounds: int) -> dict[str, list]:
+    """Interleaved rounds: round k runs every configuration once (fixed budgets and dflash only while
+    k < fixed_rounds), in the order rotated by k. Returns per label the rows, each tagged with its round."""
+    rows: dict[str, list] = {lab: [] for lab in labels}
+    for k in range(rounds):
+        active = [lab for lab in labels if k < fixed_rounds or lab in ("none", "auto")]
+        order = active[k % len(active):] + active[:k % len(active)]
+        for lab in order:
+            row = run(engines[lab], ids, params)
+            row["round"] = k
+            rows[lab].append(row)
+    return rows
+
+
+def summarise_cell(rows: dict[str, list], bs: int, temp: float) -> list[dict]:
+    """Median tokens/s per label, median of the per-round ratios to none, phase medians, auto's budgets."""
+    none_by_round = {r["round"]: r["tok_s"] for r in rows["none"]}
+    out = []
+    for lab, rs in rows.items():
+        s = {"config": lab, "batch": bs, "temperature": temp, "rounds": len(rs),
+             "tok_s": statistics.median(r["tok_s"] for r in rs),
+             "tok_s_all": [round(r["tok_s"], 2) for r in rs],
+             "vs_none": statistics.median(r["tok_s"] / none_by_round[r["round"]] for r in rs)}
+        for key in ("tau", "mean_budget", "sched_ms", *(f"{p}_ms" for p in PHASES)):
+            vals = [r[key] for r in rs if key in r]
+            if vals:
+                s[key] = statistics.median(vals)
+        counts: Counter[int] = Counter()
+        for r in rs:
+            counts.update(r.get("budget_counts", {}))
+        if counts:
+            total = sum(counts.values())
+            s["budget_counts"] = {int(b): n for b, n in sorted(counts.items())}
+            s["plain_share"] = counts[0] / total
+            s["budgets_chosen"] = " ".join(f"{b}:{n}" for b, n in counts.most_common(4))
+        out.append(s)
+    return out
+
+
+def auto_summary(summary: list[dict], rows_by_cell: dict) -> list[dict]:
+    """Per cell: auto against none and against the best non-auto configuration (by median tokens/s), both as
+    the median of per-round ratios (paired rounds)."""
+    out = []
+    for (bs, temp), rows in rows_by_cell.items():
+        if "auto" not in rows:
+            continue
+        cell = [s for s in summary if (s["batch"], s["temperature"]) == (bs, temp) and s["config"] != "auto"]
+        best = max(cell, key=lambda s: s["tok_s"])
+        by_round = {r["round"]: r["tok_s"] for r in rows[best["config"]]}
+        vs_best = statistics.median(r["tok_s"] / by_round[r["round"]] for r in rows["auto"] if r["round"] in by_round)
+        auto = next(s for s in summary if (s["batch"], s["temperature"], s["config"]) == (bs, temp, "auto"))
+        out.append({"batch": bs, "temperature": temp, "auto_tok_s": auto["tok_s"], "best": best["config"],
+                    "best_tok_s": best["tok_s"], "vs_best": vs_best, "vs_none": auto["vs_none"],
+                    "plain_share": auto.get("plain_share"), "ok": vs_best >= 0.95 and auto["vs_none"] >= 1.0})
+    return out
 
 
 def main() -> None:
@@ -64,59 +142,51 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions per cell")
+    ap.add_argument("--fixed-rounds", type=int, default=None, help="rounds that include fixed budgets/dflash")
     ap.add_argument("--draft-model-path", default="default")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 is far faster on a CPU shared with other jobs: no spinning)")
     ap.add_argument("--out", default="bench_out/spec.json")
     args = ap.parse_args()
-    configs = [("none", 0)] + ([("dflash", 0)] if args.dflash else [])
-    configs += [("ddtree", int(b)) for b in args.budgets.split(",") if b] + ([("ddtree", "auto")] if args.auto else [])
-    rows = []
-    base = None
-    for alg, budget in configs:
-        kw = {} if alg == "none" else {"speculative_algorithm": alg, "draft_model_path": args.draft_model_path,
-                                       "ddtree_budget": budget or 1, "ddtree_max_budget": args.max_budget}
-        engine = Engine("default", dtype=args.dtype, max_total_tokens=16384, **kw)
-        ids_all = chat_ids(engine.tokenizer, CHAT_PROMPTS)
-        run(engine, ids_all[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-        for bs in (int(b) for b in args.batch_sizes.split(",")):
-            ids = (ids_all * ((bs + len(ids_all) - 1) // len(ids_all)))[:bs]
-            for temp in (float(t) for t in args.temperatures.split(",")):
-                print(f"[bench] {alg} budget={budget} batch={bs} T={temp} ...", flush=True)
-                params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
-                row = {"algorithm": alg, "budget": budget or None, "batch": bs, "temperature": temp}
-                row.update(run(engine, ids, params))
-                if alg == "none":
-                    base = base or {}
-                    base[(bs, temp)] = row["tok_s"]
-                row["speedup"] = row["tok_s"] / base[(bs, temp)] if base and (bs, temp) in base else None
-                rows.append(row)
-        engine.shutdown()
-    cols = ["algorithm", "budget", "batch", "temperature", "tau", "tok_s", "speedup", "mean_budget", "draft_ms",
-            "build_ms", "verify_forward_ms", "verify_ms", "commit_ms", "sched_ms", "overhead_share", "budgets_chosen"]
-    print_table(rows, cols)
-    summary = auto_summary(rows)
-    if summary:
-        print("\nauto vs none and vs the best of {none, fixed budgets}:")
-        print_table(summary, ["batch", "temperature", "auto_tok_s", "best", "best_tok_s", "vs_best", "vs_none", "ok"])
-    write_json(args.out, {"machine": machine(), "args": vars(args), "rows": rows, "auto_summary": summary})
-
-
-def auto_summary(rows: list[dict]) -> list[dict]:
-    """Per (batch, temperature): auto's tokens/s against none and the best non-auto configuration."""
-    out = []
-    for auto in (r for r in rows if r["budget"] == "auto"):
-        key = (auto["batch"], auto["temperature"])
-        others = [r for r in rows if (r["batch"], r["temperature"]) == key and r["budget"] != "auto"]
-        if not others:
-            continue
-        best = max(others, key=lambda r: r["tok_s"])
-        none = next((r for r in others if r["algorithm"] == "none"), best)
-        vs_best, vs_none = auto["tok_s"] / best["tok_s"], auto["tok_s"] / none["tok_s"]
-        out.append({"batch": key[0], "temperature": key[1], "auto_tok_s": auto["tok_s"],
-                    "best": f"{best['algorithm']}@{best['budget']}" if best["budget"] else best["algorithm"],
-                    "best_tok_s": best["tok_s"], "vs_best": vs_best, "vs_none": vs_none,
-                    "ok": vs_best >= 0.95 and vs_none >= 1.0})
-    return out
+    fixed_rounds = args.rounds if args.fixed_rounds is None else min(args.fixed_rounds, args.rounds)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mach = machine()
+    print(f"[bench] {mach}", flush=True)
+    t0 = time.perf_counter()
+    configs = configs_from(args)
+    engines = {lab: build_engine(alg, budget, args) for lab, alg, budget in configs}
+    labels = [lab for lab, _, _ in configs]
+    ids_all = chat_ids(engines["none"].tokenizer, CHAT_PROMPTS)
+    summary, rows_by_cell = [], {}
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        ids = (ids_all * ((bs + len(ids_all) - 1) // len(ids_all)))[:bs]
+        for temp in (float(t) for t in args.temperatures.split(",")):
+            print(f"[bench] batch={bs} T={temp}: {args.rounds} rounds ...", flush=True)
+            params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
+            rows = run_cell(engines, labels, ids, params, args.rounds, fixed_rounds)
+            rows_by_cell[(bs, temp)] = rows
+            cell = summarise_cell(rows, bs, temp)
+            summary += cell
+            print("[bench] " + "  ".join(f"{s['config']} {s['tok_s']:.1f} tok/s ({s['vs_none']:.2f}x)" for s in cell)
+                  + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
+    for e in engines.values():
+        e.shutdown()
+    cols = ["config", "batch", "temperature", "rounds", "tau", "tok_s", "vs_none", "mean_budget", "plain_share",
+            "draft_ms", "build_ms", "verify_forward_ms", "verify_ms", "commit_ms", "plain_ms", "sched_ms",
+            "budgets_chosen"]
+    print_table(summary, cols)
+    autos = auto_summary(summary, rows_by_cell)
+    if autos:
+        print("\nauto vs none and vs the best of {none, fixed budgets} (medians of per-round ratios):")
+        print_table(autos, ["batch", "temperature", "auto_tok_s", "best", "best_tok_s", "vs_best", "vs_none",
+                            "plain_share", "ok"])
+    print(f"[bench] {time.perf_counter() - t0:.0f} s")
+    raw = {f"{bs},{temp}": rows for (bs, temp), rows in rows_by_cell.items()}
+    write_json(args.out, {"machine": mach, "args": vars(args), "summary": summary, "auto_summary": autos,
+                          "rounds": raw, "seconds": time.perf_counter() - t0})
 
 
 if __name__ == "__main__":

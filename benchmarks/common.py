@@ -31,7 +31,22 @@ def chat_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
 
 def machine() -> dict:
     return {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.is_available(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "cuda": torch.cuda.is_available(), "cpu_bf16": cpu_bf16(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def cpu_bf16() -> str:
+    """The CPU's bfloat16 support as the kernel reports it (``/proc/cpuinfo`` flags amx_bf16, avx512_bf16)
+    and the vector ISA torch dispatches to (``torch.backends.cpu.get_cpu_capability``)."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    have = [f for f in ("amx_bf16", "avx512_bf16") if f in flags] or ["no bf16 flags"]
+    return f"{' '.join(have)}; torch ISA {torch.backends.cpu.get_cpu_capability()}"
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:

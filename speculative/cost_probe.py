@@ -2,7 +2,9 @@
 
 Runs once when the worker is built (before any request holds KV): ``bs`` drafter blocks (plus the pops of
 the largest budget) for the drafter table, and tree-verify forwards over ``n`` tokens split into requests of
-``max_budget + 1`` causal tokens for the verify table (the last request takes the remainder). Every slot and request row it takes is returned.
+``max_budget + 1`` causal tokens for the verify table (the last request takes the remainder), and plain decode
+forwards over ``bs`` one-token requests (target layers captured, drafter context written, as the worker's
+plain step) for the plain table. Every slot and request row it takes is returned.
 """
 
 from __future__ import annotations
@@ -99,6 +101,35 @@ def _time_verify(worker: SpecWorker, n: int) -> float | None:
             r.req_to_token.free(i)
 
 
+@torch.inference_mode()
+def _time_plain(worker: SpecWorker, bs: int) -> float | None:
+    r = worker.runner
+    if r.allocator.num_free < bs:
+        return None
+    rows = _rows(worker, bs)
+    if rows is None:
+        return None
+    slots = r.allocator.alloc(bs)  # [bs]
+    try:
+        idx = torch.tensor(rows, device=r.device)  # [bs]
+        zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs] tokens and positions
+        r.req_to_token.table[idx, zeros] = slots
+        fb = build_forward_batch(
+            ForwardMode.DECODE, zeros, zeros, slots, r.req_to_token.table, idx, zeros,
+            torch.ones(bs, dtype=torch.int64), capture_layer_ids=worker.capture_layer_ids,
+        )
+        _sync(r.device)
+        t = time.perf_counter()
+        out = r.forward(fb)
+        worker.drafter.write_context(out.captured, zeros, slots, worker.draft_kv)
+        r.logits(out.hidden).argmax(-1).tolist()  # the sampler's host copy: synchronises
+        return time.perf_counter() - t
+    finally:
+        r.allocator.free(slots)
+        for i in rows:
+            r.req_to_token.free(i)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -111,4 +142,5 @@ def probe_step_cost(worker: SpecWorker, cost: StepCostModel, seconds: float) -> 
         lambda n: _time_verify(worker, n),
         seconds,
         agree=lambda stop: bool(tp.broadcast_object(stop)),
+        time_plain=lambda bs: _time_plain(worker, bs),
     )

@@ -25,7 +25,7 @@ from model_executor.memory import step_budget
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model, pick_attention_backend, warm_up_attention
 from model_executor.penalties import BatchPenalties, TokenCounts
-from model_executor.sampler import BatchSamplingInfo, token_logprobs
+from model_executor.sampler import BatchSamplingInfo, sample, token_logprobs
 from model_executor.sampling_params import SamplingParams, find_stop
 from speculative.budget import BudgetConfig, BudgetController
 from speculative.ddtree import DraftTree, PoppedNodes, assemble_tree, pop_nodes
@@ -185,12 +185,15 @@ class SpecWorker:
                 budgets = torch.full((bs,), step_budget(self.budget, bs, self.max_verify_tokens))
             else:
                 budgets = full
-        else:  # a plain decode step: the verify forward over the roots alone still feeds the drafter's context
+        else:
             popped, budgets = PoppedNodes.empty(bs), torch.zeros(bs, dtype=torch.int64)
+        draft_s = time.perf_counter() - t0 if drafted else None  # drafter forward + pops + decision
+        if not (np.minimum(budgets.numpy(), popped.counts) > 0).any():  # every tree is its root alone
+            return self._plain_step(reqs, idx, cached, roots, sampled, draft_s)
         tree = assemble_tree(popped, budgets, roots, cached, dev)
         t.lap("build")
         built_at = time.perf_counter()
-        draft_s = built_at - t0 if drafted else None  # drafter forward + pops + decision + tree
+        draft_s = built_at - t0  # drafter forward + pops + decision + tree
         logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
         t.lap("verify_forward")
         info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
@@ -198,7 +201,7 @@ class SpecWorker:
         pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
         single, acc = self.accept_thresholds
         res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy,
-                          [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p, penalties=pen,
+                          [q.generator for q in reqs], min_p=info.min_p, penalties=pen,
                           threshold_single=single, threshold_acc=acc)
         t.lap("verify")
         out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
@@ -213,6 +216,39 @@ class SpecWorker:
             ctl.record(n_used.numpy(), tree, res.accept_length.cpu().numpy(), sampled, bs, bs + int(n_used.sum()),
                        draft_s, time.perf_counter() - built_at)
         return out
+
+    def _plain_step(self, reqs, idx, cached, roots, sampled: np.ndarray, draft_s: float | None) -> list[DecodeResult]:
+        """A step whose trees are all the root alone, at the cost of the scheduler's plain decode step: one
+        causal decode forward over the roots (their KV kept) that also captures the target layers the
+        drafter's context needs, so speculation can resume at any later step; then the plain sampler
+        (``model_executor.sampler.sample``: logit bias and penalties, temperature, top-k / top-p / min-p, one
+        uniform per sampled request from its own generator) and plain logprobs. Greedy tokens are plain
+        decoding's; sampled tokens are drawn exactly as plain decoding draws them."""
+        r, bs = self.runner, len(reqs)
+        start = time.perf_counter()
+        slots = r.allocator.alloc(bs)  # [bs] the roots' KV
+        r.req_to_token.table[idx, cached] = slots
+        fb = build_forward_batch(ForwardMode.DECODE, roots, cached, slots, r.req_to_token.table, idx, cached,
+                                 torch.ones(bs, dtype=torch.int64), capture_layer_ids=self.capture_layer_ids)
+        out = r.forward(fb)
+        self.drafter.write_context(out.captured, cached, slots, self.draft_kv)
+        logits = r.logits(out.hidden)  # [bs, V]
+        params = [q.params for q in reqs]
+        pen = BatchPenalties.build(params, [q.token_counts for q in reqs], logits.shape[-1], r.device)
+        tokens = sample(logits, BatchSamplingInfo.build(params, logits.shape[-1], r.device),
+                        [q.generator for q in reqs], pen)  # [bs]
+        results = []
+        for b, (q, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
+            q.num_cached += 1  # a running request has a token left: ``tok`` is always kept
+            lp = None if q.params.logprobs is None else token_logprobs(logits[b:b + 1], tokens[b:b + 1],
+                                                                       q.params.logprobs)
+            results.append(DecodeResult([tok], 0, lp))
+        self.timer.lap("plain")
+        self.timer.steps += 1
+        if self.controller is not None:
+            zeros = np.zeros(bs, dtype=np.int64)
+            self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, time.perf_counter() - start)
+        return results
 
     def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
         """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]."""

@@ -2,9 +2,11 @@
 
 A step costs ``draft(bs)`` (one drafter forward over ``bs`` blocks plus the tree build; zero when the step
 does not draft) plus ``verify(n)``: the target forward over ``n`` tree tokens in total (roots included), the
-verification and the commit. Both are piecewise-linear tables over a geometric grid (1, 2, 4, ...) of their
+verification and the commit; or, when every tree is its root alone (``n == bs``), ``plain(bs)``: the plain
+decode step the worker runs then (causal decode forward + sampler, no tree bookkeeping), cheaper than a
+tree-verify forward over as many tokens. All three are piecewise-linear tables over a geometric grid (1, 2, 4, ...) of their
 argument, extrapolated linearly past the last point. A start-up probe fills the tables (``probe``); every
-step's measured phase times then move the two bracketing grid points towards the observation (one
+step's measured phase times then move the two bracketing grid points (of the table that step used) towards the observation (one
 stochastic-gradient step on the interpolated prediction, rate ``lr``), so the model follows the machine's
 load and the requests' context lengths.
 
@@ -58,25 +60,31 @@ class PiecewiseLinear:
 
 
 class StepCostModel:
-    """Seconds per step as ``draft(bs) * drafted + verify(total_tokens)``."""
+    """Seconds per step as ``draft(bs) * drafted + (plain(bs) if total_tokens == bs else verify(total_tokens))``."""
 
     def __init__(self, max_batch: int, max_tokens: int, lr: float = 0.2):
         self.draft = PiecewiseLinear(geometric_grid(max_batch))
         self.verify = PiecewiseLinear(geometric_grid(max_tokens))
+        self.plain = PiecewiseLinear(geometric_grid(max_batch))
         self.lr = lr
         self.probed = False
 
     def step_time(self, bs: int, total_tokens: np.ndarray | int, drafted: bool) -> np.ndarray:
         """Predicted seconds of a step over ``bs`` requests verifying ``total_tokens`` tokens (vectorised over
         total_tokens)."""
-        t = self.verify(np.asarray(total_tokens, dtype=np.float64))
+        n = np.asarray(total_tokens, dtype=np.float64)
+        t = np.where(n <= bs, float(self.plain(bs)), self.verify(n))  # roots alone: a plain decode step
         return t + (float(self.draft(bs)) if drafted else 0.0)
 
     def observe(self, bs: int, total_tokens: int, draft_s: float | None, verify_s: float) -> None:
-        """One step's measured phase times (``draft_s`` None when the step did not draft)."""
+        """One step's measured phase times (``draft_s`` None when the step did not draft; ``verify_s``: the plain
+        step's time when ``total_tokens == bs``)."""
         if draft_s is not None:
             self.draft.update(bs, draft_s, self.lr)
-        self.verify.update(total_tokens, verify_s, self.lr)
+        if total_tokens <= bs:
+            self.plain.update(bs, verify_s, self.lr)
+        else:
+            self.verify.update(total_tokens, verify_s, self.lr)
 
     def probe(
         self,
@@ -84,16 +92,21 @@ class StepCostModel:
         time_verify: Callable[[int], float | None],
         budget_s: float = 2.0,
         agree: Callable[[bool], bool] = bool,
+        time_plain: Callable[[int], float | None] | None = None,
     ) -> None:
-        """Fill the tables by timing real forwards: ``time_draft(bs)`` and ``time_verify(n)`` return seconds
-        (None: cannot be measured here, e.g. too few KV slots). Every other grid point (1, 4, 16, ...) is
+        """Fill the tables by timing real forwards: ``time_draft(bs)``, ``time_verify(n)`` and ``time_plain(bs)``
+        return seconds (None: cannot be measured here, e.g. too few KV slots; ``time_plain`` None: the plain
+        table takes the verify table's values). Every other grid point (1, 4, 16, ...) is
         timed, cheapest first, at least three of them and more while ``budget_s`` (per table) lasts; the
         points between are interpolated and the ones past the last measurement extrapolated linearly
         from the last two (a wide span, so timing noise hardly tilts the slope).
         ``agree(stop)`` makes every tensor-parallel rank take rank 0's stop decision (same forwards)."""
         import time
 
-        for table, fn in ((self.verify, time_verify), (self.draft, time_draft)):
+        tables = [(self.verify, time_verify), (self.draft, time_draft)]
+        if time_plain is not None:
+            tables.append((self.plain, time_plain))
+        for table, fn in tables:
             fn(1)  # warm-up (first-call allocations)
             start = time.perf_counter()
             xs, ys = [], []
@@ -114,4 +127,6 @@ class StepCostModel:
             table.y[inside] = np.interp(table.x[inside], xs, ys)
             slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
             table.y[~inside] = ys[-1] + slope * (table.x[~inside] - xs[-1])
+        if time_plain is None:
+            self.plain.y[:] = self.verify(self.plain.x)
         self.probed = True

@@ -40,12 +40,12 @@ from speculative.ddtree import DraftTree
 @dataclass
 class VerifyResult:
     """Per request, ``accept_length[b] + 1`` valid leading entries in each ``[bs, S]`` field
-    (S = 1 + the deepest node of the batch); padding is -1 (0.0 for ``target_logprobs``)."""
+    (S = 1 + the deepest node of the batch); padding is -1. Logprobs of the emitted tokens are the
+    worker's (``spec_worker._attach_logprobs``: raw target logits at ``accept_index``, as plain decoding)."""
 
     accept_index: torch.Tensor  # [bs, S] int64, local slots: root, then the accepted nodes in path order
     accept_length: torch.Tensor  # [bs] int64, accepted draft nodes (root not counted)
     emitted_tokens: torch.Tensor  # [bs, S] int64, accepted draft tokens then the bonus token
-    target_logprobs: torch.Tensor | None = None  # [bs, S] float32, log_softmax(raw logits)[token]
 
 
 def build_target_probs(
@@ -120,7 +120,6 @@ def verify_tree(
     top_p: torch.Tensor,
     is_greedy: torch.Tensor,
     generators: Sequence[torch.Generator | None],
-    return_logprobs: bool = False,
     min_p: torch.Tensor | None = None,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
@@ -133,8 +132,7 @@ def verify_tree(
     top_p [bs] float; top_k [bs] int (<= 0: off); is_greedy [bs] bool; generators: one per request
     (None: torch's default generator), only used by sampled requests. ``penalties``: logit bias and
     repetition / frequency / presence penalties (``model_executor.penalties.apply_tree_penalties``: node i
-    counts the tokens on its own path root..i), applied before the argmax and the target probabilities.
-    ``target_logprobs`` are of the raw logits, as in plain decoding."""
+    counts the tokens on its own path root..i), applied before the argmax and the target probabilities."""
     from kernels import speculative as kspec
 
     bs, d = tree.candidates.shape
@@ -189,16 +187,8 @@ def verify_tree(
     base = (torch.arange(bs, device=dev) * d).view(bs, 1)  # [bs, 1]
     local = torch.where(valid, glob - base, -1)  # [bs, S]
     emitted = torch.where(valid, predicts.long()[glob.clamp(min=0)], -1)  # [bs, S]
-    logprobs = None
-    if return_logprobs:
-        rows = target_logits.gather(
-            1, local.clamp(min=0).unsqueeze(-1).expand(bs, s, target_logits.shape[-1])
-        )  # [bs, S, V]
-        lp = torch.log_softmax(rows.float(), dim=-1).gather(-1, emitted.clamp(min=0).unsqueeze(-1))
-        logprobs = torch.where(valid, lp.squeeze(-1), 0.0)  # [bs, S]
     return VerifyResult(
         accept_index=local,
         accept_length=accept_num.long(),
         emitted_tokens=emitted,
-        target_logprobs=logprobs,
     )

@@ -68,6 +68,7 @@ def _set_costs(engine: Engine, verify_per_token: float) -> None:
     cost.lr = 0.0
     cost.draft.y[:] = 1e-3
     cost.verify.y[:] = 1e-2 + verify_per_token * cost.verify.x
+    cost.plain.y[:] = 1e-2 + verify_per_token * cost.plain.x  # a plain step of bs requests: bs tokens
 
 
 def test_plain_steps_keep_the_drafter_context(tiny):
@@ -98,6 +99,34 @@ def test_plain_steps_keep_the_drafter_context(tiny):
     counts = ctl.stats()["budget_counts"]
     assert counts.get(0, 0) >= 9 * len(prompts) and max(counts) > 0
     assert e.scheduler.total_spec_tokens > e.scheduler.total_verify_steps  # drafts were accepted
+    _assert_pool_full(e)
+
+
+def test_all_plain_fast_path_is_the_plain_decode_step(tiny):
+    """Steps whose budgets are all 0 take the worker's plain fast path: the same forward and sampler as the
+    scheduler's plain decode, so with the same seeds the tokens are the SAME draws (greedy and sampled,
+    with logit bias, penalties, top-k / top-p / min-p) and the logprobs the same numbers; the tree path
+    never runs, yet the drafter's context is written (the exploration steps draft from it)."""
+    target, drafter = tiny
+    prompts = _prompts(8, seed=5)
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={5: 3.0}, presence_penalty=0.5),
+        *(SamplingParams(temperature=0.9, seed=s, max_tokens=20, ignore_eos=True, top_k=6, top_p=0.9,
+                         min_p=0.02, frequency_penalty=0.3, logprobs=1 if s % 2 else None) for s in range(6)),
+    ]
+    ref = Engine(target, dtype="float32", max_total_tokens=16384).generate(
+        input_ids=prompts, sampling_params=params
+    )
+    e = _auto(target, drafter)
+    _set_costs(e, 1.0)  # every step plain (explorations draft, then choose budget 0)
+    got = e.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.logprobs for o in got] == [o.logprobs for o in ref]
+    spec = e.scheduler.spec
+    assert set(spec.controller.stats()["budget_counts"]) == {0}
+    assert "plain" in spec.timer.totals and "verify_forward" not in spec.timer.totals  # no tree bookkeeping
+    assert "draft" in spec.timer.totals  # the explorations drafted (from the context the plain steps wrote)
     _assert_pool_full(e)
 
 

@@ -121,6 +121,20 @@ def test_probe_fills_tables_by_hand():
     assert cost.verify(np.array([2.0, 64.0])).tolist() == pytest.approx([0.012, 0.074])
     assert float(cost.draft(8)) == pytest.approx(0.8)
     assert float(cost.step_time(4, 16, drafted=True)) == pytest.approx(0.026 + 0.4)
+    assert float(cost.step_time(4, 4, drafted=False)) == pytest.approx(0.014)  # no plain probe: verify's table
+
+
+def test_plain_steps_have_their_own_table():
+    """Roots alone (total tokens == bs) cost a plain decode step, probed and updated in its own table: a
+    tree-verify forward over as many tokens costs more (mask, tree bookkeeping) and must not price it."""
+    cost = StepCostModel(max_batch=8, max_tokens=64)
+    cost.probe(lambda bs: 0.1 * bs, lambda n: 0.01 + 0.001 * n, budget_s=0.0, time_plain=lambda bs: 0.005 * bs)
+    assert cost.step_time(4, np.array([4, 5]), drafted=False).tolist() == pytest.approx([0.02, 0.015])
+    assert float(cost.step_time(2, 2, drafted=True)) == pytest.approx(0.01 + 0.2)
+    cost.observe(4, 4, None, 0.03)  # a plain step of 4 requests took 30 ms: moves plain(4) by lr * 10 ms
+    assert float(cost.plain(4)) == pytest.approx(0.02 + 0.2 * 0.01) and float(cost.verify(4)) == 0.014
+    cost.observe(4, 8, 0.5, 0.018)  # a tree step: verify(8) 18 ms -> moves 20% of the 0 ms error, draft(4)
+    assert float(cost.verify(8)) == pytest.approx(0.018) and float(cost.draft(4)) == pytest.approx(0.42)
 
 
 def test_probe_with_room_for_one_point_only():

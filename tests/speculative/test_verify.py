@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kernels.speculative as kspec
 from speculative.ddtree import DraftTree, build_ddtree
+from speculative.spec_worker import _attach_logprobs
+from speculative.types import DecodeResult
 from speculative.verify import COIN_RULE_ENV, VerifyResult, build_target_probs, verify_coins, verify_tree
 
 
@@ -100,14 +103,17 @@ def test_greedy_hand_built() -> None:
     target[0, 0, 2] = 5.0
     target[0, n2, 4] = 5.0
     target[0, n24, 0] = 5.0  # bonus: 0 (no such child)
-    res = verify_tree(tree, target, *_params(1, temp=0.0, greedy=True), [None], return_logprobs=True)
+    res = verify_tree(tree, target, *_params(1, temp=0.0, greedy=True), [None])
     _check_result(res, tree)
     assert res.accept_length.tolist() == [2]
     assert res.accept_index[0, :3].tolist() == [0, n2, n24]
     assert res.emitted_tokens[0, :3].tolist() == [2, 4, 0]
+    # the worker's logprobs of the emitted tokens: raw target rows of the root and the accepted nodes
     lsm = torch.log_softmax(target[0], -1)
-    expect = torch.stack([lsm[0, 2], lsm[n2, 4], lsm[n24, 0]])
-    assert torch.allclose(res.target_logprobs[0, :3], expect)
+    out = [DecodeResult([2, 4], 2)]  # a stop cut the bonus token
+    _attach_logprobs([SimpleNamespace(params=SimpleNamespace(logprobs=1))], res, target, out)
+    assert [lp for lp, _ in out[0].logprobs] == pytest.approx([lsm[0, 2].item(), lsm[n2, 4].item()])
+    assert [top[0][0] for _, top in out[0].logprobs] == [2, 4]
     # No match at the root: bonus only.
     target[0, 0] = 0.0
     target[0, 0, 5] = 5.0
@@ -167,15 +173,15 @@ def test_all_greedy_uses_greedy_kernel_and_mixed_rows_agree(monkeypatch: pytest.
         kspec, "tree_speculative_sampling_target_only",
         lambda *a, **k: (calls.append("s"), real_sampling(*a, **k))[1],
     )
-    greedy = verify_tree(tree, target, *_params(bs, temp=0.0, greedy=True), [None] * bs, return_logprobs=True)
+    greedy = verify_tree(tree, target, *_params(bs, temp=0.0, greedy=True), [None] * bs)
     assert calls == ["g"]
     temp, top_k, top_p, is_greedy = _params(bs, temp=0.8, top_k=4, top_p=0.9)
     is_greedy[::2] = True
     temp[::2] = 0.0
-    mixed = verify_tree(tree, target, temp, top_k, top_p, is_greedy, _gens(list(range(bs))), return_logprobs=True)
+    mixed = verify_tree(tree, target, temp, top_k, top_p, is_greedy, _gens(list(range(bs))))
     assert calls == ["g", "s"]
     _check_result(mixed, tree)
-    for f in ("accept_index", "accept_length", "emitted_tokens", "target_logprobs"):
+    for f in ("accept_index", "accept_length", "emitted_tokens"):
         assert torch.equal(getattr(mixed, f)[::2], getattr(greedy, f)[::2]), f
     # Sampled rows follow the plain-Python oracle with the same coins.
     probs = build_target_probs(target, temp, top_k, top_p, is_greedy)
