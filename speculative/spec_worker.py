@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from model_executor.grammar import draft_pop_budgets, mask_draft_logits, mask_tree_logits, prune_popped
+from model_executor.grammar.state import GrammarState
 from model_executor.kv_cache import KVCache
 from model_executor.memory import step_budget
 from model_executor.model_config import ModelConfig
@@ -45,6 +47,7 @@ class SpecRequest(Protocol):
     req_pool_idx: int | None
     num_cached: int
     token_counts: TokenCounts | None
+    grammar: GrammarState | None  # structured output (model_executor.grammar); None: unconstrained
 
     @property
     def remaining_tokens(self) -> int: ...
@@ -100,6 +103,7 @@ class SpecWorker:
         self.timer = StepTimer()
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
+        self.mask_drafts = True  # grammar masks on the drafter's logits + pruning of rejected nodes
         if runner.num_slots:
             self.allocate_kv()
 
@@ -166,12 +170,19 @@ class SpecWorker:
         sampled = np.array([not q.params.is_greedy for q in reqs])  # [bs] bool
         ctl = self.controller  # auto budget; under TP rank 0 decides (timings differ per rank) and broadcasts
         drafted = True if ctl is None else bool(r.tp.broadcast_object(ctl.plan_draft(sampled)))
+        grammars = [getattr(q, "grammar", None) for q in reqs]
+        mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
         if drafted:
             draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
+                mask_draft_logits(grammars, draft_logits)
             t.lap("draft")
             full = torch.full((bs,), self.budget)  # [bs]
             depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
-            popped = pop_nodes(draft_logits, full, chain=self.chain, max_depths=depths)
+            pop_budgets = draft_pop_budgets(grammars, full) if mask_drafts else full
+            popped = pop_nodes(draft_logits, pop_budgets, chain=self.chain, max_depths=depths)
+            if mask_drafts:
+                popped = prune_popped(popped, grammars, full)
             if ctl is not None:
                 budgets = torch.from_numpy(r.tp.broadcast_object(ctl.choose(popped, sampled, self.max_verify_tokens)))
             elif self.max_verify_tokens is not None:  # verify-workspace cap: bs x (budget + 1) fits the workspace
@@ -190,7 +201,8 @@ class SpecWorker:
         want_lp = any(q.params.logprobs is not None for q in reqs)
         pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
         single, acc = self.accept_thresholds
-        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy,
+        vlogits = mask_tree_logits(grammars, tree, logits)  # exact per-node grammar masks; logprobs stay raw
+        res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy,
                           [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p, penalties=pen,
                           threshold_single=single, threshold_acc=acc)
         t.lap("verify")
