@@ -118,7 +118,8 @@ class SamplingParams:
         built without a tokenizer, milliseconds; the token-level compile happens later, off the step)."""
         kinds = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(kinds) > 1:
-            raise ValueError(f"at most one of json_schema, regex and ebnf may be set, got {', '.join(kinds)}")
+            raise ValueError(f"{kinds[1]} cannot be combined with {kinds[0]} (at most one of json_schema, regex "
+                             "and ebnf may be set)")
         if kinds:
             from model_executor.grammar.backend import check_grammar
 

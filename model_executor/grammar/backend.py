@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_grammar(kind: str, text: str) -> None:
-    """Raise ValueError (naming ``kind`` and xgrammar's reason) when the constraint cannot compile."""
+    """Raise ValueError (starting with ``kind``, the field name, then xgrammar's reason) when the constraint
+    cannot compile."""
     import xgrammar as xgr
 
     try:
@@ -39,7 +40,7 @@ def check_grammar(kind: str, text: str) -> None:
         else:
             raise ValueError(f"unknown grammar kind {kind!r}")
     except RuntimeError as e:
-        raise ValueError(f"invalid {kind}: {_reason(e)}") from None
+        raise ValueError(f"{kind} cannot be compiled: {_reason(e)}") from None
 
 
 def _reason(e: BaseException) -> str:
@@ -116,7 +117,7 @@ class GrammarBackend:
             if kind == "ebnf":
                 return compiler.compile_grammar(text)
         except RuntimeError as e:
-            raise ValueError(f"invalid {kind}: {_reason(e)}") from None
+            raise ValueError(f"{kind} cannot be compiled: {_reason(e)}") from None
         raise ValueError(f"unknown grammar kind {kind!r}")
 
     def shutdown(self) -> None:
