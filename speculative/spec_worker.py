@@ -201,7 +201,8 @@ class SpecWorker:
         want_lp = any(q.params.logprobs is not None for q in reqs)
         pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
         single, acc = self.accept_thresholds
-        vlogits = mask_tree_logits(grammars, tree, logits)  # exact per-node grammar masks; logprobs stay raw
+        # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
+        vlogits = mask_tree_logits(grammars, tree, logits, copy=any(q.params.logprobs is not None for q in reqs))
         res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy,
                           [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p, penalties=pen,
                           threshold_single=single, threshold_acc=acc)

@@ -105,15 +105,19 @@ def _fix_unreachable(bitmask: torch.Tensor, cand: torch.Tensor, par: torch.Tenso
             stop_only_row(bitmask, i, stop_ids)
 
 
-def mask_tree_logits(states: Sequence[GrammarState | None], tree, logits: torch.Tensor) -> torch.Tensor:
-    """Target logits [bs, D, V] of a draft tree -> a masked copy (the input when no request has a grammar)."""
+def mask_tree_logits(states: Sequence[GrammarState | None], tree, logits: torch.Tensor,
+                     copy: bool = True) -> torch.Tensor:
+    """Target logits [bs, D, V] of a draft tree -> masked logits (the input when no request has a grammar).
+    ``copy`` False masks float32 logits in place (no second [bs, D, V] buffer when no raw logprobs are
+    needed afterwards)."""
     rows_b = [b for b, s in enumerate(states) if s is not None]
     if not rows_b:
         return logits
     bs, d, vocab = logits.shape
     bitmask = tree_bitmask(states, tree.candidates, tree.parents, tree.retrive_next_token,
                            tree.retrive_next_sibling, vocab)  # [bs, D, W]
-    out = logits.float().clone().view(bs * d, vocab)  # [bs*D, V]
+    out = logits.float()
+    out = (out.clone() if copy and out is logits else out).view(bs * d, vocab)  # [bs*D, V]
     rows = [b * d + i for b in rows_b for i in range(d)]
     apply_bitmask(out, bitmask.view(bs * d, -1), rows)
     return out.view(bs, d, vocab)
@@ -154,8 +158,9 @@ def draft_pop_budgets(states: Sequence[GrammarState | None], budgets: torch.Tens
 
 def prune_popped(popped, states: Sequence[GrammarState | None], budgets: torch.Tensor):
     """Drop the popped nodes the grammar rejects (and their subtrees), keep at most ``budgets[b]`` of the
-    rest in pop order (still prefix-closed: a parent pops before its children), and renumber the parent
-    slots. ``popped``: ``speculative.ddtree.PoppedNodes`` (modified in place and returned)."""
+    rest in pop order (still prefix-closed: a parent pops before its children), renumber the parent slots
+    and cut the arrays to ``max(budgets)`` columns. ``popped``: ``speculative.ddtree.PoppedNodes`` (modified
+    in place and returned)."""
     for b, s in enumerate(states):
         n = int(popped.counts[b])
         if s is None or n == 0:
@@ -171,6 +176,10 @@ def prune_popped(popped, states: Sequence[GrammarState | None], budgets: torch.T
         popped.parents[b, :m] = slot[popped.parents[b, idx]]
         popped.parents[b, m:] = -1
         popped.counts[b] = m
+    w = int(budgets.max()) if len(budgets) else 0
+    if popped.tokens.shape[1] > w:  # back to the width of an unconstrained pop
+        for name in ("tokens", "parents", "depths", "logws"):
+            setattr(popped, name, np.ascontiguousarray(getattr(popped, name)[:, :w]))
     return popped
 
 
