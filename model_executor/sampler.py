@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kernels.sampling import min_p_renorm_prob, sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
-from model_executor.penalties import BatchPenalties, apply_penalties
+from model_executor.grammar.masks import mask_logits
+from model_executor.grammar.state import GrammarState
+from model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties
 from model_executor.sampling_params import SamplingParams
 
 
@@ -109,3 +112,27 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> li
     else:
         tops = [[] for _ in chosen]
     return list(zip(chosen, tops, strict=True))
+
+
+class SamplingRequest(Protocol):
+    """What ``sample_requests`` reads from a running request."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    token_counts: TokenCounts | None
+    grammar: GrammarState | None
+
+
+def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor,
+                    ) -> tuple[torch.Tensor, list[list[tuple[float, list[tuple[int, float]]]] | None]]:
+    """One plain sampling step for running requests (the scheduler's decode and prefill, and the speculative
+    worker's all-plain step): grammar masks, logit bias and penalties, then ``sample``. Returns the tokens
+    ``[bs]`` and, per request, the logprobs it asked for (under the raw logits) or None."""
+    vocab, dev = logits.shape[-1], logits.device
+    params = [q.params for q in reqs]
+    pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev)
+    masked = mask_logits([q.grammar for q in reqs], logits)  # a masked copy only when a request has a grammar
+    tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), [q.generator for q in reqs], pen)  # [bs]
+    lps = [None if q.params.logprobs is None else token_logprobs(logits[i:i + 1], tokens[i:i + 1], q.params.logprobs)
+           for i, q in enumerate(reqs)]
+    return tokens, lps

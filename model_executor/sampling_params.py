@@ -21,6 +21,12 @@ class SamplingParams:
     prompt and generated tokens; 1 = off), ``logit_bias`` {token id: bias in [-100, 100]} (OpenAI; ids are
     checked against the vocabulary at admission). Logprobs stay those of the raw model logits.
 
+    Structured outputs (SGLang's names; at most one is set; ``model_executor.grammar``): ``json_schema`` a JSON
+    schema as a JSON string (OpenAI ``response_format`` ``json_object`` maps to ``'{"type": "object"}'``),
+    ``regex`` a regular expression, ``ebnf`` a GBNF grammar (root rule ``root``). Each generated token is
+    drawn from the model's distribution restricted to the tokens the grammar allows next (also under
+    speculation); once the grammar is complete only EOS is allowed. Logprobs stay those of the raw model.
+
     ``prompt_logprobs`` (vLLM's name): None for none; k >= 0 scores the prompt during prefill: for every
     prompt token after the first, its raw-model logprob given the tokens before it plus the top-k
     alternatives (the first token has no context: ``None``). ``max_tokens`` 0 is allowed only with
@@ -40,6 +46,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     prompt_logprobs: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the structured-output constraint (kind: json_schema, regex or ebnf), or None."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -83,6 +101,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 2.0):
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        self._validate_grammar()
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError("logit_bias must map token ids to biases")
@@ -93,6 +112,24 @@ class SamplingParams:
                     raise ValueError(f"logit_bias token id {tok} is out of range [0, {vocab_size})")
                 if not _is_real(bias) or not (-100.0 <= bias <= 100.0):
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} (token {tok})")
+
+    def _validate_grammar(self) -> None:
+        """At most one constraint, and it parses (``model_executor.grammar.check_grammar``: the grammar is
+        built without a tokenizer, milliseconds; the token-level compile happens later, off the step)."""
+        kinds = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"{kinds[1]} cannot be combined with {kinds[0]} (at most one of json_schema, regex "
+                             "and ebnf may be set)")
+        if kinds:
+            from model_executor.grammar.backend import check_grammar
+
+            text = getattr(self, kinds[0])
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{kinds[0]} must be a non-empty string")
+            check_grammar(kinds[0], text)
+
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 def _is_real(v: object) -> bool:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from model_executor.grammar.state import GrammarState
 from model_executor.penalties import TokenCounts
 from model_executor.sampling_params import SamplingParams
 
@@ -28,6 +30,8 @@ class Req:
     token_counts: TokenCounts | None = None  # token statistics, only when a penalty reads them
     prompt_lps: list = field(default_factory=list)  # (logprob, top) of prompt tokens 1.. scored so far
     prompt_lps_sent: bool = False
+    grammar: GrammarState | None = None  # structured output: matcher over the committed output
+    grammar_future: Future | None = None  # its compilation, until the request leaves the grammar queue
 
     @property
     def all_ids(self) -> list[int]:

@@ -19,13 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from model_executor.forward_batch import ForwardMode, build_forward_batch
+from model_executor.grammar import GrammarBackend
+from model_executor.grammar.queue import GrammarQueue
 from model_executor.memory import MemoryProbe, device_memory, size_kv_pool, verify_workspace
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
 from model_executor.parallel_state import TPGroup
-from model_executor.penalties import BatchPenalties, TokenCounts
+from model_executor.penalties import TokenCounts
 from model_executor.prompt_logprobs import chunk_rows, score_rows
-from model_executor.sampler import BatchSamplingInfo, sample, token_logprobs
+from model_executor.sampler import sample_requests
 from model_executor.sampling_params import find_stop
 from server.config import ServerConfig
 from server.io_struct import GenerateReq, SchedulerStats, TokenOut
@@ -68,6 +70,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.outbox: list[TokenOut] = []
+        self.grammars = GrammarQueue(lambda: GrammarBackend.from_model_path(  # structured outputs (lazy)
+            self.model_path, self.model_config.vocab_size, self.eos_token_ids, config.model.trust_remote_code),
+            blocking=tp.size > 1)
         self._seed_rng = random.Random(0x5EED)
         self.total_verify_steps = 0
         self.total_spec_tokens = 0
@@ -117,7 +122,11 @@ class Scheduler:
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator().manual_seed(seed)
         counts = TokenCounts(req.input_ids, vocab, self.runner.device) if p.needs_token_counts else None
-        self.waiting.append(Req(req.rid, list(req.input_ids), p, gen, token_counts=counts))
+        new = Req(req.rid, list(req.input_ids), p, gen, token_counts=counts)
+        if p.grammar is not None:
+            self.grammars.submit(new)
+        else:
+            self.waiting.append(new)
 
     @property
     def max_request_tokens(self) -> int:
@@ -126,6 +135,8 @@ class Scheduler:
         return min(self.max_context_len, self.runner.num_slots - self._spec_margin())
 
     def abort_request(self, rid: str) -> None:
+        for req in self.grammars.remove(rid):
+            self._finish_out(req, "abort")
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -138,7 +149,7 @@ class Scheduler:
                 self._finish_out(req, "abort")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.outbox)
+        return bool(self.waiting or self.running or self.outbox or len(self.grammars))
 
     def stats(self) -> SchedulerStats:
         alloc = self.runner.allocator
@@ -150,6 +161,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[TokenOut]:
+        for req, err in self.grammars.poll(idle=not (self.waiting or self.running)):  # compiled grammars
+            if err is None:
+                self.waiting.append(req)
+            else:
+                self.outbox.append(TokenOut(req.rid, [], finished=True, error=err, prompt_tokens=len(req.prompt_ids)))
         batch = self.schedule()
         if batch is not None:
             results = self.run(batch)
@@ -180,6 +196,8 @@ class Scheduler:
             if self.spec is not None and keep < len(tokens):
                 raise AssertionError("the speculative commit must truncate at stops itself")
             req.output_ids.extend(tokens[:keep])
+            if req.grammar is not None:
+                req.grammar.accept(tokens[:keep])
             if req.token_counts is not None:
                 req.token_counts.add(tokens[:keep])
             if reason is None and req.seq_len >= self.max_context_len:
@@ -337,13 +355,10 @@ class Scheduler:
         logger.info("KV full: retracted %s back to the queue", victim.rid)
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
-        info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], logits.device)
-        pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1],
-                                   logits.device)
-        tokens = sample(logits, info, [q.generator for q in reqs], pen)
-        for i, q in enumerate(reqs):
-            if q.params.logprobs is not None:
-                q.pending_logprobs.extend(token_logprobs(logits[i:i + 1], tokens[i:i + 1], q.params.logprobs))
+        tokens, lps = sample_requests(reqs, logits)
+        for q, lp in zip(reqs, lps, strict=True):
+            if lp is not None:
+                q.pending_logprobs.extend(lp)
         return tokens.tolist()
 
     # ---------------------------------------------------------------- KV bookkeeping

@@ -20,12 +20,14 @@ import numpy as np
 import torch
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from model_executor.grammar import draft_pop_budgets, mask_draft_logits, mask_tree_logits, prune_popped
+from model_executor.grammar.state import GrammarState
 from model_executor.kv_cache import KVCache
 from model_executor.memory import step_budget
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model, pick_attention_backend, warm_up_attention
 from model_executor.penalties import BatchPenalties, TokenCounts
-from model_executor.sampler import BatchSamplingInfo, sample, token_logprobs
+from model_executor.sampler import BatchSamplingInfo, sample_requests, token_logprobs
 from model_executor.sampling_params import SamplingParams, find_stop
 from speculative.budget import BudgetConfig, BudgetController
 from speculative.ddtree import DraftTree, PoppedNodes, assemble_tree, pop_nodes
@@ -45,6 +47,7 @@ class SpecRequest(Protocol):
     req_pool_idx: int | None
     num_cached: int
     token_counts: TokenCounts | None
+    grammar: GrammarState | None  # structured output (model_executor.grammar); None: unconstrained
 
     @property
     def remaining_tokens(self) -> int: ...
@@ -100,6 +103,7 @@ class SpecWorker:
         self.timer = StepTimer()
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
+        self.mask_drafts = True  # grammar masks on the drafter's logits + pruning of rejected nodes
         if runner.num_slots:
             self.allocate_kv()
 
@@ -173,12 +177,19 @@ class SpecWorker:
         sampled = np.array([not q.params.is_greedy for q in reqs])  # [bs] bool
         ctl = self.controller  # auto budget; under TP rank 0 decides (timings differ per rank) and broadcasts
         drafted = True if ctl is None else bool(r.tp.broadcast_object(ctl.plan_draft(sampled)))
+        grammars = [q.grammar for q in reqs]
+        mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
         if drafted:
             draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
+                mask_draft_logits(grammars, draft_logits)
             t.lap("draft")
             full = torch.full((bs,), self.budget)  # [bs]
             depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
-            popped = pop_nodes(draft_logits, full, chain=self.chain, max_depths=depths)
+            pop_budgets = draft_pop_budgets(grammars, full) if mask_drafts else full
+            popped = pop_nodes(draft_logits, pop_budgets, chain=self.chain, max_depths=depths)
+            if mask_drafts:
+                popped = prune_popped(popped, grammars, full)
             if ctl is not None:
                 budgets = torch.from_numpy(r.tp.broadcast_object(ctl.choose(popped, sampled, self.max_verify_tokens)))
             elif self.max_verify_tokens is not None:  # verify-workspace cap: bs x (budget + 1) fits the workspace
@@ -200,7 +211,9 @@ class SpecWorker:
         want_lp = any(q.params.logprobs is not None for q in reqs)
         pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
         single, acc = self.accept_thresholds
-        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy,
+        # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
+        vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
+        res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy,
                           [q.generator for q in reqs], min_p=info.min_p, penalties=pen,
                           threshold_single=single, threshold_acc=acc)
         t.lap("verify")
@@ -233,15 +246,10 @@ class SpecWorker:
         out = r.forward(fb)
         self.drafter.write_context(out.captured, cached, slots, self.draft_kv)
         logits = r.logits(out.hidden)  # [bs, V]
-        params = [q.params for q in reqs]
-        pen = BatchPenalties.build(params, [q.token_counts for q in reqs], logits.shape[-1], r.device)
-        tokens = sample(logits, BatchSamplingInfo.build(params, logits.shape[-1], r.device),
-                        [q.generator for q in reqs], pen)  # [bs]
+        tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
         results = []
-        for b, (q, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
+        for q, tok, lp in zip(reqs, tokens.tolist(), lps, strict=True):
             q.num_cached += 1  # a running request has a token left: ``tok`` is always kept
-            lp = None if q.params.logprobs is None else token_logprobs(logits[b:b + 1], tokens[b:b + 1],
-                                                                       q.params.logprobs)
             results.append(DecodeResult([tok], 0, lp))
         self.timer.lap("plain")
         self.timer.steps += 1

@@ -1,0 +1,16 @@
+"""Structured outputs: grammar compilation (``backend``), per-request matcher state (``state``) and token
+bitmasks for plain decoding and draft trees (``masks``). docs/DESIGN.md, "Grammar masks under speculation"."""
+
+from model_executor.grammar.backend import GrammarBackend, check_grammar
+from model_executor.grammar.masks import (
+    draft_pop_budgets,
+    mask_draft_logits,
+    mask_logits,
+    mask_tree_logits,
+    prune_popped,
+    tree_bitmask,
+)
+from model_executor.grammar.state import GrammarState
+
+__all__ = ["GrammarBackend", "GrammarState", "check_grammar", "draft_pop_budgets", "mask_draft_logits",
+           "mask_logits", "mask_tree_logits", "prune_popped", "tree_bitmask"]
