@@ -39,6 +39,7 @@ from server.parsers.tool_call import (
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}  # ``parameters`` omitted: {} only
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_XGRAMMAR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # "[05:41:18] /project/cpp/x.cc:4944: "
 _RULE_DEF = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", re.MULTILINE)
 
 
@@ -132,8 +133,9 @@ def tool_call_ebnf(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None
         try:
             rules.append(arguments_ebnf(parameters, f"t{i}_"))
         except Exception as e:  # noqa: BLE001 - xgrammar raises several kinds for a schema it cannot convert
+            detail = _XGRAMMAR_LOCATION.sub("", str(e).strip())
             raise ToolGrammarError(f"tools[{i}].function.parameters: cannot build a grammar from this JSON "
-                                   f"Schema: {e}", i) from None
+                                   f"Schema: {detail}", i) from None
         rules.append(_call_rule(parser, i, name))
     calls = "tool_call+" if named is None else f"call_{chosen[0]}"
     if named is None:
