@@ -150,3 +150,22 @@ def test_prefix_rules_renames_rules_only() -> None:
     renamed = prefix_rules(ebnf, "t7_")
     assert renamed == ('t7_root ::= "root [x] \\"a\\"" t7_item [a-z\\]] Regex("^[a-z]+$", json_string=true) '
                        't7_item{1, -1}\nt7_item ::= "i"\n')
+
+
+def test_kimi_grammar_takes_kimi_special_tokens(tmp_path) -> None:
+    """On a Kimi-style tiktoken tokenizer (our stand-in) the section and call markers are single special
+    tokens: the kimi_k2 grammar accepts a call written with them, token by token, and nothing else first."""
+    from transformers import AutoTokenizer
+
+    from tests.server.kimi_tokenizer_files import write_kimi_tokenizer
+
+    write_kimi_tokenizer(tmp_path, 512)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), trust_remote_code=True)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiled = xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.from_ebnf(tool_call_ebnf("kimi_k2", TOOLS)))
+    ids = tok.encode(kimi(("get_weather", '{"city": "Paris"}'), ("now", "{}")))
+    assert tok.convert_ids_to_tokens(ids[:2]) == ["<|tool_calls_section_begin|>", "<|tool_call_begin|>"]
+    matcher = xgr.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(i) for i in ids)
+    assert matcher.accept_token(tok.eos_token_id) and matcher.is_terminated()
+    assert not xgr.GrammarMatcher(compiled).accept_token(tok.encode("Sure")[0])
