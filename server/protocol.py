@@ -2,8 +2,9 @@
 
 Requests are validated strictly from the JSON body: a wrong type (``"temperature": "hot"``) or a value out
 of range is a 400 naming the parameter. Unknown extra fields are ignored, as OpenAI clients send several
-that this server does not use (``user`` ...). Known fields this server cannot honour yet
-(``response_format`` other than text, a forced ``tool_choice``) are a 400, never silently dropped.
+that this server does not use (``user`` ...). Tool and ``response_format`` models live in
+server/protocol_tools.py; structured output (``response_format``, ``regex``, ``ebnf``, a forced
+``tool_choice``) maps to grammar constraints in server/serving_structured.py.
 """
 
 from __future__ import annotations
@@ -12,9 +13,19 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-_REQ = ConfigDict(strict=True, extra="ignore")
+from server.protocol_tools import REQUEST_CONFIG as _REQ
+from server.protocol_tools import (  # noqa: F401 - re-exported: the request models' public home
+    FunctionCallMsg,
+    FunctionDef,
+    JsonSchemaFormat,
+    ResponseFormat,
+    Tool,
+    ToolCallMsg,
+    ToolChoice,
+    ToolChoiceFunction,
+)
 
 
 # ---- requests -----------------------------------------------------------------------------------------
@@ -27,44 +38,6 @@ class TextPart(BaseModel):
     model_config = _REQ
     type: Literal["text"]
     text: str
-
-
-class FunctionDef(BaseModel):
-    model_config = _REQ
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = _REQ
-    type: Literal["function"] = "function"
-    function: FunctionDef
-
-
-class ToolChoiceFunction(BaseModel):
-    model_config = _REQ
-    name: str
-
-
-class ToolChoice(BaseModel):
-    model_config = _REQ
-    type: Literal["function"] = "function"
-    function: ToolChoiceFunction
-
-
-class FunctionCallMsg(BaseModel):
-    model_config = _REQ
-    name: str
-    arguments: str
-
-
-class ToolCallMsg(BaseModel):
-    model_config = _REQ
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallMsg
 
 
 class ChatMessage(BaseModel):
@@ -119,6 +92,9 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # None: 1 (off)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, min_length=1)  # SGLang extension: the output matches this regex
+    ebnf: str | None = Field(None, min_length=1)  # SGLang extension: the output matches this EBNF grammar
 
     @field_validator("top_k")
     @classmethod
@@ -168,22 +144,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError(f"only {{'type': 'text'}} is supported (no structured output yet), got {v!r}")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v: Any) -> Any:
-        if v == "required" or isinstance(v, ToolChoice):
-            raise ValueError("forcing a tool call ('required' or a named function) is not supported yet; "
-                             "use 'auto' or 'none'")
-        return v
 
     @field_validator("messages")
     @classmethod

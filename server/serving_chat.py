@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -32,18 +30,15 @@ from server.serving_common import (
     SSE_DONE,
     APIError,
     ChoiceAccum,
-    cancel_task,
-    check_model,
-    check_queue,
-    check_serving,
-    first_output,
+    Generation,
+    check_admission,
     make_params,
-    raise_choice_error,
     spec_of,
     sse,
+    start_generation,
     usage_of,
-    watch_disconnect,
 )
+from server.serving_structured import Constraint, constraint_of
 from server.tokenizer_manager import InputError, TokenizerManager
 
 
@@ -74,19 +69,19 @@ class ChatHandler:
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
         self.config, self.tm, self.served = config, tm, served_model
 
-    def _parsers(self, req: ChatCompletionRequest) -> tuple[str | None, str | None, bool]:
+    def _parsers(self, req: ChatCompletionRequest, constraint: Constraint) -> tuple[str | None, str | None, bool]:
         s = self.config.server
         reasoning = s.reasoning_parser if req.separate_reasoning else None
         tools = s.tool_call_parser if (req.tools and req.tool_choice != "none") else None
         kwargs = req.chat_template_kwargs or {}
-        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True)))
+        # a grammar holds from the first generated token: a constrained reply has no reasoning section
+        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True))) and not constraint.active
         return reasoning, tools, thinking
 
     async def handle(self, request: Request, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (server/api.py)."""
-        check_model(req.model, self.served)
-        check_serving(self.tm)
-        check_queue(self.tm, req.n)
+        check_admission(self.tm, req.model, self.served, req.n)
+        constraint = constraint_of(req, self.config.server.tool_call_parser)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
         try:
             ids = self.tm.encode_chat(_messages(req), tools, req.chat_template_kwargs)
@@ -94,38 +89,22 @@ class ChatHandler:
             self.tm.check_length(len(ids), max_tokens)
         except InputError as e:
             raise APIError(400, str(e)) from None
-        reasoning, tool_parser, thinking = self._parsers(req)
+        reasoning, tool_parser, thinking = self._parsers(req, constraint)
         base = uuid.uuid4().hex
         det_common = dict(stop=tuple(req.stop_list()), stop_token_ids=tuple(req.stop_token_ids or ()),
                           skip_special_tokens=not (reasoning or tool_parser), logprobs=req.logprobs)
-        group = [(GenerateReq(f"{base}-{i}", ids, make_params(req, max_tokens, i, req.num_logprobs)),
+        group = [(GenerateReq(f"{base}-{i}", ids, make_params(req, max_tokens, i, req.num_logprobs,
+                                                              constraint=constraint)),
                   DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
-        rids = [g[0].rid for g in group]
-        gen = self.tm.generate(group)
-        watcher = asyncio.create_task(watch_disconnect(request, self.tm, rids))
-        try:
-            first = await first_output(gen)
-        except BaseException:
-            await cancel_task(watcher)
-            raise
+        run = await start_generation(request, self.tm, group)
         parsers = (reasoning, tool_parser, thinking)
         if req.stream:
-            return StreamingResponse(self._stream(req, gen, first, watcher, len(ids), parsers),
-                                     media_type="text/event-stream")
-        try:
-            return JSONResponse(await self._collect(req, gen, first, len(ids), parsers))
-        finally:
-            await cancel_task(watcher)
+            return StreamingResponse(self._stream(req, run, len(ids), parsers), media_type="text/event-stream")
+        return JSONResponse(await self._collect(req, run, len(ids), parsers))
 
-    async def _collect(self, req: ChatCompletionRequest, gen: AsyncIterator, first: tuple, prompt_len: int,
-                       parsers: tuple) -> dict:
+    async def _collect(self, req: ChatCompletionRequest, run: Generation, prompt_len: int, parsers: tuple) -> dict:
         reasoning, tool_parser, thinking = parsers
-        acc = [ChoiceAccum() for _ in range(req.n)]
-        acc[first[0]].add(first[1])
-        async with contextlib.aclosing(gen):
-            async for idx, out in gen:
-                acc[idx].add(out)
-        raise_choice_error(acc)
+        acc = await run.collect(req.n)
         choices = []
         for i, c in enumerate(acc):
             text, reasoning_text = c.text, None
@@ -145,8 +124,8 @@ class ChatHandler:
                                       usage=usage_of(acc, prompt_len), spec_stats=spec_of(acc))
         return resp.model_dump(exclude_none=False)
 
-    async def _stream(self, req: ChatCompletionRequest, gen: AsyncIterator, first: tuple,
-                      watcher: asyncio.Task, prompt_len: int, parsers: tuple) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, run: Generation, prompt_len: int,
+                      parsers: tuple) -> AsyncIterator[str]:
         reasoning, tool_parser, thinking = parsers
         cid = new_id("chatcmpl")
         rps = [ReasoningParser(reasoning, thinking=thinking) if reasoning else None for _ in range(req.n)]
@@ -156,49 +135,41 @@ class ChatHandler:
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=cid, model=self.served, choices=[choice]))
 
-        async def outputs() -> AsyncIterator[tuple]:
-            yield first
-            async for item in gen:
-                yield item
-
-        try:
+        async with run:
             for i in range(req.n):
                 yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-            async with contextlib.aclosing(gen):
-                async for idx, out in outputs():
-                    acc[idx].add(out)
-                    if out.error is not None:
-                        yield sse(APIError(out.error_status, out.error).body())
-                        break
-                    r_delta, c_delta = rps[idx].feed(out.text) if rps[idx] else ("", out.text)
-                    if out.finished and rps[idx]:
-                        r2, c2 = rps[idx].finish()
-                        r_delta, c_delta = r_delta + r2, c_delta + c2
-                    calls = []
-                    if tps[idx]:
-                        c_delta, calls = tps[idx].feed(c_delta)
-                        if out.finished:
-                            c3, calls3 = tps[idx].finish()
-                            c_delta, calls = c_delta + c3, calls + calls3
-                    delta = DeltaMessage(
-                        content=c_delta or None, reasoning_content=r_delta or None,
-                        tool_calls=[ToolCallOut(index=d.index, id=d.id, type="function" if d.id else None,
-                                                function=FunctionCallOut(name=d.name, arguments=d.arguments))
-                                    for d in calls] or None)
-                    lp = _logprobs(out.logprobs) if (req.logprobs and out.logprobs) else None
-                    finish = None
+            async for idx, out in run:
+                acc[idx].add(out)
+                if out.error is not None:
+                    yield sse(APIError(out.error_status, out.error).body())
+                    break
+                r_delta, c_delta = rps[idx].feed(out.text) if rps[idx] else ("", out.text)
+                if out.finished and rps[idx]:
+                    r2, c2 = rps[idx].finish()
+                    r_delta, c_delta = r_delta + r2, c_delta + c2
+                calls = []
+                if tps[idx]:
+                    c_delta, calls = tps[idx].feed(c_delta)
                     if out.finished:
-                        finish = "tool_calls" if tps[idx] and tps[idx].num_calls else out.finish_reason
-                    if delta.content or delta.reasoning_content or delta.tool_calls or lp or finish:
-                        body = ChatCompletionChunk(id=cid, model=self.served, choices=[ChatCompletionStreamChoice(
-                            index=idx, delta=delta, logprobs=lp)]).model_dump(exclude_none=True)
-                        body["choices"][0]["finish_reason"] = finish
-                        if finish:
-                            body["spec_stats"] = spec_of([acc[idx]]).model_dump()
-                        yield sse(body)
+                        c3, calls3 = tps[idx].finish()
+                        c_delta, calls = c_delta + c3, calls + calls3
+                delta = DeltaMessage(
+                    content=c_delta or None, reasoning_content=r_delta or None,
+                    tool_calls=[ToolCallOut(index=d.index, id=d.id, type="function" if d.id else None,
+                                            function=FunctionCallOut(name=d.name, arguments=d.arguments))
+                                for d in calls] or None)
+                lp = _logprobs(out.logprobs) if (req.logprobs and out.logprobs) else None
+                finish = None
+                if out.finished:
+                    finish = "tool_calls" if tps[idx] and tps[idx].num_calls else out.finish_reason
+                if delta.content or delta.reasoning_content or delta.tool_calls or lp or finish:
+                    body = ChatCompletionChunk(id=cid, model=self.served, choices=[ChatCompletionStreamChoice(
+                        index=idx, delta=delta, logprobs=lp)]).model_dump(exclude_none=True)
+                    body["choices"][0]["finish_reason"] = finish
+                    if finish:
+                        body["spec_stats"] = spec_of([acc[idx]]).model_dump()
+                    yield sse(body)
             if req.include_usage:
                 yield sse(ChatCompletionChunk(id=cid, model=self.served, choices=[], usage=usage_of(acc, prompt_len),
                                               spec_stats=spec_of(acc)))
             yield SSE_DONE
-        finally:
-            await cancel_task(watcher)

@@ -1,5 +1,6 @@
-"""Pieces shared by the chat and completion endpoints: request parsing, errors, sampling parameters,
-disconnect watching, SSE framing and per-choice accumulation."""
+"""Pieces shared by the chat and completion endpoints: request parsing, errors, admission checks, sampling
+parameters, starting a group of requests (first output, disconnect watching), SSE framing and per-choice
+accumulation."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from model_executor.sampling_params import SamplingParams
-from server.io_struct import TextOut
+from server.io_struct import DetokenizeReq, GenerateReq, TextOut
 from server.protocol import SpecStats, UsageInfo, error_body
 from server.tokenizer_manager import TokenizerManager
+
+if TYPE_CHECKING:
+    from server.serving_structured import Constraint
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -86,8 +91,16 @@ def check_queue(tm: TokenizerManager, n: int) -> None:
                        code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def check_admission(tm: TokenizerManager, requested_model: str | None, served: str, n: int) -> None:
+    """The checks before any work: the model name (404), a serving engine (503), room in the queue for ``n``
+    requests (503 + Retry-After)."""
+    check_model(requested_model, served)
+    check_serving(tm)
+    check_queue(tm, n)
+
+
 def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
     params = SamplingParams(
         temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
         seed=None if req.seed is None else req.seed + choice, max_tokens=None if max_tokens is None else int(max_tokens),
@@ -96,6 +109,7 @@ def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | N
         repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
         logit_bias=req.logit_bias_ids(),
         prompt_logprobs=prompt_logprobs,
+        **(constraint.fields() if constraint is not None else {}),
     )
     try:
         params.validate()
@@ -170,6 +184,62 @@ def sse(obj: BaseModel | dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class Generation:
+    """A started group of requests: ``async for idx, out in run`` yields their outputs in arrival order (the
+    first one already received); ``async with run`` closes the engine stream and the disconnect watcher on
+    the way out, however the handler leaves."""
+
+    def __init__(self, gen: AsyncIterator[tuple[int, TextOut]], first: tuple[int, TextOut],
+                 watcher: asyncio.Task) -> None:
+        self._gen, self._first, self._watcher = gen, first, watcher
+        self._pending: tuple[int, TextOut] | None = first
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> tuple[int, TextOut]:
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+            return item
+        return await self._gen.__anext__()
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        try:
+            await self._gen.aclose()  # type: ignore[attr-defined]
+        finally:
+            await cancel_task(self._watcher)
+
+    async def collect(self, n: int) -> list[ChoiceAccum]:
+        """Every output of ``n`` choices (non-streaming); the first choice error becomes the APIError."""
+        acc = [ChoiceAccum() for _ in range(n)]
+        async with self:
+            async for idx, out in self:
+                acc[idx].add(out)
+        raise_choice_error(acc)
+        return acc
+
+
+async def start_generation(request: Request, tm: TokenizerManager,
+                           group: list[tuple[GenerateReq, DetokenizeReq]]) -> Generation:
+    """Submit ``group``, watch the client for a disconnect (which aborts every request of the group), and wait
+    for the first output so that an immediate rejection is an HTTP error rather than a stream."""
+    gen = tm.generate(group)
+    watcher = asyncio.create_task(watch_disconnect(request, tm, [g[0].rid for g in group]))
+    try:
+        first = await first_output(gen)
+    except BaseException:
+        await cancel_task(watcher)
+        raise
+    return Generation(gen, first, watcher)
 
 
 async def first_output(gen: AsyncIterator[tuple[int, TextOut]]) -> tuple[int, TextOut]:

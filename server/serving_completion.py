@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -24,18 +22,15 @@ from server.serving_common import (
     SSE_DONE,
     APIError,
     ChoiceAccum,
-    cancel_task,
-    check_model,
-    check_queue,
-    check_serving,
-    first_output,
+    Generation,
+    check_admission,
     make_params,
-    raise_choice_error,
     spec_of,
     sse,
+    start_generation,
     usage_of,
-    watch_disconnect,
 )
+from server.serving_structured import constraint_of
 from server.tokenizer_manager import InputError, TokenizerManager
 
 
@@ -68,12 +63,11 @@ class CompletionHandler:
 
     async def handle(self, request: Request, req: CompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (server/api.py)."""
-        check_model(req.model, self.served)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens must be at least 1; 0 is allowed only with echo (to score the "
                                 "prompt alone)", param="max_tokens", code="invalid_value")
-        check_serving(self.tm)
-        check_queue(self.tm, req.n * len(req.prompts()))
+        check_admission(self.tm, req.model, self.served, req.n * len(req.prompts()))
+        constraint = constraint_of(req)
         prompts: list[list[int]] = []
         texts: list[str] = []
         try:
@@ -94,32 +88,17 @@ class CompletionHandler:
         for pi, ids in enumerate(prompts):
             for j in range(req.n):
                 rid = f"{base}-{pi * req.n + j}"
-                params = make_params(req, req.max_tokens, j, req.logprobs, prompt_logprobs)
+                params = make_params(req, req.max_tokens, j, req.logprobs, prompt_logprobs, constraint)
                 group.append((GenerateReq(rid, ids, params),
                               DetokenizeReq(rid, stop=tuple(req.stop_list()),
                                             stop_token_ids=tuple(req.stop_token_ids or ()),
                                             logprobs=req.logprobs is not None)))
         prompt_tokens = sum(len(p) for p in prompts)
-        gen = self.tm.generate(group)
-        watcher = asyncio.create_task(watch_disconnect(request, self.tm, [g[0].rid for g in group]))
-        try:
-            first = await first_output(gen)
-        except BaseException:
-            await cancel_task(watcher)
-            raise
+        run = await start_generation(request, self.tm, group)
         echo = [texts[i // req.n] if req.echo else "" for i in range(len(group))]
         if req.stream:
-            return StreamingResponse(self._stream(req, gen, first, watcher, echo, prompt_tokens),
-                                     media_type="text/event-stream")
-        try:
-            acc = [ChoiceAccum() for _ in group]
-            acc[first[0]].add(first[1])
-            async with contextlib.aclosing(gen):
-                async for idx, out in gen:
-                    acc[idx].add(out)
-        finally:
-            await cancel_task(watcher)
-        raise_choice_error(acc)
+            return StreamingResponse(self._stream(req, run, echo, prompt_tokens), media_type="text/event-stream")
+        acc = await run.collect(len(group))
         choices = [CompletionChoice(index=i, text=echo[i] + c.text, finish_reason=c.finish_reason,
                                     logprobs=_logprobs(c.logprobs, len(echo[i]), c.prompt_logprobs)
                                     if req.logprobs is not None else None)
@@ -128,52 +107,43 @@ class CompletionHandler:
                                   usage=usage_of(acc, prompt_tokens), spec_stats=spec_of(acc))
         return JSONResponse(resp.model_dump())
 
-    async def _stream(self, req: CompletionRequest, gen: AsyncIterator, first: tuple, watcher: asyncio.Task,
-                      echo: list[str], prompt_tokens: int) -> AsyncIterator[str]:
+    async def _stream(self, req: CompletionRequest, run: Generation, echo: list[str], prompt_tokens: int
+                      ) -> AsyncIterator[str]:
         cid = new_id("cmpl")
         acc = [ChoiceAccum() for _ in echo]
         offsets = [len(e) for e in echo]
-
-        async def outputs() -> AsyncIterator[tuple]:
-            yield first
-            async for item in gen:
-                yield item
-
         # with logprobs, a choice's echo waits for its first output, which carries the prompt's logprobs
         held = [bool(e) and req.logprobs is not None for e in echo]
-        try:
+        async with run:
             for i, e in enumerate(echo):
                 if e and not held[i]:
                     yield sse(CompletionResponse(id=cid, model=self.served,
                                                  choices=[CompletionChoice(index=i, text=e)]))
-            async with contextlib.aclosing(gen):
-                async for idx, out in outputs():
-                    acc[idx].add(out)
-                    if out.error is not None:
-                        yield sse(APIError(out.error_status, out.error).body())
-                        break
-                    if held[idx]:
-                        held[idx] = False
-                        lp = _logprobs([], 0, out.prompt_logprobs or [])
-                        yield sse(CompletionResponse(id=cid, model=self.served, choices=[
-                            CompletionChoice(index=idx, text=echo[idx], logprobs=lp)]))
-                    lp = None
-                    if req.logprobs is not None and out.logprobs:
-                        lp = _logprobs(out.logprobs, offsets[idx])
-                    offsets[idx] += len(out.text)
-                    if out.text or out.finished or lp:
-                        body = CompletionResponse(id=cid, model=self.served, choices=[CompletionChoice(
-                            index=idx, text=out.text, logprobs=lp)]).model_dump(exclude_none=True)
-                        body["choices"][0]["finish_reason"] = out.finish_reason if out.finished else None
-                        if out.finished:
-                            body["spec_stats"] = spec_of([acc[idx]]).model_dump()
-                        yield sse(body)
+            async for idx, out in run:
+                acc[idx].add(out)
+                if out.error is not None:
+                    yield sse(APIError(out.error_status, out.error).body())
+                    break
+                if held[idx]:
+                    held[idx] = False
+                    lp = _logprobs([], 0, out.prompt_logprobs or [])
+                    yield sse(CompletionResponse(id=cid, model=self.served, choices=[
+                        CompletionChoice(index=idx, text=echo[idx], logprobs=lp)]))
+                lp = None
+                if req.logprobs is not None and out.logprobs:
+                    lp = _logprobs(out.logprobs, offsets[idx])
+                offsets[idx] += len(out.text)
+                if out.text or out.finished or lp:
+                    body = CompletionResponse(id=cid, model=self.served, choices=[CompletionChoice(
+                        index=idx, text=out.text, logprobs=lp)]).model_dump(exclude_none=True)
+                    body["choices"][0]["finish_reason"] = out.finish_reason if out.finished else None
+                    if out.finished:
+                        body["spec_stats"] = spec_of([acc[idx]]).model_dump()
+                    yield sse(body)
             if req.include_usage:
                 yield sse(CompletionResponse(id=cid, model=self.served, choices=[],
                                              usage=usage_of(acc, prompt_tokens), spec_stats=spec_of(acc)))
             yield SSE_DONE
-        finally:
-            await cancel_task(watcher)
 
     def _echo_only(self, req: CompletionRequest, texts: list[str], prompt_tokens: int
                    ) -> JSONResponse | StreamingResponse:
