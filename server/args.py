@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from server.config import ServerConfig
+from server.config import RADIX_EVICTION_POLICIES, ServerConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -58,6 +58,10 @@ _FLAGS: tuple[tuple[str, Any, str, tuple | None], ...] = (
      None),
     ("verify_workspace_gb", float, "Memory per rank for one step's logits and probabilities, reserved before "
      "the KV cache; caps the tree nodes verified per step (default: enough for the full batch x budget).", None),
+    ("disable_radix_cache", bool, "Turn the prefix cache off: every request prefills its whole prompt and "
+     "frees its KV when it ends.", None),
+    ("radix_eviction_policy", str, "Which cached prefixes are evicted first when the KV cache runs short "
+     "(lru: least recently used).", RADIX_EVICTION_POLICIES),
     ("max_running_requests", int, "Most requests decoded at once.", None),
     ("chunked_prefill_size", int, "Prefill token budget per scheduler step (long prompts are chunked).", None),
     ("speculative_algorithm", str, "Speculative decoding: none, dflash (chain) or ddtree (tree).", _SPEC_ALGOS),
@@ -169,6 +173,7 @@ def validate_config(config: ServerConfig) -> None:
         ("log_level", config.server.log_level, _LOG_LEVELS),
         ("attention_backend", config.model.attention_backend, _KERNEL_BACKENDS),
         ("moe_backend", config.model.moe_backend, _KERNEL_BACKENDS),
+        ("radix_eviction_policy", config.cache.radix_eviction_policy, RADIX_EVICTION_POLICIES),
     ]
     if config.server.tool_call_parser is not None:
         checks.append(("tool_call_parser", config.server.tool_call_parser, _TOOL_PARSERS))

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+RADIX_EVICTION_POLICIES = ("lru",)  # --radix-eviction-policy choices
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -33,6 +35,13 @@ class CacheArgs:
     kv_memory_gb: float | None = None  # KV bytes (target + drafter) per rank, when max_total_tokens is None
     mem_fraction_static: float = 0.85  # share of GPU memory for weights + workspace + KV cache (CUDA)
     verify_workspace_gb: float | None = None  # per-step logits workspace; None: enough for the full batch x budget
+    disable_radix_cache: bool = False  # the prefix cache (server/kv_manager.py) is on unless this is set
+    radix_eviction_policy: str = "lru"  # which cached prefixes go first under KV pressure (only "lru")
+
+    def __post_init__(self) -> None:
+        if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
+            raise ValueError(f"radix_eviction_policy must be one of {', '.join(RADIX_EVICTION_POLICIES)}; "
+                             f"got {self.radix_eviction_policy!r}")
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ class CompletionHandler:
                                     if req.logprobs is not None else None)
                    for i, c in enumerate(acc)]
         resp = CompletionResponse(id=new_id("cmpl"), model=self.served, choices=choices,
-                                  usage=usage_of(acc, prompt_tokens), spec_stats=spec_of(acc))
+                                  usage=usage_of(acc, prompt_tokens, req.n), spec_stats=spec_of(acc))
         return JSONResponse(resp.model_dump())
 
     async def _stream(self, req: CompletionRequest, gen: AsyncIterator, first: tuple, watcher: asyncio.Task,
@@ -170,7 +170,7 @@ class CompletionHandler:
                         yield sse(body)
             if req.include_usage:
                 yield sse(CompletionResponse(id=cid, model=self.served, choices=[],
-                                             usage=usage_of(acc, prompt_tokens), spec_stats=spec_of(acc)))
+                                             usage=usage_of(acc, prompt_tokens, req.n), spec_stats=spec_of(acc)))
             yield SSE_DONE
         finally:
             await cancel_task(watcher)
