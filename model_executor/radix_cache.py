@@ -49,6 +49,7 @@ class RadixCache:
         self.root.lock_ref = 1  # never evicted
         self.evictable_size = 0
         self.protected_size = 0
+        self.evicted_tokens = 0  # cumulative
 
     @property
     def total_size(self) -> int:
@@ -144,6 +145,7 @@ class RadixCache:
             parent = leaf.parent
             self.slots.free(leaf.value)
             freed += len(leaf.key)
+            self.evicted_tokens += len(leaf.key)
             self.evictable_size -= len(leaf.key)
             del parent.children[leaf.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:

@@ -5,7 +5,9 @@ sampled verification -> one unified commit (docs/DESIGN.md section 3; DFlash arX
 KV bookkeeping invariant (shared with the scheduler): a running request has ``num_cached = seq_len - 1``
 tokens in the target cache; its last emitted token is the root of the next tree and gets its KV in the
 verify forward. The drafter's context cache uses the same slot ids as the target's cache and holds the
-projected target hidden states of every cached token.
+projected target hidden states of every cached token, so a prefix matched in the prefix cache (its slots
+placed in the request's row by the scheduler) carries its drafter features too. Only the committed path
+(``num_cached``) ever leaves a step; draft-block and tree slots are temporary (``KVSlots``).
 """
 
 from __future__ import annotations
