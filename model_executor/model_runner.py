@@ -1,5 +1,6 @@
-"""Owns one model on one device (one TP rank): weights, KV cache, slot allocator, request->token table,
-and the attention backend. ``forward(fb)`` runs the model; scheduling lives elsewhere."""
+"""Owns one model on one device (one TP rank): weights, KV cache, its slot owner (``KVSlots``: allocator and
+request->token table) and the attention backend. ``prepare_prefill`` / ``prepare_decode`` place a batch's
+new tokens and build its forward inputs; ``forward(fb)`` runs the model; scheduling lives elsewhere."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from kernels.attention import TorchAttentionBackend
 from kernels.sampling import warm_up_filters
-from model_executor.forward_batch import ForwardBatch
-from model_executor.kv_cache import KVCache, KVCacheLayout, ReqToTokenPool, TokenSlotAllocator
+from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from model_executor.kv_cache import KVCache, KVCacheLayout
+from model_executor.kv_slots import KVSlots
 from model_executor.model_config import ModelConfig
 from model_executor.model_registry import get_model_class
 from model_executor.models.output import ModelOutput
@@ -100,14 +102,44 @@ class ModelRunner:
             raise ValueError(f"max_total_tokens must be >= 16, got {num_slots}")
         self.num_slots = num_slots
         self.kv = KVCache(self.kv_layout, num_slots, self.config.dtype, self.device)
-        self.allocator = TokenSlotAllocator(num_slots, self.device)
-        self.req_to_token = ReqToTokenPool(self.max_reqs, self.max_context + table_margin, self.device)
+        self.slots = KVSlots(num_slots, self.max_reqs, self.max_context + table_margin, self.device)
         if self.cuda_graph_max_bs > 0:
             from model_executor.cuda_graph_runner import CudaGraphRunner, graph_batch_sizes
 
             self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, graph_batch_sizes(self.cuda_graph_max_bs),
                                           self.max_context, self.device)
         logger.info("KV cache: %d tokens x %d bytes", num_slots, self.kv_bytes_per_token)
+
+    def prepare_prefill(self, rows: list[int], starts: list[int], lens: list[int], ids: list[int],
+                        capture_layer_ids: tuple[int, ...] = (), logits_indices: torch.Tensor | None = None
+                        ) -> ForwardBatch | None:
+        """An EXTEND forward: request ``rows[b]`` has ``starts[b]`` tokens cached and adds ``lens[b]``; ``ids``
+        are the new tokens, request after request. Places their slots; None when too few are free."""
+        dev = self.device
+        lens_t = torch.tensor(lens, dtype=torch.int64)  # [bs]
+        starts_t = torch.tensor(starts, dtype=torch.int64)  # [bs]
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [bs]
+        loc = self.slots.place(rows_t, starts_t, lens_t)  # [T]
+        if loc is None:
+            return None
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)]).to(dev)  # [T]
+        return build_forward_batch(ForwardMode.EXTEND, torch.tensor(ids, device=dev), pos, loc, self.slots.table,
+                                   rows_t, starts_t, lens_t, logits_indices=logits_indices,
+                                   capture_layer_ids=capture_layer_ids)
+
+    def prepare_decode(self, rows: list[int], cached: list[int], ids: list[int],
+                       capture_layer_ids: tuple[int, ...] = ()) -> ForwardBatch | None:
+        """A DECODE forward: one new token ``ids[b]`` per request at position ``cached[b]``. Places its slot;
+        None when too few are free."""
+        dev = self.device
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [bs]
+        cached_t = torch.tensor(cached, dtype=torch.int64, device=dev)  # [bs]
+        ones = torch.ones(len(rows), dtype=torch.int64)  # [bs]
+        loc = self.slots.place(rows_t, cached_t, ones)  # [bs]
+        if loc is None:
+            return None
+        return build_forward_batch(ForwardMode.DECODE, torch.tensor(ids, device=dev), cached_t, loc, self.slots.table,
+                                   rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:

@@ -26,6 +26,8 @@ def is_default_path(path: str | None) -> bool:
     """Whether a model or drafter path names the shipped default (``"default"``; unset counts too)."""
     return path in (None, "", DEFAULT)
 
+RADIX_EVICTION_POLICIES = ("lru",)  # --radix-eviction-policy choices
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -164,6 +166,10 @@ class CacheArgs(Area):
                                                 "reserved before the KV cache; caps the tree nodes verified per "
                                                 "step (default: enough for the full batch x budget).",
                                                 low=0, low_open=True)
+    disable_radix_cache: bool = setting(False, "Turn the prefix cache off: every request prefills its whole "
+                                        "prompt and frees its KV when it ends.")
+    radix_eviction_policy: str = setting("lru", "Which cached prefixes are evicted first when the KV cache runs "
+                                         "short (lru: least recently used).", choices=RADIX_EVICTION_POLICIES)
 
 
 @dataclass(frozen=True)

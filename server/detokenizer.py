@@ -103,6 +103,7 @@ class IncrementalDetokenizer:
         return TextOut(
             rid=out.rid, text=text, token_ids=new_ids, finished=finished, finish_reason=reason,
             matched_stop=matched, prompt_tokens=out.prompt_tokens, completion_tokens=st.completion_tokens,
+            cached_tokens=out.cached_tokens,
             spec_verify_steps=out.spec_verify_steps, spec_accepted_tokens=out.spec_accepted_tokens,
             spec_budget_sum=out.spec_budget_sum,
             logprobs=logprobs, abort_scheduler=abort,

@@ -43,6 +43,7 @@ class RequestOutput:
     spec_budget_sum: int = 0
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: [(token_id, logprob, top)]
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def acceptance_length(self) -> float:
@@ -200,6 +201,7 @@ def _apply(out: RequestOutput, d: TokenOut) -> None:
     out.token_ids.extend(d.token_ids)
     out.spec_verify_steps, out.spec_accepted_tokens = d.spec_verify_steps, d.spec_accepted_tokens
     out.spec_budget_sum = d.spec_budget_sum
+    out.cached_tokens = d.cached_tokens
     if d.logprobs is not None:
         out.logprobs = (out.logprobs or []) + d.logprobs
     if d.prompt_logprobs is not None:

@@ -36,6 +36,7 @@ class TokenOut:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
     spec_budget_sum: int = 0
@@ -53,6 +54,9 @@ class SchedulerStats:
     spec_verify_steps: int = 0
     spec_generated_tokens: int = 0
     spec_budget: dict = field(default_factory=dict)  # auto budget: BudgetController.stats() (cumulative)
+    cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache (cumulative)
+    cache_query_tokens: int = 0  # prompt tokens of admitted requests (cumulative)
+    cache_held_tokens: int = 0  # KV slots the prefix cache holds now
     extra: dict = field(default_factory=dict)
 
 
@@ -112,6 +116,7 @@ class TextOut:
     matched_stop: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
     spec_budget_sum: int = 0

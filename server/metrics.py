@@ -47,6 +47,13 @@ class ServerMetrics:
         self.kv_used = Gauge(f"{p}_kv_used_tokens", "KV cache slots in use", labels, registry=reg)
         self.kv_total = Gauge(f"{p}_kv_total_tokens", "KV cache slots in total", labels, registry=reg)
         self.kv_usage = Gauge(f"{p}_kv_usage", "Fraction of KV cache slots in use", labels, registry=reg)
+        self.cached_prompt = Counter(f"{p}_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     labels, registry=reg)
+        self.cache_hit_rate = Gauge(f"{p}_prefix_cache_hit_rate", "Share of admitted prompt tokens served from "
+                                    "the prefix cache (since start)", labels, registry=reg)
+        self.cache_held = Gauge(f"{p}_prefix_cache_tokens", "KV slots held by the prefix cache", labels,
+                                registry=reg)
+        self._cached_seen = 0
         self.inflight = Gauge(f"{p}_num_inflight_http_reqs", "Requests held by the HTTP front end", labels,
                               registry=reg)
 
@@ -81,6 +88,12 @@ class ServerMetrics:
         self.kv_used.labels(m).set(stats.kv_used_tokens)
         self.kv_total.labels(m).set(stats.kv_total_tokens)
         self.kv_usage.labels(m).set(stats.kv_used_tokens / stats.kv_total_tokens if stats.kv_total_tokens else 0.0)
+        if stats.cache_hit_tokens > self._cached_seen:
+            self.cached_prompt.labels(m).inc(stats.cache_hit_tokens - self._cached_seen)
+            self._cached_seen = stats.cache_hit_tokens
+        q = stats.cache_query_tokens
+        self.cache_hit_rate.labels(m).set(stats.cache_hit_tokens / q if q else 0.0)
+        self.cache_held.labels(m).set(stats.cache_held_tokens)
         if stats.spec_budget:
             self._update_budget(stats.spec_budget)
 

@@ -9,6 +9,7 @@ import torch
 
 from model_executor.grammar.state import GrammarState
 from model_executor.penalties import TokenCounts
+from model_executor.radix_cache import RadixNode
 from model_executor.sampling_params import SamplingParams
 
 
@@ -21,6 +22,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     num_cached: int = 0  # tokens whose target KV is in the cache (req_to_token[idx, :num_cached])
+    tree_len: int = 0  # leading cached tokens whose slots the prefix cache holds (locked via cache_node)
+    cache_node: RadixNode | None = None  # the prefix cache node locked for this request
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission (usage report)
     finish_reason: str | None = None
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0

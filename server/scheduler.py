@@ -4,8 +4,10 @@ One step reads as ``schedule() -> run(batch) -> process(results)``:
 - schedule: a prefill batch (chunked under ``chunked_prefill_size``) when requests wait and KV admits
   them, otherwise a decode batch of every running request;
 - run: one target forward (prefill/decode) or one speculative step (draft, tree, verify, commit);
-- process: append tokens, finish on stop/EOS/length, free KV, report ``TokenOut`` deltas.
-KV exhaustion during decode retracts the newest request back to the queue (its output is kept).
+- process: append tokens, finish on stop/EOS/length, release KV, report ``TokenOut`` deltas.
+A request's KV slots go through ``ReqKVManager`` (server/kv_manager.py): admission matches the longest
+cached prefix (radix cache), release hands the tokens to the cache. KV exhaustion evicts unused cached
+prefixes first, then retracts the newest request back to the queue (its output is kept).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_executor.forward_batch import ForwardMode, build_forward_batch
+from model_executor.forward_batch import ForwardMode
 from model_executor.grammar import GrammarBackend
 from model_executor.grammar.queue import GrammarQueue
 from model_executor.memory import MemoryProbe, device_memory, size_kv_pool, verify_workspace
@@ -31,6 +33,7 @@ from model_executor.sampler import sample_requests
 from model_executor.sampling_params import find_stop
 from server.config import ServerConfig
 from server.io_struct import GenerateReq, SchedulerStats, TokenOut
+from server.kv_manager import ReqKVManager
 from server.request import Req
 from server.startup import is_resolved
 from speculative.spec_worker import SpecWorker
@@ -94,6 +97,7 @@ class Scheduler:
             mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe)
         logger.info("%s; max verify tokens per step %d", self.kv_sizing.describe(), self.workspace.max_verify_tokens)
         self.runner.allocate_kv(self.kv_sizing.tokens, table_margin=spec.max_step_tokens if spec else 0)
+        self.kv = ReqKVManager(self.runner.slots, enable_cache=not cache.disable_radix_cache)
         if spec is not None:
             spec.allocate_kv()
             spec.max_verify_tokens = self.workspace.max_verify_tokens
@@ -152,9 +156,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.outbox or len(self.grammars))
 
     def stats(self) -> SchedulerStats:
-        alloc = self.runner.allocator
+        kv = self.runner.slots
         return SchedulerStats(running=len(self.running), waiting=len(self.waiting),
-                              kv_used_tokens=alloc.num_slots - alloc.num_free, kv_total_tokens=alloc.num_slots,
+                              kv_used_tokens=kv.num_slots - self.kv.available, kv_total_tokens=kv.num_slots,
+                              cache_hit_tokens=self.kv.hit_tokens, cache_query_tokens=self.kv.query_tokens,
+                              cache_held_tokens=self.kv.cached_tokens,
                               spec_verify_steps=self.total_verify_steps,
                               spec_generated_tokens=self.total_spec_tokens,
                               spec_budget=self.spec.controller.stats() if self.spec and self.spec.controller else {})
@@ -213,23 +219,25 @@ class Scheduler:
     def _schedule_prefill(self) -> Batch | None:
         budget = self.config.scheduler.chunked_prefill_size
         reqs, lens = [], []
-        alloc, pool = self.runner.allocator, self.runner.req_to_token
+        kv = self.kv
         headroom = len(self.running) * self._spec_margin()
-        free = alloc.num_free - headroom
+        planned = 0
         while self.waiting and budget > 0 and len(self.running) + len(reqs) < self.config.scheduler.max_running_requests:
             req = self.waiting[0]
-            n = min(_prefill_len(req) - req.num_cached, budget)
-            if n > free:
+            fresh = req.req_pool_idx is None
+            if fresh and not kv.admit(req, _prefill_len(req)):  # a request row and the cached prefix
                 break
-            if req.req_pool_idx is None:
-                idx = pool.alloc()
-                if idx is None:
-                    break
-                req.req_pool_idx = idx
+            n = min(_prefill_len(req) - req.num_cached, budget)
+            if n > kv.available - headroom - planned:
+                if fresh:
+                    kv.release(req)  # no room yet: unlock the matched prefix again
+                break
+            if fresh:
+                kv.count_admission(req)
             reqs.append(req)
             lens.append(n)
             budget -= n
-            free -= n
+            planned += n
             if req.num_cached + n == _prefill_len(req):
                 self.waiting.popleft()
             else:
@@ -238,32 +246,25 @@ class Scheduler:
 
     def _run_prefill(self, batch: Batch) -> list[list[int]]:
         r = self.runner
-        dev = r.device
-        total = sum(batch.chunk_lens)
-        slots = r.allocator.alloc(total)
-        assert slots is not None, "admission checked free slots"
-        ids, pos, ends = [], [], []
-        off = 0
+        ids, ends = [], []
         for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
             start = req.num_cached
-            r.req_to_token.table[req.req_pool_idx, start:start + n] = slots[off:off + n]
             ids.extend(req.all_ids[start:start + n])
-            pos.extend(range(start, start + n))
-            off += n
             ends.append(start + n == _prefill_len(req) and not req.output_ids)  # needs a first token
         cum = torch.tensor(batch.chunk_lens).cumsum(0) - 1
         done = [i for i, e in enumerate(ends) if e]
-        fb = build_forward_batch(
-            ForwardMode.EXTEND, torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), slots,
-            r.req_to_token.table, torch.tensor([q.req_pool_idx for q in batch.reqs], device=dev),
-            torch.tensor([q.num_cached for q in batch.reqs]), torch.tensor(batch.chunk_lens),
-            capture_layer_ids=self.spec.capture_layer_ids if self.spec is not None else ())
+        self.kv.ensure_free(sum(batch.chunk_lens))  # evicts unused cached prefixes when short
+        fb = r.prepare_prefill([q.req_pool_idx for q in batch.reqs], [q.num_cached for q in batch.reqs],
+                               batch.chunk_lens, ids,
+                               capture_layer_ids=self.spec.capture_layer_ids if self.spec is not None else ())
+        assert fb is not None, "admission checked free slots"
         out = r.forward(fb)
         if self.spec is not None:
             self.spec.on_extend(fb, out.captured)
         self._score_prompts(batch, out.hidden)
         for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
             req.num_cached += n
+            self.kv.cache_prefix(req)  # the chunk's tokens become a shareable prefix
         results: list[list[int]] = [[] for _ in batch.reqs]
         scored_only = [i for i in done if batch.reqs[i].params.max_tokens == 0]
         done = [i for i in done if batch.reqs[i].params.max_tokens > 0]
@@ -304,15 +305,11 @@ class Scheduler:
     # ---------------------------------------------------------------- decode
     def _run_decode(self, batch: Batch) -> list[list[int]]:
         r = self.runner
-        dev = r.device
-        slots = self._alloc_or_retract(batch, 1)
+        self._make_room(batch, 1)
         reqs = batch.reqs
-        idx = torch.tensor([q.req_pool_idx for q in reqs], device=dev)
-        cached = torch.tensor([q.num_cached for q in reqs], device=dev)
-        r.req_to_token.table[idx, cached] = slots
-        fb = build_forward_batch(
-            ForwardMode.DECODE, torch.tensor([q.output_ids[-1] for q in reqs], device=dev), cached, slots,
-            r.req_to_token.table, idx, cached, torch.ones(len(reqs), dtype=torch.int64))
+        fb = r.prepare_decode([q.req_pool_idx for q in reqs], [q.num_cached for q in reqs],
+                              [q.output_ids[-1] for q in reqs])
+        assert fb is not None, "room was made"
         out = r.forward(fb)
         for q in reqs:
             q.num_cached += 1
@@ -321,6 +318,7 @@ class Scheduler:
 
     def _run_spec_decode(self, batch: Batch) -> list[list[int]]:
         while True:
+            self._make_room(batch, self.spec.max_step_tokens)
             try:
                 results = self.spec.decode(batch.reqs, self.eos_token_ids)
                 break
@@ -338,11 +336,10 @@ class Scheduler:
             out.append(res.tokens)
         return out
 
-    def _alloc_or_retract(self, batch: Batch, per_req: int) -> torch.Tensor:
-        while True:
-            slots = self.runner.allocator.alloc(per_req * len(batch.reqs))
-            if slots is not None:
-                return slots
+    def _make_room(self, batch: Batch, per_req: int) -> None:
+        """Free slots for ``per_req`` new tokens of every request in ``batch``: evict unused cached prefixes,
+        and retract the newest request only when that is not enough (its tokens become evictable)."""
+        while not self.kv.ensure_free(per_req * len(batch.reqs)):
             self._retract_one(batch)
 
     def _retract_one(self, batch: Batch) -> None:
@@ -366,11 +363,7 @@ class Scheduler:
         return self.spec.max_step_tokens if self.spec is not None else 1
 
     def _release(self, req: Req) -> None:
-        r = self.runner
-        if req.req_pool_idx is not None:
-            r.allocator.free(r.req_to_token.table[req.req_pool_idx, :req.num_cached].clone())
-            r.req_to_token.free(req.req_pool_idx)
-        req.req_pool_idx, req.num_cached = None, 0
+        self.kv.release(req)
 
     def _delta_out(self, req: Req) -> None:
         new = req.output_ids[req.sent_tokens:]
@@ -390,6 +383,7 @@ class Scheduler:
         if req.params.logprobs is not None:
             lps, req.pending_logprobs = req.pending_logprobs[:len(new)], req.pending_logprobs[len(new):]
         return TokenOut(req.rid, list(new), prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                        cached_tokens=req.cached_tokens,
                         spec_verify_steps=req.spec_verify_steps, spec_accepted_tokens=req.spec_accepted_tokens,
                         spec_budget_sum=req.spec_budget_sum,
                         logprobs=lps, prompt_logprobs=self._take_prompt_logprobs(req))

@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from model_executor.sampling_params import SamplingParams
 from server.io_struct import DetokenizeReq, GenerateReq, TextOut
-from server.protocol import SpecStats, UsageInfo, error_body
+from server.protocol import PromptTokensDetails, SpecStats, UsageInfo, error_body
 from server.tokenizer_manager import TokenizerManager
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ class ChoiceAccum:
     matched_stop: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     verify_steps: int = 0
     accepted_tokens: int = 0
     budget_sum: int = 0
@@ -150,6 +151,7 @@ class ChoiceAccum:
             self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         self.verify_steps = max(self.verify_steps, out.spec_verify_steps)
         self.accepted_tokens = max(self.accepted_tokens, out.spec_accepted_tokens)
         self.budget_sum = max(self.budget_sum, out.spec_budget_sum)
@@ -162,9 +164,14 @@ class ChoiceAccum:
                 self.error, self.error_status = out.error, out.error_status
 
 
-def usage_of(choices: list[ChoiceAccum], prompt_tokens: int) -> UsageInfo:
+def usage_of(choices: list[ChoiceAccum], prompt_tokens: int, choices_per_prompt: int | None = None) -> UsageInfo:
+    """Usage of one response. ``choices`` come ``choices_per_prompt`` (``n``) per prompt, prompt after prompt
+    (None: all share one prompt); a prompt counts once, with the most cached tokens any of its choices had."""
     completion = sum(c.completion_tokens for c in choices)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+    per = choices_per_prompt or max(len(choices), 1)
+    cached = sum(max(c.cached_tokens for c in choices[i:i + per]) for i in range(0, len(choices), per))
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def spec_of(choices: list[ChoiceAccum]) -> SpecStats:

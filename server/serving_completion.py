@@ -104,7 +104,7 @@ class CompletionHandler:
                                     if req.logprobs is not None else None)
                    for i, c in enumerate(acc)]
         resp = CompletionResponse(id=new_id("cmpl"), model=self.served, choices=choices,
-                                  usage=usage_of(acc, prompt_tokens), spec_stats=spec_of(acc))
+                                  usage=usage_of(acc, prompt_tokens, req.n), spec_stats=spec_of(acc))
         return JSONResponse(resp.model_dump())
 
     async def _stream(self, req: CompletionRequest, run: Generation, echo: list[str], prompt_tokens: int
@@ -142,7 +142,7 @@ class CompletionHandler:
                     yield sse(body)
             if req.include_usage:
                 yield sse(CompletionResponse(id=cid, model=self.served, choices=[],
-                                             usage=usage_of(acc, prompt_tokens), spec_stats=spec_of(acc)))
+                                             usage=usage_of(acc, prompt_tokens, req.n), spec_stats=spec_of(acc)))
             yield SSE_DONE
 
     def _echo_only(self, req: CompletionRequest, texts: list[str], prompt_tokens: int

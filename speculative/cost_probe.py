@@ -24,13 +24,13 @@ if TYPE_CHECKING:
 
 
 def _rows(worker: SpecWorker, n: int) -> list[int] | None:
-    pool = worker.runner.req_to_token
+    kv = worker.runner.slots
     rows = []
     for _ in range(n):
-        idx = pool.alloc()
+        idx = kv.alloc_row()
         if idx is None:
             for i in rows:
-                pool.free(i)
+                kv.free_row(i)
             return None
         rows.append(idx)
     return rows
@@ -39,7 +39,7 @@ def _rows(worker: SpecWorker, n: int) -> list[int] | None:
 @torch.inference_mode()
 def _time_draft(worker: SpecWorker, bs: int) -> float | None:
     r = worker.runner
-    if r.allocator.num_free < bs * worker.block_size:
+    if r.slots.num_free < bs * worker.block_size:
         return None
     rows = _rows(worker, bs)
     if rows is None:
@@ -54,7 +54,7 @@ def _time_draft(worker: SpecWorker, bs: int) -> float | None:
         return time.perf_counter() - t
     finally:
         for i in rows:
-            r.req_to_token.free(i)
+            r.slots.free_row(i)
 
 
 @torch.inference_mode()
@@ -64,16 +64,16 @@ def _time_verify(worker: SpecWorker, n: int) -> float | None:
     bs = math.ceil(n / per)
     lens = [per] * (bs - 1) + [n - per * (bs - 1)]
     d = max(lens)
-    if r.allocator.num_free < n:
+    if r.slots.num_free < n:
         return None
     rows = _rows(worker, bs)
     if rows is None:
         return None
-    slots = r.allocator.alloc(n)  # [n]
+    idx = torch.tensor(rows, device=r.device)  # [bs]
+    zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
+    slots = r.slots.place(idx, zeros, torch.tensor(lens))  # [n]
     try:
-        idx = torch.tensor(rows, device=r.device)  # [bs]
         pos = torch.cat([torch.arange(k) for k in lens]).to(r.device)  # [n]
-        r.req_to_token.table[idx.repeat_interleave(torch.tensor(lens, device=r.device)), pos] = slots
         mask = (
             torch.ones(d, d, dtype=torch.bool).tril().expand(bs, d, d)
         )  # [bs, d, d] causal chain per request
@@ -82,9 +82,9 @@ def _time_verify(worker: SpecWorker, n: int) -> float | None:
             torch.zeros(n, dtype=torch.int64, device=r.device),
             pos,
             slots,
-            r.req_to_token.table,
+            r.slots.table,
             idx,
-            torch.zeros(bs, dtype=torch.int64, device=r.device),
+            zeros,
             torch.tensor(lens),
             tree_mask=mask,
             capture_layer_ids=worker.capture_layer_ids,
@@ -96,38 +96,32 @@ def _time_verify(worker: SpecWorker, n: int) -> float | None:
         _sync(r.device)  # CUDA runs asynchronously: wait for the forward before reading the clock
         return time.perf_counter() - t
     finally:
-        r.allocator.free(slots)
+        r.slots.free(slots)
         for i in rows:
-            r.req_to_token.free(i)
+            r.slots.free_row(i)
 
 
 @torch.inference_mode()
 def _time_plain(worker: SpecWorker, bs: int) -> float | None:
     r = worker.runner
-    if r.allocator.num_free < bs:
+    if r.slots.num_free < bs:
         return None
     rows = _rows(worker, bs)
     if rows is None:
         return None
-    slots = r.allocator.alloc(bs)  # [bs]
+    zeros = [0] * bs  # tokens and positions
+    fb = r.prepare_decode(rows, zeros, zeros, worker.capture_layer_ids)  # [bs] slots placed
     try:
-        idx = torch.tensor(rows, device=r.device)  # [bs]
-        zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs] tokens and positions
-        r.req_to_token.table[idx, zeros] = slots
-        fb = build_forward_batch(
-            ForwardMode.DECODE, zeros, zeros, slots, r.req_to_token.table, idx, zeros,
-            torch.ones(bs, dtype=torch.int64), capture_layer_ids=worker.capture_layer_ids,
-        )
         _sync(r.device)
         t = time.perf_counter()
         out = r.forward(fb)
-        worker.drafter.write_context(out.captured, zeros, slots, worker.draft_kv)
+        worker.drafter.write_context(out.captured, fb.positions, fb.out_cache_loc, worker.draft_kv)
         r.logits(out.hidden).argmax(-1).tolist()  # the sampler's host copy: synchronises
         return time.perf_counter() - t
     finally:
-        r.allocator.free(slots)
+        r.slots.free(fb.out_cache_loc)
         for i in rows:
-            r.req_to_token.free(i)
+            r.slots.free_row(i)
 
 
 def _sync(device: torch.device) -> None:

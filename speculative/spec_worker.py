@@ -5,7 +5,9 @@ sampled verification -> one unified commit (docs/DESIGN.md section 3; DFlash arX
 KV bookkeeping invariant (shared with the scheduler): a running request has ``num_cached = seq_len - 1``
 tokens in the target cache; its last emitted token is the root of the next tree and gets its KV in the
 verify forward. The drafter's context cache uses the same slot ids as the target's cache and holds the
-projected target hidden states of every cached token.
+projected target hidden states of every cached token, so a prefix matched in the prefix cache (its slots
+placed in the request's row by the scheduler) carries its drafter features too. Only the committed path
+(``num_cached``) ever leaves a step; draft-block and tree slots are temporary (``KVSlots``).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class SpecWorker:
             from speculative.cost_probe import probe_step_cost
 
             cfg = self.budget_config or BudgetConfig(max_budget=self.budget)
-            max_reqs = r.req_to_token.table.shape[0] - 1
+            max_reqs = r.slots.max_rows - 1
             cost = StepCostModel(max_reqs, max_reqs * (self.budget + 1))
             self.controller = BudgetController(cfg, self.depth_limit, cost)  # ragged verify: padded=False
             probe_step_cost(self, cost, cfg.probe_seconds)
@@ -165,7 +167,7 @@ class SpecWorker:
     def decode(self, reqs: Sequence[SpecRequest], eos_ids: tuple[int, ...]) -> list[DecodeResult]:
         r = self.runner
         bs = len(reqs)
-        if r.allocator.num_free < bs * self.max_step_tokens:
+        if r.slots.num_free < bs * self.max_step_tokens:
             raise OutOfKVSlots()
         t = self.timer
         t.start()
@@ -239,12 +241,10 @@ class SpecWorker:
         decoding's; sampled tokens are drawn exactly as plain decoding draws them."""
         r, bs = self.runner, len(reqs)
         start = time.perf_counter()
-        slots = r.allocator.alloc(bs)  # [bs] the roots' KV
-        r.req_to_token.table[idx, cached] = slots
-        fb = build_forward_batch(ForwardMode.DECODE, roots, cached, slots, r.req_to_token.table, idx, cached,
-                                 torch.ones(bs, dtype=torch.int64), capture_layer_ids=self.capture_layer_ids)
+        fb = r.prepare_decode(idx.tolist(), cached.tolist(), roots.tolist(), self.capture_layer_ids)  # roots' KV
+        assert fb is not None, "decode() checked free slots for the whole step"
         out = r.forward(fb)
-        self.drafter.write_context(out.captured, cached, slots, self.draft_kv)
+        self.drafter.write_context(out.captured, fb.positions, fb.out_cache_loc, self.draft_kv)
         logits = r.logits(out.hidden)  # [bs, V]
         tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
         results = []
@@ -261,17 +261,17 @@ class SpecWorker:
     def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
         """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]."""
         r, bsz, bs = self.runner, self.block_size, idx.shape[0]
-        slots = r.allocator.alloc(bs * bsz)  # [bs*B] temporary slots for the block's own K/V
+        block = r.slots.place_block(idx, cached, bsz)  # [bs, B] temporary slots for the block's own K/V
+        slots = block.view(-1)  # [bs*B]
         offs = torch.arange(bsz, device=r.device)  # [B]
-        r.req_to_token.table[idx[:, None], cached[:, None] + offs] = slots.view(bs, bsz)
         ids = torch.full((bs, bsz), int(self.drafter.mask_token_id), device=r.device)  # [bs, B]
         ids[:, 0] = roots
         fb = build_forward_batch(
-            ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.req_to_token.table,
+            ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.slots.table,
             idx, cached, torch.full((bs,), bsz), tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool),
             input_embeds=r.model.embed(ids.view(-1)))
         hidden = self.drafter(fb, self.draft_kv, self.draft_backend).view(bs, bsz, -1)  # [bs, B, H]
-        r.allocator.free(slots)
+        r.slots.free(slots)
         return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor):
@@ -283,15 +283,13 @@ class SpecWorker:
         bs, d = tree.candidates.shape
         lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
         used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
-        flat = r.allocator.alloc(int(lens.sum()))  # [T]
+        flat = r.slots.place(idx, cached, lens)  # [T] row after row, positions cached[b]..cached[b]+lens[b]-1
         slots = torch.full((bs, d), -1, dtype=torch.int64, device=r.device)  # [bs, D]
         slots[used] = flat
-        pos = cached[:, None] + torch.arange(d, device=r.device)  # [bs, D]
-        r.req_to_token.table[idx[:, None].expand(bs, d)[used], pos[used]] = flat
         plain = d == 1  # every tree is its root alone: a plain decode step, on the causal decode path
         fb = build_forward_batch(
             ForwardMode.DECODE if plain else ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used],
-            flat, r.req_to_token.table, idx, cached, lens, tree_mask=None if plain else tree.tree_mask,
+            flat, r.slots.table, idx, cached, lens, tree_mask=None if plain else tree.tree_mask,
             capture_layer_ids=self.capture_layer_ids)
         out = r.forward(fb)
         rows = r.logits(out.hidden)  # [T, V]
@@ -324,10 +322,9 @@ class SpecWorker:
         path_slots = tree_slots.gather(1, path)  # [bs, S]
         kept_mask = torch.zeros(bs, d, dtype=torch.bool, device=r.device)  # [bs, D]
         kept_mask[torch.arange(bs, device=r.device)[:, None].expand(bs, s)[valid], path[valid]] = True
-        r.allocator.free(tree_slots[~kept_mask & (tree_slots >= 0)])
         rows = idx[:, None].expand(bs, s)[valid]
         pos = (cached[:, None] + cols[None, :])[valid]  # [n_kept] absolute positions
-        r.req_to_token.table[rows, pos] = path_slots[valid]
+        r.slots.keep_path(rows, pos, path_slots[valid], tree_slots[~kept_mask & (tree_slots >= 0)])
         feat_rows = (torch.arange(bs, device=r.device)[:, None] * d + path)[valid]
         self.drafter.write_context(captured[feat_rows], pos, path_slots[valid], self.draft_kv)
         for q, k in zip(reqs, keep, strict=True):

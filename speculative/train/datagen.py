@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from model_executor.forward_batch import ForwardMode, build_forward_batch
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
 
@@ -117,33 +116,33 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
     per-sequence float32 features ``[S, n*H]`` (an empty list when ``layer_ids`` is empty: nothing captured)."""
     dev = runner.device
     n = len(prompts)
-    rows = [runner.req_to_token.alloc() for _ in prompts]
+    kv = runner.slots
+    rows = [kv.alloc_row() for _ in prompts]
     if any(r is None for r in rows):
+        for r in rows:
+            if r is not None:
+                kv.free_row(r)
         raise RuntimeError("too many prompts for the request table")
     seqs = [list(p) for p in prompts]
     feats: list[list[torch.Tensor]] = [[] for _ in prompts]
-    slots: list[list[int]] = [[] for _ in prompts]
+    cached = [0] * n  # tokens of each request whose KV is placed
     try:
         active = list(range(n))
         new = [list(p) for p in prompts]  # tokens to run per request this forward
         while active:
             lens = torch.tensor([len(new[i]) for i in active], dtype=torch.int64)
-            pre = torch.tensor([len(seqs[i]) - len(new[i]) for i in active], dtype=torch.int64)
-            loc = runner.allocator.alloc(int(lens.sum()))
-            if loc is None:
-                raise RuntimeError("KV cache too small for the generation batch")
-            off = 0
-            for i, p0, m in zip(active, pre.tolist(), lens.tolist(), strict=True):
-                runner.req_to_token.table[rows[i], p0:p0 + m] = loc[off:off + m]
-                slots[i] += loc[off:off + m].tolist()
-                off += m
-            ids = torch.tensor([t for i in active for t in new[i]], dtype=torch.int64, device=dev)  # [T]
-            pos = torch.cat([torch.arange(p0, p0 + m) for p0, m in zip(pre.tolist(), lens.tolist(), strict=True)])
+            pre = [len(seqs[i]) - len(new[i]) for i in active]
             last = torch.cumsum(lens, 0) - 1  # [bs] row of each request's last new token
-            mode = ForwardMode.EXTEND if int(lens.max()) > 1 else ForwardMode.DECODE
-            fb = build_forward_batch(mode, ids, pos.to(dev), loc, runner.req_to_token.table,
-                                     torch.tensor([rows[i] for i in active], device=dev), pre, lens,
-                                     logits_indices=last.to(dev), capture_layer_ids=layer_ids)
+            act_rows = [rows[i] for i in active]
+            ids = [t for i in active for t in new[i]]
+            if int(lens.max()) > 1:
+                fb = runner.prepare_prefill(act_rows, pre, lens.tolist(), ids, layer_ids, last.to(dev))
+            else:
+                fb = runner.prepare_decode(act_rows, pre, ids, layer_ids)
+            if fb is None:
+                raise RuntimeError("KV cache too small for the generation batch")
+            for i, m in zip(active, lens.tolist(), strict=True):
+                cached[i] += m
             out = runner.forward(fb)
             logits = runner.logits(out.hidden[last.to(dev)]).cpu()  # [bs, V] float32
             if layer_ids:
@@ -159,9 +158,7 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
             active = still
     finally:
         for i, r in enumerate(rows):
-            if slots[i]:
-                runner.allocator.free(torch.tensor(slots[i], dtype=torch.int64, device=dev))
-            runner.req_to_token.free(r)
+            kv.release(r, cached[i])
     out_feats: list[torch.Tensor] = []
     for i, s in enumerate(seqs if layer_ids else ()):
         f = torch.cat(feats[i])  # [S-1, n*H]: every token except the last was run

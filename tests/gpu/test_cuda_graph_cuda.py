@@ -29,15 +29,14 @@ def test_graph_replay_equals_eager(tmp_path):
     dev = torch.device("cuda")
     lens = torch.tensor([9, 4, 6], device=dev)
     for b, n in enumerate(lens.tolist()):
-        slots = r.allocator.alloc(n)
-        r.req_to_token.table[b, :n] = slots
+        slots = r.slots.place(torch.tensor([b]), torch.tensor([0]), torch.tensor([n]))
         r.forward(
             build_forward_batch(
                 ForwardMode.EXTEND,
                 torch.arange(n, device=dev) + 3 * b,
                 torch.arange(n, device=dev),
                 slots,
-                r.req_to_token.table,
+                r.slots.table,
                 torch.tensor([b], device=dev),
                 torch.tensor([0]),
                 torch.tensor([n]),
@@ -45,15 +44,14 @@ def test_graph_replay_equals_eager(tmp_path):
         )
     idx = torch.arange(3, device=dev)
     for mode, q in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4)):
-        slots = r.allocator.alloc(3 * q).view(3, q)
-        r.req_to_token.table[idx[:, None], lens[:, None] + torch.arange(q, device=dev)] = slots
+        slots = r.slots.place_block(idx, lens, q)  # [3, q]
         tree = torch.tril(torch.ones(q, q, dtype=torch.bool, device=dev)).expand(3, q, q).contiguous()
         fb = build_forward_batch(
             mode,
             torch.arange(3 * q, device=dev) + 7,
             (lens[:, None] + torch.arange(q, device=dev)).reshape(-1),
             slots.reshape(-1),
-            r.req_to_token.table,
+            r.slots.table,
             idx,
             lens,
             torch.full((3,), q),

@@ -47,15 +47,14 @@ def test_padded_static_batches_equal_the_plain_forward(tmp_path):
     graphs = CudaGraphRunner(r.model, r.kv, r.backend, (1, 4), 64, "cpu", capture=False)
     lens = [9, 4, 6]
     for b, n in enumerate(lens):  # prefill three requests
-        slots = r.allocator.alloc(n)
-        r.req_to_token.table[b, :n] = slots
+        slots = r.slots.place(torch.tensor([b]), torch.tensor([0]), torch.tensor([n]))
         r.forward(
             build_forward_batch(
                 ForwardMode.EXTEND,
                 torch.tensor(_ids(n, b)),
                 torch.arange(n),
                 slots,
-                r.req_to_token.table,
+                r.slots.table,
                 torch.tensor([b]),
                 torch.tensor([0]),
                 torch.tensor([n]),
@@ -63,8 +62,7 @@ def test_padded_static_batches_equal_the_plain_forward(tmp_path):
         )
     idx, pre = torch.arange(3), torch.tensor(lens)
     for mode, q in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4)):
-        slots = r.allocator.alloc(3 * q).view(3, q)
-        r.req_to_token.table[idx[:, None], pre[:, None] + torch.arange(q)] = slots
+        slots = r.slots.place_block(idx, pre, q)  # [3, q]
         tree = None
         if mode == ForwardMode.TARGET_VERIFY:  # root -> {1, 2}, 2 -> 3
             tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
@@ -75,7 +73,7 @@ def test_padded_static_batches_equal_the_plain_forward(tmp_path):
             torch.tensor(_ids(3 * q, 40 + q)),
             (pre[:, None] + depth).reshape(-1),
             slots.reshape(-1),
-            r.req_to_token.table,
+            r.slots.table,
             idx,
             pre,
             torch.full((3,), q),
@@ -94,7 +92,7 @@ def test_padded_static_batches_equal_the_plain_forward(tmp_path):
         torch.tensor([1, 2]),
         torch.tensor([20, 21]),
         torch.tensor([0, 0]),
-        r.req_to_token.table,
+        r.slots.table,
         torch.tensor([0]),
         torch.tensor([20]),
         torch.tensor([2]),

@@ -27,9 +27,8 @@ def _runner(path: str) -> ModelRunner:
 def _fb(r: ModelRunner, mode: ForwardMode, toks: list[int], positions: list[int], req: int, prefix: int,
         tree_mask: torch.Tensor | None = None):
     n = len(toks)
-    slots = r.allocator.alloc(n)
-    r.req_to_token.table[req, prefix:prefix + n] = slots
-    return build_forward_batch(mode, torch.tensor(toks), torch.tensor(positions), slots, r.req_to_token.table,
+    slots = r.slots.place(torch.tensor([req]), torch.tensor([prefix]), torch.tensor([n]))
+    return build_forward_batch(mode, torch.tensor(toks), torch.tensor(positions), slots, r.slots.table,
                                torch.tensor([req]), torch.tensor([prefix]), torch.tensor([n]), tree_mask=tree_mask)
 
 
@@ -112,13 +111,11 @@ def test_absorbed_mla_equals_expanded(tmp_path, interleave):
     _extend(r, _ids(6, 6), req=1)
     for n_new in (1, 4):  # the decode step's token stays cached: the extend step sees it as prefix
         pre = [11, 6] if n_new == 1 else [12, 7]
-        slots = r.allocator.alloc(2 * n_new)
-        for b in range(2):
-            r.req_to_token.table[b, pre[b]:pre[b] + n_new] = slots[b * n_new:(b + 1) * n_new]
+        slots = r.slots.place(torch.tensor([0, 1]), torch.tensor(pre), torch.tensor([n_new, n_new]))
         mode = ForwardMode.DECODE if n_new == 1 else ForwardMode.EXTEND
         positions = torch.cat([torch.arange(p, p + n_new) for p in pre])
         fb = build_forward_batch(mode, torch.tensor(_ids(2 * n_new, 7 + n_new)), positions, slots,
-                                 r.req_to_token.table, torch.tensor([0, 1]), torch.tensor(pre),
+                                 r.slots.table, torch.tensor([0, 1]), torch.tensor(pre),
                                  torch.tensor([n_new, n_new]))
         h = torch.randn(2 * n_new, tiny.text_config["hidden_size"], generator=torch.Generator().manual_seed(n_new))
         for i, layer in enumerate(model.layers):

@@ -18,10 +18,9 @@ def _runner(path: str) -> ModelRunner:
 
 def _extend_logits(r: ModelRunner, ids: list[int], req: int = 0, prefix: int = 0) -> torch.Tensor:
     n = len(ids) - prefix
-    slots = r.allocator.alloc(n)
-    r.req_to_token.table[req, prefix:prefix + n] = slots
+    slots = r.slots.place(torch.tensor([req]), torch.tensor([prefix]), torch.tensor([n]))
     fb = build_forward_batch(ForwardMode.EXTEND, torch.tensor(ids[prefix:]), torch.arange(prefix, len(ids)), slots,
-                             r.req_to_token.table, torch.tensor([req]), torch.tensor([prefix]), torch.tensor([n]))
+                             r.slots.table, torch.tensor([req]), torch.tensor([prefix]), torch.tensor([n]))
     return r.logits(r.forward(fb).hidden)
 
 
@@ -70,10 +69,9 @@ def test_tree_verify_mask_matches_causal_paths(tiny_llama_factory):
         while j >= 0:
             mask[0, i, j] = True
             j = parents[j]
-    slots = r.allocator.alloc(4)
-    r.req_to_token.table[0, 5:9] = slots
+    slots = r.slots.place(torch.tensor([0]), torch.tensor([5]), torch.tensor([4]))
     fb = build_forward_batch(ForwardMode.TARGET_VERIFY, torch.tensor(toks), torch.tensor([5 + d for d in depth]),
-                             slots, r.req_to_token.table, torch.tensor([0]), torch.tensor([5]), torch.tensor([4]),
+                             slots, r.slots.table, torch.tensor([0]), torch.tensor([5]), torch.tensor([4]),
                              tree_mask=mask)
     tree_logits = r.logits(r.forward(fb).hidden)
     for node, seq in [(0, [11]), (1, [11, 12]), (2, [11, 13]), (3, [11, 12, 14])]:

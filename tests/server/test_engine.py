@@ -43,7 +43,7 @@ def hf_greedy(default_model_path):
 def _assert_pool_full(engine: Engine) -> None:
     st = engine.stats()
     assert st.kv_used_tokens == 0 and st.running == 0 and st.waiting == 0
-    assert engine.scheduler.runner.req_to_token.num_free == engine.config.scheduler.max_running_requests + 1
+    assert engine.scheduler.runner.slots.num_free_rows == engine.config.scheduler.max_running_requests + 1
 
 
 def test_greedy_matches_transformers_alone_and_batched(engine, hf_greedy):

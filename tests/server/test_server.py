@@ -261,8 +261,35 @@ def test_disconnect_frees_kv(server, model_name) -> None:
         if m["ddtree_kv_used_tokens"] == 0 and m["ddtree_num_running_reqs"] == 0:
             break
         time.sleep(0.3)
-    assert m["ddtree_kv_used_tokens"] == 0 and m["ddtree_num_running_reqs"] == 0
+    assert m["ddtree_kv_used_tokens"] == 0 and m["ddtree_num_running_reqs"] == 0  # no lock left on the cache
     assert m["ddtree_requests_total"] >= 1
+
+
+def test_prefix_cache_reports_cached_tokens(server, client, model_name) -> None:
+    """A repeated conversation reuses its prefix: everything but the last prompt token is cached, in chat and
+    completions, streamed or not; the metrics count the hits."""
+    msgs = [{"role": "system", "content": "You answer in one word. Cached prefix test " * 6},
+            {"role": "user", "content": "Name a color."}]
+    first = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=4, temperature=0)
+    again = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=model_name, messages=msgs, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    prompt = "Prefix caching keeps the KV of earlier requests. " * 4
+    client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    r = client.completions.create(model=model_name, prompt=[prompt, prompt], n=2, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 2  # counted once per prompt
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = _metrics(server)
+        if m.get("ddtree_cached_prompt_tokens_total", 0) > 0:
+            break
+        time.sleep(0.3)
+    assert m["ddtree_cached_prompt_tokens_total"] > 0 and 0 < m["ddtree_prefix_cache_hit_rate"] <= 1
+    assert m["ddtree_prefix_cache_tokens"] > 0
 
 
 def test_metrics_parse(server, model_name) -> None:

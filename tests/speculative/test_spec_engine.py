@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.forward_batch import ForwardMode, build_forward_batch
 from server.engine import Engine, SamplingParams
 from server.io_struct import GenerateReq
 from tests.speculative.drafter_utils import write_random_drafter
@@ -147,13 +146,11 @@ def test_commit_keeps_exact_kv(tiny):
     assert req.spec_accepted_tokens > 0
     ids = req.all_ids[: req.num_cached]
     r = sch.runner
-    slots = r.req_to_token.table[req.req_pool_idx, : req.num_cached].clone()
+    slots = r.slots.row_slots(req.req_pool_idx, req.num_cached)
     ref = _engine(target, None)
     rr = ref.scheduler.runner
-    fresh = rr.allocator.alloc(len(ids))
-    rr.req_to_token.table[0, : len(ids)] = fresh
-    fb = build_forward_batch(ForwardMode.EXTEND, torch.tensor(ids), torch.arange(len(ids)), fresh,
-                             rr.req_to_token.table, torch.tensor([0]), torch.tensor([0]), torch.tensor([len(ids)]))
+    fb = rr.prepare_prefill([0], [0], [len(ids)], ids)
+    fresh = fb.out_cache_loc
     rr.forward(fb)
     for layer in range(len(r.kv.k)):
         torch.testing.assert_close(r.kv.k[layer][slots], rr.kv.k[layer][fresh], atol=1e-4, rtol=1e-4)
