@@ -39,7 +39,12 @@ class KVCache:
 
 
 class TokenSlotAllocator:
-    """Free list over slots 1..num_slots."""
+    """Free list over slots 1..num_slots.
+
+    ``alloc`` and ``free`` replace ``_free`` and never write into it, so a reference taken by
+    ``free_list_snapshot`` stays what the free list was at that moment (no copy): ``allocated_since`` then
+    tells which of those slots are in use now (the scheduler's recovery from a failed step).
+    """
 
     def __init__(self, num_slots: int, device: torch.device | str = "cpu"):
         self.num_slots = num_slots
@@ -66,6 +71,14 @@ class TokenSlotAllocator:
             raise RuntimeError("KV slot freed twice or never allocated")
         self._used[slots] = False
         self._free = torch.cat([self._free, slots])
+
+    def free_list_snapshot(self) -> torch.Tensor:
+        """The free slots now, as a reference (see the class docstring): O(1)."""
+        return self._free
+
+    def allocated_since(self, snapshot: torch.Tensor) -> torch.Tensor:
+        """The slots of ``snapshot`` (an earlier ``free_list_snapshot``) that are allocated now. [n]"""
+        return snapshot[self._used[snapshot]]
 
 
 class ReqToTokenPool:

@@ -30,6 +30,7 @@ from server.config import ServerConfig
 from server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from server.request import Req
 from server.spec_setup import build_spec_worker
+from server.step_recovery import StepCheckpoint
 from speculative.types import OutOfKVSlots
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.outbox: list[TokenOut] = []
+        self.checkpoint: StepCheckpoint | None = None
         self._seed_rng = random.Random(0x5EED)
         self.total_verify_steps = 0
         self.total_spec_tokens = 0
@@ -145,7 +147,9 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[TokenOut]:
-        batch = self.schedule()
+        # what server/step_recovery.py needs to fail only this step's batch if the step raises
+        self.checkpoint = StepCheckpoint(self.runner.allocator.free_list_snapshot())
+        batch = self.checkpoint.batch = self.schedule()
         if batch is not None:
             results = self.run(batch)
             self.process(batch, results)
