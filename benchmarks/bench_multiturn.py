@@ -90,9 +90,10 @@ async def one_turn(client: httpx.AsyncClient, base: str, model: str, messages: l
                     return res, ""
                 for choice in data.get("choices", []):
                     piece = choice.get("delta", {}).get("content") or ""
-                    if piece and not text:
+                    if piece and not text:  # the first content (the role-only first chunk has none)
                         res.ttft = time.perf_counter() - t0
-                    text.append(piece)
+                    if piece:
+                        text.append(piece)
                 usage = data.get("usage")
                 if usage:
                     res.prompt_tokens, res.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
@@ -238,8 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     if args.launch:
         for label, extra in parse_configs(args.configs):
-            proc, base = launch([*shlex.split(args.server_args), *extra], Path(f"bench_multiturn_{label}.log"),
-                                args.launch_timeout)
+            log = Path(args.output).with_name(f"{Path(args.output).stem}_{label}.log")  # beside the JSON
+            log.parent.mkdir(parents=True, exist_ok=True)
+            proc, base = launch([*shlex.split(args.server_args), *extra], log, args.launch_timeout)
             try:
                 rows.append(summarise(label, *asyncio.run(run_config(args, [base]))))
             finally:

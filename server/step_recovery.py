@@ -64,7 +64,9 @@ def fail_step(scheduler: Any) -> list[str]:
 
 def _held_slots(scheduler: Any, failed: list) -> torch.Tensor:
     """Slots that live requests count in ``num_cached`` (the failed ones included: ``_release`` frees
-    theirs itself), so the orphan sweep leaves them to their owners. [n]"""
+    theirs itself), so the orphan sweep leaves them to their owners. Anything else that can take slots
+    during a step and keep them past it (a prefix cache inserting a finished request's tokens) must add
+    the slots it holds here. [n]"""
     table = scheduler.runner.req_to_token.table
     live = list(scheduler.waiting) + list(scheduler.running) + failed
     rows = [table[q.req_pool_idx, :q.num_cached] for q in live if q.req_pool_idx is not None and q.num_cached]

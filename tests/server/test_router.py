@@ -117,6 +117,8 @@ def _turn(router: str, messages: list[dict], stream: bool, started: threading.Ev
         assert r.status_code == 200
         lines = []
         for line in r.iter_lines():
+            if not line:
+                continue
             lines.append(line)
             if started is not None:
                 started.set()

@@ -77,8 +77,9 @@ def test_failed_steps_fail_their_requests_and_the_server_goes_on(server) -> None
                 "max_tokens": 24, "temperature": 0, "stream": True}
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
-                healthy.append(line)
-                first.set()
+                if line:
+                    healthy.append(line)
+                    first.set()
 
     t = threading.Thread(target=stream_healthy)
     t.start()
@@ -100,7 +101,7 @@ def test_failed_steps_fail_their_requests_and_the_server_goes_on(server) -> None
                             "max_tokens": 8, "temperature": 0, "stream": True,
                             "logit_bias": {str(server["bad"]): 100}}) as r:
         assert r.status_code == 200
-        lines = list(r.iter_lines())
+        lines = [ln for ln in r.iter_lines() if ln]
     events = _events(lines)
     assert any(BAD_WORD.strip() in (e["choices"][0]["delta"].get("content") or "") for e in events if e.get("choices"))
     assert "scheduler step" in events[-1]["error"]["message"]
