@@ -4,8 +4,9 @@ While there is work it polls its input without blocking, runs one scheduler step
 outputs to the detokenizer; when idle it blocks on the input (briefly, to notice shutdown). A bad request
 becomes a TokenOut with ``error`` (or a RequestError for failures inside the server); it never stops the
 loop. A step that raises fails only its batch's requests (HTTP 500 to their clients, their KV freed:
-server/step_recovery.py) and the loop goes on; only a sticky device error, or any step failure under
-tensor parallelism (the ranks would disagree on the state), ends the process, and with it the server. Scheduler stats go out at most every ``STATS_INTERVAL`` seconds while busy and once on going idle.
+server/step_recovery.py) and the loop goes on; only a sticky device error, any step failure under tensor
+parallelism (the ranks would disagree on the state), or a failure of the recovery itself ends the
+process, and with it the server. Scheduler stats go out at most every ``STATS_INTERVAL`` seconds while busy and once on going idle.
 """
 
 from __future__ import annotations
