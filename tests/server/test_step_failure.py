@@ -74,7 +74,7 @@ def test_failed_steps_fail_their_requests_and_the_server_goes_on(server) -> None
 
     def stream_healthy() -> None:
         body = {"model": "default", "messages": [{"role": "user", "content": "Count from one to fifty."}],
-                "max_tokens": 24, "temperature": 0, "stream": True}
+                "max_tokens": 64, "temperature": 0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
                 if line:
@@ -90,6 +90,7 @@ def test_failed_steps_fail_their_requests_and_the_server_goes_on(server) -> None
         err = r.json()["error"]
         assert "scheduler step" in err["message"] and err["type"] == "internal_error" and err["code"] == "500"
         assert httpx.get(base + "/health", timeout=30).status_code == 200
+    assert t.is_alive()  # the failures happened while the healthy request was running
     t.join(600)
     events = _events(healthy)
     assert events and events[-1]["choices"][0]["finish_reason"] == "length" and healthy[-1] == "data: [DONE]"
