@@ -67,6 +67,10 @@ class TokenSlotAllocator:
         self._used[slots] = False
         self._free = torch.cat([self._free, slots])
 
+    def allocated(self) -> torch.Tensor:
+        """Every allocated slot ``[num_slots - num_free]`` (O(num_slots): the recovery from a failed step)."""
+        return torch.nonzero(self._used).squeeze(1)
+
 
 class ReqToTokenPool:
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str = "cpu"):

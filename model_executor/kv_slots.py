@@ -67,6 +67,10 @@ class KVSlots:
     def free(self, slots: torch.Tensor) -> None:
         self._alloc.free(slots)
 
+    def allocated(self) -> torch.Tensor:
+        """Every allocated slot ``[n]`` (O(num_slots))."""
+        return self._alloc.allocated()
+
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Point ``table[row, start:start + len(slots)]`` at existing slots (a cached prefix)."""
         self._pool.table[row, start:start + slots.numel()] = slots

@@ -1,7 +1,8 @@
 """The HTTP front end: a FastAPI app built by ``create_app`` (no module-level app or state).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
-GET /get_server_info (every setting, the API key withheld), and the
+GET /server_info and /get_server_info (every setting, the API key withheld), GET /model_info and
+/get_model_info, GET /version (server/info_routes.py: SGLang's shapes, for SGLang routers), and the
 OpenAPI spec at GET /openapi.json (browsable at /docs), whose request bodies are the pydantic models of
 server/protocol.py. With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (401 otherwise);
 /health, /metrics and the spec stay open. Every error has the OpenAI shape
@@ -24,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.body_limit import BodyGuard
-from server.config import ServerConfig, public_info
+from server.config import ServerConfig
+from server.info_routes import add_info_routes
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -111,9 +113,7 @@ def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
     async def metrics() -> Response:
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/get_server_info")
-    async def server_info() -> JSONResponse:
-        return JSONResponse(public_info(tm.config))
+    add_info_routes(app, config)  # /server_info, /model_info, /version (+ SGLang's old /get_* names)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -3,7 +3,10 @@
 While there is work it polls its input without blocking, runs one scheduler step and sends the step's
 outputs to the detokenizer; when idle it blocks on the input (briefly, to notice shutdown). A bad request
 becomes a TokenOut with ``error`` (or a RequestError for failures inside the server); it never stops the
-loop. Scheduler stats go out at most every ``STATS_INTERVAL`` seconds while busy and once on going idle.
+loop. A step that raises fails only its batch's requests (HTTP 500 to their clients, their KV freed:
+server/step_recovery.py) and the loop goes on; only a sticky device error, any step failure under tensor
+parallelism (the ranks would disagree on the state), or a failure of the recovery itself ends the
+process, and with it the server. Scheduler stats go out at most every ``STATS_INTERVAL`` seconds while busy and once on going idle.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import time
 import traceback
 
+import torch
 import zmq
 
 from server.config import ServerConfig
@@ -33,7 +37,11 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL = 0.25
 IDLE_POLL_MS = 200
-MAX_CONSECUTIVE_STEP_FAILURES = 3
+TEST_FAULT_ENV = "DDTREE_TEST_FAIL_ON_TOKEN"  # tests only: see _install_test_fault
+
+# Errors after which the process cannot go on: a sticky device error (CUDA's illegal address, a
+# device-side assert) fails every later kernel, so the server exits and its supervisor restarts it.
+FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError,)
 
 
 class SchedulerLoop:
@@ -45,7 +53,6 @@ class SchedulerLoop:
         self.inflight: set[str] = set()
         self._last_stats = None
         self._last_stats_time = 0.0
-        self._step_failures = 0
 
     def run(self) -> None:
         while not self.guard.should_stop():
@@ -94,31 +101,36 @@ class SchedulerLoop:
             logger.exception("abort_request(%s) failed", rid)
 
     def _step(self) -> None:
-        from server.tp_protocol import TPRankError
+        from server.tp_protocol import TPRankError, TPScheduler
 
         try:
             outs = self.scheduler.step()
         except TPRankError:
             raise  # a dead TP rank is fatal: the process exits and the server answers 503 then exits
         except Exception as e:  # noqa: BLE001
-            self._step_failures += 1
             logger.error("scheduler step failed:\n%s", traceback.format_exc())
-            for rid in list(self.inflight):
-                self.send.send_pyobj(RequestError(rid, f"internal error: {type(e).__name__}", 500))
-                try:
-                    self.scheduler.abort_request(rid)
-                except Exception:  # noqa: BLE001
-                    pass
-            self.inflight.clear()
-            if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                raise
+            if isinstance(e, FATAL_STEP_ERRORS) or isinstance(self.scheduler, TPScheduler):
+                raise  # the device (or, under TP, the other ranks' state) cannot be trusted any more
+            self._fail_step(e)
             return
-        self._step_failures = 0
         if outs:
             for o in outs:
                 if o.finished:
                     self.inflight.discard(o.rid)
             self.send.send_pyobj(BatchTokenOut(outs))
+
+    def _fail_step(self, error: Exception) -> None:
+        """Fail the requests of the step's batch (their KV freed; server/step_recovery.py); every other
+        request keeps running. Outputs the step produced for other requests go out with the next step."""
+        from server.step_recovery import fail_step, orphaned_rids
+
+        failed = fail_step(self.scheduler)
+        failed += [rid for rid in orphaned_rids(self.scheduler, self.inflight) if rid not in failed]
+        message = f"internal error: the scheduler step running this request failed ({type(error).__name__})"
+        for rid in failed:
+            self.send.send_pyobj(RequestError(rid, message, 500))
+            self.inflight.discard(rid)
+        logger.error("failed %d request(s) of the failed step: %s", len(failed), ", ".join(failed))
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
@@ -130,6 +142,24 @@ class SchedulerLoop:
             return
         self.send.send_pyobj(stats)
         self._last_stats, self._last_stats_time = stats, now
+
+
+def _install_test_fault(scheduler) -> None:
+    """Test hook (tests/server/test_step_failure.py), inert unless ``TEST_FAULT_ENV`` names a token id: then
+    every target forward whose input holds that token raises, as a broken kernel would, mid-step."""
+    token = os.environ.get(TEST_FAULT_ENV)
+    if not token:
+        return
+    bad, runner = int(token), scheduler.runner
+    inner = runner.forward
+    logger.warning("%s=%d: forwards over token %d will fail (tests only)", TEST_FAULT_ENV, bad, bad)
+
+    def forward(fb):  # noqa: ANN001, ANN202 - ModelRunner.forward's signature
+        if bool((fb.input_ids == bad).any()):
+            raise RuntimeError(f"injected step failure (token {bad})")
+        return inner(fb)
+
+    runner.forward = forward
 
 
 def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_pid: int) -> None:
@@ -144,6 +174,7 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
         from server.scheduler_factory import make_scheduler
 
         scheduler = make_scheduler(config)  # tp_size > 1: rank 0 of the TP world, followers spawned here
+        _install_test_fault(scheduler)
         send.send_pyobj(SchedulerReady(int(scheduler.max_context_len), tuple(scheduler.eos_token_ids),
                                        config.model.model_path))
     except Exception as e:  # noqa: BLE001
@@ -154,7 +185,7 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
     try:
         SchedulerLoop(scheduler, recv, send, guard).run()
     except Exception as e:  # noqa: BLE001
-        send.send_pyobj(ProcessFailed("scheduler", f"repeated step failures: {type(e).__name__}: {e}"))
+        send.send_pyobj(ProcessFailed("scheduler", f"fatal step failure: {type(e).__name__}: {e}"))
         send.close(2000)
         os._exit(1)
     scheduler.close()

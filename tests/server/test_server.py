@@ -7,6 +7,7 @@ and exit non-zero with no process left behind. A second, short-lived server chec
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import signal
@@ -318,6 +319,17 @@ def test_server_info(server) -> None:
     assert info["speculative_algorithm"] == "ddtree" and info["speculative_ddtree_budget"] == "auto"
     assert info["speculative_accept_threshold_single"] == info["speculative_accept_threshold_acc"] == 1.0
     assert info["speculative_lossy"] is False and info["api_key"] == "(set)"
+    # SGLang's names (what sglang-router probes first), open without the API key like /health
+    assert httpx.get(server["base"] + "/server_info", timeout=30).json() == info
+    version = info["version"]
+    assert version == importlib.metadata.version("ddtree-serve") and info["tp_size"] == 1
+    assert httpx.get(server["base"] + "/version", timeout=30).json() == {"version": version}
+    model = httpx.get(server["base"] + "/model_info", timeout=30).json()
+    assert model == httpx.get(server["base"] + "/get_model_info", timeout=30).json()
+    assert model["model_path"] == info["model_path"] == model["tokenizer_path"]
+    assert os.path.isfile(os.path.join(model["model_path"], "config.json"))  # the resolved directory
+    assert model["is_generation"] is True and model["served_model_name"] == "default"
+    assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]  # SmolLM2
 
 
 def test_dead_child_gives_503_then_exit(server) -> None:

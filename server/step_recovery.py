@@ -1,0 +1,82 @@
+"""Recovery from a scheduler step that raised: fail only the requests of that step's batch.
+
+A step (``Scheduler.step``: schedule -> run -> process) can raise part-way: after KV slots were allocated
+for the batch (a prefill chunk's slots written to the request table but not yet counted in
+``num_cached``, a decode step's new slot, a speculative step's temporary tree slots), after some requests
+of the batch already finished, or after a fully prefilled request left the waiting queue but before it
+joined the running list. ``Scheduler.step`` records a ``StepCheckpoint`` (the step's batch) so that
+``fail_step`` can:
+
+- take every unfinished request of the batch out of the queues and release its KV (``Scheduler._release``:
+  the slots it counts in ``num_cached`` and its request-table row);
+- free the step's orphans: allocated slots that no live request counts and the prefix cache does not hold
+  (the only two owners of a slot between steps; the sweep is O(pool), paid only after a failure);
+- drop the batch's pending outputs (their clients get an error instead).
+
+Requests outside the batch are untouched and keep being served. A failure in ``schedule`` itself (no batch
+recorded) fails every request the scheduler holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepCheckpoint:
+    """What ``fail_step`` needs of the step in progress (mutable: the batch is known after ``schedule``)."""
+
+    batch: Any = None  # the step's Batch, once scheduled
+
+
+def fail_step(scheduler: Any) -> list[str]:
+    """Fail the requests of the step that just raised; return their ids. Leaves the scheduler consistent:
+    every KV slot is either free, held by a live request, or held by the prefix cache."""
+    cp: StepCheckpoint | None = getattr(scheduler, "checkpoint", None)
+    if cp is not None and cp.batch is not None:
+        victims = list(cp.batch.reqs)
+    else:
+        victims = list(scheduler.waiting) + list(scheduler.running)
+    failed = list({id(q): q for q in victims if q.finish_reason is None}.values())  # finished: released
+    ids = {id(q) for q in failed}
+    keep = [q for q in scheduler.waiting if id(q) not in ids]  # by identity, in place
+    scheduler.waiting.clear()
+    scheduler.waiting.extend(keep)
+    scheduler.running[:] = [q for q in scheduler.running if id(q) not in ids]
+    held = _held_slots(scheduler, failed)
+    for req in failed:
+        req.finish_reason = "error"
+        scheduler._release(req)
+    slots = scheduler.runner.slots
+    orphans = slots.allocated()  # [n] after the releases above: what nobody owns is the step's
+    if held.numel():
+        orphans = orphans[~torch.isin(orphans, held.to(orphans.device))]
+    slots.free(orphans)
+    rids = {req.rid for req in failed}
+    scheduler.outbox[:] = [o for o in scheduler.outbox if o.rid not in rids]
+    scheduler.checkpoint = None
+    return [req.rid for req in failed]
+
+
+def _held_slots(scheduler: Any, failed: list) -> torch.Tensor:
+    """Slots that live requests count in ``num_cached`` (the failed ones included: ``_release`` frees
+    theirs itself, or hands them to the prefix cache) and slots the prefix cache holds (a request that
+    finished during the step inserted its tokens), so the orphan sweep leaves them to their owners. [n]"""
+    table = scheduler.runner.slots.table
+    live = list(scheduler.waiting) + list(scheduler.running) + failed
+    rows = [table[q.req_pool_idx, :q.num_cached] for q in live if q.req_pool_idx is not None and q.num_cached]
+    tree = scheduler.kv.tree
+    if tree is not None:
+        rows.append(tree.held_slots().to(table.device))
+    return torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64, device=table.device)
+
+
+def orphaned_rids(scheduler: Any, inflight: set[str]) -> list[str]:
+    """Requests the loop believes in flight that the scheduler no longer holds and will never report
+    (no finished output pending): after ``fail_step`` this is empty unless ``schedule`` itself failed."""
+    known = {q.rid for q in scheduler.waiting} | {q.rid for q in scheduler.running}
+    reported = {o.rid for o in scheduler.outbox if o.finished}
+    return [rid for rid in inflight if rid not in known and rid not in reported]
