@@ -314,6 +314,24 @@ def test_metrics_parse(server, model_name) -> None:
     assert m["ddtree_spec_chosen_budget_count"] > 0  # the default: auto budget, one observation per request-step
 
 
+def test_bench_multiturn_against_the_server(server, tmp_path) -> None:
+    """benchmarks/bench_multiturn.py's logic on a short run: histories grow turn by turn, every turn is timed."""
+    from benchmarks.bench_multiturn import main as bench_multiturn
+
+    out = tmp_path / "multiturn.json"
+    bench_multiturn(["--base-url", server["base"], "--api-key", KEY, "--conversations", "2", "--turns", "2",
+                     "--system-words", "20", "--max-tokens", "2", "--output", str(out)])
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["completed"] == res["turns"] == 4 and not res["errors"]
+    turns = {(t["conversation"], t["turn"]): t for t in res["per_turn"]}
+    for c in range(2):
+        first, second = turns[c, 0], turns[c, 1]
+        assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]  # the history grew
+        assert 0 < first["ttft"] <= first["e2e"] and 0 < second["ttft"] <= second["e2e"]
+        assert first["completion_tokens"] == second["completion_tokens"] == 2  # EOS ignored
+    assert res["prompt_tokens"] == sum(t["prompt_tokens"] for t in res["per_turn"]) and res["output_throughput"] > 0
+
+
 def test_server_info(server) -> None:
     info = httpx.get(server["base"] + "/get_server_info", timeout=30).json()
     assert info["speculative_algorithm"] == "ddtree" and info["speculative_ddtree_budget"] == "auto"
