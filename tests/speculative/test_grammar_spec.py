@@ -25,9 +25,21 @@ def _engine(path: str, alg: str, **kw) -> Engine:
     return Engine(path, dtype="float32", max_total_tokens=8192, speculative_algorithm=alg, **spec, **kw)
 
 
+class _Engines(dict):
+    """Engines by algorithm, loaded on first use (a deselected algorithm costs nothing)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def __missing__(self, alg: str) -> Engine:
+        self[alg] = _engine(self.path, alg)
+        return self[alg]
+
+
 @pytest.fixture(scope="module")
 def engines(default_model_path):
-    es = {alg: _engine(default_model_path, alg) for alg in ("none", "ddtree", "dflash")}
+    es = _Engines(default_model_path)
     yield es
     for e in es.values():
         e.shutdown()
@@ -38,7 +50,7 @@ def _params(temperature: float = 0.0) -> list[SamplingParams]:
             for i, s in enumerate(SCHEMAS)]
 
 
-@pytest.mark.parametrize("alg", ["ddtree", "dflash"])
+@pytest.mark.parametrize("alg", ["ddtree", pytest.param("dflash", marks=pytest.mark.slow)])
 def test_greedy_speculative_equals_plain_constrained(engines, alg):
     free = SamplingParams(temperature=0, max_tokens=24)
     prompts = PROMPTS + ["The capital of France is"]  # a free request shares the batch
@@ -59,7 +71,7 @@ def test_greedy_speculative_equals_plain_constrained(engines, alg):
     assert st.kv_used_tokens == 0 and st.running == 0
 
 
-@pytest.mark.parametrize("alg", ["ddtree", "dflash"])
+@pytest.mark.parametrize("alg", ["ddtree", pytest.param("dflash", marks=pytest.mark.slow)])
 def test_sampled_speculative_outputs_validate(engines, alg):
     outs = engines[alg].generate(PROMPTS, _params(temperature=1.0))
     for o, s in zip(outs, SCHEMAS, strict=True):
@@ -95,7 +107,7 @@ def backend(default_model_path):
     b.shutdown()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_masked_sampled_verification_is_exact(backend, seed):
     """Target logits live on a six-token alphabet (a, b, c, ab, x, EOS; -inf elsewhere) under the grammar
     ``[ab]{0,3}c``. The emitted (last accepted node, bonus token) of sampled verification over masked rows
