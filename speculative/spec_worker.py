@@ -171,13 +171,15 @@ class SpecWorker:
             t.lap("draft")
             full = torch.full((bs,), self.budget)  # [bs]
             depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
-            popped = pop_nodes(draft_logits, full, chain=self.chain, max_depths=depths)
-            if ctl is not None:
-                budgets = torch.from_numpy(r.tp.broadcast_object(ctl.choose(popped, sampled, self.max_verify_tokens)))
-            elif self.max_verify_tokens is not None:  # verify-workspace cap: bs x (budget + 1) fits the workspace
-                budgets = torch.full((bs,), step_budget(self.budget, bs, self.max_verify_tokens))
-            else:
-                budgets = full
+            if ctl is not None:  # pops only as many nodes as can matter to its choice
+                popped, chosen = ctl.pop_and_choose(
+                    lambda w: pop_nodes(draft_logits, torch.full((bs,), w), chain=self.chain, max_depths=depths),
+                    sampled, self.max_verify_tokens, agree=r.tp.broadcast_object)
+                budgets = torch.from_numpy(chosen)
+            else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
+                popped = pop_nodes(draft_logits, full, chain=self.chain, max_depths=depths)
+                cap = self.max_verify_tokens
+                budgets = full if cap is None else torch.full((bs,), step_budget(self.budget, bs, cap))
         else:
             popped, budgets = PoppedNodes.empty(bs), torch.zeros(bs, dtype=torch.int64)
         draft_s = time.perf_counter() - t0 if drafted else None  # drafter forward + pops + decision
