@@ -1,23 +1,24 @@
 """Speculative decoding on the default model: decode tokens/s and tau of none, DDTree at fixed budgets and the
 adaptive budget ("auto", issue 15), optionally dflash (chain), at several batch sizes, greedy and T=1, all in
-one run, with INTERLEAVED repetitions: every configuration has its own engine, built once, and each (batch
-size, temperature) cell runs the configurations in rounds, the order rotated every round, so that the
-machine's drift (2-3x between runs minutes apart on a shared CPU) hits all of them alike. Per cell and
+one run, with INTERLEAVED repetitions: every configuration has its own engine, and each (batch size,
+temperature) cell runs the configurations in rounds, the order rotated every round, so that the machine's
+drift (2-3x between runs minutes apart on a shared CPU) hits all of them alike. The engines of none and
+auto live through the whole run; each fixed budget (and dflash) gets its engine in turn (memory), and
+runs ``--fixed-rounds`` rounds of (none, auto, it) per cell; then ``--rounds`` rounds of (none, auto). Per cell and
 configuration it reports the median tokens/s over the rounds and the median of the per-round ratios to
 none (paired: the same round), plus the budgets auto chose (mean, share of plain steps, most frequent) and
 a per-step time breakdown; then a summary of auto against none and against the best of {none, every fixed
 budget} (the issue's bar: >= 0.95x the best, never below none). Table + JSON.
 
     python benchmarks/bench_spec.py [--budgets 4,16,64] [--no-auto] [--dflash] [--batch-sizes 1,4,16,32]
-        [--temperatures 0,1] [--max-tokens 64] [--rounds 3] [--fixed-rounds N] [--out bench_out/spec.json]
-
-``--fixed-rounds`` (default: ``--rounds``) runs the fixed budgets and dflash only in the first N rounds
-(their paired ratios then come from those rounds), to save time where they are far slower than none.
+        [--temperatures 0,1] [--max-tokens 64] [--rounds 3] [--fixed-rounds N] [--threads 1]
+        [--out bench_out/spec.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -70,24 +71,24 @@ def configs_from(args) -> list[tuple[str, str, int | str]]:
 def build_engine(alg: str, budget: int | str, args) -> Engine:
     kw = {} if alg == "none" else {"speculative_algorithm": alg, "draft_model_path": args.draft_model_path,
                                    "ddtree_budget": budget or 1, "ddtree_max_budget": args.max_budget}
-    engine = Engine("default", dtype=args.dtype, max_total_tokens=16384, **kw)
+    engine = Engine("default", dtype=args.dtype, max_total_tokens=args.kv_tokens, **kw)
     ids = chat_ids(engine.tokenizer, CHAT_PROMPTS)
     run(engine, ids[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     return engine
 
 
-def run_cell(engines: dict, labels: list[str], ids, params, rounds: int, fixed_rounds: int) -> dict[str, list]:
-    """Interleaved rounds: round k runs every configuration once (fixed budgets and dflash only while
-    k < fixed_rounds), in the order rotated by k. Returns per label the rows, each tagged with its round."""
-    rows: dict[str, list] = {lab: [] for lab in labels}
+def run_rounds(engines: dict, ids, params, rounds: int, first_round: int, rows: dict[str, list]) -> int:
+    """``rounds`` interleaved rounds over every engine in ``engines``, the order rotated each round; the rows
+    (tagged with a global round id, so that ratios pair rows of the same round) go to ``rows``. Returns the
+    next round id."""
+    labels = list(engines)
     for k in range(rounds):
-        active = [lab for lab in labels if k < fixed_rounds or lab in ("none", "auto")]
-        order = active[k % len(active):] + active[:k % len(active)]
-        for lab in order:
+        rid = first_round + k
+        for lab in labels[rid % len(labels):] + labels[:rid % len(labels)]:
             row = run(engines[lab], ids, params)
-            row["round"] = k
-            rows[lab].append(row)
-    return rows
+            row["round"] = rid
+            rows.setdefault(lab, []).append(row)
+    return first_round + rounds
 
 
 def summarise_cell(rows: dict[str, list], bs: int, temp: float) -> list[dict]:
@@ -142,38 +143,54 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions per cell")
-    ap.add_argument("--fixed-rounds", type=int, default=None, help="rounds that include fixed budgets/dflash")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of none and auto per cell, after the fixed ones")
+    ap.add_argument("--fixed-rounds", type=int, default=None,
+                    help="rounds per cell of each fixed budget / dflash next to none and auto (default --rounds)")
     ap.add_argument("--draft-model-path", default="default")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-tokens", type=int, default=8192, help="KV pool per engine (several are alive at once)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is far faster on a CPU shared with other jobs: no spinning)")
     ap.add_argument("--out", default="bench_out/spec.json")
     args = ap.parse_args()
-    fixed_rounds = args.rounds if args.fixed_rounds is None else min(args.fixed_rounds, args.rounds)
+    fixed_rounds = args.rounds if args.fixed_rounds is None else args.fixed_rounds
     if args.threads:
         torch.set_num_threads(args.threads)
     mach = machine()
     print(f"[bench] {mach}", flush=True)
     t0 = time.perf_counter()
     configs = configs_from(args)
-    engines = {lab: build_engine(alg, budget, args) for lab, alg, budget in configs}
-    labels = [lab for lab, _, _ in configs]
-    ids_all = chat_ids(engines["none"].tokenizer, CHAT_PROMPTS)
-    summary, rows_by_cell = [], {}
-    for bs in (int(b) for b in args.batch_sizes.split(",")):
-        ids = (ids_all * ((bs + len(ids_all) - 1) // len(ids_all)))[:bs]
-        for temp in (float(t) for t in args.temperatures.split(",")):
-            print(f"[bench] batch={bs} T={temp}: {args.rounds} rounds ...", flush=True)
+    base = {lab: build_engine(alg, budget, args) for lab, alg, budget in configs if lab in ("none", "auto")}
+    ids_all = chat_ids(base["none"].tokenizer, CHAT_PROMPTS)
+    cells = [(int(b), float(t)) for b in args.batch_sizes.split(",") for t in args.temperatures.split(",")]
+    rows_by_cell: dict = {c: {} for c in cells}
+    next_round = dict.fromkeys(cells, 0)
+
+    def phase(engines: dict, rounds: int) -> None:
+        for bs, temp in cells:
+            ids = (ids_all * ((bs + len(ids_all) - 1) // len(ids_all)))[:bs]
             params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
-            rows = run_cell(engines, labels, ids, params, args.rounds, fixed_rounds)
-            rows_by_cell[(bs, temp)] = rows
-            cell = summarise_cell(rows, bs, temp)
-            summary += cell
-            print("[bench] " + "  ".join(f"{s['config']} {s['tok_s']:.1f} tok/s ({s['vs_none']:.2f}x)" for s in cell)
+            print(f"[bench] {'/'.join(engines)} batch={bs} T={temp}: {rounds} rounds", flush=True)
+            next_round[(bs, temp)] = run_rounds(engines, ids, params, rounds, next_round[(bs, temp)],
+                                                rows_by_cell[(bs, temp)])
+            last = {lab: rows_by_cell[(bs, temp)][lab][-1]["tok_s"] for lab in engines}
+            print("[bench]   last round tok/s: " + "  ".join(f"{k} {v:.1f}" for k, v in last.items())
                   + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
-    for e in engines.values():
+
+    for lab, alg, budget in configs:  # one extra engine at a time (memory), next to none's and auto's
+        if lab not in base:
+            extra = build_engine(alg, budget, args)
+            phase({**base, lab: extra}, fixed_rounds)
+            extra.shutdown()
+            del extra
+            gc.collect()
+    phase(base, args.rounds)
+    for e in base.values():
         e.shutdown()
+    summary = []
+    for (bs, temp), rows in rows_by_cell.items():
+        cell = summarise_cell(rows, bs, temp)
+        summary += cell
     cols = ["config", "batch", "temperature", "rounds", "tau", "tok_s", "vs_none", "mean_budget", "plain_share",
             "draft_ms", "build_ms", "verify_forward_ms", "verify_ms", "commit_ms", "plain_ms", "sched_ms",
             "budgets_chosen"]

@@ -22,6 +22,13 @@ drafter forward included, and drafts only if that wins (or, to keep the curve fr
 ``explore_every`` steps; each exploration that still ends in a plain step doubles that gap, up to
 ``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards). After drafting (``choose``) the drafter's cost is paid; the budgets come from this step's
 own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
+
+Pops (``BudgetController.pop_and_choose``): popping costs host time per node, so a step pops only twice the
+largest budget the previous drafted step chose (at least ``min_pops``) and re-pops up to ``max_budget`` only
+when the pops it did not make could change the decision: the pops past a cut row have gains at most that
+row's last gain g, so ``(bs + H(n)) / step_time(bs + n)``, with H the batch's sorted popped gains merged with
+an endless supply of g, bounds the rate of every allocation; if no n beats the chosen rate, that choice is
+the one full pops would give.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class BudgetConfig:
     prior: float = 4.0  # pseudo-steps at ratio 1 per depth (calibration prior)
     decay: float = 0.995  # per-step forgetting of the calibration evidence
     curve_rate: float = 0.1  # EMA rate of the mean gain curve used before drafting
+    min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
     explore_every: int = 16  # draft at least once every this many steps ...
     max_explore_every: int = 256  # ... a gap that doubles while explorations keep choosing plain steps
     probe_seconds: float = 1.5  # start-up cost probe budget
@@ -143,6 +151,7 @@ class BudgetController:
         self.skipped = 0
         self.explore_gap = config.explore_every
         self._exploring = False
+        self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
 
     def plan_draft(self, sampled: np.ndarray) -> bool:
@@ -168,25 +177,74 @@ class BudgetController:
         self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
     ) -> np.ndarray:
         """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
-        bs = len(sampled)
         gains = self.calib.gains(popped, sampled)  # [bs, B]
+        budgets, _ = self._decide(gains, max_verify_tokens)
+        self._learn(gains, sampled, budgets)
+        return budgets
+
+    def pop_and_choose(
+        self,
+        pop: Callable[[int], PoppedNodes],
+        sampled: np.ndarray,
+        max_verify_tokens: int | None = None,
+        agree: Callable[[object], object] = lambda x: x,
+    ) -> tuple[PoppedNodes, np.ndarray]:
+        """``choose`` on ``pop(width)`` (the best-first pops of every request up to ``width``), popping fewer
+        than ``max_budget`` nodes when that provably gives the same budgets (module docstring). ``agree``:
+        tensor-parallel ranks take rank 0's re-pop decision and budgets."""
+        width = self.pop_width
+        popped = pop(width)
+        gains = self.calib.gains(popped, sampled)  # [bs, w]
+        budgets, rate = self._decide(gains, max_verify_tokens)
+        if width < self.config.max_budget and agree(self._pops_could_matter(gains, popped, width, rate,
+                                                                             max_verify_tokens)):
+            popped = pop(self.config.max_budget)
+            gains = self.calib.gains(popped, sampled)  # [bs, B]
+            budgets, _ = self._decide(gains, max_verify_tokens)
+        budgets = np.asarray(agree(budgets))
+        self._learn(gains, sampled, budgets)
+        self.pop_width = int(np.clip(2 * budgets.max(initial=0), self.config.min_pops, self.config.max_budget))
+        return popped, budgets
+
+    def _decide(self, gains: np.ndarray, max_verify_tokens: int | None) -> tuple[np.ndarray, float]:
+        bs = gains.shape[0]
+        return choose_budgets(
+            gains, lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens, self.padded
+        )
+
+    def _pops_could_matter(self, gains: np.ndarray, popped: PoppedNodes, width: int, rate: float,
+                           max_verify_tokens: int | None) -> bool:
+        """Whether some allocation using pops past ``width`` could beat ``rate`` (the bound of the docstring)."""
+        bs = gains.shape[0]
+        cut = popped.counts >= width  # [bs] rows that may have more pops
+        if self.padded or width == 0 or not cut.any():  # (padded steps: no bound here, always all pops)
+            return bool(cut.any())
+        g = float(gains[cut, width - 1].max())  # no unpopped gain exceeds this
+        if g <= 0:
+            return False
+        flat = np.sort(gains.reshape(-1))[::-1]  # [bs*w] descending
+        extra = bs * self.config.max_budget  # tokens of the largest possible allocation
+        h = np.concatenate([flat[flat >= g], np.full(extra, g)])[:extra]  # [extra] merged, descending
+        tokens = bs + np.arange(extra + 1)  # [extra + 1] verified tokens
+        bound = (bs + np.concatenate([[0.0], np.cumsum(h)])) / np.maximum(
+            self.cost.step_time(bs, tokens, drafted=True), 1e-12)
+        if max_verify_tokens is not None:
+            bound[1:][tokens[1:] > max_verify_tokens] = -np.inf
+        return bool(bound.max() > rate * (1 + 1e-9))
+
+    def _learn(self, gains: np.ndarray, sampled: np.ndarray, budgets: np.ndarray) -> None:
+        """Mean gain curve per mode over the popped width (EMA), and the exploration gap."""
+        w = min(gains.shape[1], self.config.max_budget)
         for m in (GREEDY, SAMPLED):
             rows = gains[sampled.astype(np.int64) == m]
             if len(rows):
-                mean = np.zeros(self.config.max_budget)
-                w = min(rows.shape[1], self.config.max_budget)
-                mean[:w] = rows[:, :w].mean(0)
                 rate = 1.0 if not self.curve_seen[m] else self.config.curve_rate
-                self.curve[m] = (1 - rate) * self.curve[m] + rate * mean
+                self.curve[m, :w] = (1 - rate) * self.curve[m, :w] + rate * rows[:, :w].mean(0)
                 self.curve_seen[m] = True
-        budgets, _ = choose_budgets(
-            gains, lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens, self.padded
-        )
         if not budgets.any() and self._exploring:
             self.explore_gap = min(2 * self.explore_gap, self.config.max_explore_every)
         elif budgets.any():
             self.explore_gap = self.config.explore_every
-        return budgets
 
     def record(
         self,

@@ -188,16 +188,21 @@ class SpecWorker:
             t.lap("draft")
             full = torch.full((bs,), self.budget)  # [bs]
             depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
-            pop_budgets = draft_pop_budgets(grammars, full) if mask_drafts else full
-            popped = pop_nodes(draft_logits, pop_budgets, chain=self.chain, max_depths=depths)
-            if mask_drafts:
-                popped = prune_popped(popped, grammars, full)
-            if ctl is not None:
-                budgets = torch.from_numpy(r.tp.broadcast_object(ctl.choose(popped, sampled, self.max_verify_tokens)))
-            elif self.max_verify_tokens is not None:  # verify-workspace cap: bs x (budget + 1) fits the workspace
-                budgets = torch.full((bs,), step_budget(self.budget, bs, self.max_verify_tokens))
-            else:
-                budgets = full
+
+            def pop(width: int) -> PoppedNodes:  # best-first pops, grammar-pruned when drafts are masked
+                widths = torch.full((bs,), width)  # [bs]
+                if not mask_drafts:
+                    return pop_nodes(draft_logits, widths, chain=self.chain, max_depths=depths)
+                wide = pop_nodes(draft_logits, draft_pop_budgets(grammars, widths), chain=self.chain, max_depths=depths)
+                return prune_popped(wide, grammars, widths)
+
+            if ctl is not None:  # pops only as many nodes as can matter to its choice
+                popped, chosen = ctl.pop_and_choose(pop, sampled, self.max_verify_tokens, agree=r.tp.broadcast_object)
+                budgets = torch.from_numpy(chosen)
+            else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
+                popped = pop(self.budget)
+                cap = self.max_verify_tokens
+                budgets = full if cap is None else torch.full((bs,), step_budget(self.budget, bs, cap))
         else:
             popped, budgets = PoppedNodes.empty(bs), torch.zeros(bs, dtype=torch.int64)
         draft_s = time.perf_counter() - t0 if drafted else None  # drafter forward + pops + decision

@@ -146,3 +146,38 @@ def test_probe_with_room_for_one_point_only():
     assert cost.verify(np.array([1.0, 8.0])).tolist() == pytest.approx([0.01, 0.08])
     with pytest.raises(RuntimeError, match="single forward"):
         StepCostModel(max_batch=2, max_tokens=8).probe(lambda bs: None, lambda n: None, budget_s=0.0)
+
+
+def _pops_of(q: list[float]):
+    """A pop function over one request's best-first pops with path probabilities ``q`` (a chain of depths
+    1, 2, ...), recording the widths it was asked for."""
+    asked: list[int] = []
+
+    def pop(width: int) -> PoppedNodes:
+        asked.append(width)
+        n = min(width, len(q))
+        return PoppedNodes(np.ones((1, n), dtype=np.int64), np.arange(n)[None], np.arange(1, n + 1)[None],
+                           np.log(np.array([q[:n]])), np.array([n]))
+
+    return pop, asked
+
+
+def test_pop_and_choose_pops_only_what_can_matter():
+    # step time 2 + 0.5 * tokens (drafted); one greedy request; prior ratios 1, so gains = Q
+    ctl = BudgetController(BudgetConfig(max_budget=4, min_pops=2), depth_limit=4, cost=_FakeCost())
+    greedy = np.array([False])
+    ctl.pop_width = 2
+    # pops 0.9, 0.2 | 0.1, 0.05: rates 1/2.5, 1.9/3, 2.1/3.5 -> budget 1 (0.633/s). Unpopped gains <= 0.2:
+    # the bound (1 + 0.9 + 0.2 * (n - 1)) / (2.5 + 0.5 n) peaks at n = 1, so two pops decide it
+    pop, asked = _pops_of([0.9, 0.2, 0.1, 0.05])
+    popped, budgets = ctl.pop_and_choose(pop, greedy)
+    assert asked == [2] and budgets.tolist() == [1] and popped.counts.tolist() == [2]
+    assert ctl.pop_width == 2  # twice the largest budget chosen, at least min_pops
+    # pops 0.9, 0.8 | 0.1, 0.05: two pops give budget 2 at 2.7 / 3.5 = 0.771/s, but the bound at n = 3,
+    # (1 + 0.9 + 0.8 + 0.8) / 4 = 0.875/s, exceeds it: all four pops, which still choose 2 (2.8 / 4 = 0.7)
+    pop, asked = _pops_of([0.9, 0.8, 0.1, 0.05])
+    popped, budgets = ctl.pop_and_choose(pop, greedy)
+    assert asked == [2, 4] and budgets.tolist() == [2] and popped.counts.tolist() == [4]
+    assert ctl.pop_width == 4
+    assert ctl.curve[0].tolist() == pytest.approx([0.9 * 0.9 + 0.1 * 0.9, 0.9 * 0.2 + 0.1 * 0.8, 0.1 * 0.1,
+                                                    0.1 * 0.05])  # EMA of the popped widths only
