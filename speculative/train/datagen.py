@@ -5,8 +5,8 @@ The target generates through the model executor directly (a static batch per sha
 decode steps that drop finished requests) with ``capture_layer_ids`` set on every forward, so the
 features of every token come out of the generating forward itself and no second prefill pass is needed
 (on a shared 2-core machine that halves the data cost). Greedy decoding is the same argmax over the same
-float32 logits the Engine uses; sampled responses draw from ``softmax(logits)`` (T = 1) with a seeded
-generator.
+float32 logits the Engine uses; sampled responses (T = 1) are drawn by the engine's own sampler
+(``model_executor.sampler.sample``), one generator per response seeded from the shard's generator.
 
 Layout of a data directory (resumable: finished shards are skipped):
 - ``feat/eval_00000.pt`` (held-out prompts, answered greedily) and ``feat/train_NNNNN.pt`` (other prompt
@@ -30,6 +30,8 @@ from tqdm import tqdm
 
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
+from model_executor.sampler import BatchSamplingInfo, sample
+from model_executor.sampling_params import SamplingParams
 
 FEAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -126,6 +128,8 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
     seqs = [list(p) for p in prompts]
     feats: list[list[torch.Tensor]] = [[] for _ in prompts]
     cached = [0] * n  # tokens of each request whose KV is placed
+    params = [SamplingParams(temperature=t) for t in temps]  # temperature 0: greedy
+    gens = [torch.Generator().manual_seed(int(torch.randint(1 << 62, (1,), generator=gen))) for _ in prompts]
     try:
         active = list(range(n))
         new = [list(p) for p in prompts]  # tokens to run per request this forward
@@ -148,7 +152,8 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
             if layer_ids:
                 for i, f in zip(active, out.captured.float().cpu().split(lens.tolist()), strict=True):
                     feats[i].append(f)
-            nxt = _sample(logits, torch.tensor([temps[i] for i in active]), gen)
+            info = BatchSamplingInfo.build([params[i] for i in active], logits.shape[-1], logits.device)
+            nxt = sample(logits, info, [gens[i] for i in active])  # [bs]: the engine's sampler
             still = []
             for i, t in zip(active, nxt.tolist(), strict=True):
                 seqs[i].append(t)
@@ -165,14 +170,6 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
         out_feats.append(torch.cat([f, f.new_zeros(1, f.shape[1])]))
         assert out_feats[-1].shape[0] == len(s)
     return seqs, out_feats
-
-
-def _sample(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """logits [bs, V], temps [bs] -> tokens [bs]; temperature 0 = argmax."""
-    greedy = logits.argmax(-1)
-    probs = torch.softmax(logits / temps.clamp_min(1e-5)[:, None], dim=-1)
-    drawn = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-    return torch.where(temps == 0, greedy, drawn)
 
 
 @torch.inference_mode()
