@@ -153,7 +153,18 @@ def test_eviction_aborts_and_retractions_leak_nothing(tiny):
         e.shutdown()
 
 
-def test_eviction_policy_and_disable_flag(tiny):
+def test_eviction_policy_and_disable_flag(tiny, capsys):
+    import argparse
+
+    from server.args import add_server_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    cache = config_from_args(parser.parse_args(["--disable-radix-cache", "--radix-eviction-policy", "lru"])).cache
+    assert cache.disable_radix_cache and cache.radix_eviction_policy == "lru"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--radix-eviction-policy", "fifo"])
+    assert "invalid choice: 'fifo'" in capsys.readouterr().err
     target, _ = tiny
     with pytest.raises(ValueError, match="radix_eviction_policy"):
         Engine(target, radix_eviction_policy="fifo")
