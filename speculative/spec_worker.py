@@ -202,7 +202,7 @@ class SpecWorker:
         pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
         single, acc = self.accept_thresholds
         # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
-        vlogits = mask_tree_logits(grammars, tree, logits, copy=any(q.params.logprobs is not None for q in reqs))
+        vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
         res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy,
                           [q.generator for q in reqs], return_logprobs=want_lp, min_p=info.min_p, penalties=pen,
                           threshold_single=single, threshold_acc=acc)
