@@ -200,3 +200,25 @@ def test_grammar_fields_are_exclusive_and_valid_ones_pass():
         SamplingParams(**kw).validate()
         assert SamplingParams(**kw).grammar == next(iter(kw.items()))
     assert SamplingParams().grammar is None
+
+
+def test_grammar_queue_reports_compile_errors_and_aborts(backend):
+    """The scheduler's queue: a constraint that fails on the worker thread comes back as its error message
+    (the scheduler finishes the request with it: an HTTP 400), a good one with a fresh matcher."""
+    from types import SimpleNamespace
+
+    from model_executor.grammar.queue import GrammarQueue
+
+    q = GrammarQueue(lambda: backend)
+    bad = SimpleNamespace(rid="bad", params=SamplingParams(regex="(ab"), grammar=None, grammar_future=None)
+    good = SimpleNamespace(rid="good", params=SamplingParams(regex="[0-9]+"), grammar=None, grammar_future=None)
+    gone = SimpleNamespace(rid="gone", params=SamplingParams(regex="x"), grammar=None, grammar_future=None)
+    for r in (bad, good, gone):
+        q.submit(r)
+    assert [r.rid for r in q.remove("gone")] == ["gone"]
+    done = []
+    while len(q):
+        done += q.poll(idle=True)
+    assert [(r.rid, err is None) for r, err in done] == [("bad", False), ("good", True)]
+    assert done[0][1].startswith("regex cannot be compiled")
+    assert isinstance(good.grammar, GrammarState) and good.grammar.accepted == 0 and bad.grammar is None

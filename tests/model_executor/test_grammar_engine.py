@@ -80,6 +80,7 @@ def test_free_requests_share_the_batch_unchanged(engine):
     check_json(mixed[1].text, SCHEMAS[1])
 
 
+@pytest.mark.slow  # a second engine; minutes on a loaded 2-core CPU
 def test_retraction_keeps_the_matcher(engine, default_model_path, caplog):
     """A KV pool too small for the batch retracts requests mid-output (re-prefilled, output kept): the
     constrained outputs equal those of the roomy engine."""
