@@ -116,8 +116,9 @@ def test_probe_fills_tables_by_hand():
         return 0.01 + 0.001 * n
 
     cost.probe(lambda bs: 0.1 * bs, verify, budget_s=0.0)
-    # 3 points (1, 4, 16) after a warm-up, interpolated between and extrapolated past: exact for a line
-    assert calls == [1, 1, 4, 16]
+    # 3 points (1, 4, 16) after a warm-up, each the minimum of two timings, interpolated between and
+    # extrapolated past: exact for a line
+    assert calls == [1, 1, 1, 4, 4, 16, 16]
     assert cost.verify(np.array([2.0, 64.0])).tolist() == pytest.approx([0.012, 0.074])
     assert float(cost.draft(8)) == pytest.approx(0.8)
     assert float(cost.step_time(4, 16, drafted=True)) == pytest.approx(0.026 + 0.4)
