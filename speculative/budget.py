@@ -18,7 +18,8 @@ step-time model (``speculative.step_cost``) turns them into a rate; the argmax w
 
 A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
 decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode,
-drafter forward included, and drafts only if that wins (or, to keep the curve fresh, once every
+drafter forward included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain
+of a near break-even step; measured: docs/BENCHMARKS.md) (or, to keep the curve fresh, once every
 ``explore_every`` steps; each exploration that still ends in a plain step doubles that gap, up to
 ``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards). After drafting (``choose``) the drafter's cost is paid; the budgets come from this step's
 own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
@@ -51,6 +52,7 @@ class BudgetConfig:
     prior: float = 4.0  # pseudo-steps at ratio 1 per depth (calibration prior)
     decay: float = 0.995  # per-step forgetting of the calibration evidence
     curve_rate: float = 0.1  # EMA rate of the mean gain curve used before drafting
+    draft_margin: float = 0.05  # draft only if the predicted rate beats a plain step's by this fraction
     min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
     explore_every: int = 16  # draft at least once every this many steps ...
     max_explore_every: int = 256  # ... a gap that doubles while explorations keep choosing plain steps
@@ -167,7 +169,7 @@ class BudgetController:
             gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
         )
         plain_rate = bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
-        if spec_rate > plain_rate:
+        if spec_rate > plain_rate * (1 + self.config.draft_margin):
             self.skipped = 0
             return True
         self.skipped += 1

@@ -98,6 +98,12 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.choose(popped, greedy).tolist() == [2] and ctl.explore_gap == 4  # pays again: gap back to 4
     ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.0)
     assert ctl.stats()["budget_counts"] == {0: 1}
+    # near break-even (plain 1 / 1.5 = 0.667/s, margin 5%: a draft must promise > 0.7/s): the curve 0.9, 0.6
+    # gives 2.5 / 3.5 = 0.714/s at budget 2 -> draft; 0.9, 0.5 gives 2.4 / 3.5 = 0.686/s -> plain
+    ctl.curve[0] = [0.9, 0.6, 0.0]
+    assert ctl.plan_draft(greedy)
+    ctl.curve[0] = [0.9, 0.5, 0.0]
+    assert not ctl.plan_draft(greedy)
 
 
 def test_piecewise_linear_and_online_update():
