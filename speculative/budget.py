@@ -180,8 +180,8 @@ class BudgetController:
     ) -> np.ndarray:
         """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
         gains = self.calib.gains(popped, sampled)  # [bs, B]
-        budgets, _ = self._decide(gains, max_verify_tokens)
-        self._learn(gains, sampled, budgets)
+        budgets, rate = self._decide(gains, max_verify_tokens)
+        self._learn(gains, sampled, rate)
         return budgets
 
     def pop_and_choose(
@@ -202,9 +202,9 @@ class BudgetController:
                                                                              max_verify_tokens)):
             popped = pop(self.config.max_budget)
             gains = self.calib.gains(popped, sampled)  # [bs, B]
-            budgets, _ = self._decide(gains, max_verify_tokens)
+            budgets, rate = self._decide(gains, max_verify_tokens)
         budgets = np.asarray(agree(budgets))
-        self._learn(gains, sampled, budgets)
+        self._learn(gains, sampled, rate)
         self.pop_width = int(np.clip(2 * budgets.max(initial=0), self.config.min_pops, self.config.max_budget))
         return popped, budgets
 
@@ -234,19 +234,23 @@ class BudgetController:
             bound[1:][tokens[1:] > max_verify_tokens] = -np.inf
         return bool(bound.max() > rate * (1 + 1e-9))
 
-    def _learn(self, gains: np.ndarray, sampled: np.ndarray, budgets: np.ndarray) -> None:
-        """Mean gain curve per mode over the popped width (EMA), and the exploration gap."""
+    def _learn(self, gains: np.ndarray, sampled: np.ndarray, rate: float) -> None:
+        """Mean gain curve per mode over the popped width (EMA), and the exploration gap: drafting paid if the
+        chosen step's rate, drafter included, beats a plain step's by ``draft_margin`` (as ``plan_draft``
+        asks; a tree chosen only because the drafter's cost was already sunk does not count)."""
         w = min(gains.shape[1], self.config.max_budget)
         for m in (GREEDY, SAMPLED):
             rows = gains[sampled.astype(np.int64) == m]
             if len(rows):
-                rate = 1.0 if not self.curve_seen[m] else self.config.curve_rate
-                self.curve[m, :w] = (1 - rate) * self.curve[m, :w] + rate * rows[:, :w].mean(0)
+                r = 1.0 if not self.curve_seen[m] else self.config.curve_rate
+                self.curve[m, :w] = (1 - r) * self.curve[m, :w] + r * rows[:, :w].mean(0)
                 self.curve_seen[m] = True
-        if not budgets.any() and self._exploring:
-            self.explore_gap = min(2 * self.explore_gap, self.config.max_explore_every)
-        elif budgets.any():
+        bs = gains.shape[0]
+        plain_rate = bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
+        if rate > plain_rate * (1 + self.config.draft_margin):
             self.explore_gap = self.config.explore_every
+        elif self._exploring:
+            self.explore_gap = min(2 * self.explore_gap, self.config.max_explore_every)
 
     def record(
         self,

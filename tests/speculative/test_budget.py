@@ -104,6 +104,12 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.plan_draft(greedy)
     ctl.curve[0] = [0.9, 0.5, 0.0]
     assert not ctl.plan_draft(greedy)
+    # an exploration whose tree wins only because the drafter already ran (1.5 / 3 = 0.5/s vs 1 / 2.5 = 0.4/s
+    # with the draft paid; 0.5 < 0.7/s with it counted) does not count as paying: the gap still doubles
+    ctl.explore_gap, ctl.skipped = 4, 3
+    assert ctl.plan_draft(greedy)
+    weak = _popped([[np.log(0.5), -np.inf, -np.inf]], [[1, 0, 0]], [[0, -1, -1]])
+    assert ctl.choose(weak, greedy).tolist() == [1] and ctl.explore_gap == 8
 
 
 def test_piecewise_linear_and_online_update():
