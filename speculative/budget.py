@@ -19,10 +19,11 @@ step-time model (``speculative.step_cost``) turns them into a rate; the argmax w
 A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
 decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode,
 drafter forward included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain
-of a near break-even step; measured: docs/BENCHMARKS.md) (or, to keep the curve fresh, once every
-``explore_every`` steps; each exploration that still ends in a plain step doubles that gap, up to
-``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards). After drafting (``choose``) the drafter's cost is paid; the budgets come from this step's
-own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
+of a near break-even step; docs/BENCHMARKS.md), or, to keep the curve fresh, once every ``explore_every``
+steps. Each exploration that does not pay by that margin, drafter included, doubles that gap, up to
+``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards. After
+drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
+tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
 
 Pops (``BudgetController.pop_and_choose``): popping costs host time per node, so a step pops only twice the
 largest budget the previous drafted step chose (at least ``min_pops``) and re-pops up to ``max_budget`` only
