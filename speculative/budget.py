@@ -18,10 +18,12 @@ step-time model (``speculative.step_cost``) turns them into a rate; the argmax w
 
 A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
 decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode,
-drafter forward included, and drafts only if that wins (or, to keep the curve fresh, once every
-``explore_every`` steps; each exploration that still ends in a plain step doubles that gap, up to
-``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards). After drafting (``choose``) the drafter's cost is paid; the budgets come from this step's
-own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
+drafter forward included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain
+of a near break-even step; docs/BENCHMARKS.md), or, to keep the curve fresh, once every ``explore_every``
+steps. Each exploration that does not pay by that margin, drafter included, doubles that gap, up to
+``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards. After
+drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
+tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
 
 Pops (``BudgetController.pop_and_choose``): popping costs host time per node, so a step pops only twice the
 largest budget the previous drafted step chose (at least ``min_pops``) and re-pops up to ``max_budget`` only
@@ -51,6 +53,7 @@ class BudgetConfig:
     prior: float = 4.0  # pseudo-steps at ratio 1 per depth (calibration prior)
     decay: float = 0.995  # per-step forgetting of the calibration evidence
     curve_rate: float = 0.1  # EMA rate of the mean gain curve used before drafting
+    draft_margin: float = 0.05  # draft only if the predicted rate beats a plain step's by this fraction
     min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
     explore_every: int = 16  # draft at least once every this many steps ...
     max_explore_every: int = 256  # ... a gap that doubles while explorations keep choosing plain steps
@@ -167,7 +170,7 @@ class BudgetController:
             gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
         )
         plain_rate = bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
-        if spec_rate > plain_rate:
+        if spec_rate > plain_rate * (1 + self.config.draft_margin):
             self.skipped = 0
             return True
         self.skipped += 1
@@ -178,8 +181,8 @@ class BudgetController:
     ) -> np.ndarray:
         """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
         gains = self.calib.gains(popped, sampled)  # [bs, B]
-        budgets, _ = self._decide(gains, max_verify_tokens)
-        self._learn(gains, sampled, budgets)
+        budgets, rate = self._decide(gains, max_verify_tokens)
+        self._learn(gains, sampled, rate)
         return budgets
 
     def pop_and_choose(
@@ -200,9 +203,9 @@ class BudgetController:
                                                                              max_verify_tokens)):
             popped = pop(self.config.max_budget)
             gains = self.calib.gains(popped, sampled)  # [bs, B]
-            budgets, _ = self._decide(gains, max_verify_tokens)
+            budgets, rate = self._decide(gains, max_verify_tokens)
         budgets = np.asarray(agree(budgets))
-        self._learn(gains, sampled, budgets)
+        self._learn(gains, sampled, rate)
         self.pop_width = int(np.clip(2 * budgets.max(initial=0), self.config.min_pops, self.config.max_budget))
         return popped, budgets
 
@@ -232,19 +235,23 @@ class BudgetController:
             bound[1:][tokens[1:] > max_verify_tokens] = -np.inf
         return bool(bound.max() > rate * (1 + 1e-9))
 
-    def _learn(self, gains: np.ndarray, sampled: np.ndarray, budgets: np.ndarray) -> None:
-        """Mean gain curve per mode over the popped width (EMA), and the exploration gap."""
+    def _learn(self, gains: np.ndarray, sampled: np.ndarray, rate: float) -> None:
+        """Mean gain curve per mode over the popped width (EMA), and the exploration gap: drafting paid if the
+        chosen step's rate, drafter included, beats a plain step's by ``draft_margin`` (as ``plan_draft``
+        asks; a tree chosen only because the drafter's cost was already sunk does not count)."""
         w = min(gains.shape[1], self.config.max_budget)
         for m in (GREEDY, SAMPLED):
             rows = gains[sampled.astype(np.int64) == m]
             if len(rows):
-                rate = 1.0 if not self.curve_seen[m] else self.config.curve_rate
-                self.curve[m, :w] = (1 - rate) * self.curve[m, :w] + rate * rows[:, :w].mean(0)
+                r = 1.0 if not self.curve_seen[m] else self.config.curve_rate
+                self.curve[m, :w] = (1 - r) * self.curve[m, :w] + r * rows[:, :w].mean(0)
                 self.curve_seen[m] = True
-        if not budgets.any() and self._exploring:
-            self.explore_gap = min(2 * self.explore_gap, self.config.max_explore_every)
-        elif budgets.any():
+        bs = gains.shape[0]
+        plain_rate = bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
+        if rate > plain_rate * (1 + self.config.draft_margin):
             self.explore_gap = self.config.explore_every
+        elif self._exploring:
+            self.explore_gap = min(2 * self.explore_gap, self.config.max_explore_every)
 
     def record(
         self,

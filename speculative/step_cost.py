@@ -4,11 +4,12 @@ A step costs ``draft(bs)`` (one drafter forward over ``bs`` blocks plus the tree
 does not draft) plus ``verify(n)``: the target forward over ``n`` tree tokens in total (roots included), the
 verification and the commit; or, when every tree is its root alone (``n == bs``), ``plain(bs)``: the plain
 decode step the worker runs then (causal decode forward + sampler, no tree bookkeeping), cheaper than a
-tree-verify forward over as many tokens. All three are piecewise-linear tables over a geometric grid (1, 2, 4, ...) of their
-argument, extrapolated linearly past the last point. A start-up probe fills the tables (``probe``); every
-step's measured phase times then move the two bracketing grid points (of the table that step used) towards the observation (one
-stochastic-gradient step on the interpolated prediction, rate ``lr``), so the model follows the machine's
-load and the requests' context lengths.
+tree-verify forward over as many tokens. All three are piecewise-linear tables over a geometric grid (1, 2,
+4, ...) of their argument, extrapolated linearly past the last point. A start-up probe fills the tables
+(``probe``, interleaved across the tables); every step's measured phase times then move the two bracketing
+grid points of the table that step used towards the observation (one stochastic-gradient step on the
+interpolated prediction, rate ``lr``), so the model follows the machine's load and the requests' context
+lengths.
 
 Limitation (documented, deliberate): ``verify`` depends on the total token count only, not on how the tokens
 split over requests or on context lengths; the online updates absorb the current average of both.
@@ -93,12 +94,15 @@ class StepCostModel:
         budget_s: float = 2.0,
         agree: Callable[[bool], bool] = bool,
         time_plain: Callable[[int], float | None] | None = None,
+        repeats: int = 2,
     ) -> None:
         """Fill the tables by timing real forwards: ``time_draft(bs)``, ``time_verify(n)`` and ``time_plain(bs)``
         return seconds (None: cannot be measured here, e.g. too few KV slots; ``time_plain`` None: the plain
-        table takes the verify table's values). Every other grid point (1, 4, 16, ...) is
-        timed, cheapest first, at least three of them and more while ``budget_s`` (per table) lasts; the
-        points between are interpolated and the ones past the last measurement extrapolated linearly
+        table takes the verify table's values). Every other grid point (1, 4, 16, ...) is timed, cheapest
+        first, at least three of them and more while ``budget_s`` per table lasts; the tables are timed
+        INTERLEAVED (point i of each before point i + 1 of any), each point the minimum of ``repeats``
+        timings, so that a machine whose speed drifts (other jobs) does not skew one table against another.
+        The points between are interpolated and the ones past the last measurement extrapolated linearly
         from the last two (a wide span, so timing noise hardly tilts the slope).
         ``agree(stop)`` makes every tensor-parallel rank take rank 0's stop decision (same forwards)."""
         import time
@@ -106,18 +110,25 @@ class StepCostModel:
         tables = [(self.verify, time_verify), (self.draft, time_draft)]
         if time_plain is not None:
             tables.append((self.plain, time_plain))
-        for table, fn in tables:
+        points: list[tuple[list[float], list[float]]] = [([], []) for _ in tables]
+        open_ = [True] * len(tables)
+        for _, fn in tables:
             fn(1)  # warm-up (first-call allocations)
-            start = time.perf_counter()
-            xs, ys = [], []
-            for x in table.x[::2]:
-                if agree(len(xs) >= 3 and time.perf_counter() - start > budget_s):
-                    break
-                y = fn(int(x))
-                if y is None:
-                    break
-                xs.append(x)
-                ys.append(y)
+        start = time.perf_counter()
+        for i in range(max(len(table.x[::2]) for table, _ in tables)):
+            if agree(i >= 3 and time.perf_counter() - start > budget_s * len(tables)):
+                break
+            for t, (table, fn) in enumerate(tables):
+                if not open_[t] or i >= len(table.x[::2]):
+                    continue
+                x = table.x[::2][i]
+                ys = [fn(int(x)) for _ in range(repeats)]
+                if any(y is None for y in ys):
+                    open_[t] = False
+                    continue
+                points[t][0].append(x)
+                points[t][1].append(min(ys))
+        for (table, _), (xs, ys) in zip(tables, points, strict=True):
             if not xs:
                 raise RuntimeError("the step-cost probe could not time a single forward (KV cache too small?)")
             if len(xs) == 1:  # a small pool or one request row: proportional beyond the one point (pessimistic)

@@ -98,6 +98,18 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.choose(popped, greedy).tolist() == [2] and ctl.explore_gap == 4  # pays again: gap back to 4
     ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.0)
     assert ctl.stats()["budget_counts"] == {0: 1}
+    # near break-even (plain 1 / 1.5 = 0.667/s, margin 5%: a draft must promise > 0.7/s): the curve 0.9, 0.6
+    # gives 2.5 / 3.5 = 0.714/s at budget 2 -> draft; 0.9, 0.5 gives 2.4 / 3.5 = 0.686/s -> plain
+    ctl.curve[0] = [0.9, 0.6, 0.0]
+    assert ctl.plan_draft(greedy)
+    ctl.curve[0] = [0.9, 0.5, 0.0]
+    assert not ctl.plan_draft(greedy)
+    # an exploration whose tree wins only because the drafter already ran (1.5 / 3 = 0.5/s vs 1 / 2.5 = 0.4/s
+    # with the draft paid; 0.5 < 0.7/s with it counted) does not count as paying: the gap still doubles
+    ctl.explore_gap, ctl.skipped = 4, 3
+    assert ctl.plan_draft(greedy)
+    weak = _popped([[np.log(0.5), -np.inf, -np.inf]], [[1, 0, 0]], [[0, -1, -1]])
+    assert ctl.choose(weak, greedy).tolist() == [1] and ctl.explore_gap == 8
 
 
 def test_piecewise_linear_and_online_update():
@@ -116,8 +128,9 @@ def test_probe_fills_tables_by_hand():
         return 0.01 + 0.001 * n
 
     cost.probe(lambda bs: 0.1 * bs, verify, budget_s=0.0)
-    # 3 points (1, 4, 16) after a warm-up, interpolated between and extrapolated past: exact for a line
-    assert calls == [1, 1, 4, 16]
+    # 3 points (1, 4, 16) after a warm-up, each the minimum of two timings, interpolated between and
+    # extrapolated past: exact for a line
+    assert calls == [1, 1, 1, 4, 4, 16, 16]
     assert cost.verify(np.array([2.0, 64.0])).tolist() == pytest.approx([0.012, 0.074])
     assert float(cost.draft(8)) == pytest.approx(0.8)
     assert float(cost.step_time(4, 16, drafted=True)) == pytest.approx(0.026 + 0.4)
