@@ -27,7 +27,7 @@ import multiprocessing as mp
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from model_executor.parallel_state import TPGroup, destroy_tp, stable_hash
 from server.io_struct import GenerateReq, SchedulerStats, TokenOut
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from server.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+Op = tuple[str, GenerateReq | str]  # ("add", GenerateReq with a concrete seed) | ("abort", rid)
 
 CHECK_EVERY = 16  # steps between cross-rank consistency checks
 
@@ -54,7 +56,7 @@ class TPDivergence(TPRankError):
 class StepInputs:
     """What rank 0 broadcasts before a step: ops applied in order, then (if ``step``) one scheduler step."""
 
-    ops: tuple[tuple[str, Any], ...] = ()  # ("add", GenerateReq with a concrete seed) | ("abort", rid)
+    ops: tuple[Op, ...] = ()
     step: bool = True
     shutdown: bool = False
 
@@ -81,7 +83,7 @@ class ConsistencyCheck:
                                "(outputs must be identical on every rank)")
 
 
-def _apply(scheduler: Scheduler, ops: tuple[tuple[str, Any], ...]) -> None:
+def _apply(scheduler: Scheduler, ops: tuple[Op, ...]) -> None:
     for op, arg in ops:
         if op == "add":
             scheduler.add_request(arg)
@@ -97,7 +99,7 @@ class TPScheduler:
 
     def __init__(self, scheduler: Scheduler, tp: TPGroup, followers: list[mp.process.BaseProcess]):
         self.scheduler, self.tp, self.followers = scheduler, tp, followers
-        self._ops: list[tuple[str, Any]] = []
+        self._ops: list[Op] = []
         self._seed_rng = random.Random(0x5EED)  # same stream as a TP=1 scheduler's unseeded requests
         self._check = ConsistencyCheck(tp)
         self._broken: str | None = None
