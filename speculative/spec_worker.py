@@ -82,13 +82,7 @@ class SpecWorker:
     def __init__(self, algorithm: str, drafter: torch.nn.Module, budget: int | str, block_size: int,
                  runner: ModelRunner, max_budget: int = 64, accept_thresholds: tuple[float, float] = (1.0, 1.0),
                  budget_config: BudgetConfig | None = None):
-        if algorithm not in ("dflash", "ddtree"):
-            raise ValueError(f"speculative_algorithm must be 'dflash' or 'ddtree', got {algorithm!r}")
-        auto = budget == "auto"
-        if not auto and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"speculative_ddtree_budget must be 'auto' or an integer >= 1, got {budget!r}")
-        if max_budget < 1:
-            raise ValueError(f"speculative_ddtree_max_budget must be >= 1, got {max_budget}")
+        auto = budget == "auto"  # the values were checked once, by the configuration (server/config.py)
         self.chain = algorithm == "dflash"
         self.drafter = drafter
         self.runner = runner
