@@ -26,6 +26,8 @@ import torch
 
 from model_executor.kv_slots import KVSlots
 
+EVICTION_POLICIES = ("lru",)  # least recently used first (ties: older node first)
+
 
 class RadixNode:
     __slots__ = ("children", "id", "key", "last_access", "lock_ref", "parent", "value")
@@ -41,8 +43,12 @@ class RadixNode:
 
 
 class RadixCache:
-    def __init__(self, slots: KVSlots):
+    def __init__(self, slots: KVSlots, eviction_policy: str = "lru"):
+        """``eviction_policy``: which unlocked leaves go first (``EVICTION_POLICIES``; only "lru" today)."""
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}; got {eviction_policy!r}")
         self.slots = slots
+        self.eviction_policy = eviction_policy
         self._ids = itertools.count()
         self._clock = 0
         self.root = RadixNode(next(self._ids), [], torch.empty(0, dtype=torch.int64, device=slots.device), None)

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from model_executor.radix_cache import EVICTION_POLICIES
+
 SETTING = "setting"  # the key of a field's ``Setting`` in its dataclass metadata
 DEFAULT = "default"  # the model / drafter path that names the shipped default model / drafter
 
@@ -26,7 +28,6 @@ def is_default_path(path: str | None) -> bool:
     """Whether a model or drafter path names the shipped default (``"default"``; unset counts too)."""
     return path in (None, "", DEFAULT)
 
-RADIX_EVICTION_POLICIES = ("lru",)  # --radix-eviction-policy choices
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class CacheArgs(Area):
     disable_radix_cache: bool = setting(False, "Turn the prefix cache off: every request prefills its whole "
                                         "prompt and frees its KV when it ends.")
     radix_eviction_policy: str = setting("lru", "Which cached prefixes are evicted first when the KV cache runs "
-                                         "short (lru: least recently used).", choices=RADIX_EVICTION_POLICIES)
+                                         "short (lru: least recently used).", choices=EVICTION_POLICIES)
 
 
 @dataclass(frozen=True)

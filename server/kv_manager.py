@@ -21,9 +21,9 @@ from server.request import Req
 
 
 class ReqKVManager:
-    def __init__(self, slots: KVSlots, enable_cache: bool):
+    def __init__(self, slots: KVSlots, enable_cache: bool, eviction_policy: str = "lru"):
         self.slots = slots
-        self.tree = RadixCache(slots) if enable_cache else None
+        self.tree = RadixCache(slots, eviction_policy) if enable_cache else None
         self.hit_tokens = 0  # prompt tokens served from the cache, over admitted requests (cumulative)
         self.query_tokens = 0  # prompt tokens of admitted requests (cumulative)
 

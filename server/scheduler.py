@@ -99,7 +99,7 @@ class Scheduler:
             mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe)
         logger.info("%s; max verify tokens per step %d", self.kv_sizing.describe(), self.workspace.max_verify_tokens)
         self.runner.allocate_kv(self.kv_sizing.tokens, table_margin=spec.max_step_tokens if spec else 0)
-        self.kv = ReqKVManager(self.runner.slots, enable_cache=not cache.disable_radix_cache)
+        self.kv = ReqKVManager(self.runner.slots, not cache.disable_radix_cache, cache.radix_eviction_policy)
         if spec is not None:
             spec.allocate_kv()
             spec.max_verify_tokens = self.workspace.max_verify_tokens

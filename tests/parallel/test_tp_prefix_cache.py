@@ -34,7 +34,8 @@ def _conversation(model: str, **kw) -> list[list[tuple[list[int], int]]]:
             outs = eng.generate(input_ids=hist, sampling_params=params)
             log.append([(o.token_ids, o.cached_tokens) for o in outs])
             hist = [h + o.token_ids + [7, 8] for h, o in zip(hist, outs, strict=True)]
-        assert eng.scheduler.kv.tree.evicted_tokens > 0, "the pool must be small enough to evict"
+        local = getattr(eng.scheduler, "scheduler", eng.scheduler)  # TP: rank 0's own scheduler
+        assert local.kv.tree.evicted_tokens > 0, "the pool must be small enough to evict"
     finally:
         eng.shutdown()  # TP: the consistency check over every step's outputs runs here
     return log

@@ -111,12 +111,13 @@ def test_echo_layout_and_prompt_logprobs_equal_transformers(servers, hf):
         for p in range(1, len(ids)):
             top = choice["logprobs"]["top_logprobs"][p]
             assert max(top.values()) == pytest.approx(ref[p - 1].max().item(), abs=TOL)
-        # the completion part is what the same request returns without echo
+        # the completion part is what the same request returns without echo (that one reuses the echo
+        # request's cached prompt KV from the prefix cache: a different forward, equal within TOL)
         plain = _ok(servers["plain"], prompt=prompt, logprobs=2, max_tokens=2)["choices"][0]
         assert choice["text"] == prompt + plain["text"]
         assert choice["logprobs"]["tokens"][len(ids) :] == plain["logprobs"]["tokens"]
         assert choice["logprobs"]["token_logprobs"][len(ids) :] == pytest.approx(
-            plain["logprobs"]["token_logprobs"]
+            plain["logprobs"]["token_logprobs"], abs=TOL
         )
 
 

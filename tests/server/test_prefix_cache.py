@@ -164,7 +164,7 @@ def test_eviction_policy_and_disable_flag(tiny, capsys):
     assert cache.disable_radix_cache and cache.radix_eviction_policy == "lru"
     with pytest.raises(SystemExit):
         parser.parse_args(["--radix-eviction-policy", "fifo"])
-    assert "invalid choice: 'fifo'" in capsys.readouterr().err
+    assert "radix_eviction_policy must be 'lru'; got 'fifo'" in capsys.readouterr().err
     target, _ = tiny
     with pytest.raises(ValueError, match="radix_eviction_policy"):
         Engine(target, radix_eviction_policy="fifo")
