@@ -11,6 +11,7 @@ from model_executor.grammar.state import GrammarState
 from model_executor.penalties import TokenCounts
 from model_executor.radix_cache import RadixNode
 from model_executor.sampling_params import SamplingParams
+from server.io_struct import TokenOut
 
 
 @dataclass
@@ -53,3 +54,21 @@ class Req:
     @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    def take_output(self, new: list[int]) -> TokenOut:
+        """The scheduler's report of ``new`` tokens, with the logprobs pending for them and, once the whole
+        prompt is scored, the prompt's logprobs (once)."""
+        lps = None
+        if self.params.logprobs is not None:
+            lps, self.pending_logprobs = self.pending_logprobs[:len(new)], self.pending_logprobs[len(new):]
+        return TokenOut(self.rid, list(new), prompt_tokens=len(self.prompt_ids),
+                        completion_tokens=len(self.output_ids), cached_tokens=self.cached_tokens,
+                        spec_verify_steps=self.spec_verify_steps, spec_accepted_tokens=self.spec_accepted_tokens,
+                        spec_budget_sum=self.spec_budget_sum, logprobs=lps, prompt_logprobs=self._take_prompt_logprobs())
+
+    def _take_prompt_logprobs(self) -> list | None:
+        if self.params.prompt_logprobs is None or self.prompt_lps_sent or len(self.prompt_lps) < len(self.prompt_ids) - 1:
+            return None
+        self.prompt_lps_sent = True
+        ids = self.prompt_ids
+        return [(ids[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(ids[1:], self.prompt_lps, strict=True)]

@@ -372,34 +372,15 @@ class Scheduler:
     def _delta_out(self, req: Req) -> None:
         new = req.output_ids[req.sent_tokens:]
         if new:
-            self.outbox.append(self._token_out(req, new))
+            self.outbox.append(req.take_output(new))
             req.sent_tokens = len(req.output_ids)
 
     def _finish_out(self, req: Req, reason: str) -> None:
         req.finish_reason = reason
-        out = self._token_out(req, req.output_ids[req.sent_tokens:])
+        out = req.take_output(req.output_ids[req.sent_tokens:])
         out.finished, out.finish_reason = True, reason
         req.sent_tokens = len(req.output_ids)
         self.outbox.append(out)
-
-    def _token_out(self, req: Req, new: list[int]) -> TokenOut:
-        lps = None
-        if req.params.logprobs is not None:
-            lps, req.pending_logprobs = req.pending_logprobs[:len(new)], req.pending_logprobs[len(new):]
-        return TokenOut(req.rid, list(new), prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                        cached_tokens=req.cached_tokens,
-                        spec_verify_steps=req.spec_verify_steps, spec_accepted_tokens=req.spec_accepted_tokens,
-                        spec_budget_sum=req.spec_budget_sum,
-                        logprobs=lps, prompt_logprobs=self._take_prompt_logprobs(req))
-
-    @staticmethod
-    def _take_prompt_logprobs(req: Req) -> list | None:
-        """The prompt's logprobs, once, in the first output after the whole prompt is scored."""
-        if req.params.prompt_logprobs is None or req.prompt_lps_sent or len(req.prompt_lps) < len(req.prompt_ids) - 1:
-            return None
-        req.prompt_lps_sent = True
-        ids = req.prompt_ids
-        return [(ids[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(ids[1:], req.prompt_lps, strict=True)]
 
 
 def _prefill_len(req: Req) -> int:
