@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shlex
@@ -36,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine, print_table, write_json  # noqa: E402
+from benchmarks.common import machine, print_table, sse_events, write_json  # noqa: E402
 
 TOPICS = ["hash tables", "the seasons", "email etiquette", "Romeo and Juliet", "unit conversion", "vitamin C",
           "Python tuples", "photosynthesis", "the water cycle", "binary search", "volcanoes", "jazz history"]
@@ -81,10 +80,7 @@ async def one_turn(client: httpx.AsyncClient, base: str, model: str, messages: l
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res, ""
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
+            async for data in sse_events(r):
                 if "error" in data:
                     res.error = data["error"]["message"]
                     return res, ""

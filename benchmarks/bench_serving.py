@@ -17,11 +17,15 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import sse_events  # noqa: E402
 
 BUILTIN_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -80,10 +84,7 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
+            async for data in sse_events(r):
                 if "error" in data:
                     res.error = data["error"]["message"]
                     return res

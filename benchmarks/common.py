@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,3 +69,11 @@ def write_json(path: str, payload: dict) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2))
     print(f"wrote {p}")
+
+
+async def sse_events(response: Any) -> AsyncIterator[dict]:
+    """The JSON events of an OpenAI-style server-sent-event stream (an httpx streaming response); blank
+    separator lines and the final ``data: [DONE]`` are skipped."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])

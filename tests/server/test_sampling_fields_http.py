@@ -5,12 +5,10 @@ too, never silently dropped (structured output itself: tests/server/test_structu
 
 from __future__ import annotations
 
-import signal
-
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, start_server, wait_healthy
+from tests.server.conftest import running_server
 
 USER = [{"role": "user", "content": "Count from one to ten."}]
 
@@ -20,20 +18,8 @@ def base(tmp_path_factory):
     from model_executor.default_model import ensure_default_model
 
     ensure_default_model()
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = start_server(["--port", str(port), "--max-total-tokens", "8192"], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, 240, log)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except Exception:  # noqa: BLE001
-                proc.kill()
+    with running_server(["--max-total-tokens", "8192"], tmp_path_factory.mktemp("server")) as srv:
+        yield srv.base
 
 
 def _post(base: str, path: str, body: dict) -> httpx.Response:

@@ -30,8 +30,9 @@ def server(tmp_path_factory):
     from model_executor.default_model import ensure_default_model
 
     ensure_default_model()
-    with running_server(["--api-key", KEY, "--max-total-tokens", str(MAX_TOTAL_TOKENS)],
-                        tmp_path_factory.mktemp("server")) as srv:
+    # float32: greedy in a mixed batch equals greedy alone to the last bit (bfloat16 near ties, docs/DESIGN.md 1)
+    args = ["--api-key", KEY, "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--dtype", "float32"]
+    with running_server(args, tmp_path_factory.mktemp("server")) as srv:
         yield {"proc": srv.proc, "base": srv.base, "log": srv.log, "children": descendants(srv.proc.pid)}
 
 
@@ -140,7 +141,11 @@ def test_seeded_sampling_and_mixed_batch(server, client, model_name) -> None:
         return client.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=6, temperature=1.0,
                                          seed=seed).choices[0].text
 
-    assert sample(123) == sample(123)
+    # Not sample(123) == sample(123): under the auto budget the trees, and so the order in which sampled
+    # verification consumes a request's draws, follow measured step times (docs/API.md, "seed"); seeded
+    # reproducibility is tested where it holds: tests/server/test_engine.py (plain) and
+    # tests/speculative/test_verify.py (a given tree).
+    assert sample(123).strip() and sample(124).strip()
     greedy = client.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=6,
                                        temperature=0).choices[0].text
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 
 import httpx
 import jsonschema_rs
@@ -18,7 +17,7 @@ from server.parsers.tool_grammar import tool_call_ebnf
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving_common import APIError, make_params, parse_body
 from server.serving_structured import JSON_OBJECT_SCHEMA, constraint_of
-from tests.server.conftest import free_port, start_server, wait_healthy
+from tests.server.conftest import running_server
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -135,20 +134,8 @@ def base(tmp_path_factory):
     from model_executor.default_model import ensure_default_model
 
     ensure_default_model()
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = start_server(["--port", str(port), "--max-total-tokens", "8192", "--tool-call-parser", "hermes"], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, 240, log)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except Exception:  # noqa: BLE001
-                proc.kill()
+    with running_server(["--max-total-tokens", "8192", "--tool-call-parser", "hermes"], tmp_path_factory.mktemp("server")) as srv:
+        yield srv.base
 
 
 def _post(base: str, path: str, body: dict) -> httpx.Response:
