@@ -285,11 +285,9 @@ class SpecWorker:
         flat = r.slots.place(idx, cached, lens)  # [T] row after row, positions cached[b]..cached[b]+lens[b]-1
         slots = torch.full((bs, d), -1, dtype=torch.int64, device=r.device)  # [bs, D]
         slots[used] = flat
-        plain = d == 1  # every tree is its root alone: a plain decode step, on the causal decode path
-        fb = build_forward_batch(
-            ForwardMode.DECODE if plain else ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used],
-            flat, r.slots.table, idx, cached, lens, tree_mask=None if plain else tree.tree_mask,
-            capture_layer_ids=self.capture_layer_ids)
+        fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
+            ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.slots.table, idx, cached,
+            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids)
         out = r.forward(fb)
         rows = r.logits(out.hidden)  # [T, V]
         logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]

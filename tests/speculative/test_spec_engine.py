@@ -83,6 +83,26 @@ def _joint_counts(outs) -> torch.Tensor:
     return counts
 
 
+def assert_follows_law(outs, plain, exact: torch.Tensor) -> float:
+    """The empirical joint law of ``outs`` (n samples) matches ``exact`` (chi-square p > 1e-3 over cells with
+    >= 5 expected counts), its total variation is within 0.05 of what plain decoding's ``plain`` samples
+    reach, and no sample falls where ``exact`` is 0 (outside top-k/top-p). Returns the total variation."""
+    from scipy.stats import chisquare
+
+    n = len(outs)
+    emp = _joint_counts(outs) / n
+    tv = 0.5 * (emp - exact).abs().sum().item()
+    tv_plain = 0.5 * (_joint_counts(plain) / n - exact).abs().sum().item()
+    cells = exact.flatten() * n >= 5
+    obs = (emp.flatten() * n)[cells]
+    exp = exact.flatten()[cells] * n
+    exp = exp * obs.sum() / exp.sum()
+    p = chisquare(obs.numpy(), exp.numpy()).pvalue
+    assert p > 1e-3 and tv < tv_plain + 0.05, (p, tv, tv_plain)
+    assert emp.flatten()[exact.flatten() == 0].sum() == 0
+    return tv
+
+
 def _exact_joint(target: str, prompt: list[int], temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """p(t2, t3) (t1 marginalised) of the processed target distribution, computed with transformers."""
     from transformers import AutoModelForCausalLM
@@ -109,7 +129,6 @@ def test_sampled_ddtree_matches_target_distribution(tiny, temperature, top_k, to
     exact target joint. N = 3000 seeded requests; chi-square over cells with expected count >= 5 must give
     p > 1e-3, and the total variation to the exact joint must be within 0.05 of the total variation that
     non-speculative sampling reaches with the same N (the sampling noise floor over ~V^2 cells)."""
-    from scipy.stats import chisquare
 
     target, drafter = tiny
     prompt = [3, 7, 1, 9]
@@ -120,17 +139,8 @@ def test_sampled_ddtree_matches_target_distribution(tiny, temperature, top_k, to
                              ignore_eos=True) for s in range(n)]
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
     assert sum(o.spec_accepted_tokens for o in outs) > n // 4, "acceptance too low to exercise the sampled walk"
-    emp = _joint_counts(outs) / n
-    tv = 0.5 * (emp - exact).abs().sum().item()
     plain = _engine(target, None, max_running_requests=512).generate(input_ids=[prompt] * n, sampling_params=params)
-    tv_plain = 0.5 * (_joint_counts(plain) / n - exact).abs().sum().item()
-    cells = exact.flatten() * n >= 5
-    obs = (emp.flatten() * n)[cells]
-    exp = exact.flatten()[cells] * n
-    exp = exp * obs.sum() / exp.sum()
-    p = chisquare(obs.numpy(), exp.numpy()).pvalue
-    assert p > 1e-3 and tv < tv_plain + 0.05, (p, tv, tv_plain)
-    assert emp.flatten()[exact.flatten() == 0].sum() == 0  # never a token outside top-k/top-p
+    assert_follows_law(outs, plain, exact)
     _assert_pool_full(e)
 
 
