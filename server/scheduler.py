@@ -36,7 +36,6 @@ from server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from server.kv_manager import ReqKVManager
 from server.request import Req
 from server.startup import is_resolved
-from server.step_recovery import StepCheckpoint
 from speculative.spec_worker import SpecWorker
 from speculative.types import OutOfKVSlots
 
@@ -77,7 +76,7 @@ class Scheduler:
         self.grammars = GrammarQueue(lambda: GrammarBackend.from_model_path(  # structured outputs (lazy)
             self.model_path, self.model_config.vocab_size, self.eos_token_ids, config.model.trust_remote_code),
             blocking=tp.size > 1)
-        self.checkpoint: StepCheckpoint | None = None
+        self.step_batch: Batch | None = None  # the running step's batch (server/step_recovery.py)
         self._seed_rng = random.Random(0x5EED)
         self.total_verify_steps = 0
         self.total_spec_tokens = 0
@@ -169,14 +168,13 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[TokenOut]:
+        self.step_batch = None  # what server/step_recovery.py fails if this step raises (None: everything)
         for req, err in self.grammars.poll(idle=not (self.waiting or self.running)):  # compiled grammars
             if err is None:
                 self.waiting.append(req)
             else:
                 self.outbox.append(TokenOut(req.rid, [], finished=True, error=err, prompt_tokens=len(req.prompt_ids)))
-        # what server/step_recovery.py needs to fail only this step's batch if the step raises
-        self.checkpoint = StepCheckpoint()
-        batch = self.checkpoint.batch = self.schedule()
+        batch = self.step_batch = self.schedule()
         if batch is not None:
             results = self.run(batch)
             self.process(batch, results)

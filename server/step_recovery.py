@@ -4,8 +4,8 @@ A step (``Scheduler.step``: schedule -> run -> process) can raise part-way: afte
 for the batch (a prefill chunk's slots written to the request table but not yet counted in
 ``num_cached``, a decode step's new slot, a speculative step's temporary tree slots), after some requests
 of the batch already finished, or after a fully prefilled request left the waiting queue but before it
-joined the running list. ``Scheduler.step`` records a ``StepCheckpoint`` (the step's batch) so that
-``fail_step`` can:
+joined the running list. ``Scheduler.step`` records the step's batch (``step_batch``, None until
+``schedule`` returns one) so that ``fail_step`` can:
 
 - take every unfinished request of the batch out of the queues and release its KV (``Scheduler._release``:
   the slots it counts in ``num_cached`` and its request-table row);
@@ -14,30 +14,22 @@ joined the running list. ``Scheduler.step`` records a ``StepCheckpoint`` (the st
 - drop the batch's pending outputs (their clients get an error instead).
 
 Requests outside the batch are untouched and keep being served. A failure in ``schedule`` itself (no batch
-recorded) fails every request the scheduler holds.
+recorded: it, or the grammar queue's poll before it, raised) fails every request the scheduler holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
-@dataclass
-class StepCheckpoint:
-    """What ``fail_step`` needs of the step in progress (mutable: the batch is known after ``schedule``)."""
-
-    batch: Any = None  # the step's Batch, once scheduled
-
-
 def fail_step(scheduler: Any) -> list[str]:
     """Fail the requests of the step that just raised; return their ids. Leaves the scheduler consistent:
     every KV slot is either free, held by a live request, or held by the prefix cache."""
-    cp: StepCheckpoint | None = getattr(scheduler, "checkpoint", None)
-    if cp is not None and cp.batch is not None:
-        victims = list(cp.batch.reqs)
+    batch = scheduler.step_batch
+    if batch is not None:
+        victims = list(batch.reqs)
     else:
         victims = list(scheduler.waiting) + list(scheduler.running)
     failed = list({id(q): q for q in victims if q.finish_reason is None}.values())  # finished: released
@@ -57,7 +49,7 @@ def fail_step(scheduler: Any) -> list[str]:
     slots.free(orphans)
     rids = {req.rid for req in failed}
     scheduler.outbox[:] = [o for o in scheduler.outbox if o.rid not in rids]
-    scheduler.checkpoint = None
+    scheduler.step_batch = None
     return [req.rid for req in failed]
 
 
