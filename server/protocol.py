@@ -142,6 +142,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call; honoured with a forced tool_choice
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
 

@@ -68,6 +68,10 @@ def constraint_of(req: ChatCompletionRequest | CompletionRequest, tool_parser: s
         found.append(("ebnf", Constraint(ebnf=req.ebnf)))
     if isinstance(req, ChatCompletionRequest) and forced_tool_choice(req):
         found.append(("tool_choice", _tool_constraint(req, tool_parser)))
+    elif isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False and req.tools:
+        raise APIError(400, "parallel_tool_calls: false is supported only with a forced tool_choice ('required' "
+                            "or a named function), where the grammar allows exactly one call",
+                       param="parallel_tool_calls", code="unsupported_value")
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise APIError(400, f"at most one output constraint per request, got {names}", param=found[1][0],
@@ -86,7 +90,7 @@ def _tool_constraint(req: ChatCompletionRequest, tool_parser: str | None) -> Con
     named = req.tool_choice.function.name if isinstance(req.tool_choice, ToolChoice) else None
     tools: list[tuple[str, dict[str, Any] | None]] = [(t.function.name, t.function.parameters) for t in req.tools]
     try:
-        ebnf = tool_call_ebnf(tool_parser, tools, named)
+        ebnf = tool_call_ebnf(tool_parser, tools, named, parallel=req.parallel_tool_calls is not False)
     except ToolGrammarError as e:
         raise APIError(400, str(e), param="tool_choice" if e.index < 0 else "tools", code="invalid_value") from None
     return Constraint(ebnf=ebnf, forces_tools=True)

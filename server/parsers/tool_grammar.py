@@ -107,11 +107,11 @@ def _call_rule(parser: str, i: int, name: str) -> str:
     return f"call_{i} ::= {literal(head)} {args} {literal('}' + chr(10) + HERMES_END)}"
 
 
-def tool_call_ebnf(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None]], named: str | None = None
-                   ) -> str:
+def tool_call_ebnf(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None]], named: str | None = None,
+                   parallel: bool = True) -> str:
     """EBNF forcing tool calls in ``parser``'s format. ``tools``: (name, parameters JSON Schema or None) in
-    request order. ``named`` None: one or more calls of any tool ("required"); a name: exactly one call of
-    that tool. Raises ToolGrammarError for a bad name, an unknown ``named`` (index -1) or a schema that
+    request order. ``named`` None: one or more calls of any tool ("required"; exactly one when ``parallel``
+    is False); a name: exactly one call of that tool. Raises ToolGrammarError for a bad name, an unknown ``named`` (index -1) or a schema that
     cannot be converted, and ValueError for an unknown parser."""
     if parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"unknown tool-call parser {parser!r}; choose from {', '.join(TOOL_CALL_PARSERS)}")
@@ -137,7 +137,7 @@ def tool_call_ebnf(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None
             raise ToolGrammarError(f"tools[{i}].function.parameters: cannot build a grammar from this JSON "
                                    f"Schema: {detail}", i) from None
         rules.append(_call_rule(parser, i, name))
-    calls = "tool_call+" if named is None else f"call_{chosen[0]}"
+    calls = ("tool_call+" if parallel else "tool_call") if named is None else f"call_{chosen[0]}"
     if named is None:
         rules.append("tool_call ::= " + " | ".join(f"call_{i}" for i in chosen))
     if parser == "kimi_k2":

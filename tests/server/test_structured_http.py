@@ -68,6 +68,8 @@ def test_forced_tool_choice_maps_to_the_tool_grammar(parser) -> None:
         None, None, tool_call_ebnf(parser, tools, named="get_time"))
     for choice in ("auto", "none", None):
         assert _grammar(_chat({"tools": TOOLS, "tool_choice": choice}), parser) == (None, None, None)
+    assert _grammar(_chat({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}), parser) == (
+        None, None, tool_call_ebnf(parser, tools, parallel=False))
 
 
 MALFORMED = [
@@ -120,6 +122,7 @@ def test_forced_tool_choice_errors_are_400() -> None:
              ({"tools": TOOLS, "tool_choice": "required"}, None, "tool_choice", "--tool-call-parser"),
              ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "kimi_k2",
               "tool_choice", "not in 'tools'"),
+             ({"tools": TOOLS, "parallel_tool_calls": False}, "hermes", "parallel_tool_calls", "forced tool_choice"),
              ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
                "tool_choice": "required"}, "hermes", "tools", "tools[0].function.parameters")]
     for body, parser, param, words in cases:

@@ -88,6 +88,15 @@ def test_required_accepts_valid_calls_and_rejects_others(parser, compiler, token
 
 
 @pytest.mark.parametrize("parser", sorted(FORMATS))
+def test_required_without_parallel_calls_allows_exactly_one(parser, compiler, tokenizer) -> None:
+    ebnf = tool_call_ebnf(parser, TOOLS, parallel=False)
+    fmt = FORMATS[parser]
+    for calls in VALID[:4]:
+        assert _matches(compiler, tokenizer, ebnf, fmt(*calls)), calls
+    assert not _matches(compiler, tokenizer, ebnf, fmt(*VALID[4]))  # three calls
+
+
+@pytest.mark.parametrize("parser", sorted(FORMATS))
 def test_named_tool_allows_exactly_one_call_of_it(parser, compiler, tokenizer) -> None:
     ebnf = tool_call_ebnf(parser, TOOLS, named="add")
     fmt = FORMATS[parser]
