@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from speculative.ddtree import _best_first, _topk_logprobs, build_ddtree
+from speculative.ddtree import _best_first, build_ddtree, draft_topk
 
 BATCHES = (1, 8, 32)
 BUDGETS = (4, 16, 64, 256)
@@ -51,9 +51,9 @@ def _cell(logits: torch.Tensor, budget: int, repeats: int, device: torch.device)
     seq_lens = torch.full((bs,), 100, dtype=torch.int64, device=device)
     budgets = torch.full((bs,), budget, dtype=torch.int64)
     k = min(budget, VOCAB)
-    lp, ids = _topk_logprobs(logits, k)
+    lp, ids = draft_topk(logits, k)
     lp_lists = [(lp[b].tolist(), ids[b].tolist()) for b in range(bs)]
-    topk_ms = _median_ms(lambda: _topk_logprobs(logits, k), repeats, device)
+    topk_ms = _median_ms(lambda: draft_topk(logits, k), repeats, device)
     heap_ms = _median_ms(lambda: [_best_first(a, t, budget, k) for a, t in lp_lists], repeats, device)
     total_ms = _median_ms(lambda: build_ddtree(logits, budgets, roots, seq_lens), repeats, device)
     chain_ms = _median_ms(lambda: build_ddtree(logits, budgets, roots, seq_lens, chain=True), repeats, device)

@@ -19,9 +19,11 @@ step-time model (``speculative.step_cost``) turns them into a rate; the argmax w
 A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
 decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode,
 drafter forward included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain
-of a near break-even step; docs/BENCHMARKS.md), or, to keep the curve fresh, once every ``explore_every``
-steps. Each exploration that does not pay by that margin, drafter included, doubles that gap, up to
-``max_explore_every``, so a regime where speculation never pays costs ever fewer drafter forwards. After
+of a near break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve
+fresh (an exploration), under a regret budget: an exploration's loss is its step time minus what plain
+decoding would have taken for the tokens it emitted, and the next exploration waits until the steps since
+have taken ``1 / explore_share`` times that loss, so explorations cost at most ``explore_share`` of the run
+time where speculation never pays, and continue step after step where they do pay (loss <= 0). After
 drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
 tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
 
@@ -55,8 +57,8 @@ class BudgetConfig:
     curve_rate: float = 0.1  # EMA rate of the mean gain curve used before drafting
     draft_margin: float = 0.05  # draft only if the predicted rate beats a plain step's by this fraction
     min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
-    explore_every: int = 16  # draft at least once every this many steps ...
-    max_explore_every: int = 256  # ... a gap that doubles while explorations keep choosing plain steps
+    explore_share: float = 0.01  # explorations lose at most this share of run time (module docstring)
+    deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
     probe_seconds: float = 1.5  # start-up cost probe budget
 
 
@@ -151,8 +153,8 @@ class BudgetController:
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
         self.curve_seen = np.zeros(2, dtype=bool)
-        self.skipped = 0
-        self.explore_gap = config.explore_every
+        self.since_explore = 0.0  # seconds of steps since the last exploration
+        self.explore_debt = 0.0  # the last exploration's loss against plain decoding (seconds, >= 0)
         self._exploring = False
         self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
@@ -162,19 +164,20 @@ class BudgetController:
         bs = len(sampled)
         modes = np.unique(sampled.astype(np.int64))
         self._exploring = False
-        if not self.curve_seen[modes].all() or self.skipped + 1 >= self.explore_gap:
-            self.skipped, self._exploring = 0, bool(self.curve_seen[modes].all())
+        if not self.curve_seen[modes].all():
             return True
         gains = self.curve[sampled.astype(np.int64)]  # [bs, B]
         _, spec_rate = choose_budgets(
             gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
         )
-        plain_rate = bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
-        if spec_rate > plain_rate * (1 + self.config.draft_margin):
-            self.skipped = 0
+        if spec_rate > self._plain_rate(bs) * (1 + self.config.draft_margin):
             return True
-        self.skipped += 1
-        return False
+        self._exploring = self.since_explore * self.config.explore_share >= self.explore_debt
+        return self._exploring
+
+    def _plain_rate(self, bs: int) -> float:
+        """Predicted tokens per second of a plain decode step over ``bs`` requests."""
+        return bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
 
     def choose(
         self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
@@ -182,7 +185,7 @@ class BudgetController:
         """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
         gains = self.calib.gains(popped, sampled)  # [bs, B]
         budgets, rate = self._decide(gains, max_verify_tokens)
-        self._learn(gains, sampled, rate)
+        self._learn(gains, sampled)
         return budgets
 
     def pop_and_choose(
@@ -205,7 +208,7 @@ class BudgetController:
             gains = self.calib.gains(popped, sampled)  # [bs, B]
             budgets, rate = self._decide(gains, max_verify_tokens)
         budgets = np.asarray(agree(budgets))
-        self._learn(gains, sampled, rate)
+        self._learn(gains, sampled)
         self.pop_width = int(np.clip(2 * budgets.max(initial=0), self.config.min_pops, self.config.max_budget))
         return popped, budgets
 
@@ -235,10 +238,8 @@ class BudgetController:
             bound[1:][tokens[1:] > max_verify_tokens] = -np.inf
         return bool(bound.max() > rate * (1 + 1e-9))
 
-    def _learn(self, gains: np.ndarray, sampled: np.ndarray, rate: float) -> None:
-        """Mean gain curve per mode over the popped width (EMA), and the exploration gap: drafting paid if the
-        chosen step's rate, drafter included, beats a plain step's by ``draft_margin`` (as ``plan_draft``
-        asks; a tree chosen only because the drafter's cost was already sunk does not count)."""
+    def _learn(self, gains: np.ndarray, sampled: np.ndarray) -> None:
+        """The mean gain curve per mode over the popped width (EMA)."""
         w = min(gains.shape[1], self.config.max_budget)
         for m in (GREEDY, SAMPLED):
             rows = gains[sampled.astype(np.int64) == m]
@@ -246,12 +247,6 @@ class BudgetController:
                 r = 1.0 if not self.curve_seen[m] else self.config.curve_rate
                 self.curve[m, :w] = (1 - r) * self.curve[m, :w] + r * rows[:, :w].mean(0)
                 self.curve_seen[m] = True
-        bs = gains.shape[0]
-        plain_rate = bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
-        if rate > plain_rate * (1 + self.config.draft_margin):
-            self.explore_gap = self.config.explore_every
-        elif self._exploring:
-            self.explore_gap = min(2 * self.explore_gap, self.config.max_explore_every)
 
     def record(
         self,
@@ -271,6 +266,13 @@ class BudgetController:
             self.calib.observe(tree, accept_length, sampled)
         else:
             self.calib.decay_only()
+        step_s = (draft_s or 0.0) + verify_s
+        if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it emitted
+            emitted = bs + float(np.sum(accept_length))
+            self.explore_debt = max(step_s - emitted / self._plain_rate(bs), 0.0)
+            self.since_explore, self._exploring = 0.0, False
+        else:
+            self.since_explore += step_s
         self.cost.observe(bs, total_tokens, draft_s, verify_s)
 
     def stats(self) -> dict:

@@ -3,8 +3,8 @@
 Runs once when the worker is built (before any request holds KV): ``bs`` drafter blocks (plus the pops of
 the largest budget) for the drafter table, and tree-verify forwards over ``n`` tokens split into requests of
 ``max_budget + 1`` causal tokens for the verify table (the last request takes the remainder), and plain decode
-forwards over ``bs`` one-token requests (target layers captured, drafter context written, as the worker's
-plain step) for the plain table. Every slot and request row it takes is returned.
+forwards over ``bs`` one-token requests (target layers captured, as the worker's plain step, whose drafter
+context writes are deferred and batched) for the plain table. Every slot and request row it takes is returned.
 """
 
 from __future__ import annotations
@@ -114,8 +114,7 @@ def _time_plain(worker: SpecWorker, bs: int) -> float | None:
     try:
         _sync(r.device)
         t = time.perf_counter()
-        out = r.forward(fb)
-        worker.drafter.write_context(out.captured, fb.positions, fb.out_cache_loc, worker.draft_kv)
+        out = r.forward(fb)  # (the drafter context it captures is written later, in batches: deferred_context.py)
         r.logits(out.hidden).argmax(-1).tolist()  # the sampler's host copy: synchronises
         return time.perf_counter() - t
     finally:

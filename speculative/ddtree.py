@@ -61,8 +61,9 @@ class DraftTree:
         return int(self.candidates.shape[1])
 
 
-def _topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k draft log-probs and tokens per (request, depth), ordered (value desc, token asc).
+def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k draft log-probs and tokens per (request, depth), ordered (value desc, token asc): host arrays
+    [bs, L, K] that ``pop_nodes`` can reuse for every width up to ``k`` (the adaptive budget pops twice).
 
     One batched topk on raw logits minus one logsumexp (the full log_softmax is never materialised)."""
     logits = draft_logits.float()  # [bs, L, V]
@@ -192,8 +193,10 @@ def pop_nodes(
     budgets: torch.Tensor,
     chain: bool = False,
     max_depths: torch.Tensor | None = None,
+    topk: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> PoppedNodes:
-    """Algorithm 1's pops for every request (see ``build_ddtree`` for the arguments)."""
+    """Algorithm 1's pops for every request (see ``build_ddtree`` for the arguments). ``topk``: this
+    ``draft_logits``'s ``draft_topk`` at a K of at least the widest budget (1 in chain mode), or None."""
     bs, depth_limit, vocab = draft_logits.shape
     budget_list = [int(x) for x in budgets.tolist()]
     if any(b < 0 for b in budget_list):
@@ -205,7 +208,7 @@ def pop_nodes(
     width = max(budget_list) if budget_list else 0
     k = 1 if chain else max(1, min(width, vocab))
     if width > 0:
-        top_lp, top_ids = _topk_logprobs(draft_logits, k)  # [bs, L, K] (numpy)
+        top_lp, top_ids = topk if topk is not None else draft_topk(draft_logits, k)  # [bs, L, K]
     out = PoppedNodes(
         tokens=np.zeros((bs, width), dtype=np.int64),
         parents=np.full((bs, width), -1, dtype=np.int64),

@@ -32,7 +32,8 @@ from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, sample_requests, token_logprobs
 from model_executor.sampling_params import SamplingParams, find_stop
 from speculative.budget import BudgetConfig, BudgetController
-from speculative.ddtree import DraftTree, PoppedNodes, assemble_tree, pop_nodes
+from speculative.ddtree import DraftTree, PoppedNodes, assemble_tree, draft_topk, pop_nodes
+from speculative.deferred_context import DeferredContext
 from speculative.step_cost import StepCostModel
 from speculative.types import DecodeResult, OutOfKVSlots, SpecSettings
 from speculative.verify import verify_tree
@@ -100,6 +101,7 @@ class SpecWorker:
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
         self.mask_drafts = True  # grammar masks on the drafter's logits + pruning of rejected nodes
+        self.deferred: DeferredContext | None = None  # plain steps' drafter context (allocate_kv)
         if runner.num_slots:
             self.allocate_kv()
 
@@ -116,6 +118,8 @@ class SpecWorker:
             from speculative.cost_probe import probe_step_cost
 
             cfg = self.budget_config or BudgetConfig(max_budget=self.budget)
+            self.deferred = DeferredContext(
+                lambda c, p, s: self.drafter.write_context(c, p, s, self.draft_kv), cfg.deferred_context_tokens)
             max_reqs = r.slots.max_rows - 1
             cost = StepCostModel(max_reqs, max_reqs * (self.budget + 1))
             self.controller = BudgetController(cfg, self.depth_limit, cost)  # ragged verify: padded=False
@@ -154,7 +158,17 @@ class SpecWorker:
     @torch.inference_mode()
     def on_extend(self, fb: ForwardBatch, captured: torch.Tensor) -> None:
         """Write drafter context features for the tokens a target extend forward just cached."""
-        self.drafter.write_context(captured, fb.positions, fb.out_cache_loc, self.draft_kv)
+        self._write_context(captured, fb.positions, fb.out_cache_loc)
+
+    def _write_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store context features in the drafter's cache, after every deferred write (their order kept)."""
+        self.flush_context()
+        self.drafter.write_context(captured, positions, slots, self.draft_kv)
+
+    def flush_context(self) -> None:
+        """Write the plain steps' deferred drafter context (before anything reads the drafter's cache)."""
+        if self.deferred is not None:
+            self.deferred.flush()
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
@@ -183,10 +197,14 @@ class SpecWorker:
             full = torch.full((bs,), self.budget)  # [bs]
             depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
 
+            topk: list = []  # the top-K over the vocabulary, once for every width popped (pop_and_choose)
+
             def pop(width: int) -> PoppedNodes:  # best-first pops, grammar-pruned when drafts are masked
                 widths = torch.full((bs,), width)  # [bs]
                 if not mask_drafts:
-                    return pop_nodes(draft_logits, widths, chain=self.chain, max_depths=depths)
+                    if not topk:
+                        topk.append(draft_topk(draft_logits, 1 if self.chain else min(self.budget, draft_logits.shape[-1])))
+                    return pop_nodes(draft_logits, widths, chain=self.chain, max_depths=depths, topk=topk[0])
                 wide = pop_nodes(draft_logits, draft_pop_budgets(grammars, widths), chain=self.chain, max_depths=depths)
                 return prune_popped(wide, grammars, widths)
 
@@ -243,7 +261,10 @@ class SpecWorker:
         fb = r.prepare_decode(idx.tolist(), cached.tolist(), roots.tolist(), self.capture_layer_ids)  # roots' KV
         assert fb is not None, "decode() checked free slots for the whole step"
         out = r.forward(fb)
-        self.drafter.write_context(out.captured, fb.positions, fb.out_cache_loc, self.draft_kv)
+        if self.deferred is not None:  # written before the drafter next reads its cache (deferred_context.py)
+            self.deferred.add(out.captured, fb.positions, fb.out_cache_loc)
+        else:
+            self._write_context(out.captured, fb.positions, fb.out_cache_loc)
         logits = r.logits(out.hidden)  # [bs, V]
         tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
         results = []
@@ -260,6 +281,7 @@ class SpecWorker:
     def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
         """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]."""
         r, bsz, bs = self.runner, self.block_size, idx.shape[0]
+        self.flush_context()
         block = r.slots.place_block(idx, cached, bsz)  # [bs, B] temporary slots for the block's own K/V
         slots = block.view(-1)  # [bs*B]
         offs = torch.arange(bsz, device=r.device)  # [B]
@@ -323,7 +345,7 @@ class SpecWorker:
         pos = (cached[:, None] + cols[None, :])[valid]  # [n_kept] absolute positions
         r.slots.keep_path(rows, pos, path_slots[valid], tree_slots[~kept_mask & (tree_slots >= 0)])
         feat_rows = (torch.arange(bs, device=r.device)[:, None] * d + path)[valid]
-        self.drafter.write_context(captured[feat_rows], pos, path_slots[valid], self.draft_kv)
+        self._write_context(captured[feat_rows], pos, path_slots[valid])
         for q, k in zip(reqs, keep, strict=True):
             q.num_cached += k
         return results

@@ -80,7 +80,7 @@ class _FakeCost:
 
 
 def test_controller_drafts_only_when_it_pays_and_explores():
-    ctl = BudgetController(BudgetConfig(max_budget=3, explore_every=4), depth_limit=3, cost=_FakeCost())
+    ctl = BudgetController(BudgetConfig(max_budget=3, explore_share=0.25), depth_limit=3, cost=_FakeCost())
     greedy = np.array([False])
     assert ctl.plan_draft(greedy)  # no curve yet: draft
     # one request, pops Q = 0.9, 0.8, 0.1 (prior ratios 1): widths 0..3 -> tokens 1..4, times 2.5, 3, 3.5, 4
@@ -90,26 +90,35 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.curve[0].tolist() == pytest.approx([0.9, 0.8, 0.1])
     # before drafting: plain step 1 token in 1.5 s (0.667/s) vs the curve's best 0.771/s -> draft
     assert ctl.plan_draft(greedy)
+    ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)  # a planned draft: no exploration
+    assert ctl.explore_debt == 0.0 and ctl.since_explore == 3.0
     ctl.curve[0] = [0.3, 0.1, 0.0]  # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain
-    assert [ctl.plan_draft(greedy) for _ in range(4)] == [False, False, False, True]  # explores every 4th
+    assert ctl.plan_draft(greedy)  # ... but no exploration has lost anything yet: explore
     poor = _popped([[np.log(0.1), np.log(0.05), -np.inf]], [[1, 2, 0]], [[0, 1, -1]])  # 1.1 / 3 < 1 / 2.5
-    assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration still chose a plain step: gap 4 -> 8
-    assert [ctl.plan_draft(greedy) for _ in range(8)] == [False] * 7 + [True]
-    assert ctl.choose(popped, greedy).tolist() == [2] and ctl.explore_gap == 4  # pays again: gap back to 4
-    ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.0)
-    assert ctl.stats()["budget_counts"] == {0: 1}
+    assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration chose a plain step
+    # it took 1 s (drafter) + 1.5 s (plain step) for 1 token, plain decoding 1.5 s: lost 1 s. With a share of
+    # 0.25 the next exploration waits for 4 s of steps: three plain steps of 1.5 s
+    ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, 1.0, 1.5)
+    assert ctl.explore_debt == pytest.approx(1.0) and ctl.since_explore == 0.0
+    plans = []
+    for _ in range(4):
+        plans.append(ctl.plan_draft(greedy))
+        if not plans[-1]:
+            ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.5)
+    assert plans == [False, False, False, True]
+    # this exploration pays: 3 tokens in 1 + 2.5 s, where plain decoding takes 4.5 s: no debt, so the next
+    # step explores again (the curve, moved 10% towards these pops, still predicts a plain step)
+    assert ctl.choose(popped, greedy).tolist() == [2]
+    ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.5)
+    assert ctl.explore_debt == 0.0 and ctl.plan_draft(greedy) and ctl._exploring
+    assert ctl.stats()["budget_counts"] == {2: 2, 0: 4}
     # near break-even (plain 1 / 1.5 = 0.667/s, margin 5%: a draft must promise > 0.7/s): the curve 0.9, 0.6
     # gives 2.5 / 3.5 = 0.714/s at budget 2 -> draft; 0.9, 0.5 gives 2.4 / 3.5 = 0.686/s -> plain
+    ctl.explore_debt = 1e9  # (no exploration)
     ctl.curve[0] = [0.9, 0.6, 0.0]
-    assert ctl.plan_draft(greedy)
+    assert ctl.plan_draft(greedy) and not ctl._exploring
     ctl.curve[0] = [0.9, 0.5, 0.0]
     assert not ctl.plan_draft(greedy)
-    # an exploration whose tree wins only because the drafter already ran (1.5 / 3 = 0.5/s vs 1 / 2.5 = 0.4/s
-    # with the draft paid; 0.5 < 0.7/s with it counted) does not count as paying: the gap still doubles
-    ctl.explore_gap, ctl.skipped = 4, 3
-    assert ctl.plan_draft(greedy)
-    weak = _popped([[np.log(0.5), -np.inf, -np.inf]], [[1, 0, 0]], [[0, -1, -1]])
-    assert ctl.choose(weak, greedy).tolist() == [1] and ctl.explore_gap == 8
 
 
 def test_piecewise_linear_and_online_update():
