@@ -22,8 +22,8 @@ drafter forward included, and drafts only if that wins by ``draft_margin`` (timi
 of a near break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve
 fresh (an exploration), under a regret budget: an exploration's loss is its step time minus what plain
 decoding would have taken for the tokens it emitted, and the next exploration waits until the steps since
-have taken ``1 / explore_share`` times that loss, so explorations cost at most ``explore_share`` of the run
-time where speculation never pays, and continue step after step where they do pay (loss <= 0). After
+have taken ``1 / explore_share`` times that loss (counting the steps that predicted a plain step), so
+explorations cost at most ``explore_share`` of the time spent where speculation does not pay, and continue step after step where they do pay (loss <= 0). After
 drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
 tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
 
@@ -155,7 +155,9 @@ class BudgetController:
         self.curve_seen = np.zeros(2, dtype=bool)
         self.since_explore = 0.0  # seconds of steps since the last exploration
         self.explore_debt = 0.0  # the last exploration's loss against plain decoding (seconds, >= 0)
-        self._exploring = False
+        self._exploring = False  # this step drafts only to explore
+        self._planned_plain = False  # this step's prediction was a plain step
+        self._spec_rates: dict[tuple[int, int], float] = {}  # plan_draft's predictions by (bs, sampled count)
         self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
 
@@ -163,15 +165,18 @@ class BudgetController:
         """Whether this step should run the drafter (False: a plain decode step)."""
         bs = len(sampled)
         modes = np.unique(sampled.astype(np.int64))
-        self._exploring = False
+        self._exploring = self._planned_plain = False
         if not self.curve_seen[modes].all():
             return True
-        gains = self.curve[sampled.astype(np.int64)]  # [bs, B]
-        _, spec_rate = choose_budgets(
-            gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
-        )
-        if spec_rate > self._plain_rate(bs) * (1 + self.config.draft_margin):
+        key = (bs, int(sampled.sum()))
+        if key not in self._spec_rates:  # unchanged while no step drafts (invalidated by record)
+            gains = self.curve[sampled.astype(np.int64)]  # [bs, B]
+            self._spec_rates[key] = choose_budgets(
+                gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
+            )[1]
+        if self._spec_rates[key] > self._plain_rate(bs) * (1 + self.config.draft_margin):
             return True
+        self._planned_plain = True
         self._exploring = self.since_explore * self.config.explore_share >= self.explore_debt
         return self._exploring
 
@@ -240,6 +245,7 @@ class BudgetController:
 
     def _learn(self, gains: np.ndarray, sampled: np.ndarray) -> None:
         """The mean gain curve per mode over the popped width (EMA)."""
+        self._spec_rates.clear()
         w = min(gains.shape[1], self.config.max_budget)
         for m in (GREEDY, SAMPLED):
             rows = gains[sampled.astype(np.int64) == m]
@@ -261,7 +267,11 @@ class BudgetController:
     ) -> None:
         """After the step: the chosen budgets (metrics), the verification outcome (calibration; ``tree``
         None or without nodes: nothing to calibrate) and the measured phase times (cost model)."""
-        self.chosen.update(int(b) for b in budgets)
+        if draft_s is None:  # a plain step (the common case where speculation does not pay: kept cheap)
+            self.chosen[0] += bs
+        else:
+            self.chosen.update(budgets.tolist())
+            self._spec_rates.clear()  # the curve and the draft / verify tables move
         if tree is not None and int(tree.num_nodes.max()) > 0:
             self.calib.observe(tree, accept_length, sampled)
         else:
@@ -271,7 +281,7 @@ class BudgetController:
             emitted = bs + float(np.sum(accept_length))
             self.explore_debt = max(step_s - emitted / self._plain_rate(bs), 0.0)
             self.since_explore, self._exploring = 0.0, False
-        else:
+        elif self._planned_plain:  # explorations are paid for by the steps that predicted a plain step
             self.since_explore += step_s
         self.cost.observe(bs, total_tokens, draft_s, verify_s)
 

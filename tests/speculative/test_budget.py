@@ -90,9 +90,11 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.curve[0].tolist() == pytest.approx([0.9, 0.8, 0.1])
     # before drafting: plain step 1 token in 1.5 s (0.667/s) vs the curve's best 0.771/s -> draft
     assert ctl.plan_draft(greedy)
-    ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)  # a planned draft: no exploration
-    assert ctl.explore_debt == 0.0 and ctl.since_explore == 3.0
-    ctl.curve[0] = [0.3, 0.1, 0.0]  # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain
+    ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)  # a planned draft: not an exploration,
+    # nor a step that repays one (only steps predicted plain do)
+    assert ctl.explore_debt == 0.0 and ctl.since_explore == 0.0
+    # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain
+    ctl.curve[0], ctl._spec_rates = [0.3, 0.1, 0.0], {}
     assert ctl.plan_draft(greedy)  # ... but no exploration has lost anything yet: explore
     poor = _popped([[np.log(0.1), np.log(0.05), -np.inf]], [[1, 2, 0]], [[0, 1, -1]])  # 1.1 / 3 < 1 / 2.5
     assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration chose a plain step
@@ -115,9 +117,9 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     # near break-even (plain 1 / 1.5 = 0.667/s, margin 5%: a draft must promise > 0.7/s): the curve 0.9, 0.6
     # gives 2.5 / 3.5 = 0.714/s at budget 2 -> draft; 0.9, 0.5 gives 2.4 / 3.5 = 0.686/s -> plain
     ctl.explore_debt = 1e9  # (no exploration)
-    ctl.curve[0] = [0.9, 0.6, 0.0]
+    ctl.curve[0], ctl._spec_rates = [0.9, 0.6, 0.0], {}
     assert ctl.plan_draft(greedy) and not ctl._exploring
-    ctl.curve[0] = [0.9, 0.5, 0.0]
+    ctl.curve[0], ctl._spec_rates = [0.9, 0.5, 0.0], {}
     assert not ctl.plan_draft(greedy)
 
 
