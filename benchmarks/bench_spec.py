@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,13 +78,15 @@ def build_engine(alg: str, budget: int | str, args) -> Engine:
     return engine
 
 
-def run_rounds(engines: dict, ids, params, rounds: int, first_round: int, rows: dict[str, list]) -> int:
-    """``rounds`` interleaved rounds over every engine in ``engines``, the order rotated each round; the rows
-    (tagged with a global round id, so that ratios pair rows of the same round) go to ``rows``. Returns the
-    next round id."""
+def run_rounds(engines: dict, ids_of: Callable[[int], list[list[int]]], params, rounds: int, first_round: int,
+               rows: dict[str, list]) -> int:
+    """``rounds`` interleaved rounds over every engine in ``engines``, the order rotated each round, all of a
+    round on the prompts ``ids_of(round)``; the rows (tagged with a global round id, so that ratios pair rows
+    of the same round) go to ``rows``. Returns the next round id."""
     labels = list(engines)
     for k in range(rounds):
         rid = first_round + k
+        ids = ids_of(rid)
         for lab in labels[rid % len(labels):] + labels[:rid % len(labels)]:
             row = run(engines[lab], ids, params)
             row["round"] = rid
@@ -147,7 +150,7 @@ def main() -> None:
     ap.add_argument("--fixed-rounds", type=int, default=None,
                     help="rounds per cell of each fixed budget / dflash next to none and auto (default --rounds)")
     ap.add_argument("--draft-model-path", default="default")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto: the engine's default (bfloat16 where the CPU has AMX)")
     ap.add_argument("--kv-tokens", type=int, default=8192, help="KV pool per engine (several are alive at once)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is far faster on a CPU shared with other jobs: no spinning)")
@@ -168,10 +171,13 @@ def main() -> None:
 
     def phase(engines: dict, rounds: int) -> None:
         for bs, temp in cells:
-            ids = (ids_all * ((bs + len(ids_all) - 1) // len(ids_all)))[:bs]
+            def ids_of(rid: int, bs: int = bs) -> list[list[int]]:  # round k starts at prompt k: a batch smaller
+                rot = ids_all[rid % len(ids_all):] + ids_all[:rid % len(ids_all)]  # than the prompt set sees
+                return (rot * ((bs + len(rot) - 1) // len(rot)))[:bs]  # several of them over the rounds
+
             params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
             print(f"[bench] {'/'.join(engines)} batch={bs} T={temp}: {rounds} rounds", flush=True)
-            next_round[(bs, temp)] = run_rounds(engines, ids, params, rounds, next_round[(bs, temp)],
+            next_round[(bs, temp)] = run_rounds(engines, ids_of, params, rounds, next_round[(bs, temp)],
                                                 rows_by_cell[(bs, temp)])
             last = {lab: rows_by_cell[(bs, temp)][lab][-1]["tok_s"] for lab in engines}
             print("[bench]   last round tok/s: " + "  ".join(f"{k} {v:.1f}" for k, v in last.items())

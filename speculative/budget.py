@@ -59,7 +59,7 @@ class BudgetConfig:
     min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
     explore_share: float = 0.01  # explorations lose at most this share of run time (module docstring)
     deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
-    probe_seconds: float = 1.5  # start-up cost probe budget
+    probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
 
 
 def choose_budgets(

@@ -1,15 +1,14 @@
 """Start-up probe of the step-cost model: time real drafter and target-verify forwards on empty contexts.
 
 Runs once when the worker is built (before any request holds KV): ``bs`` drafter blocks (plus the pops of
-the largest budget) for the drafter table, and tree-verify forwards over ``n`` tokens split into requests of
-``max_budget + 1`` causal tokens for the verify table (the last request takes the remainder), and plain decode
+the largest budget) for the drafter table, tree-verify forwards over ``bs`` requests holding ``extra`` nodes
+in all (causal chains under their roots) for the tree tables, and plain decode
 forwards over ``bs`` one-token requests (target layers captured, as the worker's plain step, whose drafter
 context writes are deferred and batched) for the plain table. Every slot and request row it takes is returned.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING
 
@@ -58,12 +57,12 @@ def _time_draft(worker: SpecWorker, bs: int) -> float | None:
 
 
 @torch.inference_mode()
-def _time_verify(worker: SpecWorker, n: int) -> float | None:
+def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
+    """A tree-verify step over ``bs`` requests holding ``extra`` nodes in all (spread evenly, each request a
+    causal chain under its root), logits of every token included."""
     r = worker.runner
-    per = worker.budget + 1
-    bs = math.ceil(n / per)
-    lens = [per] * (bs - 1) + [n - per * (bs - 1)]
-    d = max(lens)
+    lens = [1 + extra // bs + (i < extra % bs) for i in range(bs)]  # [bs] root + nodes
+    n, d = sum(lens), max(lens)
     if r.slots.num_free < n:
         return None
     rows = _rows(worker, bs)
@@ -74,9 +73,7 @@ def _time_verify(worker: SpecWorker, n: int) -> float | None:
     slots = r.slots.place(idx, zeros, torch.tensor(lens))  # [n]
     try:
         pos = torch.cat([torch.arange(k) for k in lens]).to(r.device)  # [n]
-        mask = (
-            torch.ones(d, d, dtype=torch.bool).tril().expand(bs, d, d)
-        )  # [bs, d, d] causal chain per request
+        mask = torch.ones(d, d, dtype=torch.bool, device=r.device).tril().expand(bs, d, d).contiguous()  # [bs, d, d]
         fb = build_forward_batch(
             ForwardMode.TARGET_VERIFY,
             torch.zeros(n, dtype=torch.int64, device=r.device),
@@ -132,8 +129,8 @@ def probe_step_cost(worker: SpecWorker, cost: StepCostModel, seconds: float) -> 
     tp = worker.runner.tp
     cost.probe(
         lambda bs: _time_draft(worker, bs),
-        lambda n: _time_verify(worker, n),
+        lambda bs: _time_plain(worker, bs),
+        lambda bs, extra: _time_verify(worker, bs, extra),
         seconds,
         agree=lambda stop: bool(tp.broadcast_object(stop)),
-        time_plain=lambda bs: _time_plain(worker, bs),
     )

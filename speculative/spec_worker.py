@@ -121,7 +121,7 @@ class SpecWorker:
             self.deferred = DeferredContext(
                 lambda c, p, s: self.drafter.write_context(c, p, s, self.draft_kv), cfg.deferred_context_tokens)
             max_reqs = r.slots.max_rows - 1
-            cost = StepCostModel(max_reqs, max_reqs * (self.budget + 1))
+            cost = StepCostModel(max_reqs, self.budget)
             self.controller = BudgetController(cfg, self.depth_limit, cost)  # ragged verify: padded=False
             probe_step_cost(self, cost, cfg.probe_seconds)
 

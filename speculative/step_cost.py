@@ -1,18 +1,24 @@
 """Step-time model of a speculative decode step, measured on the machine it runs on.
 
-A step costs ``draft(bs)`` (one drafter forward over ``bs`` blocks plus the tree build; zero when the step
-does not draft) plus ``verify(n)``: the target forward over ``n`` tree tokens in total (roots included), the
-verification and the commit; or, when every tree is its root alone (``n == bs``), ``plain(bs)``: the plain
-decode step the worker runs then (causal decode forward + sampler, no tree bookkeeping), cheaper than a
-tree-verify forward over as many tokens. All three are piecewise-linear tables over a geometric grid (1, 2,
-4, ...) of their argument, extrapolated linearly past the last point. A start-up probe fills the tables
-(``probe``, interleaved across the tables); every step's measured phase times then move the two bracketing
-grid points of the table that step used towards the observation (one stochastic-gradient step on the
-interpolated prediction, rate ``lr``), so the model follows the machine's load and the requests' context
-lengths.
+A step over ``bs`` requests that verifies ``n`` tokens (roots included; ``e = n - bs`` tree nodes) costs
 
-Limitation (documented, deliberate): ``verify`` depends on the total token count only, not on how the tokens
-split over requests or on context lengths; the online updates absorb the current average of both.
+    draft(bs) [when it drafts] + plain(bs) + tree(bs, e) [when e > 0]
+
+``draft``: the drafter forward over ``bs`` blocks and the pops. ``plain``: the plain decode step (causal
+decode forward + sampler) that the worker runs when every tree is its root alone. ``tree``: what a
+tree-verify step costs beyond that plain step (a forward over ``e`` more tokens under the tree mask,
+verification, commit). The same ``e`` costs differently split over 1 request or over 16 (per-request
+attention and masks, a larger forward), so ``tree`` is one table over ``e`` per batch-size grid point
+(1, 4, 16, ...), interpolated linearly in ``bs`` between them (the last table beyond). A single table over
+total tokens let batch-1 steps (16 nodes, cheap) and batch-16 steps (16 roots + a few nodes, dear) pull
+the same points, pricing small trees at large batch far too low (docs/BENCHMARKS.md).
+
+Every table is piecewise linear over a geometric grid of its argument, extrapolated linearly past the
+last point. A start-up probe (``probe``) times real forwards: for bs = 1, 4, 16, ... while its time budget
+lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs and 16 bs nodes, each the minimum of
+``repeats`` timings. Then every step's measured phase times move the grid points around the observation
+(one stochastic-gradient step on the interpolated prediction, rate ``lr``), so the model follows the
+machine's load and the requests' context lengths.
 """
 
 from __future__ import annotations
@@ -22,11 +28,11 @@ from collections.abc import Callable
 import numpy as np
 
 
-def geometric_grid(limit: int) -> np.ndarray:
-    """1, 2, 4, ... up to the first power of two >= ``limit`` (at least [1, 2])."""
+def geometric_grid(limit: int, factor: int = 2) -> np.ndarray:
+    """1, factor, factor^2, ... up to the first power >= ``limit`` (at least two points)."""
     pts = [1]
     while pts[-1] < max(limit, 2):
-        pts.append(pts[-1] * 2)
+        pts.append(pts[-1] * factor)
     return np.asarray(pts, dtype=np.float64)
 
 
@@ -61,83 +67,112 @@ class PiecewiseLinear:
 
 
 class StepCostModel:
-    """Seconds per step as ``draft(bs) * drafted + (plain(bs) if total_tokens == bs else verify(total_tokens))``."""
+    """Seconds per step as ``draft(bs) * drafted + plain(bs) + tree(bs, n - bs)`` (module docstring)."""
 
-    def __init__(self, max_batch: int, max_tokens: int, lr: float = 0.2):
+    def __init__(self, max_batch: int, max_budget: int, lr: float = 0.2):
+        self.max_budget = max_budget  # nodes per request at most
         self.draft = PiecewiseLinear(geometric_grid(max_batch))
-        self.verify = PiecewiseLinear(geometric_grid(max_tokens))
         self.plain = PiecewiseLinear(geometric_grid(max_batch))
+        self.tree_bs = geometric_grid(max_batch, 4)  # [G] batch sizes of the tree tables: 1, 4, 16, ...
+        self.tree = [PiecewiseLinear(geometric_grid(max_batch * max_budget)) for _ in self.tree_bs]
         self.lr = lr
         self.probed = False
 
+    def _bs_weights(self, bs: int) -> tuple[int, float]:
+        """Left tree table and the weight of the right one for ``bs`` (clipped: the last table beyond)."""
+        i = int(np.clip(np.searchsorted(self.tree_bs, bs, side="right") - 1, 0, len(self.tree_bs) - 2))
+        w = float(np.clip((bs - self.tree_bs[i]) / (self.tree_bs[i + 1] - self.tree_bs[i]), 0.0, 1.0))
+        return i, w
+
+    def tree_time(self, bs: int, extra: np.ndarray | float) -> np.ndarray:
+        """Seconds a tree-verify step over ``bs`` requests and ``extra`` nodes costs beyond a plain step."""
+        i, w = self._bs_weights(bs)
+        return (1 - w) * self.tree[i](extra) + w * self.tree[i + 1](extra)
+
     def step_time(self, bs: int, total_tokens: np.ndarray | int, drafted: bool) -> np.ndarray:
         """Predicted seconds of a step over ``bs`` requests verifying ``total_tokens`` tokens (vectorised over
-        total_tokens)."""
-        n = np.asarray(total_tokens, dtype=np.float64)
-        t = np.where(n <= bs, float(self.plain(bs)), self.verify(n))  # roots alone: a plain decode step
+        total_tokens; ``total_tokens == bs``: a plain step)."""
+        e = np.asarray(total_tokens, dtype=np.float64) - bs
+        t = float(self.plain(bs)) + np.where(e > 0, self.tree_time(bs, np.maximum(e, 1.0)), 0.0)
         return t + (float(self.draft(bs)) if drafted else 0.0)
 
     def observe(self, bs: int, total_tokens: int, draft_s: float | None, verify_s: float) -> None:
-        """One step's measured phase times (``draft_s`` None when the step did not draft; ``verify_s``: the plain
-        step's time when ``total_tokens == bs``)."""
+        """One step's measured phase times (``draft_s`` None when the step did not draft; ``verify_s``: the
+        plain step's time when ``total_tokens == bs``, else the tree-verify step's)."""
         if draft_s is not None:
             self.draft.update(bs, draft_s, self.lr)
-        if total_tokens <= bs:
+        e = total_tokens - bs
+        if e <= 0:
             self.plain.update(bs, verify_s, self.lr)
-        else:
-            self.verify.update(total_tokens, verify_s, self.lr)
+            return
+        target = verify_s - float(self.plain(bs))
+        i, w = self._bs_weights(bs)
+        self.tree[i].update(e, target, self.lr * (1 - w))
+        self.tree[i + 1].update(e, target, self.lr * w)
 
     def probe(
         self,
         time_draft: Callable[[int], float | None],
-        time_verify: Callable[[int], float | None],
-        budget_s: float = 2.0,
+        time_plain: Callable[[int], float | None],
+        time_verify: Callable[[int, int], float | None],
+        budget_s: float = 4.5,
         agree: Callable[[bool], bool] = bool,
-        time_plain: Callable[[int], float | None] | None = None,
         repeats: int = 2,
     ) -> None:
-        """Fill the tables by timing real forwards: ``time_draft(bs)``, ``time_verify(n)`` and ``time_plain(bs)``
-        return seconds (None: cannot be measured here, e.g. too few KV slots; ``time_plain`` None: the plain
-        table takes the verify table's values). Every other grid point (1, 4, 16, ...) is timed, cheapest
-        first, at least three of them and more while ``budget_s`` per table lasts; the tables are timed
-        INTERLEAVED (point i of each before point i + 1 of any), each point the minimum of ``repeats``
-        timings, so that a machine whose speed drifts (other jobs) does not skew one table against another.
-        The points between are interpolated and the ones past the last measurement extrapolated linearly
-        from the last two (a wide span, so timing noise hardly tilts the slope).
-        ``agree(stop)`` makes every tensor-parallel rank take rank 0's stop decision (same forwards)."""
+        """Fill the tables by timing real forwards: ``time_draft(bs)``, ``time_plain(bs)`` and
+        ``time_verify(bs, e)`` (a whole tree-verify step: ``bs`` requests, ``e`` nodes spread over them) return
+        seconds, or None when they cannot run here (too few KV slots or request rows). For bs = 1, 4, 16, ...
+        (at least two, more while ``budget_s`` lasts): the three timings, ``e`` in 1, bs, 4 bs, 16 bs (at most
+        ``max_budget`` per request); ``tree`` gets verify - plain at that bs. Each point is the minimum of
+        ``repeats`` timings (other jobs only add time). Grid points between are interpolated, points past the
+        last measurement extrapolated from the last two; tree tables of batch sizes not reached copy the last
+        one measured. ``agree(stop)`` makes every tensor-parallel rank take rank 0's stop decision."""
         import time
 
-        tables = [(self.verify, time_verify), (self.draft, time_draft)]
-        if time_plain is not None:
-            tables.append((self.plain, time_plain))
-        points: list[tuple[list[float], list[float]]] = [([], []) for _ in tables]
-        open_ = [True] * len(tables)
-        for _, fn in tables:
-            fn(1)  # warm-up (first-call allocations)
+        def best(fn: Callable[..., float | None], *args: int) -> float | None:
+            ys = [fn(*args) for _ in range(repeats)]
+            return None if any(y is None for y in ys) else min(ys)  # type: ignore[type-var]
+
+        time_draft(1), time_plain(1), time_verify(1, 1)  # warm-up (first-call allocations)
         start = time.perf_counter()
-        for i in range(max(len(table.x[::2]) for table, _ in tables)):
-            if agree(i >= 3 and time.perf_counter() - start > budget_s * len(tables)):
+        draft_pts: list[tuple[float, float]] = []
+        plain_pts: list[tuple[float, float]] = []
+        tree_pts: list[list[tuple[float, float]]] = []
+        for i, g in enumerate(int(b) for b in self.tree_bs):
+            if agree(i >= 2 and time.perf_counter() - start > budget_s):
                 break
-            for t, (table, fn) in enumerate(tables):
-                if not open_[t] or i >= len(table.x[::2]):
-                    continue
-                x = table.x[::2][i]
-                ys = [fn(int(x)) for _ in range(repeats)]
-                if any(y is None for y in ys):
-                    open_[t] = False
-                    continue
-                points[t][0].append(x)
-                points[t][1].append(min(ys))
-        for (table, _), (xs, ys) in zip(tables, points, strict=True):
-            if not xs:
-                raise RuntimeError("the step-cost probe could not time a single forward (KV cache too small?)")
-            if len(xs) == 1:  # a small pool or one request row: proportional beyond the one point (pessimistic)
-                xs, ys = [0.0, xs[0]], [0.0, ys[0]]
-            ys = np.maximum.accumulate(np.asarray(ys))  # more work never takes less time
-            inside = table.x <= xs[-1]
-            table.y[inside] = np.interp(table.x[inside], xs, ys)
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            table.y[~inside] = ys[-1] + slope * (table.x[~inside] - xs[-1])
-        if time_plain is None:
-            self.plain.y[:] = self.verify(self.plain.x)
+            d, p = best(time_draft, g), best(time_plain, g)
+            if d is None or p is None:
+                break
+            draft_pts.append((g, d))
+            plain_pts.append((g, p))
+            pts = []
+            for e in sorted({1, g, 4 * g, 16 * g}):
+                v = best(time_verify, g, e) if e <= g * self.max_budget else None
+                if v is None:
+                    break
+                pts.append((e, max(v - p, 0.0)))
+            if not pts:
+                break
+            tree_pts.append(pts)
+        if not tree_pts:
+            raise RuntimeError("the step-cost probe could not time a single forward (KV cache too small?)")
+        _fit(self.draft, draft_pts)
+        _fit(self.plain, plain_pts)
+        for i, table in enumerate(self.tree):
+            _fit(table, tree_pts[min(i, len(tree_pts) - 1)])
         self.probed = True
+
+
+def _fit(table: PiecewiseLinear, points: list[tuple[float, float]]) -> None:
+    """Table values from measured (x, seconds): interpolated inside, extrapolated linearly from the last two
+    points beyond (a wide span, so timing noise hardly tilts the slope); one point: proportional to it
+    (pessimistic). More work never takes less time: the measurements are made non-decreasing first."""
+    xs = [x for x, _ in points]
+    ys = list(np.maximum.accumulate([y for _, y in points]))
+    if len(xs) == 1:
+        xs, ys = [0.0, xs[0]], [0.0, ys[0]]
+    inside = table.x <= xs[-1]
+    table.y[inside] = np.interp(table.x[inside], xs, ys)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    table.y[~inside] = ys[-1] + slope * (table.x[~inside] - xs[-1])

@@ -63,12 +63,16 @@ def test_auto_greedy_lossless_shipped_drafter(default_model_path):
 
 
 def _set_costs(engine: Engine, verify_per_token: float) -> None:
-    """Freeze the cost model at hand-set values: draft 1 ms, verify 10 ms + ``verify_per_token`` per token."""
-    cost = engine.scheduler.spec.controller.cost
+    """Freeze the cost model at hand-set values: draft 1 ms, a step 10 ms + ``verify_per_token`` per verified
+    token (a plain step of bs requests verifies bs tokens, a tree step bs + its nodes)."""
+    ctl = engine.scheduler.spec.controller
+    cost = ctl.cost
     cost.lr = 0.0
     cost.draft.y[:] = 1e-3
-    cost.verify.y[:] = 1e-2 + verify_per_token * cost.verify.x
-    cost.plain.y[:] = 1e-2 + verify_per_token * cost.plain.x  # a plain step of bs requests: bs tokens
+    cost.plain.y[:] = 1e-2 + verify_per_token * cost.plain.x
+    for table in cost.tree:
+        table.y[:] = verify_per_token * table.x
+    ctl._spec_rates.clear()  # (plan_draft's cached predictions)
 
 
 def test_plain_steps_keep_the_drafter_context(tiny):

@@ -130,46 +130,64 @@ def test_piecewise_linear_and_online_update():
     assert f.y.tolist() == [1.0, 3.0, 3.0]
 
 
+def _fake_times(calls: list):
+    """Hand-set timings: draft 0.1 s per request, plain 10 ms + 1 ms per request, a tree-verify step the plain
+    step + 3 ms + 2 ms per node + 0.1 ms per request (``calls`` records the verify points timed)."""
+
+    def verify(bs, e):
+        calls.append((bs, e))
+        return 0.01 + 0.001 * bs + 0.003 + 0.002 * e + 0.0001 * bs
+
+    return (lambda bs: 0.1 * bs), (lambda bs: 0.01 + 0.001 * bs), verify
+
+
 def test_probe_fills_tables_by_hand():
-    cost = StepCostModel(max_batch=8, max_tokens=64)
-    calls = []
+    cost = StepCostModel(max_batch=16, max_budget=8)
+    calls: list = []
+    cost.probe(*_fake_times(calls), budget_s=0.0)
+    # after a warm-up, batch sizes 1 and 4 (at least two; no time left for 16), nodes 1, bs, 4 bs, 16 bs up to
+    # 8 per request, each the minimum of two timings
+    assert calls == [(1, 1)] + [(1, 1)] * 2 + [(1, 4)] * 2 + [(4, 1)] * 2 + [(4, 4)] * 2 + [(4, 16)] * 2
+    assert float(cost.draft(8)) == pytest.approx(0.8) and float(cost.plain(2)) == pytest.approx(0.012)
+    # tree tables: 3 ms + 2 ms per node + 0.1 ms per request; bs 16's copies bs 4's (not reached)
+    assert cost.tree[0](np.array([2.0, 64.0])).tolist() == pytest.approx([0.0071, 0.1311])
+    assert float(cost.tree_time(4, 8)) == pytest.approx(0.0194) and float(cost.tree_time(16, 8)) == pytest.approx(0.0194)
+    # bs 2 lies a third of the way from the bs-1 table to the bs-4 table
+    assert float(cost.tree_time(2, 8)) == pytest.approx(0.0191 + (0.0194 - 0.0191) / 3)
+    assert float(cost.step_time(4, 4 + 8, drafted=True)) == pytest.approx(0.4 + 0.014 + 0.0194)
+    assert float(cost.step_time(4, 4, drafted=False)) == pytest.approx(0.014)  # roots alone: a plain step
 
-    def verify(n):
-        calls.append(n)
-        return 0.01 + 0.001 * n
 
-    cost.probe(lambda bs: 0.1 * bs, verify, budget_s=0.0)
-    # 3 points (1, 4, 16) after a warm-up, each the minimum of two timings, interpolated between and
-    # extrapolated past: exact for a line
-    assert calls == [1, 1, 1, 4, 4, 16, 16]
-    assert cost.verify(np.array([2.0, 64.0])).tolist() == pytest.approx([0.012, 0.074])
-    assert float(cost.draft(8)) == pytest.approx(0.8)
-    assert float(cost.step_time(4, 16, drafted=True)) == pytest.approx(0.026 + 0.4)
-    assert float(cost.step_time(4, 4, drafted=False)) == pytest.approx(0.014)  # no plain probe: verify's table
-
-
-def test_plain_steps_have_their_own_table():
-    """Roots alone (total tokens == bs) cost a plain decode step, probed and updated in its own table: a
-    tree-verify forward over as many tokens costs more (mask, tree bookkeeping) and must not price it."""
-    cost = StepCostModel(max_batch=8, max_tokens=64)
-    cost.probe(lambda bs: 0.1 * bs, lambda n: 0.01 + 0.001 * n, budget_s=0.0, time_plain=lambda bs: 0.005 * bs)
-    assert cost.step_time(4, np.array([4, 5]), drafted=False).tolist() == pytest.approx([0.02, 0.015])
-    assert float(cost.step_time(2, 2, drafted=True)) == pytest.approx(0.01 + 0.2)
-    cost.observe(4, 4, None, 0.03)  # a plain step of 4 requests took 30 ms: moves plain(4) by lr * 10 ms
-    assert float(cost.plain(4)) == pytest.approx(0.02 + 0.2 * 0.01) and float(cost.verify(4)) == 0.014
-    cost.observe(4, 8, 0.5, 0.018)  # a tree step: verify(8) 18 ms -> moves 20% of the 0 ms error, draft(4)
-    assert float(cost.verify(8)) == pytest.approx(0.018) and float(cost.draft(4)) == pytest.approx(0.42)
+def test_tree_costs_depend_on_the_batch_size():
+    """Eight nodes over one request and over sixteen requests are different steps: the online updates of a
+    batch-16 step move the batch-16 table, not the batch-1 one (one table over total tokens mixed them)."""
+    cost = StepCostModel(max_batch=16, max_budget=8)
+    calls: list = []
+    cost.probe(*_fake_times(calls), budget_s=10.0)
+    assert (16, 64) in calls  # the time budget reached batch 16
+    before1, before16 = float(cost.tree_time(1, 8)), float(cost.tree_time(16, 8))
+    plain16 = float(cost.plain(16))
+    cost.observe(16, 16 + 8, 0.5, plain16 + before16 + 0.01)  # 10 ms dearer than predicted
+    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.2 * 0.01)
+    assert float(cost.tree_time(1, 8)) == before1
+    assert float(cost.draft(16)) == pytest.approx(1.6 + 0.2 * (0.5 - 1.6))
+    cost.observe(16, 16, None, plain16 + 0.005)  # a plain step moves the plain table only
+    assert float(cost.plain(16)) == pytest.approx(plain16 + 0.001)
+    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.2 * 0.01)
 
 
 def test_probe_with_room_for_one_point_only():
-    """A pool with one request row (max_running_requests 1) or few KV slots times one grid point: the table
-    is then proportional to it beyond (pessimistic), not an error; no point at all is an error."""
-    cost = StepCostModel(max_batch=2, max_tokens=64)
-    cost.probe(lambda bs: 0.1 if bs == 1 else None, lambda n: 0.01 * n if n < 4 else None, budget_s=0.0)
+    """A pool with one request row (max_running_requests 1) or few KV slots times one batch size: the tables
+    are then proportional to its points beyond (pessimistic), not an error; no point at all is an error."""
+    cost = StepCostModel(max_batch=2, max_budget=64)
+    draft, plain, verify = _fake_times([])
+    cost.probe(lambda bs: draft(bs) if bs == 1 else None, plain, lambda bs, e: verify(bs, e) if e < 8 else None,
+               budget_s=0.0)
     assert float(cost.draft(1)) == pytest.approx(0.1) and float(cost.draft(2)) == pytest.approx(0.2)
-    assert cost.verify(np.array([1.0, 8.0])).tolist() == pytest.approx([0.01, 0.08])
+    assert float(cost.plain(2)) == pytest.approx(0.022)  # one point (bs 1): proportional
+    assert cost.tree_time(2, np.array([1.0, 4.0, 16.0])).tolist() == pytest.approx([0.0051, 0.0111, 0.0351])
     with pytest.raises(RuntimeError, match="single forward"):
-        StepCostModel(max_batch=2, max_tokens=8).probe(lambda bs: None, lambda n: None, budget_s=0.0)
+        StepCostModel(max_batch=2, max_budget=8).probe(lambda bs: None, plain, verify, budget_s=0.0)
 
 
 def _pops_of(q: list[float]):
