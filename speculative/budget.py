@@ -22,10 +22,12 @@ drafter forward included, and drafts only if that wins by ``draft_margin`` (timi
 of a near break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve
 fresh (an exploration), under a regret budget: an exploration's loss is its step time minus what plain
 decoding would have taken for the tokens it emitted, and the next exploration waits until the steps since
-have taken ``1 / explore_share`` times that loss (counting the steps that predicted a plain step), so
-explorations cost at most ``explore_share`` of the time spent where speculation does not pay, and continue step after step where they do pay (loss <= 0). After
-drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
-tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
+that predicted a plain step have taken ``1 / explore_share`` times that loss. So explorations cost at most
+``explore_share`` of the time spent where speculation does not pay, and continue step after step where
+they do pay (loss <= 0). Symmetrically, where drafting pays, one step in ``plain_refresh_every`` is a plain
+step, so that the plain-step cost it is compared with stays measured (a start-up probe timed under load
+would otherwise keep it drafting where it loses). After drafting (``choose``) the drafter's cost is sunk and the budgets come from
+this step's own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
 
 Pops (``BudgetController.pop_and_choose``): popping costs host time per node, so a step pops only twice the
 largest budget the previous drafted step chose (at least ``min_pops``) and re-pops up to ``max_budget`` only
@@ -58,6 +60,7 @@ class BudgetConfig:
     draft_margin: float = 0.05  # draft only if the predicted rate beats a plain step's by this fraction
     min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
     explore_share: float = 0.01  # explorations lose at most this share of run time (module docstring)
+    plain_refresh_every: int = 64  # where drafting pays, one plain step per this many to keep plain(bs) measured
     deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
     probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
 
@@ -158,6 +161,7 @@ class BudgetController:
         self._exploring = False  # this step drafts only to explore
         self._planned_plain = False  # this step's prediction was a plain step
         self._spec_rates: dict[tuple[int, int], float] = {}  # plan_draft's predictions by (bs, sampled count)
+        self.drafts_since_plain = 0  # planned drafts since the last plain step (plain_refresh_every)
         self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
 
@@ -175,7 +179,8 @@ class BudgetController:
                 gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
             )[1]
         if self._spec_rates[key] > self._plain_rate(bs) * (1 + self.config.draft_margin):
-            return True
+            self.drafts_since_plain += 1  # a plain-step cost that is never measured could stay wrong forever
+            return self.drafts_since_plain < self.config.plain_refresh_every
         self._planned_plain = True
         self._exploring = self.since_explore * self.config.explore_share >= self.explore_debt
         return self._exploring
@@ -276,6 +281,8 @@ class BudgetController:
             self.calib.observe(tree, accept_length, sampled)
         else:
             self.calib.decay_only()
+        if total_tokens <= bs:
+            self.drafts_since_plain = 0
         step_s = (draft_s or 0.0) + verify_s
         if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it emitted
             emitted = bs + float(np.sum(accept_length))

@@ -197,14 +197,14 @@ class SpecWorker:
             full = torch.full((bs,), self.budget)  # [bs]
             depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
 
-            topk: list = []  # the top-K over the vocabulary, once for every width popped (pop_and_choose)
+            # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
+            k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
+            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] host arrays
 
             def pop(width: int) -> PoppedNodes:  # best-first pops, grammar-pruned when drafts are masked
                 widths = torch.full((bs,), width)  # [bs]
-                if not mask_drafts:
-                    if not topk:
-                        topk.append(draft_topk(draft_logits, 1 if self.chain else min(self.budget, draft_logits.shape[-1])))
-                    return pop_nodes(draft_logits, widths, chain=self.chain, max_depths=depths, topk=topk[0])
+                if topk is not None:
+                    return pop_nodes(draft_logits, widths, chain=self.chain, max_depths=depths, topk=topk)
                 wide = pop_nodes(draft_logits, draft_pop_budgets(grammars, widths), chain=self.chain, max_depths=depths)
                 return prune_popped(wide, grammars, widths)
 

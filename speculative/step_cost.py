@@ -17,8 +17,8 @@ Every table is piecewise linear over a geometric grid of its argument, extrapola
 last point. A start-up probe (``probe``) times real forwards: for bs = 1, 4, 16, ... while its time budget
 lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs and 16 bs nodes, each the minimum of
 ``repeats`` timings. Then every step's measured phase times move the grid points around the observation
-(one stochastic-gradient step on the interpolated prediction, rate ``lr``), so the model follows the
-machine's load and the requests' context lengths.
+(a running mean at first, so that real steps soon outweigh the probe's empty contexts, then an average of
+rate ``lr``), so the model follows the machine's load and the requests' context lengths.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class PiecewiseLinear:
         self.y = (
             np.zeros_like(self.x) if values is None else np.asarray(values, dtype=np.float64).copy()
         )  # [G]
+        self.evidence = np.ones_like(self.x)  # [G] observations behind each point (the probe counts as one)
 
     def _bracket(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Left grid index and the weight of the right point, per query (weights may leave [0, 1])."""
@@ -56,14 +57,21 @@ class PiecewiseLinear:
         i, w = self._bracket(xa)
         return np.maximum((1 - w) * self.y[i] + w * self.y[i + 1], 0.0)
 
-    def update(self, x: float, target: float, lr: float) -> None:
-        """Move the interpolated value at ``x`` towards ``target`` (gradient step on both bracketing points,
-        weights clipped to [0, 1] so an extrapolated observation only moves the nearest point)."""
+    def update(self, x: float, target: float, lr: float, weight: float = 1.0) -> None:
+        """Move the interpolated value at ``x`` towards ``target``: each bracketing point by its share of the
+        error (weights clipped to [0, 1], so an extrapolated observation only moves the nearest point) times
+        its rate, ``max(lr, 1 / evidence)``: a running mean while a point has little evidence (the first
+        observation after the probe weighs as much as the probe), an average of rate ``lr`` after. ``weight``
+        scales the observation (a step between two tables); ``lr <= 0`` freezes the table."""
+        if lr <= 0 or weight <= 0:
+            return
         i, w = self._bracket(np.asarray([x], dtype=np.float64))
         i, w = int(i[0]), float(np.clip(w[0], 0.0, 1.0))
         err = target - float(self(x))
-        self.y[i] += lr * (1 - w) * err
-        self.y[i + 1] += lr * w * err
+        for j, share in ((i, (1 - w) * weight), (i + 1, w * weight)):
+            if share > 0:
+                self.evidence[j] += share
+                self.y[j] += max(lr, 1.0 / self.evidence[j]) * share * err
 
 
 class StepCostModel:
@@ -107,8 +115,8 @@ class StepCostModel:
             return
         target = verify_s - float(self.plain(bs))
         i, w = self._bs_weights(bs)
-        self.tree[i].update(e, target, self.lr * (1 - w))
-        self.tree[i + 1].update(e, target, self.lr * w)
+        self.tree[i].update(e, target, self.lr, 1 - w)
+        self.tree[i + 1].update(e, target, self.lr, w)
 
     def probe(
         self,

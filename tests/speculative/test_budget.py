@@ -114,6 +114,13 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.5)
     assert ctl.explore_debt == 0.0 and ctl.plan_draft(greedy) and ctl._exploring
     assert ctl.stats()["budget_counts"] == {2: 2, 0: 4}
+    # where drafting pays, every plain_refresh_every-th (64th) planned draft is a plain step instead
+    ctl.curve[0], ctl._spec_rates = [0.9, 0.8, 0.1], {}
+    ctl.drafts_since_plain = 0
+    assert [ctl.plan_draft(greedy) for _ in range(64)] == [True] * 63 + [False]
+    assert not ctl._exploring and not ctl._planned_plain  # (no exploration, no regret accounting)
+    ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.5)
+    assert ctl.drafts_since_plain == 0
     # near break-even (plain 1 / 1.5 = 0.667/s, margin 5%: a draft must promise > 0.7/s): the curve 0.9, 0.6
     # gives 2.5 / 3.5 = 0.714/s at budget 2 -> draft; 0.9, 0.5 gives 2.4 / 3.5 = 0.686/s -> plain
     ctl.explore_debt = 1e9  # (no exploration)
@@ -168,12 +175,16 @@ def test_tree_costs_depend_on_the_batch_size():
     before1, before16 = float(cost.tree_time(1, 8)), float(cost.tree_time(16, 8))
     plain16 = float(cost.plain(16))
     cost.observe(16, 16 + 8, 0.5, plain16 + before16 + 0.01)  # 10 ms dearer than predicted
-    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.2 * 0.01)
+    # the first observation after the probe weighs as much as the probe: half way
+    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.005)
     assert float(cost.tree_time(1, 8)) == before1
-    assert float(cost.draft(16)) == pytest.approx(1.6 + 0.2 * (0.5 - 1.6))
-    cost.observe(16, 16, None, plain16 + 0.005)  # a plain step moves the plain table only
-    assert float(cost.plain(16)) == pytest.approx(plain16 + 0.001)
-    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.2 * 0.01)
+    assert float(cost.draft(16)) == pytest.approx((1.6 + 0.5) / 2)
+    cost.observe(16, 16, None, plain16 + 0.006)  # a plain step moves the plain table only
+    assert float(cost.plain(16)) == pytest.approx(plain16 + 0.003)
+    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.005)
+    for _ in range(5):  # evidence 3 .. 7: a running mean (rate 1/3, 1/4, ...) until the rate reaches lr = 0.2
+        cost.observe(16, 16 + 8, None, float(cost.plain(16)) + before16 + 0.01)
+    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.01 * (1 - 1 / 5 * 0.8 * 0.8))
 
 
 def test_probe_with_room_for_one_point_only():
