@@ -8,8 +8,9 @@ drafter's probabilities are not calibrated: ``AcceptanceCalibrator`` scales the 
 ratio r_d = (observed + prior) / (predicted + prior) of how often verification reached depth d against the
 summed Q of the depth-d nodes it was offered, kept separately for greedy and sampled requests (for a
 deterministic draft tree, target-only sampling accepts a child c with probability p_target(c), so the same
-sum is the sampled prediction). Old evidence decays geometrically, so the prior returns when nothing is
-observed.
+sum is the sampled prediction). The prior of each mode is the other mode's ratio (itself on a prior of 1),
+so sampled requests arriving after greedy ones start from what greedy steps measured. Old
+evidence decays geometrically, so the prior returns when nothing is observed.
 
 Decision (``choose_budgets``): with the marginal gains of every request non-increasing along its pop
 order, the best allocation of n extra tree tokens over the batch takes the n largest gains (each request
@@ -17,14 +18,18 @@ keeps a prefix of its pops); one sort and one cumulative sum give the expected t
 step-time model (``speculative.step_cost``) turns them into a rate; the argmax wins (n = 0: no tree).
 
 A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
-decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode,
-drafter forward included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain
-of a near break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve
-fresh (an exploration), under a regret budget: an exploration's loss is its step time minus what plain
-decoding would have taken for the tokens it emitted, and the next exploration waits until the steps since
-that predicted a plain step have taken ``1 / explore_share`` times that loss. So explorations cost at most
-``explore_share`` of the time spent where speculation does not pay, and continue step after step where
-they do pay (loss <= 0). Symmetrically, where drafting pays, one step in ``plain_refresh_every`` is a plain
+decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode
+(a running mean over its first ``1 / curve_rate`` drafted steps, then an average of that rate), drafter
+forward included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain of a
+near break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve fresh
+(an exploration; a mode's first draft is one too), under a regret budget kept as a balance in seconds:
+every step that predicted a plain step and did not explore deposits ``explore_share`` of its time, every
+exploration withdraws its loss, its step time minus what plain decoding would have taken for the tokens
+it emitted (a negative loss, an exploration that paid, deposits), and a step explores when the balance is
+not negative. So explorations lose at most ``explore_share`` of the time spent where speculation does not
+pay, and continue step after step where they pay on balance (one unlucky step among paying ones does not
+stop them); the balance holds at most ``explore_credit`` exploration step times, so credit earned where
+speculation paid cannot fund a long run of losing explorations elsewhere. Symmetrically, where drafting pays, one step in ``plain_refresh_every`` is a plain
 step, so that the plain-step cost it is compared with stays measured (a start-up probe timed under load
 would otherwise keep it drafting where it loses). After drafting (``choose``) the drafter's cost is sunk and the budgets come from
 this step's own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
@@ -60,6 +65,7 @@ class BudgetConfig:
     draft_margin: float = 0.05  # draft only if the predicted rate beats a plain step's by this fraction
     min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
     explore_share: float = 0.01  # explorations lose at most this share of run time (module docstring)
+    explore_credit: float = 2.0  # the exploration balance holds at most this many exploration step times
     plain_refresh_every: int = 64  # where drafting pays, one plain step per this many to keep plain(bs) measured
     deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
     probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
@@ -111,8 +117,10 @@ class AcceptanceCalibrator:
         self.observed_total = np.zeros(2)  # [mode] accepted tokens
 
     def ratios(self) -> np.ndarray:
-        """[2, max_depth + 1] calibration factors (depth 0 unused)."""
-        return (self.obs + self.prior) / (self.pred + self.prior)
+        """[2, max_depth + 1] calibration factors (depth 0 unused): per mode, with the other mode's ratio (on a
+        prior of 1) as its prior."""
+        other = (self.obs[::-1] + self.prior) / (self.pred[::-1] + self.prior)  # [2, max_depth + 1]
+        return (self.obs + self.prior * other) / (self.pred + self.prior)
 
     def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
         """Calibrated marginal gains [bs, B]: Q * r[mode, depth], made non-increasing along the pop order
@@ -155,9 +163,8 @@ class BudgetController:
         self.cost = cost
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
-        self.curve_seen = np.zeros(2, dtype=bool)
-        self.since_explore = 0.0  # seconds of steps since the last exploration
-        self.explore_debt = 0.0  # the last exploration's loss against plain decoding (seconds, >= 0)
+        self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
+        self.explore_balance = 0.0  # seconds of exploration loss still allowed (module docstring)
         self._exploring = False  # this step drafts only to explore
         self._planned_plain = False  # this step's prediction was a plain step
         self._spec_rates: dict[tuple[int, int], float] = {}  # plan_draft's predictions by (bs, sampled count)
@@ -170,7 +177,8 @@ class BudgetController:
         bs = len(sampled)
         modes = np.unique(sampled.astype(np.int64))
         self._exploring = self._planned_plain = False
-        if not self.curve_seen[modes].all():
+        if not (self.curve_steps[modes] > 0).all():  # a mode's first draft: an exploration
+            self._exploring = True
             return True
         key = (bs, int(sampled.sum()))
         if key not in self._spec_rates:  # unchanged while no step drafts (invalidated by record)
@@ -182,7 +190,7 @@ class BudgetController:
             self.drafts_since_plain += 1  # a plain-step cost that is never measured could stay wrong forever
             return self.drafts_since_plain < self.config.plain_refresh_every
         self._planned_plain = True
-        self._exploring = self.since_explore * self.config.explore_share >= self.explore_debt
+        self._exploring = self.explore_balance >= 0
         return self._exploring
 
     def _plain_rate(self, bs: int) -> float:
@@ -249,15 +257,15 @@ class BudgetController:
         return bool(bound.max() > rate * (1 + 1e-9))
 
     def _learn(self, gains: np.ndarray, sampled: np.ndarray) -> None:
-        """The mean gain curve per mode over the popped width (EMA)."""
+        """The mean gain curve per mode over the popped width (a running mean, then an EMA)."""
         self._spec_rates.clear()
         w = min(gains.shape[1], self.config.max_budget)
         for m in (GREEDY, SAMPLED):
             rows = gains[sampled.astype(np.int64) == m]
             if len(rows):
-                r = 1.0 if not self.curve_seen[m] else self.config.curve_rate
+                self.curve_steps[m] += 1
+                r = max(self.config.curve_rate, 1.0 / self.curve_steps[m])
                 self.curve[m, :w] = (1 - r) * self.curve[m, :w] + r * rows[:, :w].mean(0)
-                self.curve_seen[m] = True
 
     def record(
         self,
@@ -286,10 +294,11 @@ class BudgetController:
         step_s = (draft_s or 0.0) + verify_s
         if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it emitted
             emitted = bs + float(np.sum(accept_length))
-            self.explore_debt = max(step_s - emitted / self._plain_rate(bs), 0.0)
-            self.since_explore, self._exploring = 0.0, False
+            loss = step_s - emitted / self._plain_rate(bs)
+            self.explore_balance = min(self.explore_balance - loss, self.config.explore_credit * step_s)
+            self._exploring = False
         elif self._planned_plain:  # explorations are paid for by the steps that predicted a plain step
-            self.since_explore += step_s
+            self.explore_balance += self.config.explore_share * step_s
         self.cost.observe(bs, total_tokens, draft_s, verify_s)
 
     def stats(self) -> dict:

@@ -1,10 +1,11 @@
-"""Start-up probe of the step-cost model: time real drafter and target-verify forwards on empty contexts.
+"""Start-up probe of the step-cost model: time real drafter and target-verify steps on empty contexts.
 
 Runs once when the worker is built (before any request holds KV): ``bs`` drafter blocks (plus the pops of
-the largest budget) for the drafter table, tree-verify forwards over ``bs`` requests holding ``extra`` nodes
-in all (causal chains under their roots) for the tree tables, and plain decode
-forwards over ``bs`` one-token requests (target layers captured, as the worker's plain step, whose drafter
-context writes are deferred and batched) for the plain table. Every slot and request row it takes is returned.
+the largest budget) for the drafter table; tree-verify steps over ``bs`` requests holding ``extra`` nodes
+in all (chains under their roots: assembly, verify forward, greedy verification, a drafter-context write)
+for the tree tables; plain decode forwards over ``bs`` one-token requests (target layers captured, as the
+worker's plain step, whose drafter context writes are deferred and batched) for the plain table. Every
+slot and request row it takes is returned.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from model_executor.forward_batch import ForwardMode, build_forward_batch
-from speculative.ddtree import pop_nodes
+from model_executor.sampler import BatchSamplingInfo
+from model_executor.sampling_params import SamplingParams
+from speculative.ddtree import PoppedNodes, assemble_tree, pop_nodes
 from speculative.step_cost import StepCostModel
+from speculative.verify import verify_tree
+
+GREEDY = SamplingParams(temperature=0.0)
 
 if TYPE_CHECKING:
     from speculative.spec_worker import SpecWorker
@@ -56,44 +62,48 @@ def _time_draft(worker: SpecWorker, bs: int) -> float | None:
             r.slots.free_row(i)
 
 
+def _chain_pops(bs: int, extra: int, depth_limit: int) -> PoppedNodes:
+    """``extra`` nodes spread evenly over ``bs`` requests, each request's nodes in chains of at most
+    ``depth_limit`` under its root (the depths a real tree can reach)."""
+    counts = np.array([extra // bs + (i < extra % bs) for i in range(bs)], dtype=np.int64)  # [bs]
+    width = int(counts.max(initial=0))
+    j = np.arange(width)  # [B] pop index
+    depths = np.broadcast_to(1 + j % depth_limit, (bs, width)).copy()  # [bs, B]
+    parents = np.broadcast_to(np.where(j % depth_limit == 0, 0, j), (bs, width)).copy()  # [bs, B] slot j = pop j-1
+    used = j[None, :] < counts[:, None]  # [bs, B]
+    return PoppedNodes(tokens=np.zeros((bs, width), dtype=np.int64), parents=np.where(used, parents, -1),
+                       depths=np.where(used, depths, 0), logws=np.where(used, 0.0, -np.inf), counts=counts)
+
+
 @torch.inference_mode()
 def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
-    """A tree-verify step over ``bs`` requests holding ``extra`` nodes in all (spread evenly, each request a
-    causal chain under its root), logits of every token included."""
+    """A tree-verify step over ``bs`` requests holding ``extra`` nodes in all (spread evenly, chains under
+    each root): the tree's assembly, the ragged verify forward with its logits, greedy verification and the
+    drafter-context write of one kept token per request, as ``SpecWorker.decode`` runs them."""
     r = worker.runner
-    lens = [1 + extra // bs + (i < extra % bs) for i in range(bs)]  # [bs] root + nodes
-    n, d = sum(lens), max(lens)
-    if r.slots.num_free < n:
+    if r.slots.num_free < bs + extra:
         return None
     rows = _rows(worker, bs)
     if rows is None:
         return None
     idx = torch.tensor(rows, device=r.device)  # [bs]
-    zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
-    slots = r.slots.place(idx, zeros, torch.tensor(lens))  # [n]
+    zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs] tokens and positions
+    popped = _chain_pops(bs, extra, worker.depth_limit)
+    slots = None
     try:
-        pos = torch.cat([torch.arange(k) for k in lens]).to(r.device)  # [n]
-        mask = torch.ones(d, d, dtype=torch.bool, device=r.device).tril().expand(bs, d, d).contiguous()  # [bs, d, d]
-        fb = build_forward_batch(
-            ForwardMode.TARGET_VERIFY,
-            torch.zeros(n, dtype=torch.int64, device=r.device),
-            pos,
-            slots,
-            r.slots.table,
-            idx,
-            zeros,
-            torch.tensor(lens),
-            tree_mask=mask,
-            capture_layer_ids=worker.capture_layer_ids,
-        )
         _sync(r.device)
         t = time.perf_counter()
-        out = r.forward(fb)
-        r.logits(out.hidden)
-        _sync(r.device)  # CUDA runs asynchronously: wait for the forward before reading the clock
+        tree = assemble_tree(popped, torch.from_numpy(popped.counts), zeros, zeros, r.device)
+        logits, captured, slots = worker._verify_forward(tree, idx, zeros)  # [bs, D, V], [bs*D, F], [bs, D]
+        info = BatchSamplingInfo.build([GREEDY] * bs, logits.shape[-1], r.device)
+        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy, [None] * bs)
+        res.accept_length.tolist()  # the commit's host copy: synchronises
+        d = slots.shape[1]
+        worker._write_context(captured[torch.arange(bs, device=r.device) * d], zeros, slots[:, 0])
         return time.perf_counter() - t
     finally:
-        r.slots.free(slots)
+        if slots is not None:
+            r.slots.free(slots[slots >= 0])
         for i in rows:
             r.slots.free_row(i)
 

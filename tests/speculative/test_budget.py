@@ -58,15 +58,17 @@ def test_calibrator_ratio_per_depth_and_mode():
     tree = assemble_tree(popped, torch.tensor([3]), torch.tensor([7]), torch.tensor([10]), "cpu")
     cal = AcceptanceCalibrator(max_depth=3, prior=1.0, decay=1.0)
     cal.observe(tree, np.array([1]), np.array([False]))
-    r = cal.ratios()
+    r = cal.ratios()  # greedy: on the sampled mode's ratio (1: no evidence) ...
     assert r[0, 1] == pytest.approx(2 / 1.75) and r[0, 2] == pytest.approx(1 / 1.4) and r[0, 3] == 1.0
-    assert (r[1] == 1.0).all()  # sampled requests: untouched
+    assert r[1].tolist() == pytest.approx(r[0].tolist())  # ... which is the prior of the unseen sampled mode
     assert cal.predicted_total[0] == pytest.approx(1.15) and cal.observed_total[0] == 1
     # calibrated gains in pop order 0.5*r1, 0.4*r2, 0.25*r1, made non-increasing
     g = cal.gains(popped, np.array([False]))
     assert g[0].tolist() == pytest.approx([0.5 * 2 / 1.75, 0.4 / 1.4, 0.25 * 2 / 1.75])
-    cal.observe(tree, np.array([2]), np.array([True]))  # the sampled mode learns separately
-    assert cal.ratios()[1, 2] == pytest.approx(2 / 1.4) and cal.ratios()[0, 2] == pytest.approx(1 / 1.4)
+    cal.observe(tree, np.array([2]), np.array([True]))  # the sampled mode learns separately (depth 2: reached
+    # once of Q 0.4), on the greedy ratio 1 / 1.4 as its prior; greedy now on the sampled ratio 2 / 1.4
+    assert cal.ratios()[1, 2] == pytest.approx((1 + 1 / 1.4) / 1.4)
+    assert cal.ratios()[0, 2] == pytest.approx((0 + 2 / 1.4) / 1.4)
 
 
 class _FakeCost:
@@ -82,38 +84,45 @@ class _FakeCost:
 def test_controller_drafts_only_when_it_pays_and_explores():
     ctl = BudgetController(BudgetConfig(max_budget=3, explore_share=0.25), depth_limit=3, cost=_FakeCost())
     greedy = np.array([False])
-    assert ctl.plan_draft(greedy)  # no curve yet: draft
+    assert ctl.plan_draft(greedy) and ctl._exploring  # no curve yet: draft, as an exploration
     # one request, pops Q = 0.9, 0.8, 0.1 (prior ratios 1): widths 0..3 -> tokens 1..4, times 2.5, 3, 3.5, 4
     # expected 1, 1.9, 2.7, 2.8 -> rates 0.4, 0.633, 0.771, 0.7 -> budget 2
     popped = _popped([[np.log(0.9), np.log(0.8), np.log(0.1)]], [[1, 2, 3]], [[0, 1, 2]])
     assert ctl.choose(popped, greedy).tolist() == [2]
     assert ctl.curve[0].tolist() == pytest.approx([0.9, 0.8, 0.1])
+    # it emitted 3 tokens in 1 + 2 s where plain decoding takes 4.5 s: a loss of -1.5 s, banked
+    ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)
+    assert ctl.explore_balance == pytest.approx(1.5)
     # before drafting: plain step 1 token in 1.5 s (0.667/s) vs the curve's best 0.771/s -> draft
-    assert ctl.plan_draft(greedy)
-    ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)  # a planned draft: not an exploration,
-    # nor a step that repays one (only steps predicted plain do)
-    assert ctl.explore_debt == 0.0 and ctl.since_explore == 0.0
-    # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain
+    assert ctl.plan_draft(greedy) and not ctl._exploring
+    ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)  # a planned draft: no exploration,
+    assert ctl.explore_balance == pytest.approx(1.5)  # nor a step that pays for one (only plain-predicted do)
+    # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain, but the balance allows exploring
     ctl.curve[0], ctl._spec_rates = [0.3, 0.1, 0.0], {}
-    assert ctl.plan_draft(greedy)  # ... but no exploration has lost anything yet: explore
     poor = _popped([[np.log(0.1), np.log(0.05), -np.inf]], [[1, 2, 0]], [[0, 1, -1]])  # 1.1 / 3 < 1 / 2.5
-    assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration chose a plain step
-    # it took 1 s (drafter) + 1.5 s (plain step) for 1 token, plain decoding 1.5 s: lost 1 s. With a share of
-    # 0.25 the next exploration waits for 4 s of steps: three plain steps of 1.5 s
-    ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, 1.0, 1.5)
-    assert ctl.explore_debt == pytest.approx(1.0) and ctl.since_explore == 0.0
+    for balance in (0.5, -0.5):  # each takes 1 s (drafter) + 1.5 s (plain step) for 1 token: loses 1 s
+        assert ctl.plan_draft(greedy) and ctl._exploring
+        assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration chose a plain step
+        ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, 1.0, 1.5)
+        assert ctl.explore_balance == pytest.approx(balance)
+    # plain steps deposit 0.25 x 1.5 s each: the next exploration comes after two of them
     plans = []
-    for _ in range(4):
+    for _ in range(3):
         plans.append(ctl.plan_draft(greedy))
         if not plans[-1]:
             ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.5)
-    assert plans == [False, False, False, True]
-    # this exploration pays: 3 tokens in 1 + 2.5 s, where plain decoding takes 4.5 s: no debt, so the next
-    # step explores again (the curve, moved 10% towards these pops, still predicts a plain step)
+    assert plans == [False, False, True] and ctl.explore_balance == pytest.approx(0.25)
+    # the curve is a running mean over its first steps: [0.3, 0.1, 0] (set), then the two poor steps' pops at
+    # rates 1/2 and 1/3 -> [1/6, 1/15, 0]; this exploration's pops at rate 1/4 -> [0.35, 0.25, 0.025]
     assert ctl.choose(popped, greedy).tolist() == [2]
+    assert ctl.curve[0].tolist() == pytest.approx([0.35, 0.25, 0.025])
+    # it pays: 3 tokens in 1 + 2.5 s where plain decoding takes 4.5 s, so the next step explores again
     ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.5)
-    assert ctl.explore_debt == 0.0 and ctl.plan_draft(greedy) and ctl._exploring
-    assert ctl.stats()["budget_counts"] == {2: 2, 0: 4}
+    assert ctl.explore_balance == pytest.approx(1.25) and ctl.plan_draft(greedy) and ctl._exploring
+    # credit is capped at explore_credit (2) exploration step times: 11 tokens in 3.5 s banks 7 s, not 13
+    ctl.record(np.array([2]), None, np.array([10]), greedy, 1, 3, 1.0, 2.5)
+    assert ctl.explore_balance == pytest.approx(7.0)
+    assert ctl.stats()["budget_counts"] == {2: 4, 0: 4}
     # where drafting pays, every plain_refresh_every-th (64th) planned draft is a plain step instead
     ctl.curve[0], ctl._spec_rates = [0.9, 0.8, 0.1], {}
     ctl.drafts_since_plain = 0
@@ -123,7 +132,7 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.drafts_since_plain == 0
     # near break-even (plain 1 / 1.5 = 0.667/s, margin 5%: a draft must promise > 0.7/s): the curve 0.9, 0.6
     # gives 2.5 / 3.5 = 0.714/s at budget 2 -> draft; 0.9, 0.5 gives 2.4 / 3.5 = 0.686/s -> plain
-    ctl.explore_debt = 1e9  # (no exploration)
+    ctl.explore_balance = -1e9  # (no exploration)
     ctl.curve[0], ctl._spec_rates = [0.9, 0.6, 0.0], {}
     assert ctl.plan_draft(greedy) and not ctl._exploring
     ctl.curve[0], ctl._spec_rates = [0.9, 0.5, 0.0], {}
@@ -232,5 +241,5 @@ def test_pop_and_choose_pops_only_what_can_matter():
     popped, budgets = ctl.pop_and_choose(pop, greedy)
     assert asked == [2, 4] and budgets.tolist() == [2] and popped.counts.tolist() == [4]
     assert ctl.pop_width == 4
-    assert ctl.curve[0].tolist() == pytest.approx([0.9 * 0.9 + 0.1 * 0.9, 0.9 * 0.2 + 0.1 * 0.8, 0.1 * 0.1,
-                                                    0.1 * 0.05])  # EMA of the popped widths only
+    assert ctl.curve[0].tolist() == pytest.approx([0.9, (0.2 + 0.8) / 2, 0.1 / 2, 0.05 / 2])  # running mean
+    # of the popped widths (the first step's unpopped 3rd and 4th gains count as 0)
