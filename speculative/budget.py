@@ -139,15 +139,12 @@ class AcceptanceCalibrator:
         ratios = self.ratios()
         self.predicted_total += np.bincount(mode, (q * ratios[mode[:, None], depths]).sum(1), minlength=2)
         self.observed_total += np.bincount(mode, accept_length, minlength=2)
-        np.add.at(self.pred, (np.broadcast_to(mode[:, None], depths.shape), depths), q)
-        d = np.arange(1, self.pred.shape[1])  # [L]
-        offered = d[None, :] <= depths.max(axis=1, initial=0)[:, None]  # [bs, L]
-        reached = offered & (accept_length[:, None] >= d[None, :])  # [bs, L]
-        np.add.at(
-            self.obs,
-            (np.broadcast_to(mode[:, None], reached.shape), np.broadcast_to(d, reached.shape)),
-            reached.astype(np.float64),
-        )
+        width = self.pred.shape[1]
+        cells = (mode[:, None] * width + depths).reshape(-1)  # [bs*D] flat (mode, depth) of every slot
+        self.pred += np.bincount(cells, q.reshape(-1), minlength=2 * width).reshape(2, width)
+        # depth d is reached by the requests whose accepted path has at least d nodes (never past the tree)
+        hist = np.bincount(mode * width + accept_length.astype(np.int64), minlength=2 * width).reshape(2, width)  # [2, L+1]
+        self.obs[:, 1:] += hist[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
 
     def decay_only(self) -> None:
         self.pred *= self.decay
