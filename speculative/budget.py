@@ -29,7 +29,9 @@ it emitted (a negative loss, an exploration that paid, deposits), and a step exp
 not negative. So explorations lose at most ``explore_share`` of the time spent where speculation does not
 pay, and continue step after step where they pay on balance (one unlucky step among paying ones does not
 stop them); the balance holds at most ``explore_credit`` exploration step times, so credit earned where
-speculation paid cannot fund a long run of losing explorations elsewhere. Symmetrically, where drafting pays, one step in ``plain_refresh_every`` is a plain
+speculation paid cannot fund a long run of losing explorations elsewhere. There is one balance per batch-
+size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32 do not keep batch 1,
+where speculation may pay, from exploring. Symmetrically, where drafting pays, one step in ``plain_refresh_every`` is a plain
 step, so that the plain-step cost it is compared with stays measured (a start-up probe timed under load
 would otherwise keep it drafting where it loses). After drafting (``choose``) the drafter's cost is sunk and the budgets come from
 this step's own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
@@ -106,6 +108,11 @@ def choose_budgets(
     return np.bincount(order[:n] // width, minlength=bs), float(rate[n])
 
 
+def _band(bs: int) -> int:
+    """Batch-size band of the exploration balance: the nearest power of 4 (0: 1, 1: 4, 2: 16, ... 7)."""
+    return min(int(round(np.log(max(bs, 1)) / np.log(4))), 7)
+
+
 class AcceptanceCalibrator:
     """Per sampling mode and depth: ratio of observed to predicted acceptance, with a prior of ratio 1."""
 
@@ -113,12 +120,14 @@ class AcceptanceCalibrator:
         self.pred = np.zeros((2, max_depth + 1))  # [mode, depth] decayed sum of offered Q at depth d
         self.obs = np.zeros((2, max_depth + 1))  # [mode, depth] decayed count of reaching depth d
         self.prior, self.decay = prior, decay
+        self.pending_decay = 0  # steps whose decay is not applied yet (decay_only is on every plain step)
         self.predicted_total = np.zeros(2)  # [mode] calibrated expected accepted tokens of built trees
         self.observed_total = np.zeros(2)  # [mode] accepted tokens
 
     def ratios(self) -> np.ndarray:
         """[2, max_depth + 1] calibration factors (depth 0 unused): per mode, with the other mode's ratio (on a
         prior of 1) as its prior."""
+        self._settle()
         other = (self.obs[::-1] + self.prior) / (self.pred[::-1] + self.prior)  # [2, max_depth + 1]
         return (self.obs + self.prior * other) / (self.pred + self.prior)
 
@@ -131,8 +140,8 @@ class AcceptanceCalibrator:
 
     def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray) -> None:
         """Verification result of a built tree batch: per depth, the offered Q and whether it was reached."""
-        self.pred *= self.decay
-        self.obs *= self.decay
+        self.pending_decay += 1
+        self._settle()
         depths = tree.depths.cpu().numpy()  # [bs, D] (0: root / unused)
         q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * (depths > 0)  # [bs, D]
         mode = sampled.astype(np.int64)  # [bs]
@@ -147,8 +156,15 @@ class AcceptanceCalibrator:
         self.obs[:, 1:] += hist[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
 
     def decay_only(self) -> None:
-        self.pred *= self.decay
-        self.obs *= self.decay
+        """A step without a tree: only the decay (applied lazily, at the next read)."""
+        self.pending_decay += 1
+
+    def _settle(self) -> None:
+        if self.pending_decay:
+            f = self.decay ** self.pending_decay
+            self.pred *= f
+            self.obs *= f
+            self.pending_decay = 0
 
 
 class BudgetController:
@@ -161,7 +177,7 @@ class BudgetController:
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
         self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
-        self.explore_balance = 0.0  # seconds of exploration loss still allowed (module docstring)
+        self.explore_balance = np.zeros(8)  # [band] seconds of exploration loss still allowed (module docstring)
         self._exploring = False  # this step drafts only to explore
         self._planned_plain = False  # this step's prediction was a plain step
         self._spec_rates: dict[tuple[int, int], float] = {}  # plan_draft's predictions by (bs, sampled count)
@@ -187,12 +203,12 @@ class BudgetController:
             self.drafts_since_plain += 1  # a plain-step cost that is never measured could stay wrong forever
             return self.drafts_since_plain < self.config.plain_refresh_every
         self._planned_plain = True
-        self._exploring = self.explore_balance >= 0
+        self._exploring = bool(self.explore_balance[_band(bs)] >= 0)
         return self._exploring
 
     def _plain_rate(self, bs: int) -> float:
         """Predicted tokens per second of a plain decode step over ``bs`` requests."""
-        return bs / max(float(self.cost.step_time(bs, bs, drafted=False)), 1e-12)
+        return bs / max(self.cost.plain_time(bs), 1e-12)
 
     def choose(
         self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
@@ -292,10 +308,11 @@ class BudgetController:
         if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it emitted
             emitted = bs + float(np.sum(accept_length))
             loss = step_s - emitted / self._plain_rate(bs)
-            self.explore_balance = min(self.explore_balance - loss, self.config.explore_credit * step_s)
+            band = _band(bs)
+            self.explore_balance[band] = min(self.explore_balance[band] - loss, self.config.explore_credit * step_s)
             self._exploring = False
         elif self._planned_plain:  # explorations are paid for by the steps that predicted a plain step
-            self.explore_balance += self.config.explore_share * step_s
+            self.explore_balance[_band(bs)] += self.config.explore_share * step_s
         self.cost.observe(bs, total_tokens, draft_s, verify_s)
 
     def stats(self) -> dict:

@@ -23,6 +23,7 @@ rate ``lr``), so the model follows the machine's load and the requests' context 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 
 import numpy as np
@@ -45,6 +46,18 @@ class PiecewiseLinear:
             np.zeros_like(self.x) if values is None else np.asarray(values, dtype=np.float64).copy()
         )  # [G]
         self.evidence = np.ones_like(self.x)  # [G] observations behind each point (the probe counts as one)
+        self._xs = self.x.tolist()  # the grid as Python floats (scalar lookups, once per step)
+
+    def _bracket_scalar(self, x: float) -> tuple[int, float]:
+        """``_bracket`` for one query, without numpy (the per-step scalar path)."""
+        xs = self._xs
+        i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
+        return i, (x - xs[i]) / (xs[i + 1] - xs[i])
+
+    def at(self, x: float) -> float:
+        """``self(x)`` for one scalar query."""
+        i, w = self._bracket_scalar(float(x))
+        return max((1 - w) * float(self.y[i]) + w * float(self.y[i + 1]), 0.0)
 
     def _bracket(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Left grid index and the weight of the right point, per query (weights may leave [0, 1])."""
@@ -65,9 +78,9 @@ class PiecewiseLinear:
         scales the observation (a step between two tables); ``lr <= 0`` freezes the table."""
         if lr <= 0 or weight <= 0:
             return
-        i, w = self._bracket(np.asarray([x], dtype=np.float64))
-        i, w = int(i[0]), float(np.clip(w[0], 0.0, 1.0))
-        err = target - float(self(x))
+        err = target - self.at(x)
+        i, w = self._bracket_scalar(float(x))
+        w = min(max(w, 0.0), 1.0)
         for j, share in ((i, (1 - w) * weight), (i + 1, w * weight)):
             if share > 0:
                 self.evidence[j] += share
@@ -101,8 +114,12 @@ class StepCostModel:
         """Predicted seconds of a step over ``bs`` requests verifying ``total_tokens`` tokens (vectorised over
         total_tokens; ``total_tokens == bs``: a plain step)."""
         e = np.asarray(total_tokens, dtype=np.float64) - bs
-        t = float(self.plain(bs)) + np.where(e > 0, self.tree_time(bs, np.maximum(e, 1.0)), 0.0)
-        return t + (float(self.draft(bs)) if drafted else 0.0)
+        t = self.plain.at(bs) + np.where(e > 0, self.tree_time(bs, np.maximum(e, 1.0)), 0.0)
+        return t + (self.draft.at(bs) if drafted else 0.0)
+
+    def plain_time(self, bs: int) -> float:
+        """Predicted seconds of a plain decode step over ``bs`` requests (``step_time(bs, bs, False)``)."""
+        return self.plain.at(bs)
 
     def observe(self, bs: int, total_tokens: int, draft_s: float | None, verify_s: float) -> None:
         """One step's measured phase times (``draft_s`` None when the step did not draft; ``verify_s``: the
@@ -113,7 +130,7 @@ class StepCostModel:
         if e <= 0:
             self.plain.update(bs, verify_s, self.lr)
             return
-        target = verify_s - float(self.plain(bs))
+        target = verify_s - self.plain.at(bs)
         i, w = self._bs_weights(bs)
         self.tree[i].update(e, target, self.lr, 1 - w)
         self.tree[i + 1].update(e, target, self.lr, w)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from speculative.budget import AcceptanceCalibrator, BudgetConfig, BudgetController, choose_budgets
+from speculative.budget import AcceptanceCalibrator, BudgetConfig, BudgetController, _band, choose_budgets
 from speculative.ddtree import PoppedNodes, assemble_tree
 from speculative.step_cost import PiecewiseLinear, StepCostModel
 
@@ -77,6 +77,9 @@ class _FakeCost:
     def step_time(self, bs, total_tokens, drafted):
         return 1.0 + 0.5 * np.asarray(total_tokens, dtype=float) + (1.0 if drafted else 0.0)
 
+    def plain_time(self, bs):
+        return float(self.step_time(bs, bs, False))
+
     def observe(self, *args):
         pass
 
@@ -92,11 +95,11 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.curve[0].tolist() == pytest.approx([0.9, 0.8, 0.1])
     # it emitted 3 tokens in 1 + 2 s where plain decoding takes 4.5 s: a loss of -1.5 s, banked
     ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)
-    assert ctl.explore_balance == pytest.approx(1.5)
+    assert ctl.explore_balance[0] == pytest.approx(1.5)
     # before drafting: plain step 1 token in 1.5 s (0.667/s) vs the curve's best 0.771/s -> draft
     assert ctl.plan_draft(greedy) and not ctl._exploring
     ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)  # a planned draft: no exploration,
-    assert ctl.explore_balance == pytest.approx(1.5)  # nor a step that pays for one (only plain-predicted do)
+    assert ctl.explore_balance[0] == pytest.approx(1.5)  # nor a step that pays for one (only plain-predicted do)
     # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain, but the balance allows exploring
     ctl.curve[0], ctl._spec_rates = [0.3, 0.1, 0.0], {}
     poor = _popped([[np.log(0.1), np.log(0.05), -np.inf]], [[1, 2, 0]], [[0, 1, -1]])  # 1.1 / 3 < 1 / 2.5
@@ -104,24 +107,24 @@ def test_controller_drafts_only_when_it_pays_and_explores():
         assert ctl.plan_draft(greedy) and ctl._exploring
         assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration chose a plain step
         ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, 1.0, 1.5)
-        assert ctl.explore_balance == pytest.approx(balance)
+        assert ctl.explore_balance[0] == pytest.approx(balance)
     # plain steps deposit 0.25 x 1.5 s each: the next exploration comes after two of them
     plans = []
     for _ in range(3):
         plans.append(ctl.plan_draft(greedy))
         if not plans[-1]:
             ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.5)
-    assert plans == [False, False, True] and ctl.explore_balance == pytest.approx(0.25)
+    assert plans == [False, False, True] and ctl.explore_balance[0] == pytest.approx(0.25)
     # the curve is a running mean over its first steps: [0.3, 0.1, 0] (set), then the two poor steps' pops at
     # rates 1/2 and 1/3 -> [1/6, 1/15, 0]; this exploration's pops at rate 1/4 -> [0.35, 0.25, 0.025]
     assert ctl.choose(popped, greedy).tolist() == [2]
     assert ctl.curve[0].tolist() == pytest.approx([0.35, 0.25, 0.025])
     # it pays: 3 tokens in 1 + 2.5 s where plain decoding takes 4.5 s, so the next step explores again
     ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.5)
-    assert ctl.explore_balance == pytest.approx(1.25) and ctl.plan_draft(greedy) and ctl._exploring
+    assert ctl.explore_balance[0] == pytest.approx(1.25) and ctl.plan_draft(greedy) and ctl._exploring
     # credit is capped at explore_credit (2) exploration step times: 11 tokens in 3.5 s banks 7 s, not 13
     ctl.record(np.array([2]), None, np.array([10]), greedy, 1, 3, 1.0, 2.5)
-    assert ctl.explore_balance == pytest.approx(7.0)
+    assert ctl.explore_balance[0] == pytest.approx(7.0)
     assert ctl.stats()["budget_counts"] == {2: 4, 0: 4}
     # where drafting pays, every plain_refresh_every-th (64th) planned draft is a plain step instead
     ctl.curve[0], ctl._spec_rates = [0.9, 0.8, 0.1], {}
@@ -132,11 +135,24 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.drafts_since_plain == 0
     # near break-even (plain 1 / 1.5 = 0.667/s, margin 5%: a draft must promise > 0.7/s): the curve 0.9, 0.6
     # gives 2.5 / 3.5 = 0.714/s at budget 2 -> draft; 0.9, 0.5 gives 2.4 / 3.5 = 0.686/s -> plain
-    ctl.explore_balance = -1e9  # (no exploration)
+    ctl.explore_balance[:] = -1e9  # (no exploration)
     ctl.curve[0], ctl._spec_rates = [0.9, 0.6, 0.0], {}
     assert ctl.plan_draft(greedy) and not ctl._exploring
     ctl.curve[0], ctl._spec_rates = [0.9, 0.5, 0.0], {}
     assert not ctl.plan_draft(greedy)
+
+
+def test_exploration_balance_per_batch_size_band():
+    ctl = BudgetController(BudgetConfig(max_budget=3), depth_limit=3, cost=_FakeCost())
+    ctl.curve_steps[:] = 1  # a curve of zeros: every step predicts a plain step
+    sixteen, one = np.zeros(16, dtype=bool), np.zeros(1, dtype=bool)
+    assert ctl.plan_draft(sixteen) and ctl._exploring  # balance 0: explore
+    # 16 tokens in 1 + 9 s where plain decoding takes 9 s: a loss of 1 s in the batch-16 band
+    ctl.record(np.zeros(16, dtype=np.int64), None, np.zeros(16, dtype=np.int64), sixteen, 16, 16, 1.0, 9.0)
+    assert ctl.explore_balance.tolist() == pytest.approx([0, 0, -1, 0, 0, 0, 0, 0])
+    assert not ctl.plan_draft(sixteen)  # batch 16 waits for its band's deposits ...
+    assert ctl.plan_draft(one) and ctl._exploring  # ... batch 1 explores on its own balance
+    assert [_band(b) for b in (1, 2, 3, 4, 8, 16, 32, 64, 10**6)] == [0, 0, 1, 1, 2, 2, 2, 3, 7]
 
 
 def test_piecewise_linear_and_online_update():

@@ -63,7 +63,7 @@ def test_engine_plain_steps_defer_and_match_immediate_writes(tiny):
         spec.deferred.max_tokens = max_tokens
         _set_costs(e, 1.0)  # every step plain ...
         spec.controller.curve_steps[:] = 1  # ... a curve of zeros: no first draft to learn one ...
-        spec.controller.explore_balance = -float("inf")  # ... and no exploration: the drafter never runs
+        spec.controller.explore_balance[:] = -float("inf")  # ... and no exploration: the drafter never runs
         outputs.append([o.token_ids for o in e.generate(input_ids=prompts, sampling_params=params)])
         slots = torch.cat([s for _, _, s in spec.deferred.chunks]) if spec.deferred.chunks else torch.tensor([])
         reused.append(slots.numel() - slots.unique().numel())
