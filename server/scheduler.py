@@ -222,7 +222,7 @@ class Scheduler:
         budget = self.config.scheduler.chunked_prefill_size
         reqs, lens = [], []
         kv = self.kv
-        headroom = len(self.running) * self._spec_margin()
+        headroom = len(self.running) * (self.spec.min_step_tokens if self.spec is not None else 1)
         planned = 0
         while self.waiting and budget > 0 and len(self.running) + len(reqs) < self.config.scheduler.max_running_requests:
             req = self.waiting[0]
@@ -320,7 +320,7 @@ class Scheduler:
 
     def _run_spec_decode(self, batch: Batch) -> list[list[int]]:
         while True:
-            self._make_room(batch, self.spec.max_step_tokens)
+            self._make_room(batch, self.spec.min_step_tokens)
             try:
                 results = self.spec.decode(batch.reqs, self.eos_token_ids)
                 break

@@ -185,11 +185,14 @@ class BudgetController:
         self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
 
-    def plan_draft(self, sampled: np.ndarray) -> bool:
-        """Whether this step should run the drafter (False: a plain decode step)."""
+    def plan_draft(self, sampled: np.ndarray, fits: bool = True) -> bool:
+        """Whether this step should run the drafter (False: a plain decode step). ``fits``: whether the KV
+        slots a draft needs are free (if not, a plain step outside the regret accounting)."""
         bs = len(sampled)
         modes = np.unique(sampled.astype(np.int64))
         self._exploring = self._planned_plain = False
+        if not fits:
+            return False
         if not (self.curve_steps[modes] > 0).all():  # a mode's first draft: an exploration
             self._exploring = True
             return True

@@ -154,6 +154,13 @@ class SpecWorker:
         """KV slots one request may hold temporarily during a step."""
         return max(self.block_size, self.budget + 1)
 
+    @property
+    def min_step_tokens(self) -> int:
+        """KV slots per request a step needs free. Fixed budgets: ``max_step_tokens``. Auto: 1, a plain decode
+        step; it drafts only when the draft block fits and caps the trees at the slots that are free, so
+        speculation never takes KV (prefix cache, admissions) from plain decoding."""
+        return 1 if self.auto else self.max_step_tokens
+
     # ---------------------------------------------------------------- prefill hook
     @torch.inference_mode()
     def on_extend(self, fb: ForwardBatch, captured: torch.Tensor) -> None:
@@ -175,7 +182,8 @@ class SpecWorker:
     def decode(self, reqs: Sequence[SpecRequest], eos_ids: tuple[int, ...]) -> list[DecodeResult]:
         r = self.runner
         bs = len(reqs)
-        if r.slots.num_free < bs * self.max_step_tokens:
+        room = r.slots.num_free
+        if room < bs * self.min_step_tokens:
             raise OutOfKVSlots()
         t = self.timer
         t.start()
@@ -186,7 +194,13 @@ class SpecWorker:
         roots = torch.tensor([q.output_ids[-1] for q in reqs], device=dev)  # [bs]
         sampled = np.array([not q.params.is_greedy for q in reqs])  # [bs] bool
         ctl = self.controller  # auto budget; under TP rank 0 decides (timings differ per rank) and broadcasts
-        drafted = True if ctl is None else bool(r.tp.broadcast_object(ctl.plan_draft(sampled)))
+        cap = self.max_verify_tokens  # tree tokens, roots included: the verify workspace, and (auto) the free slots
+        if ctl is not None:
+            cap = room if cap is None else min(cap, room)
+            fits = room >= bs * self.block_size  # the draft block (freed before the verify forward)
+            drafted = bool(r.tp.broadcast_object(ctl.plan_draft(sampled, fits)))
+        else:
+            drafted = True
         grammars = [q.grammar for q in reqs]
         mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
         if drafted:
@@ -209,11 +223,10 @@ class SpecWorker:
                 return prune_popped(wide, grammars, widths)
 
             if ctl is not None:  # pops only as many nodes as can matter to its choice
-                popped, chosen = ctl.pop_and_choose(pop, sampled, self.max_verify_tokens, agree=r.tp.broadcast_object)
+                popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
                 budgets = torch.from_numpy(chosen)
             else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
                 popped = pop(self.budget)
-                cap = self.max_verify_tokens
                 budgets = full if cap is None else torch.full((bs,), step_budget(self.budget, bs, cap))
         else:
             popped, budgets = PoppedNodes.empty(bs), torch.zeros(bs, dtype=torch.int64)

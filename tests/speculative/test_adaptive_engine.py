@@ -143,7 +143,7 @@ def test_sampled_auto_matches_target_distribution(tiny):
     exact = _exact_joint(target, prompt, 1.0, -1, 1.0)  # [V, V]
     n = 3000
     e = _auto(target, drafter, max_running_requests=512)
-    _set_costs(e, 1e-6)  # a price at which it mixes plain steps and trees of many sizes (deterministic)
+    _set_costs(e, 5e-7)  # a price at which batch 512 mixes plain steps and trees of many sizes (deterministic)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
     assert sum(o.spec_accepted_tokens for o in outs) > n // 10, (
@@ -181,3 +181,29 @@ def test_accept_thresholds_reach_verification(tiny, caplog):
     acc_lossy = sum(o.spec_accepted_tokens for o in out) / sum(o.spec_verify_steps for o in out)
     assert acc_lossy > acc_exact + 0.5
     assert all(3 < o.mean_budget <= 4 for o in exact)  # 4 nodes, fewer only near max_tokens
+
+
+def test_auto_drafts_within_the_free_slots(tiny, caplog):
+    """Auto reserves no KV for speculation: in a pool too small for every request's largest tree (8 x 33
+    slots on top of up to 328 held), all requests run at once without retraction, the trees are capped at
+    the slots that are free (or the step is plain), and the output stays plain decoding's."""
+    target, drafter = tiny
+    prompts = _prompts(8, seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = Engine(target, dtype="float32", max_total_tokens=16384).generate(input_ids=prompts, sampling_params=sp)
+    e = Engine(target, dtype="float32", max_total_tokens=400, speculative_algorithm="ddtree",
+               draft_model_path=drafter, ddtree_budget="auto", ddtree_max_budget=32, disable_radix_cache=True)
+    spec = e.scheduler.spec
+    assert spec.min_step_tokens == 1 and spec.max_step_tokens == 33
+    _set_costs(e, 0.0)  # tree tokens are free: every step wants the largest trees
+    room = []
+    decode = spec.decode
+    spec.decode = lambda reqs, eos: (room.append((len(reqs), e.scheduler.runner.slots.num_free)), decode(reqs, eos))[1]
+    with caplog.at_level("INFO", logger="server.scheduler"):
+        got = e.generate(input_ids=prompts, sampling_params=sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert "retracted" not in caplog.text
+    assert max(bs for bs, _ in room) == 8 and min(free for _, free in room) < 8 * 33  # a fixed 32 would not fit
+    counts = spec.controller.stats()["budget_counts"]
+    assert max(counts) > 0  # it drafted where the slots allowed
+    _assert_pool_full(e)
