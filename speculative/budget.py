@@ -46,6 +46,7 @@ the one full pops would give.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,8 @@ class BudgetConfig:
     min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
     explore_share: float = 0.01  # explorations lose at most this share of run time (module docstring)
     explore_credit: float = 2.0  # the exploration balance holds at most this many exploration step times
+    explore_power: float = 4.0  # deposits scale with (predicted speculative / plain rate) ** this (docstring)
+    replan_every: int = 16  # plain steps between re-predictions of the speculative rate (calibration drifts)
     plain_refresh_every: int = 64  # where drafting pays, one plain step per this many to keep plain(bs) measured
     deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
     probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
@@ -110,7 +113,7 @@ def choose_budgets(
 
 def _band(bs: int) -> int:
     """Batch-size band of the exploration balance: the nearest power of 4 (0: 1, 1: 4, 2: 16, ... 7)."""
-    return min(int(round(np.log(max(bs, 1)) / np.log(4))), 7)
+    return min(int(round(math.log(max(bs, 1), 4))), 7)
 
 
 class AcceptanceCalibrator:
@@ -138,15 +141,17 @@ class AcceptanceCalibrator:
         g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
         return np.minimum.accumulate(g, axis=1) if g.size else g
 
-    def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray) -> None:
-        """Verification result of a built tree batch: per depth, the offered Q and whether it was reached."""
+    def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray) -> float:
+        """Verification result of a built tree batch: per depth, the offered Q and whether it was reached.
+        Returns the accepted tokens the calibration predicted for it (summed over the batch)."""
         self.pending_decay += 1
         self._settle()
         depths = tree.depths.cpu().numpy()  # [bs, D] (0: root / unused)
         q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * (depths > 0)  # [bs, D]
         mode = sampled.astype(np.int64)  # [bs]
         ratios = self.ratios()
-        self.predicted_total += np.bincount(mode, (q * ratios[mode[:, None], depths]).sum(1), minlength=2)
+        predicted = (q * ratios[mode[:, None], depths]).sum(1)  # [bs]
+        self.predicted_total += np.bincount(mode, predicted, minlength=2)
         self.observed_total += np.bincount(mode, accept_length, minlength=2)
         width = self.pred.shape[1]
         cells = (mode[:, None] * width + depths).reshape(-1)  # [bs*D] flat (mode, depth) of every slot
@@ -154,6 +159,7 @@ class AcceptanceCalibrator:
         # depth d is reached by the requests whose accepted path has at least d nodes (never past the tree)
         hist = np.bincount(mode * width + accept_length.astype(np.int64), minlength=2 * width).reshape(2, width)  # [2, L+1]
         self.obs[:, 1:] += hist[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
+        return float(predicted.sum())
 
     def decay_only(self) -> None:
         """A step without a tree: only the decay (applied lazily, at the next read)."""
@@ -177,10 +183,13 @@ class BudgetController:
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
         self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
+        self.curve_mass = np.zeros((2, 2, depth_limit + 1))  # [mode, raw/calibrated, depth] mean Q per step
         self.explore_balance = np.zeros(8)  # [band] seconds of exploration loss still allowed (module docstring)
         self._exploring = False  # this step drafts only to explore
         self._planned_plain = False  # this step's prediction was a plain step
         self._spec_rates: dict[tuple[int, int], float] = {}  # plan_draft's predictions by (bs, sampled count)
+        self._plans_since_learn = 0  # plan_draft calls since _spec_rates was cleared (replan_every)
+        self._rho = 1.0  # this step's predicted speculative / plain rate (scales the deposit)
         self.drafts_since_plain = 0  # planned drafts since the last plain step (plain_refresh_every)
         self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
@@ -197,17 +206,31 @@ class BudgetController:
             self._exploring = True
             return True
         key = (bs, int(sampled.sum()))
+        self._plans_since_learn += 1
+        if self._plans_since_learn > self.config.replan_every:  # the calibration decays meanwhile
+            self._spec_rates.clear()
+            self._plans_since_learn = 0
         if key not in self._spec_rates:  # unchanged while no step drafts (invalidated by record)
-            gains = self.curve[sampled.astype(np.int64)]  # [bs, B]
+            gains = (self.curve * self._curve_drift()[:, None])[sampled.astype(np.int64)]  # [bs, B]
             self._spec_rates[key] = choose_budgets(
                 gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
             )[1]
-        if self._spec_rates[key] > self._plain_rate(bs) * (1 + self.config.draft_margin):
+        plain = self._plain_rate(bs)
+        self._rho = min(self._spec_rates[key] / plain, 1.0)
+        if self._spec_rates[key] > plain * (1 + self.config.draft_margin):
             self.drafts_since_plain += 1  # a plain-step cost that is never measured could stay wrong forever
             return self.drafts_since_plain < self.config.plain_refresh_every
         self._planned_plain = True
         self._exploring = bool(self.explore_balance[_band(bs)] >= 0)
         return self._exploring
+
+    def _curve_drift(self) -> np.ndarray:
+        """[mode] how the calibration moved since the curve was learned: the curve's mean Q mass per depth
+        under today's ratios over its mass under the ratios it was learned with (1 without a history)."""
+        raw, cal = self.curve_mass[:, 0], self.curve_mass[:, 1]  # [2, D+1] each
+        now = (raw * self.calib.ratios()).sum(1)  # [2]
+        then = cal.sum(1)  # [2]
+        return np.where(then > 0, now / np.maximum(then, 1e-12), 1.0)
 
     def _plain_rate(self, bs: int) -> float:
         """Predicted tokens per second of a plain decode step over ``bs`` requests."""
@@ -219,7 +242,7 @@ class BudgetController:
         """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
         gains = self.calib.gains(popped, sampled)  # [bs, B]
         budgets, rate = self._decide(gains, max_verify_tokens)
-        self._learn(gains, sampled)
+        self._learn(gains, popped, sampled)
         return budgets
 
     def pop_and_choose(
@@ -242,7 +265,7 @@ class BudgetController:
             gains = self.calib.gains(popped, sampled)  # [bs, B]
             budgets, rate = self._decide(gains, max_verify_tokens)
         budgets = np.asarray(agree(budgets))
-        self._learn(gains, sampled)
+        self._learn(gains, popped, sampled)
         self.pop_width = int(np.clip(2 * budgets.max(initial=0), self.config.min_pops, self.config.max_budget))
         return popped, budgets
 
@@ -272,16 +295,27 @@ class BudgetController:
             bound[1:][tokens[1:] > max_verify_tokens] = -np.inf
         return bool(bound.max() > rate * (1 + 1e-9))
 
-    def _learn(self, gains: np.ndarray, sampled: np.ndarray) -> None:
-        """The mean gain curve per mode over the popped width (a running mean, then an EMA)."""
+    def _learn(self, gains: np.ndarray, popped: PoppedNodes, sampled: np.ndarray) -> None:
+        """The mean gain curve per mode over the popped width (a running mean, then an EMA), and its Q mass
+        per depth, raw and calibrated (``_curve_drift``)."""
         self._spec_rates.clear()
+        self._plans_since_learn = 0
         w = min(gains.shape[1], self.config.max_budget)
+        mode = sampled.astype(np.int64)  # [bs]
+        ratios = self.calib.ratios()  # [2, D+1]
+        q = popped.path_probs()[:, :w]  # [bs, w]
+        depths = popped.depths[:, :w]  # [bs, w]
+        nd = self.curve_mass.shape[2]
         for m in (GREEDY, SAMPLED):
-            rows = gains[sampled.astype(np.int64) == m]
-            if len(rows):
+            sel = mode == m
+            n = int(sel.sum())
+            if n:
                 self.curve_steps[m] += 1
                 r = max(self.config.curve_rate, 1.0 / self.curve_steps[m])
-                self.curve[m, :w] = (1 - r) * self.curve[m, :w] + r * rows[:, :w].mean(0)
+                self.curve[m, :w] = (1 - r) * self.curve[m, :w] + r * gains[sel, :w].mean(0)
+                raw = np.bincount(depths[sel].reshape(-1), q[sel].reshape(-1), minlength=nd)[:nd] / n  # [D+1]
+                step = np.stack([raw, raw * ratios[m]])  # [2, D+1]
+                self.curve_mass[m] = (1 - r) * self.curve_mass[m] + r * step
 
     def record(
         self,
@@ -301,21 +335,24 @@ class BudgetController:
         else:
             self.chosen.update(budgets.tolist())
             self._spec_rates.clear()  # the curve and the draft / verify tables move
+        predicted = None  # calibrated expected accepted tokens of the verified trees
         if tree is not None and int(tree.num_nodes.max()) > 0:
-            self.calib.observe(tree, accept_length, sampled)
+            predicted = self.calib.observe(tree, accept_length, sampled)
         else:
             self.calib.decay_only()
         if total_tokens <= bs:
             self.drafts_since_plain = 0
         step_s = (draft_s or 0.0) + verify_s
-        if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it emitted
-            emitted = bs + float(np.sum(accept_length))
+        if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it is expected
+            # to emit (calibrated: one step's acceptance is a noisy sample of it; without a tree, what it emitted)
+            emitted = bs + (float(np.sum(accept_length)) if predicted is None else predicted)
             loss = step_s - emitted / self._plain_rate(bs)
             band = _band(bs)
             self.explore_balance[band] = min(self.explore_balance[band] - loss, self.config.explore_credit * step_s)
             self._exploring = False
         elif self._planned_plain:  # explorations are paid for by the steps that predicted a plain step
-            self.explore_balance[_band(bs)] += self.config.explore_share * step_s
+            weight = self._rho ** self.config.explore_power  # the farther from paying, the less explored
+            self.explore_balance[_band(bs)] += self.config.explore_share * weight * step_s
         self.cost.observe(bs, total_tokens, draft_s, verify_s)
 
     def stats(self) -> dict:

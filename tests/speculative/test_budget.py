@@ -85,7 +85,8 @@ class _FakeCost:
 
 
 def test_controller_drafts_only_when_it_pays_and_explores():
-    ctl = BudgetController(BudgetConfig(max_budget=3, explore_share=0.25), depth_limit=3, cost=_FakeCost())
+    cfg = BudgetConfig(max_budget=3, explore_share=0.25, explore_power=0.0)  # (deposits unweighted: see below)
+    ctl = BudgetController(cfg, depth_limit=3, cost=_FakeCost())
     greedy = np.array([False])
     assert ctl.plan_draft(greedy) and ctl._exploring  # no curve yet: draft, as an exploration
     # one request, pops Q = 0.9, 0.8, 0.1 (prior ratios 1): widths 0..3 -> tokens 1..4, times 2.5, 3, 3.5, 4
@@ -140,6 +141,48 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.plan_draft(greedy) and not ctl._exploring
     ctl.curve[0], ctl._spec_rates = [0.9, 0.5, 0.0], {}
     assert not ctl.plan_draft(greedy)
+
+
+def test_deposits_shrink_with_the_predicted_gap():
+    """A plain-predicted step deposits explore_share x rho ** explore_power of its time, rho the predicted
+    speculative rate over the plain rate: the farther speculation is from paying, the rarer explorations."""
+    ctl = BudgetController(BudgetConfig(max_budget=3, explore_share=0.25), depth_limit=3, cost=_FakeCost())
+    greedy = np.array([False])
+    ctl.curve_steps[:] = 1
+    ctl.explore_balance[:] = -10.0  # (no exploration)
+    for curve, rho in (([0.3, 0.1, 0.0], 1.3 / 3 / (1 / 1.5)), ([0.0, 0.0, 0.0], 1 / 2.5 / (1 / 1.5))):
+        ctl.curve[0], ctl._spec_rates = curve, {}
+        before = ctl.explore_balance[0]
+        assert not ctl.plan_draft(greedy) and ctl._rho == pytest.approx(rho)
+        ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.5)
+        assert ctl.explore_balance[0] - before == pytest.approx(0.25 * rho**4 * 1.5)
+
+
+def test_the_curve_follows_the_calibration():
+    """The pre-draft prediction rescales the learned curve by how the calibration of its depths moved since:
+    a depth-1 ratio halved by evidence halves a depth-1 curve."""
+    ctl = BudgetController(BudgetConfig(max_budget=2, prior=1.0, decay=1.0), depth_limit=2, cost=_FakeCost())
+    greedy = np.array([False])
+    popped = _popped([[np.log(0.8), np.log(0.4)]], [[1, 1]], [[0, 0]])  # two depth-1 pops
+    ctl.choose(popped, greedy)
+    assert ctl.curve[0].tolist() == pytest.approx([0.8, 0.4]) and ctl._curve_drift()[0] == pytest.approx(1.0)
+    # verification offered Q 1.2 at depth 1 and never reached it: ratio (0 + 1) / (1.2 + 1) = 1 / 2.2
+    ctl.calib.obs[0, 1], ctl.calib.pred[0, 1] = 0.0, 1.2
+    assert ctl._curve_drift()[0] == pytest.approx(1 / 2.2)
+
+
+def test_an_exploration_is_charged_its_expected_tokens():
+    """An exploration's loss counts the tokens its verified trees were expected to emit (calibrated), not the
+    one noisy sample verification drew: a tree of Q 0.9 + 0.8 that accepted nothing still banks credit."""
+    ctl = BudgetController(BudgetConfig(max_budget=3), depth_limit=3, cost=_FakeCost())
+    greedy = np.array([False])
+    assert ctl.plan_draft(greedy) and ctl._exploring
+    popped = _popped([[np.log(0.9), np.log(0.8), np.log(0.1)]], [[1, 2, 3]], [[0, 1, 2]])
+    budgets = ctl.choose(popped, greedy)
+    tree = assemble_tree(popped, torch.from_numpy(budgets), torch.tensor([3]), torch.tensor([7]), "cpu")
+    # prior ratios 1: 1 + 1.7 tokens expected in 1 + 2 s where plain decoding takes 1.5 s per token
+    ctl.record(budgets, tree, np.array([0]), greedy, 1, 3, 1.0, 2.0)
+    assert ctl.explore_balance[0] == pytest.approx(2.7 * 1.5 - 3.0)
 
 
 def test_exploration_balance_per_batch_size_band():
