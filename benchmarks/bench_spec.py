@@ -74,7 +74,9 @@ def build_engine(alg: str, budget: int | str, args) -> Engine:
                                    "ddtree_budget": budget or 1, "ddtree_max_budget": args.max_budget}
     engine = Engine("default", dtype=args.dtype, max_total_tokens=args.kv_tokens, **kw)
     ids = chat_ids(engine.tokenizer, CHAT_PROMPTS)
-    run(engine, ids[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    # warm-up, the same for every engine: one request of --max-tokens (first-call allocations; auto's
+    # controller learns its first acceptance curve and corrects the start-up probe's costs here)
+    run(engine, ids[:1], SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
     return engine
 
 

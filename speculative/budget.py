@@ -19,22 +19,28 @@ step-time model (``speculative.step_cost``) turns them into a rate; the argmax w
 
 A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
 decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode
-(a running mean over its first ``1 / curve_rate`` drafted steps, then an average of that rate), drafter
-forward included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain of a
-near break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve fresh
-(an exploration; a mode's first draft is one too), under a regret budget kept as a balance in seconds:
-every step that predicted a plain step and did not explore deposits ``explore_share`` of its time, every
-exploration withdraws its loss, its step time minus what plain decoding would have taken for the tokens
-it emitted (a negative loss, an exploration that paid, deposits), and a step explores when the balance is
-not negative. So explorations lose at most ``explore_share`` of the time spent where speculation does not
-pay, and continue step after step where they pay on balance (one unlucky step among paying ones does not
-stop them); the balance holds at most ``explore_credit`` exploration step times, so credit earned where
-speculation paid cannot fund a long run of losing explorations elsewhere. There is one balance per batch-
-size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32 do not keep batch 1,
-where speculation may pay, from exploring. Symmetrically, where drafting pays, one step in ``plain_refresh_every`` is a plain
-step, so that the plain-step cost it is compared with stays measured (a start-up probe timed under load
-would otherwise keep it drafting where it loses). After drafting (``choose``) the drafter's cost is sunk and the budgets come from
-this step's own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
+(a running mean over its first ``1 / curve_rate`` drafted steps, then an average of that rate; rescaled by
+how the calibration moved since; a mode without a curve yet borrows the other mode's), drafter forward
+included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain of a near
+break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve fresh (an
+exploration; the very first draft is one too), under a regret budget kept as a balance in seconds, saved
+before it is spent: every step that predicted a plain step and did not explore deposits ``explore_share``
+x rho ** ``explore_power`` of its time (rho: the predicted speculative rate over the plain rate, at most
+1, so the farther speculation is from paying, the slower the balance fills); a step explores only when the
+balance covers the exploration's predicted loss (the predicted speculative step's time beyond what plain
+decoding needs for its predicted tokens); every exploration withdraws its measured loss, its step time
+minus what plain decoding would take for the tokens its trees were expected to emit (calibrated; a
+negative loss, an exploration that paid, deposits). So explorations lose at most ``explore_share`` of the
+time spent where speculation does not pay, never before that time was spent (a new batch size does not
+start with an exploration), and continue step after step where they pay on balance (one unlucky step among
+paying ones does not stop them); the balance holds at most ``explore_credit`` exploration step times, so
+credit earned where speculation paid cannot fund a long run of losing explorations elsewhere. There is one
+balance per batch-size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32
+do not keep batch 1, where speculation may pay, from exploring. Symmetrically, where drafting pays, one
+step in ``plain_refresh_every`` is a plain step, so that the plain-step cost it is compared with stays
+measured (a start-up probe timed under load would otherwise keep it drafting where it loses). After
+drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
+tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
 
 Pops (``BudgetController.pop_and_choose``): popping costs host time per node, so a step pops only twice the
 largest budget the previous drafted step chose (at least ``min_pops``) and re-pops up to ``max_budget`` only
@@ -187,7 +193,7 @@ class BudgetController:
         self.explore_balance = np.zeros(8)  # [band] seconds of exploration loss still allowed (module docstring)
         self._exploring = False  # this step drafts only to explore
         self._planned_plain = False  # this step's prediction was a plain step
-        self._spec_rates: dict[tuple[int, int], float] = {}  # plan_draft's predictions by (bs, sampled count)
+        self._spec_rates: dict[tuple[int, int], tuple[float, float]] = {}  # plan_draft's (rate, seconds) by (bs, sampled)
         self._plans_since_learn = 0  # plan_draft calls since _spec_rates was cleared (replan_every)
         self._rho = 1.0  # this step's predicted speculative / plain rate (scales the deposit)
         self.drafts_since_plain = 0  # planned drafts since the last plain step (plain_refresh_every)
@@ -198,11 +204,10 @@ class BudgetController:
         """Whether this step should run the drafter (False: a plain decode step). ``fits``: whether the KV
         slots a draft needs are free (if not, a plain step outside the regret accounting)."""
         bs = len(sampled)
-        modes = np.unique(sampled.astype(np.int64))
         self._exploring = self._planned_plain = False
         if not fits:
             return False
-        if not (self.curve_steps[modes] > 0).all():  # a mode's first draft: an exploration
+        if not self.curve_steps.any():  # the very first draft: an exploration
             self._exploring = True
             return True
         key = (bs, int(sampled.sum()))
@@ -211,18 +216,28 @@ class BudgetController:
             self._spec_rates.clear()
             self._plans_since_learn = 0
         if key not in self._spec_rates:  # unchanged while no step drafts (invalidated by record)
-            gains = (self.curve * self._curve_drift()[:, None])[sampled.astype(np.int64)]  # [bs, B]
-            self._spec_rates[key] = choose_budgets(
-                gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded
-            )[1]
+            self._spec_rates[key] = self._predict(sampled)
+        rate, step_s = self._spec_rates[key]
         plain = self._plain_rate(bs)
-        self._rho = min(self._spec_rates[key] / plain, 1.0)
-        if self._spec_rates[key] > plain * (1 + self.config.draft_margin):
+        self._rho = min(rate / plain, 1.0)
+        if rate > plain * (1 + self.config.draft_margin):
             self.drafts_since_plain += 1  # a plain-step cost that is never measured could stay wrong forever
             return self.drafts_since_plain < self.config.plain_refresh_every
         self._planned_plain = True
-        self._exploring = bool(self.explore_balance[_band(bs)] >= 0)
+        loss = max(step_s * (1.0 - rate / plain), 0.0)  # predicted loss of drafting now (module docstring)
+        self._exploring = bool(self.explore_balance[_band(bs)] >= loss)
         return self._exploring
+
+    def _predict(self, sampled: np.ndarray) -> tuple[float, float]:
+        """The best speculative step's predicted rate and seconds, from the mean gain curves (rescaled by the
+        calibration's drift; a mode without a curve yet borrows the other mode's)."""
+        bs = len(sampled)
+        curves = self.curve * self._curve_drift()[:, None]  # [2, B]
+        curves = np.where((self.curve_steps > 0)[:, None], curves, curves[::-1])  # [2, B]
+        gains = curves[sampled.astype(np.int64)]  # [bs, B]
+        budgets, rate = choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded)
+        tokens = bs * (1 + int(budgets.max(initial=0))) if self.padded else bs + int(budgets.sum())
+        return rate, float(self.cost.step_time(bs, tokens, drafted=True))
 
     def _curve_drift(self) -> np.ndarray:
         """[mode] how the calibration moved since the curve was learned: the curve's mean Q mass per depth

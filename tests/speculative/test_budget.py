@@ -101,32 +101,33 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     assert ctl.plan_draft(greedy) and not ctl._exploring
     ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.0)  # a planned draft: no exploration,
     assert ctl.explore_balance[0] == pytest.approx(1.5)  # nor a step that pays for one (only plain-predicted do)
-    # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s -> plain, but the balance allows exploring
+    # a poor drafter: best speculative rate 1.3 / 3 = 0.433/s (budget 1, 3 s) against plain 0.667/s -> plain;
+    # an exploration is predicted to lose 3 s x (1 - 0.433 / 0.667) = 1.05 s, which the balance (1.5) covers
     ctl.curve[0], ctl._spec_rates = [0.3, 0.1, 0.0], {}
     poor = _popped([[np.log(0.1), np.log(0.05), -np.inf]], [[1, 2, 0]], [[0, 1, -1]])  # 1.1 / 3 < 1 / 2.5
-    for balance in (0.5, -0.5):  # each takes 1 s (drafter) + 1.5 s (plain step) for 1 token: loses 1 s
-        assert ctl.plan_draft(greedy) and ctl._exploring
-        assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration chose a plain step
-        ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, 1.0, 1.5)
-        assert ctl.explore_balance[0] == pytest.approx(balance)
-    # plain steps deposit 0.25 x 1.5 s each: the next exploration comes after two of them
+    assert ctl.plan_draft(greedy) and ctl._exploring
+    assert ctl.choose(poor, greedy).tolist() == [0]  # the exploration chose a plain step
+    ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, 1.0, 1.5)  # 1 token in 1 + 1.5 s: loses 1 s
+    assert ctl.explore_balance[0] == pytest.approx(0.5)
+    # 0.5 < 1.05: no exploration until plain steps deposit 0.25 x 1.5 s each (0.875, then 1.25)
     plans = []
     for _ in range(3):
         plans.append(ctl.plan_draft(greedy))
         if not plans[-1]:
             ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.5)
-    assert plans == [False, False, True] and ctl.explore_balance[0] == pytest.approx(0.25)
-    # the curve is a running mean over its first steps: [0.3, 0.1, 0] (set), then the two poor steps' pops at
-    # rates 1/2 and 1/3 -> [1/6, 1/15, 0]; this exploration's pops at rate 1/4 -> [0.35, 0.25, 0.025]
+    assert plans == [False, False, True] and ctl.explore_balance[0] == pytest.approx(1.25)
+    # the curve is a running mean over its first steps: [0.3, 0.1, 0] (set), then the poor step's pops at
+    # rate 1/2 -> [0.2, 0.075, 0]; this exploration's pops at rate 1/3 -> [0.4333, 0.3167, 0.0333]
     assert ctl.choose(popped, greedy).tolist() == [2]
-    assert ctl.curve[0].tolist() == pytest.approx([0.35, 0.25, 0.025])
-    # it pays: 3 tokens in 1 + 2.5 s where plain decoding takes 4.5 s, so the next step explores again
+    assert ctl.curve[0].tolist() == pytest.approx([0.3 + 0.4 / 3, 0.05 + 0.8 / 3, 0.1 / 3])
+    # it pays: 3 tokens in 1 + 2.5 s where plain decoding takes 4.5 s (balance 2.25); the curve now predicts
+    # 1.75 / 3.5 = 0.5/s (budget 2) -> plain, an exploration predicted to lose 3.5 x 0.25 s: it explores again
     ctl.record(np.array([2]), None, np.array([2]), greedy, 1, 3, 1.0, 2.5)
-    assert ctl.explore_balance[0] == pytest.approx(1.25) and ctl.plan_draft(greedy) and ctl._exploring
-    # credit is capped at explore_credit (2) exploration step times: 11 tokens in 3.5 s banks 7 s, not 13
+    assert ctl.explore_balance[0] == pytest.approx(2.25) and ctl.plan_draft(greedy) and ctl._exploring
+    # credit is capped at explore_credit (2) exploration step times: 11 tokens in 3.5 s banks 7 s, not 15.25
     ctl.record(np.array([2]), None, np.array([10]), greedy, 1, 3, 1.0, 2.5)
     assert ctl.explore_balance[0] == pytest.approx(7.0)
-    assert ctl.stats()["budget_counts"] == {2: 4, 0: 4}
+    assert ctl.stats()["budget_counts"] == {2: 4, 0: 3}
     # where drafting pays, every plain_refresh_every-th (64th) planned draft is a plain step instead
     ctl.curve[0], ctl._spec_rates = [0.9, 0.8, 0.1], {}
     ctl.drafts_since_plain = 0
@@ -186,16 +187,38 @@ def test_an_exploration_is_charged_its_expected_tokens():
 
 
 def test_exploration_balance_per_batch_size_band():
-    ctl = BudgetController(BudgetConfig(max_budget=3), depth_limit=3, cost=_FakeCost())
+    ctl = BudgetController(BudgetConfig(max_budget=3, explore_power=0.0), depth_limit=3, cost=_FakeCost())
     ctl.curve_steps[:] = 1  # a curve of zeros: every step predicts a plain step
     sixteen, one = np.zeros(16, dtype=bool), np.zeros(1, dtype=bool)
-    assert ctl.plan_draft(sixteen) and ctl._exploring  # balance 0: explore
+    # batch 16: a speculative step of roots alone takes 10 s for 16 tokens, plain decoding 9 s: an exploration
+    # is predicted to lose 1 s; batch 1: 2.5 s against 1.5 s, 1 s too. A new band starts with nothing saved.
+    assert not ctl.plan_draft(sixteen) and not ctl.plan_draft(one)
+    ctl.explore_balance[2] = 1.0
+    assert ctl.plan_draft(sixteen) and ctl._exploring  # its band's balance covers the predicted loss
     # 16 tokens in 1 + 9 s where plain decoding takes 9 s: a loss of 1 s in the batch-16 band
     ctl.record(np.zeros(16, dtype=np.int64), None, np.zeros(16, dtype=np.int64), sixteen, 16, 16, 1.0, 9.0)
-    assert ctl.explore_balance.tolist() == pytest.approx([0, 0, -1, 0, 0, 0, 0, 0])
+    assert ctl.explore_balance.tolist() == pytest.approx([0, 0, 0, 0, 0, 0, 0, 0])
     assert not ctl.plan_draft(sixteen)  # batch 16 waits for its band's deposits ...
+    ctl.record(np.zeros(16, dtype=np.int64), None, np.zeros(16, dtype=np.int64), sixteen, 16, 16, None, 9.0)
+    assert ctl.explore_balance.tolist() == pytest.approx([0, 0, 0.09, 0, 0, 0, 0, 0])  # 1% of 9 s
+    ctl.explore_balance[0] = 1.0
     assert ctl.plan_draft(one) and ctl._exploring  # ... batch 1 explores on its own balance
     assert [_band(b) for b in (1, 2, 3, 4, 8, 16, 32, 64, 10**6)] == [0, 0, 1, 1, 2, 2, 2, 3, 7]
+
+
+def test_a_mode_without_a_curve_borrows_the_other():
+    """Sampled requests arriving after greedy ones are predicted from the greedy curve (no exploration);
+    only the very first draft, with no curve at all, is one."""
+    ctl = BudgetController(BudgetConfig(max_budget=3), depth_limit=3, cost=_FakeCost())
+    greedy, sampled = np.array([False]), np.array([True])
+    assert ctl.plan_draft(sampled) and ctl._exploring
+    popped = _popped([[np.log(0.9), np.log(0.8), np.log(0.1)]], [[1, 2, 3]], [[0, 1, 2]])
+    ctl.choose(popped, greedy)  # a greedy curve [0.9, 0.8, 0.1]: 2.7 / 3.5 = 0.771/s beats 0.667/s plain
+    assert ctl.curve_steps.tolist() == [1, 0]
+    assert ctl.plan_draft(sampled) and not ctl._exploring and not ctl._planned_plain
+    assert ctl._spec_rates[(1, 1)] == pytest.approx((2.7 / 3.5, 3.5))
+
+
 
 
 def test_piecewise_linear_and_online_update():
