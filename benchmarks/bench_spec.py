@@ -2,16 +2,21 @@
 adaptive budget ("auto", issue 15), optionally dflash (chain), at several batch sizes, greedy and T=1, all in
 one run, with INTERLEAVED repetitions: every configuration has its own engine, and each (batch size,
 temperature) cell runs the configurations in rounds, the order rotated every round, so that the machine's
-drift (2-3x between runs minutes apart on a shared CPU) hits all of them alike. The engines of none and
-auto live through the whole run; each fixed budget (and dflash) gets its engine in turn (memory), and
-runs ``--fixed-rounds`` rounds of (none, auto, it) per cell; then ``--rounds`` rounds of (none, auto). Per cell and
-configuration it reports the median tokens/s over the rounds and the median of the per-round ratios to
-none (paired: the same round), plus the budgets auto chose (mean, share of plain steps, most frequent) and
-a per-step time breakdown; then a summary of auto against none and against the best of {none, every fixed
-budget} (the issue's bar: >= 0.95x the best, never below none). Table + JSON.
+drift (2-3x between runs minutes apart on a shared CPU) hits all of them alike. The engines of none, of an
+A/A control (a second plain engine, ``none-aa``: its paired ratio to none measures the noise) and of auto
+live through the whole run; each fixed budget (and dflash) gets its engine in turn (memory), and runs
+``--fixed-rounds`` rounds of (none, none-aa, auto, it) per cell; then ``--rounds`` rounds of (none, none-aa,
+auto). A round serves at least ``--round-prompts`` requests (a smaller batch runs several calls, one after
+another), so a batch-1 round does not hang on one prompt's acceptance. Every engine is warmed up alike by
+one request of ``--max-tokens``. Per cell and configuration it
+reports the median tokens/s over the rounds and the median of the per-round ratios to none (paired: the same
+round), plus the budgets auto chose (mean, share of plain steps, most frequent) and a per-step time
+breakdown; then a summary of auto against none and against the best of {none, every fixed budget} (the
+issue's bar: >= 0.95x the best, never below none, the latter to the resolution ``tol`` that the A/A control
+gives). Table + JSON.
 
-    python benchmarks/bench_spec.py [--budgets 4,16,64] [--no-auto] [--dflash] [--batch-sizes 1,4,16,32]
-        [--temperatures 0,1] [--max-tokens 64] [--rounds 3] [--fixed-rounds N] [--threads 1]
+    python benchmarks/bench_spec.py [--budgets 4,16,64] [--no-auto] [--no-control] [--dflash] [--batch-sizes 1,4,16,32]
+        [--temperatures 0,1] [--max-tokens 64] [--round-prompts 4] [--rounds 3] [--fixed-rounds N] [--threads 1]
         [--out bench_out/spec.json]
 """
 
@@ -34,10 +39,12 @@ from benchmarks.common import CHAT_PROMPTS, chat_ids, machine, print_table, writ
 from server.engine import Engine, SamplingParams  # noqa: E402
 
 PHASES = ("draft", "build", "verify_forward", "verify", "commit", "plain")
+CONTROL = "none-aa"  # a second plain engine: its paired ratio to none is the measurement's noise floor
 
 
-def run(engine: Engine, ids: list[list[int]], params: SamplingParams) -> dict:
-    """One generate call: tokens/s, tau, per-step phase times (ms) and the budgets auto chose."""
+def run(engine: Engine, ids: list[list[int]], params: SamplingParams, bs: int | None = None) -> dict:
+    """Generate calls of ``bs`` requests each (default: one call) over ``ids``, one after another: tokens/s,
+    tau, per-step phase times (ms) and the budgets auto chose."""
     spec = engine.scheduler.spec
     ctl = spec.controller if spec is not None else None
     if spec is not None:
@@ -45,8 +52,9 @@ def run(engine: Engine, ids: list[list[int]], params: SamplingParams) -> dict:
         spec.timer.steps = 0
     if ctl is not None:
         ctl.chosen.clear()
+    bs = bs or len(ids)
     t = time.perf_counter()
-    outs = engine.generate(input_ids=ids, sampling_params=params)
+    outs = [o for i in range(0, len(ids), bs) for o in engine.generate(input_ids=ids[i:i + bs], sampling_params=params)]
     wall = time.perf_counter() - t
     gen = sum(len(o.token_ids) for o in outs)
     row: dict = {"tok_s": gen / wall, "generated": gen, "wall_s": wall}
@@ -64,7 +72,8 @@ def run(engine: Engine, ids: list[list[int]], params: SamplingParams) -> dict:
 
 def configs_from(args) -> list[tuple[str, str, int | str]]:
     """(label, algorithm, budget) of every configuration; none first."""
-    out = [("none", "none", 0)] + ([("dflash", "dflash", 0)] if args.dflash else [])
+    out = [("none", "none", 0)] + ([(CONTROL, "none", 0)] if args.control else [])
+    out += [("dflash", "dflash", 0)] if args.dflash else []
     out += [(f"ddtree@{b}", "ddtree", int(b)) for b in args.budgets.split(",") if b]
     return out + ([("auto", "ddtree", "auto")] if args.auto else [])
 
@@ -80,17 +89,17 @@ def build_engine(alg: str, budget: int | str, args) -> Engine:
     return engine
 
 
-def run_rounds(engines: dict, ids_of: Callable[[int], list[list[int]]], params, rounds: int, first_round: int,
-               rows: dict[str, list]) -> int:
+def run_rounds(engines: dict, ids_of: Callable[[int], list[list[int]]], params, bs: int, rounds: int,
+               first_round: int, rows: dict[str, list]) -> int:
     """``rounds`` interleaved rounds over every engine in ``engines``, the order rotated each round, all of a
-    round on the prompts ``ids_of(round)``; the rows (tagged with a global round id, so that ratios pair rows
-    of the same round) go to ``rows``. Returns the next round id."""
+    round on the prompts ``ids_of(round)`` in calls of ``bs`` requests; the rows (tagged with a global round
+    id, so that ratios pair rows of the same round) go to ``rows``. Returns the next round id."""
     labels = list(engines)
     for k in range(rounds):
         rid = first_round + k
         ids = ids_of(rid)
         for lab in labels[rid % len(labels):] + labels[:rid % len(labels)]:
-            row = run(engines[lab], ids, params)
+            row = run(engines[lab], ids, params, bs)
             row["round"] = rid
             rows.setdefault(lab, []).append(row)
     return first_round + rounds
@@ -123,19 +132,30 @@ def summarise_cell(rows: dict[str, list], bs: int, temp: float) -> list[dict]:
 
 def auto_summary(summary: list[dict], rows_by_cell: dict) -> list[dict]:
     """Per cell: auto against none and against the best non-auto configuration (by median tokens/s), both as
-    the median of per-round ratios (paired rounds)."""
+    the median of per-round ratios (paired rounds). With the A/A control (a second plain engine), ``aa`` is
+    its median ratio to none and ``tol`` twice the standard error of a median of that many paired ratios
+    (1.2533 x their standard deviation / sqrt(rounds)): the resolution of "never below none" in this run.
+    ``ok``: vs_best >= 0.95 and vs_none >= 1 - tol (without a control, tol = 0)."""
     out = []
     for (bs, temp), rows in rows_by_cell.items():
         if "auto" not in rows:
             continue
-        cell = [s for s in summary if (s["batch"], s["temperature"]) == (bs, temp) and s["config"] != "auto"]
+        cell = [s for s in summary
+                if (s["batch"], s["temperature"]) == (bs, temp) and s["config"] not in ("auto", CONTROL)]
         best = max(cell, key=lambda s: s["tok_s"])
         by_round = {r["round"]: r["tok_s"] for r in rows[best["config"]]}
         vs_best = statistics.median(r["tok_s"] / by_round[r["round"]] for r in rows["auto"] if r["round"] in by_round)
         auto = next(s for s in summary if (s["batch"], s["temperature"], s["config"]) == (bs, temp, "auto"))
-        out.append({"batch": bs, "temperature": temp, "auto_tok_s": auto["tok_s"], "best": best["config"],
-                    "best_tok_s": best["tok_s"], "vs_best": vs_best, "vs_none": auto["vs_none"],
-                    "plain_share": auto.get("plain_share"), "ok": vs_best >= 0.95 and auto["vs_none"] >= 1.0})
+        row = {"batch": bs, "temperature": temp, "auto_tok_s": auto["tok_s"], "best": best["config"],
+               "best_tok_s": best["tok_s"], "vs_best": vs_best, "vs_none": auto["vs_none"],
+               "plain_share": auto.get("plain_share"), "tol": 0.0}
+        if CONTROL in rows:
+            none_by_round = {r["round"]: r["tok_s"] for r in rows["none"]}
+            aa = [r["tok_s"] / none_by_round[r["round"]] for r in rows[CONTROL]]
+            row["aa"] = statistics.median(aa)
+            row["tol"] = 2 * 1.2533 * statistics.stdev(aa) / len(aa) ** 0.5 if len(aa) > 1 else 0.0
+        row["ok"] = vs_best >= 0.95 and auto["vs_none"] >= 1.0 - row["tol"]
+        out.append(row)
     return out
 
 
@@ -143,11 +163,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", default="4,16,64", help="fixed DDTree budgets ('' for none)")
     ap.add_argument("--no-auto", dest="auto", action="store_false", help="skip the adaptive budget")
+    ap.add_argument("--no-control", dest="control", action="store_false",
+                    help="skip the A/A control (a second plain engine next to none: the noise floor)")
     ap.add_argument("--max-budget", type=int, default=64, help="upper bound of the auto budget")
     ap.add_argument("--dflash", action="store_true", help="also run dflash (chain)")
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--round-prompts", type=int, default=4,
+                    help="requests per round at least (a batch smaller than this runs several calls per round)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of none and auto per cell, after the fixed ones")
     ap.add_argument("--fixed-rounds", type=int, default=None,
                     help="rounds per cell of each fixed budget / dflash next to none and auto (default --rounds)")
@@ -165,7 +189,7 @@ def main() -> None:
     print(f"[bench] {mach}", flush=True)
     t0 = time.perf_counter()
     configs = configs_from(args)
-    base = {lab: build_engine(alg, budget, args) for lab, alg, budget in configs if lab in ("none", "auto")}
+    base = {lab: build_engine(alg, budget, args) for lab, alg, budget in configs if lab in ("none", CONTROL, "auto")}
     ids_all = chat_ids(base["none"].tokenizer, CHAT_PROMPTS)
     cells = [(int(b), float(t)) for b in args.batch_sizes.split(",") for t in args.temperatures.split(",")]
     rows_by_cell: dict = {c: {} for c in cells}
@@ -173,13 +197,14 @@ def main() -> None:
 
     def phase(engines: dict, rounds: int) -> None:
         for bs, temp in cells:
-            def ids_of(rid: int, bs: int = bs) -> list[list[int]]:  # round k starts at prompt k: a batch smaller
-                rot = ids_all[rid % len(ids_all):] + ids_all[:rid % len(ids_all)]  # than the prompt set sees
-                return (rot * ((bs + len(rot) - 1) // len(rot)))[:bs]  # several of them over the rounds
+            def ids_of(rid: int, bs: int = bs) -> list[list[int]]:  # round k starts at prompt k, and serves
+                n = max(bs, args.round_prompts)  # at least --round-prompts of them (small batches: several calls)
+                rot = ids_all[rid % len(ids_all):] + ids_all[:rid % len(ids_all)]
+                return (rot * ((n + len(rot) - 1) // len(rot)))[:n]
 
             params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
             print(f"[bench] {'/'.join(engines)} batch={bs} T={temp}: {rounds} rounds", flush=True)
-            next_round[(bs, temp)] = run_rounds(engines, ids_of, params, rounds, next_round[(bs, temp)],
+            next_round[(bs, temp)] = run_rounds(engines, ids_of, params, bs, rounds, next_round[(bs, temp)],
                                                 rows_by_cell[(bs, temp)])
             last = {lab: rows_by_cell[(bs, temp)][lab][-1]["tok_s"] for lab in engines}
             print("[bench]   last round tok/s: " + "  ".join(f"{k} {v:.1f}" for k, v in last.items())
@@ -207,7 +232,7 @@ def main() -> None:
     if autos:
         print("\nauto vs none and vs the best of {none, fixed budgets} (medians of per-round ratios):")
         print_table(autos, ["batch", "temperature", "auto_tok_s", "best", "best_tok_s", "vs_best", "vs_none",
-                            "plain_share", "ok"])
+                            "aa", "tol", "plain_share", "ok"])
     print(f"[bench] {time.perf_counter() - t0:.0f} s")
     raw = {f"{bs},{temp}": rows for (bs, temp), rows in rows_by_cell.items()}
     write_json(args.out, {"machine": mach, "args": vars(args), "summary": summary, "auto_summary": autos,

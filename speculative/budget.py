@@ -201,8 +201,9 @@ class BudgetController:
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
 
     def plan_draft(self, sampled: np.ndarray, fits: bool = True) -> bool:
-        """Whether this step should run the drafter (False: a plain decode step). ``fits``: whether the KV
-        slots a draft needs are free (if not, a plain step outside the regret accounting)."""
+        """Whether this step should run the drafter (False: a plain decode step). ``fits``: whether a draft
+        can be of use (some request has room for a node) and the KV slots it needs are free (if not, a plain
+        step outside the regret accounting)."""
         bs = len(sampled)
         self._exploring = self._planned_plain = False
         if not fits:

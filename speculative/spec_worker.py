@@ -195,12 +195,14 @@ class SpecWorker:
         sampled = np.array([not q.params.is_greedy for q in reqs])  # [bs] bool
         ctl = self.controller  # auto budget; under TP rank 0 decides (timings differ per rank) and broadcasts
         cap = self.max_verify_tokens  # tree tokens, roots included: the verify workspace, and (auto) the free slots
+        # a request with one token left can take no tree node: where none can, the drafter would run for nothing
+        useful = any(q.remaining_tokens > 1 for q in reqs)
         if ctl is not None:
             cap = room if cap is None else min(cap, room)
-            fits = room >= bs * self.block_size  # the draft block (freed before the verify forward)
+            fits = useful and room >= bs * self.block_size  # the draft block (freed before the verify forward)
             drafted = bool(r.tp.broadcast_object(ctl.plan_draft(sampled, fits)))
         else:
-            drafted = True
+            drafted = useful
         grammars = [q.grammar for q in reqs]
         mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
         if drafted:
