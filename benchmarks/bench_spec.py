@@ -6,8 +6,8 @@ drift (2-3x between runs minutes apart on a shared CPU) hits all of them alike. 
 A/A control (a second plain engine, ``none-aa``: its paired ratio to none measures the noise) and of auto
 live through the whole run; each fixed budget (and dflash) gets its engine in turn (memory), and runs
 ``--fixed-rounds`` rounds of (none, none-aa, auto, it) per cell; then ``--rounds`` rounds of (none, none-aa,
-auto). A round serves at least ``--round-prompts`` requests (a smaller batch runs several calls, one after
-another), so a batch-1 round does not hang on one prompt's acceptance. Every engine is warmed up alike by
+auto). A round serves at least ``--round-prompts`` requests (a smaller batch runs several calls, every
+engine in turn call by call), so a batch-1 round does not hang on one prompt's acceptance. Every engine is warmed up alike by
 one request of ``--max-tokens``. Per cell and configuration it
 reports the median tokens/s over the rounds and the median of the per-round ratios to none (paired: the same
 round), plus the budgets auto chose (mean, share of plain steps, most frequent) and a per-step time
@@ -42,9 +42,8 @@ PHASES = ("draft", "build", "verify_forward", "verify", "commit", "plain")
 CONTROL = "none-aa"  # a second plain engine: its paired ratio to none is the measurement's noise floor
 
 
-def run(engine: Engine, ids: list[list[int]], params: SamplingParams, bs: int | None = None) -> dict:
-    """Generate calls of ``bs`` requests each (default: one call) over ``ids``, one after another: tokens/s,
-    tau, per-step phase times (ms) and the budgets auto chose."""
+def run(engine: Engine, ids: list[list[int]], params: SamplingParams) -> dict:
+    """One generate call: its raw counters (``merge`` sums those of several calls, ``finish`` reads them)."""
     spec = engine.scheduler.spec
     ctl = spec.controller if spec is not None else None
     if spec is not None:
@@ -52,21 +51,45 @@ def run(engine: Engine, ids: list[list[int]], params: SamplingParams, bs: int | 
         spec.timer.steps = 0
     if ctl is not None:
         ctl.chosen.clear()
-    bs = bs or len(ids)
     t = time.perf_counter()
-    outs = [o for i in range(0, len(ids), bs) for o in engine.generate(input_ids=ids[i:i + bs], sampling_params=params)]
-    wall = time.perf_counter() - t
-    gen = sum(len(o.token_ids) for o in outs)
-    row: dict = {"tok_s": gen / wall, "generated": gen, "wall_s": wall}
+    outs = engine.generate(input_ids=ids, sampling_params=params)
+    raw: dict = {"generated": sum(len(o.token_ids) for o in outs), "wall_s": time.perf_counter() - t}
     if spec is not None:
-        steps = sum(o.spec_verify_steps for o in outs)
-        row["tau"] = sum(len(o.token_ids) - 1 for o in outs) / max(steps, 1)  # first token comes from prefill
-        n = max(spec.timer.steps, 1)
-        row.update({f"{k}_ms": 1000 * v / n for k, v in spec.timer.totals.items()})
-        row["sched_ms"] = 1000 * max(wall - sum(spec.timer.totals.values()), 0.0) / n
-        row["mean_budget"] = sum(o.spec_budget_sum for o in outs) / max(steps, 1)
+        raw.update(spec_steps=sum(o.spec_verify_steps for o in outs),
+                   accepted=sum(len(o.token_ids) - 1 for o in outs),  # the first token comes from prefill
+                   budget_sum=sum(o.spec_budget_sum for o in outs), timer_steps=spec.timer.steps,
+                   phase_s=dict(spec.timer.totals))
     if ctl is not None:
-        row["budget_counts"] = dict(ctl.chosen)
+        raw["budget_counts"] = dict(ctl.chosen)
+    return raw
+
+
+def merge(a: dict | None, b: dict) -> dict:
+    """Raw counters of two calls, summed (dicts key by key)."""
+    if a is None:
+        return b
+    out = {}
+    for k in a.keys() | b.keys():
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) or isinstance(y, dict):
+            out[k] = dict(Counter(x or {}) + Counter(y or {}))
+        else:
+            out[k] = (x or 0) + (y or 0)
+    return out
+
+
+def finish(raw: dict) -> dict:
+    """A row from raw counters: tokens/s, tau, per-step phase times (ms) and the budgets auto chose."""
+    wall = raw["wall_s"]
+    row: dict = {"tok_s": raw["generated"] / wall, "generated": raw["generated"], "wall_s": wall}
+    if "spec_steps" in raw:
+        steps, n = max(raw["spec_steps"], 1), max(raw["timer_steps"], 1)
+        row["tau"] = raw["accepted"] / steps
+        row.update({f"{k}_ms": 1000 * v / n for k, v in raw["phase_s"].items()})
+        row["sched_ms"] = 1000 * max(wall - sum(raw["phase_s"].values()), 0.0) / n
+        row["mean_budget"] = raw["budget_sum"] / steps
+    if "budget_counts" in raw:
+        row["budget_counts"] = raw["budget_counts"]
     return row
 
 
@@ -91,17 +114,21 @@ def build_engine(alg: str, budget: int | str, args) -> Engine:
 
 def run_rounds(engines: dict, ids_of: Callable[[int], list[list[int]]], params, bs: int, rounds: int,
                first_round: int, rows: dict[str, list]) -> int:
-    """``rounds`` interleaved rounds over every engine in ``engines``, the order rotated each round, all of a
-    round on the prompts ``ids_of(round)`` in calls of ``bs`` requests; the rows (tagged with a global round
-    id, so that ratios pair rows of the same round) go to ``rows``. Returns the next round id."""
+    """``rounds`` interleaved rounds over every engine in ``engines``, all of a round on the prompts
+    ``ids_of(round)`` in calls of ``bs`` requests, each call run by every engine in turn, the order rotated
+    every call (a batch smaller than the round interleaves request by request); the rows (tagged with a
+    global round id, so that ratios pair rows of the same round) go to ``rows``. Returns the next round id."""
     labels = list(engines)
     for k in range(rounds):
         rid = first_round + k
         ids = ids_of(rid)
-        for lab in labels[rid % len(labels):] + labels[:rid % len(labels)]:
-            row = run(engines[lab], ids, params, bs)
-            row["round"] = rid
-            rows.setdefault(lab, []).append(row)
+        raw: dict[str, dict | None] = dict.fromkeys(labels)
+        for j, i in enumerate(range(0, len(ids), bs)):
+            rot = (rid + j) % len(labels)
+            for lab in labels[rot:] + labels[:rot]:
+                raw[lab] = merge(raw[lab], run(engines[lab], ids[i:i + bs], params))
+        for lab in labels:
+            rows.setdefault(lab, []).append({**finish(raw[lab]), "round": rid})
     return first_round + rounds
 
 

@@ -21,7 +21,8 @@ A step is two decisions. Before drafting (``BudgetController.plan_draft``) the c
 decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode
 (a running mean over its first ``1 / curve_rate`` drafted steps, then an average of that rate; rescaled by
 how the calibration moved since; a mode without a curve yet borrows the other mode's), drafter forward
-included, and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain of a near
+included, scaled by what this band's drafted steps realized against such predictions
+(``speculative.rate_correction``), and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain of a near
 break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve fresh (an
 exploration; the very first draft is one too), under a regret budget kept as a balance in seconds, saved
 before it is spent: every step that predicted a plain step and did not explore deposits ``explore_share``
@@ -60,6 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from speculative.ddtree import DraftTree, PoppedNodes
+from speculative.rate_correction import RateCorrection
 from speculative.step_cost import StepCostModel
 
 GREEDY, SAMPLED = 0, 1
@@ -77,6 +79,8 @@ class BudgetConfig:
     explore_credit: float = 2.0  # the exploration balance holds at most this many exploration step times
     explore_power: float = 4.0  # deposits scale with (predicted speculative / plain rate) ** this (docstring)
     replan_every: int = 16  # plain steps between re-predictions of the speculative rate (calibration drifts)
+    correction_rate: float = 0.05  # forgetting rate of the realized / predicted rate sums (rate_correction.py)
+    correction_prior: float = 8.0  # drafted steps of evidence at which the correction counts half (in log)
     plain_refresh_every: int = 64  # where drafting pays, one plain step per this many to keep plain(bs) measured
     deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
     probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
@@ -196,6 +200,8 @@ class BudgetController:
         self._spec_rates: dict[tuple[int, int], tuple[float, float]] = {}  # plan_draft's (rate, seconds) by (bs, sampled)
         self._plans_since_learn = 0  # plan_draft calls since _spec_rates was cleared (replan_every)
         self._rho = 1.0  # this step's predicted speculative / plain rate (scales the deposit)
+        self.correction = RateCorrection(8, config.correction_rate, config.correction_prior)  # by band
+        self._plan: tuple[float, float] | None = None  # this step's uncorrected (rate, seconds) prediction
         self.drafts_since_plain = 0  # planned drafts since the last plain step (plain_refresh_every)
         self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
@@ -206,6 +212,7 @@ class BudgetController:
         step outside the regret accounting)."""
         bs = len(sampled)
         self._exploring = self._planned_plain = False
+        self._plan = None
         if not fits:
             return False
         if not self.curve_steps.any():  # the very first draft: an exploration
@@ -218,7 +225,9 @@ class BudgetController:
             self._plans_since_learn = 0
         if key not in self._spec_rates:  # unchanged while no step drafts (invalidated by record)
             self._spec_rates[key] = self._predict(sampled)
-        rate, step_s = self._spec_rates[key]
+        self._plan = self._spec_rates[key]
+        rate, step_s = self._plan
+        rate *= self.correction.factor(_band(bs))  # what drafted steps of this band realized (rate_correction.py)
         plain = self._plain_rate(bs)
         self._rho = min(rate / plain, 1.0)
         if rate > plain * (1 + self.config.draft_margin):
@@ -359,6 +368,9 @@ class BudgetController:
         if total_tokens <= bs:
             self.drafts_since_plain = 0
         step_s = (draft_s or 0.0) + verify_s
+        if draft_s is not None and self._plan is not None:  # a drafted step: realized against predicted
+            self.correction.observe(_band(bs), bs + float(np.sum(accept_length)), step_s, *self._plan)
+            self._plan = None
         if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it is expected
             # to emit (calibrated: one step's acceptance is a noisy sample of it; without a tree, what it emitted)
             emitted = bs + (float(np.sum(accept_length)) if predicted is None else predicted)

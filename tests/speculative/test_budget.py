@@ -85,7 +85,8 @@ class _FakeCost:
 
 
 def test_controller_drafts_only_when_it_pays_and_explores():
-    cfg = BudgetConfig(max_budget=3, explore_share=0.25, explore_power=0.0)  # (deposits unweighted: see below)
+    # (deposits unweighted: see below; no rate correction: test_rate_correction.py)
+    cfg = BudgetConfig(max_budget=3, explore_share=0.25, explore_power=0.0, correction_prior=1e12)
     ctl = BudgetController(cfg, depth_limit=3, cost=_FakeCost())
     greedy = np.array([False])
     assert ctl.plan_draft(greedy) and ctl._exploring  # no curve yet: draft, as an exploration
