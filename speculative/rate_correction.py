@@ -12,10 +12,13 @@ predictions in its band are scaled by
 
 each sum forgetting geometrically (``rate`` per drafted step of that band: a ratio of sums, not a mean of
 noisy per-step ratios), shrunk towards 1 while evidence is thin (``kappa ** (n / (n + prior_steps))``, n the
-band's drafted steps) and clipped to [1/4, 4]. Bands that never draft keep kappa = 1 until an exploration
-drafts there. Selection works both ways: where the drafted steps realize less than predicted, kappa < 1
-stops drafting; where they realize more (batch 1 on a CPU whose verify forward is nearly free), kappa > 1
-keeps drafting that a pessimistic prediction would have turned into plain steps.
+band's drafted steps), clipped to at most 4, and never below 1: the correction only ever argues for
+drafting. Only drafted steps produce its evidence, so a correction below 1 would stop the drafting that
+could undo it and keep a transient error (the first steps' trees priced by the start-up probe) for good;
+above 1 it is re-measured by every step it causes. Where the drafted steps realize more than predicted
+(batch 1 on a CPU whose verify forward is nearly free, steps that draft when their pops look good), it
+keeps drafting that a pessimistic prediction would have turned into plain steps; where they realize less,
+the cost tables, which every drafted step updates, are what stops the drafting.
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ class RateCorrection:
         self.rate, self.prior_steps = rate, prior_steps
 
     def factor(self, band: int) -> float:
-        """kappa of ``band`` (1 without evidence)."""
+        """kappa of ``band``, at least 1 (1 without evidence)."""
         real_t, real_s, pred_t, pred_s = self.sums[band].tolist()
         if real_s <= 0 or pred_t <= 0 or pred_s <= 0:
             return 1.0
-        kappa = min(max((real_t / real_s) / (pred_t / pred_s), 0.25), 4.0)
+        kappa = min(max((real_t / real_s) / (pred_t / pred_s), 1.0), 4.0)
         n = float(self.count[band])
         return float(kappa ** (n / (n + self.prior_steps)))
 

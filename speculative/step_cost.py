@@ -15,7 +15,7 @@ the same points, pricing small trees at large batch far too low (docs/BENCHMARKS
 
 Every table is piecewise linear over a geometric grid of its argument, extrapolated linearly past the
 last point. A start-up probe (``probe``) times real forwards: for bs = 1, 4, 16, ... while its time budget
-lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs and 16 bs nodes, each the minimum of
+lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs, 16 bs (and 64 bs up to 256) nodes, each the minimum of
 ``repeats`` timings. Then every step's measured phase times move the grid points around the observation
 (a running mean at first, so that real steps soon outweigh the probe's empty contexts, then an average of
 rate ``lr``), so the model follows the machine's load and the requests' context lengths.
@@ -147,7 +147,8 @@ class StepCostModel:
         """Fill the tables by timing real forwards: ``time_draft(bs)``, ``time_plain(bs)`` and
         ``time_verify(bs, e)`` (a whole tree-verify step: ``bs`` requests, ``e`` nodes spread over them) return
         seconds, or None when they cannot run here (too few KV slots or request rows). For bs = 1, 4, 16, ...
-        (at least two, more while ``budget_s`` lasts): the three timings, ``e`` in 1, bs, 4 bs, 16 bs (at most
+        (at least two, more while ``budget_s`` lasts): the three timings, ``e`` in 1, bs, 4 bs, 16 bs, 64 bs (up to 256:
+        large trees cost more than a straight line through small ones predicts; at most
         ``max_budget`` per request); ``tree`` gets verify - plain at that bs. Each point is the minimum of
         ``repeats`` timings (other jobs only add time). Grid points between are interpolated, points past the
         last measurement extrapolated from the last two; tree tables of batch sizes not reached copy the last
@@ -172,7 +173,7 @@ class StepCostModel:
             draft_pts.append((g, d))
             plain_pts.append((g, p))
             pts = []
-            for e in sorted({1, g, 4 * g, 16 * g}):
+            for e in sorted({1, g, 4 * g, 16 * g} | ({64 * g} if 64 * g <= 256 else set())):
                 v = best(time_verify, g, e) if e <= g * self.max_budget else None
                 if v is None:
                     break

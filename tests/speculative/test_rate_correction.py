@@ -22,9 +22,11 @@ def test_ratio_of_sums_shrunk_while_evidence_is_thin():
     c.observe(0, 8.0, 2.0, 2.0, 1.0)
     assert c.factor(0) == pytest.approx(((5 / 1.5) / 2) ** (3 / 5))
     assert c.factor(1) == 1.0  # bands apart
+    c.observe(1, 1.0, 1.0, 2.0, 1.0)  # realized half the prediction: no correction below 1 (only drafting
+    assert c.factor(1) == 1.0  # produces the evidence, so a factor below 1 could never be undone)
     for _ in range(50):  # far beyond the prior, clipped at 4
         c.observe(1, 100.0, 1.0, 1.0, 1.0)
-    assert c.factor(1) == pytest.approx(4.0 ** (50 / 52))
+    assert c.factor(1) == pytest.approx(4.0 ** (51 / 53))
 
 
 def test_controller_drafts_where_drafted_steps_realized_more_than_predicted():
