@@ -215,3 +215,21 @@ def test_logprobs_match_plain_decoding(tiny):
         assert o.token_ids == r.token_ids and len(o.logprobs) == len(r.logprobs) == 12
         for (lp, top), (rlp, rtop) in zip(o.logprobs, r.logprobs, strict=True):
             assert abs(lp - rlp) < 1e-3 and [t for t, _ in top] == [t for t, _ in rtop]
+
+
+def test_no_drafter_forward_for_a_last_token(tiny):
+    """A request with one token left can take no tree node: its step is a plain decode step, without the
+    drafter forward (max_tokens 2: the prefill emits the first token, one decode step the second)."""
+    target, drafter = tiny
+    prompts = _prompts(3, seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    ref = _engine(target, None).generate(input_ids=prompts, sampling_params=sp)
+    e = _engine(target, drafter, "ddtree", 4)
+    spec = e.scheduler.spec
+    got = e.generate(input_ids=prompts, sampling_params=sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert spec.timer.steps >= 1 and "plain" in spec.timer.totals and "draft" not in spec.timer.totals
+    spec.timer.totals.clear()
+    e.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert "draft" in spec.timer.totals  # two tokens left: the drafter runs
+    _assert_pool_full(e)
