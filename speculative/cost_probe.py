@@ -3,7 +3,7 @@
 Runs once when the worker is built (before any request holds KV): ``bs`` drafter blocks (plus the pops of
 the largest budget) for the drafter table; tree-verify steps over ``bs`` requests holding ``extra`` nodes
 in all (chains under their roots: assembly, verify forward, greedy verification, a drafter-context write)
-for the tree tables; plain decode forwards over ``bs`` one-token requests (target layers captured, as the
+for the verify tables; plain decode forwards over ``bs`` one-token requests (target layers captured, as the
 worker's plain step, whose drafter context writes are deferred and batched) for the plain table. Every
 slot and request row it takes is returned.
 """

@@ -3,7 +3,7 @@
 ``BudgetController.plan_draft`` predicts the rate of the best speculative step from the mean gain curve and
 the step-cost model. Each part is measured, yet the product can be off in ways neither sees: the curve is a
 mean over recent drafted steps while a step drafts when its requests' pops look good (the chosen trees
-accept more than the mean), the tree tables are fit to small differences of noisy step times, and a
+accept more than the mean), the verify tables are fit to noisy step times at other moments, and a
 budget chosen per step is not the curve's fixed allocation. So every drafted step compares what it realized
 (tokens emitted per second of draft + verify) with what ``plan_draft`` predicted for it, and later
 predictions in its band are scaled by

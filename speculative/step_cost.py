@@ -2,23 +2,34 @@
 
 A step over ``bs`` requests that verifies ``n`` tokens (roots included; ``e = n - bs`` tree nodes) costs
 
-    draft(bs) [when it drafts] + plain(bs) + tree(bs, e) [when e > 0]
+    draft(bs) [when it drafts] + plain(bs)       when e = 0 (every tree is its root alone)
+    draft(bs) [when it drafts] + verify(bs, e)   when e > 0
 
 ``draft``: the drafter forward over ``bs`` blocks and the pops. ``plain``: the plain decode step (causal
-decode forward + sampler) that the worker runs when every tree is its root alone. ``tree``: what a
-tree-verify step costs beyond that plain step (a forward over ``e`` more tokens under the tree mask,
-verification, commit). The same ``e`` costs differently split over 1 request or over 16 (per-request
-attention and masks, a larger forward), so ``tree`` is one table over ``e`` per batch-size grid point
-(1, 4, 16, ...), interpolated linearly in ``bs`` between them (the last table beyond). A single table over
-total tokens let batch-1 steps (16 nodes, cheap) and batch-16 steps (16 roots + a few nodes, dear) pull
-the same points, pricing small trees at large batch far too low (docs/BENCHMARKS.md).
+decode forward + sampler) that the worker runs when every tree is its root alone. ``verify``: the whole
+tree-verify step (a forward over ``bs + e`` tokens under the tree mask, verification, commit). The same
+``e`` costs differently split over 1 request or over 16 (per-request attention and masks, a larger
+forward), so ``verify`` is one table over ``e`` per batch-size grid point (1, 2, 4, ...), interpolated
+linearly in ``bs`` between them (the last table beyond). A single table over total tokens let batch-1
+steps (16 nodes, cheap) and batch-16 steps (16 roots + a few nodes, dear) pull the same points, pricing
+small trees at large batch far too low (docs/BENCHMARKS.md).
+
+Each table learns only from the steps it prices. An earlier model learned a tree table of ``verify -
+plain``, the measured verify step minus the plain table: while every step drafts, the plain table is
+measured one step in ``plain_refresh_every``, so a slowdown of the machine went into the tree table alone
+and, once a plain step measured it, was charged twice (docs/BENCHMARKS.md, session 8). Here a table not
+measured lately follows the relative changes of the table that is, at the same batch size, with a weight
+rising from 0 (measured at the previous step) to 1 over ``follow_steps`` unmeasured steps: a slowdown seen
+only by drafted steps raises the plain price too, one seen only by plain steps raises the drafted prices,
+and a table measured all along moves by its own measurements alone.
 
 Every table is piecewise linear over a geometric grid of its argument, extrapolated linearly past the
 last point. A start-up probe (``probe``) times real forwards: for bs = 1, 4, 16, ... while its time budget
-lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs, 16 bs (and 64 bs up to 256) nodes, each the minimum of
-``repeats`` timings. Then every step's measured phase times move the grid points around the observation
-(a running mean at first, so that real steps soon outweigh the probe's empty contexts, then an average of
-rate ``lr``), so the model follows the machine's load and the requests' context lengths.
+lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs, 16 bs (and 64 bs up to 256)
+nodes, each the minimum of ``repeats`` timings. Then every step's measured phase times move the grid
+points around the observation (a running mean at first, so that real steps soon outweigh the probe's
+empty contexts, then an average of rate ``lr``), so the model follows the machine's load and the
+requests' context lengths.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from bisect import bisect_right
 from collections.abc import Callable
 
 import numpy as np
+
+_PLAIN, _VERIFY, _DRAFT = 0, 1, 2  # step kinds of StepCostModel.seen
 
 
 def geometric_grid(limit: int, factor: int = 2) -> np.ndarray:
@@ -88,33 +101,43 @@ class PiecewiseLinear:
 
 
 class StepCostModel:
-    """Seconds per step as ``draft(bs) * drafted + plain(bs) + tree(bs, n - bs)`` (module docstring)."""
+    """Seconds per step: ``draft(bs) * drafted + plain(bs)`` without tree nodes, ``draft(bs) * drafted +
+    verify(bs, n - bs)`` with them (module docstring)."""
 
-    def __init__(self, max_batch: int, max_budget: int, lr: float = 0.2):
+    def __init__(self, max_batch: int, max_budget: int, lr: float = 0.2, follow_steps: int = 16):
         self.max_budget = max_budget  # nodes per request at most
         self.draft = PiecewiseLinear(geometric_grid(max_batch))
         self.plain = PiecewiseLinear(geometric_grid(max_batch))
-        self.tree_bs = geometric_grid(max_batch, 4)  # [G] batch sizes of the tree tables: 1, 4, 16, ...
-        self.tree = [PiecewiseLinear(geometric_grid(max_batch * max_budget)) for _ in self.tree_bs]
+        self.verify_bs = geometric_grid(max_batch)  # [G] batch sizes of the verify tables: 1, 2, 4, ...
+        self.verify = [PiecewiseLinear(geometric_grid(max_batch * max_budget)) for _ in self.verify_bs]
         self.lr = lr
+        self.follow_steps = follow_steps  # steps unobserved after which a table follows the others fully
+        self.steps = 0  # observations so far
+        self.seen = np.zeros((3, len(self.verify_bs)))  # [plain/verify/draft, G] step of the last observation
         self.probed = False
 
     def _bs_weights(self, bs: int) -> tuple[int, float]:
-        """Left tree table and the weight of the right one for ``bs`` (clipped: the last table beyond)."""
-        i = int(np.clip(np.searchsorted(self.tree_bs, bs, side="right") - 1, 0, len(self.tree_bs) - 2))
-        w = float(np.clip((bs - self.tree_bs[i]) / (self.tree_bs[i + 1] - self.tree_bs[i]), 0.0, 1.0))
+        """Left verify table and the weight of the right one for ``bs`` (clipped: the last table beyond)."""
+        g = self.verify_bs
+        i = int(np.clip(np.searchsorted(g, bs, side="right") - 1, 0, len(g) - 2))
+        w = float(np.clip((bs - g[i]) / (g[i + 1] - g[i]), 0.0, 1.0))
         return i, w
 
-    def tree_time(self, bs: int, extra: np.ndarray | float) -> np.ndarray:
-        """Seconds a tree-verify step over ``bs`` requests and ``extra`` nodes costs beyond a plain step."""
+    def verify_time(self, bs: int, extra: np.ndarray | float) -> np.ndarray:
+        """Seconds of a tree-verify step over ``bs`` requests holding ``extra`` (>= 1) nodes in all."""
         i, w = self._bs_weights(bs)
-        return (1 - w) * self.tree[i](extra) + w * self.tree[i + 1](extra)
+        return (1 - w) * self.verify[i](extra) + w * self.verify[i + 1](extra)
+
+    def tree_time(self, bs: int, extra: np.ndarray | float) -> np.ndarray:
+        """Seconds a tree-verify step costs beyond a plain step over the same requests (the plain table's
+        value now: a derived quantity, never learned)."""
+        return self.verify_time(bs, extra) - self.plain.at(bs)
 
     def step_time(self, bs: int, total_tokens: np.ndarray | int, drafted: bool) -> np.ndarray:
         """Predicted seconds of a step over ``bs`` requests verifying ``total_tokens`` tokens (vectorised over
         total_tokens; ``total_tokens == bs``: a plain step)."""
         e = np.asarray(total_tokens, dtype=np.float64) - bs
-        t = self.plain.at(bs) + np.where(e > 0, self.tree_time(bs, np.maximum(e, 1.0)), 0.0)
+        t = np.where(e > 0, self.verify_time(bs, np.maximum(e, 1.0)), self.plain.at(bs))
         return t + (self.draft.at(bs) if drafted else 0.0)
 
     def plain_time(self, bs: int) -> float:
@@ -123,17 +146,51 @@ class StepCostModel:
 
     def observe(self, bs: int, total_tokens: int, draft_s: float | None, verify_s: float) -> None:
         """One step's measured phase times (``draft_s`` None when the step did not draft; ``verify_s``: the
-        plain step's time when ``total_tokens == bs``, else the tree-verify step's)."""
+        plain step's time when ``total_tokens == bs``, else the tree-verify step's). A batch size between two
+        verify tables moves each by its weight, towards the measurement shifted by the plain table's
+        difference between the two batch sizes (a difference within one table, at one moment). Tables not
+        observed lately follow the relative change of the one observed (``_follow``)."""
+        self.steps += 1
+        i, w = self._bs_weights(bs)  # the plain and draft tables share the verify tables' batch grid
+        touched = [(j, wt) for j, wt in ((i, 1 - w), (i + 1, w)) if wt > 0]
         if draft_s is not None:
             self.draft.update(bs, draft_s, self.lr)
+            self.seen[_DRAFT, [j for j, _ in touched]] = self.steps
         e = total_tokens - bs
         if e <= 0:
+            before = self.plain.y.copy()
             self.plain.update(bs, verify_s, self.lr)
+            self._follow(_PLAIN, touched, self.plain.y / np.maximum(before, 1e-12))
             return
-        target = verify_s - self.plain.at(bs)
-        i, w = self._bs_weights(bs)
-        self.tree[i].update(e, target, self.lr, 1 - w)
-        self.tree[i + 1].update(e, target, self.lr, w)
+        here = self.plain.at(bs)
+        ratios = np.ones(len(self.verify_bs))  # [G] relative change of each verify table at e
+        for j, weight in touched:
+            old = float(self.verify[j].at(e))
+            target = verify_s + self.plain.at(float(self.verify_bs[j])) - here
+            self.verify[j].update(e, target, self.lr, weight)
+            ratios[j] = float(self.verify[j].at(e)) / max(old, 1e-12)
+        self._follow(_VERIFY, touched, ratios)
+
+    def _follow(self, observed: int, touched: list[tuple[int, float]], ratios: np.ndarray) -> None:
+        """The tables of the other step kinds at the batch grid points just observed scale by ``ratios``
+        [G] (the observed table's relative change there) to the power of their staleness, 0 when observed
+        at the previous step, rising to 1 over ``follow_steps`` unobserved steps. A machine that slows down
+        while every step drafts (the plain table measured one step in ``plain_refresh_every``) or while
+        none does (explorations rare) slows every price; a table measured all along moves only by its own
+        measurements, so nothing is charged twice."""
+        for j, _ in touched:
+            self.seen[observed, j] = self.steps
+            r = float(ratios[j])
+            if not np.isfinite(r) or r <= 0 or r == 1.0:
+                continue
+            for kind in {_PLAIN: (_VERIFY, _DRAFT), _VERIFY: (_PLAIN,)}[observed]:
+                stale = min(max(self.steps - self.seen[kind, j] - 1, 0) / self.follow_steps, 1.0)
+                if stale > 0:
+                    f = r**stale
+                    if kind == _VERIFY:
+                        self.verify[j].y *= f
+                    else:
+                        (self.plain if kind == _PLAIN else self.draft).y[j] *= f
 
     def probe(
         self,
@@ -147,12 +204,14 @@ class StepCostModel:
         """Fill the tables by timing real forwards: ``time_draft(bs)``, ``time_plain(bs)`` and
         ``time_verify(bs, e)`` (a whole tree-verify step: ``bs`` requests, ``e`` nodes spread over them) return
         seconds, or None when they cannot run here (too few KV slots or request rows). For bs = 1, 4, 16, ...
-        (at least two, more while ``budget_s`` lasts): the three timings, ``e`` in 1, bs, 4 bs, 16 bs, 64 bs (up to 256:
-        large trees cost more than a straight line through small ones predicts; at most
-        ``max_budget`` per request); ``tree`` gets verify - plain at that bs. Each point is the minimum of
-        ``repeats`` timings (other jobs only add time). Grid points between are interpolated, points past the
-        last measurement extrapolated from the last two; tree tables of batch sizes not reached copy the last
-        one measured. ``agree(stop)`` makes every tensor-parallel rank take rank 0's stop decision."""
+        (at least two, more while ``budget_s`` lasts): the three timings, ``e`` in 1, bs, 4 bs, 16 bs, 64 bs (up
+        to 256: large trees cost more than a straight line through small ones predicts; at most
+        ``max_budget`` per request). Each point is the minimum of ``repeats`` timings (other jobs only add
+        time). Grid points between are interpolated, points past the last measurement extrapolated from the
+        last two. A verify table between two probed batch sizes gets the plain table's value at its batch
+        size plus the tree's extra cost (verify - plain) interpolated between them; one past the last probed
+        batch size, that batch size's extra cost. ``agree(stop)`` makes every tensor-parallel rank take rank
+        0's stop decision."""
         import time
 
         def best(fn: Callable[..., float | None], *args: int) -> float | None:
@@ -163,9 +222,9 @@ class StepCostModel:
         start = time.perf_counter()
         draft_pts: list[tuple[float, float]] = []
         plain_pts: list[tuple[float, float]] = []
-        tree_pts: list[list[tuple[float, float]]] = []
-        for i, g in enumerate(int(b) for b in self.tree_bs):
-            if agree(i >= 2 and time.perf_counter() - start > budget_s):
+        extra_pts: dict[int, list[tuple[float, float]]] = {}  # probed bs -> (e, verify - plain)
+        for i, g in enumerate(4**k for k in range(8)):
+            if g > self.verify_bs[-1] or agree(i >= 2 and time.perf_counter() - start > budget_s):
                 break
             d, p = best(time_draft, g), best(time_plain, g)
             if d is None or p is None:
@@ -180,13 +239,20 @@ class StepCostModel:
                 pts.append((e, max(v - p, 0.0)))
             if not pts:
                 break
-            tree_pts.append(pts)
-        if not tree_pts:
+            extra_pts[g] = pts
+        if not extra_pts:
             raise RuntimeError("the step-cost probe could not time a single forward (KV cache too small?)")
         _fit(self.draft, draft_pts)
         _fit(self.plain, plain_pts)
-        for i, table in enumerate(self.tree):
-            _fit(table, tree_pts[min(i, len(tree_pts) - 1)])
+        probed = sorted(extra_pts)
+        extra = {g: PiecewiseLinear(self.verify[0].x) for g in probed}
+        for g in probed:
+            _fit(extra[g], extra_pts[g])
+        for table, b in zip(self.verify, self.verify_bs.tolist(), strict=True):
+            lo = max([g for g in probed if g <= b], default=probed[0])
+            hi = min([g for g in probed if g >= b], default=probed[-1])
+            w = 0.0 if hi == lo else (b - lo) / (hi - lo)
+            table.y[:] = self.plain.at(b) + (1 - w) * extra[lo].y + w * extra[hi].y
         self.probed = True
 
 

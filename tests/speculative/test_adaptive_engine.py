@@ -70,8 +70,8 @@ def _set_costs(engine: Engine, verify_per_token: float) -> None:
     cost.lr = 0.0
     cost.draft.y[:] = 1e-3
     cost.plain.y[:] = 1e-2 + verify_per_token * cost.plain.x
-    for table in cost.tree:
-        table.y[:] = verify_per_token * table.x
+    for table, bs in zip(cost.verify, cost.verify_bs, strict=True):
+        table.y[:] = 1e-2 + verify_per_token * (bs + table.x)
     ctl._spec_rates.clear()  # (plan_draft's cached predictions)
 
 

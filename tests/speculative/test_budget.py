@@ -249,7 +249,7 @@ def test_probe_fills_tables_by_hand():
     assert calls == [(1, 1)] + [(1, 1)] * 2 + [(1, 4)] * 2 + [(4, 1)] * 2 + [(4, 4)] * 2 + [(4, 16)] * 2
     assert float(cost.draft(8)) == pytest.approx(0.8) and float(cost.plain(2)) == pytest.approx(0.012)
     # tree tables: 3 ms + 2 ms per node + 0.1 ms per request; bs 16's copies bs 4's (not reached)
-    assert cost.tree[0](np.array([2.0, 64.0])).tolist() == pytest.approx([0.0071, 0.1311])
+    assert cost.tree_time(1, np.array([2.0, 64.0])).tolist() == pytest.approx([0.0071, 0.1311])
     assert float(cost.tree_time(4, 8)) == pytest.approx(0.0194) and float(cost.tree_time(16, 8)) == pytest.approx(0.0194)
     # bs 2 lies a third of the way from the bs-1 table to the bs-4 table
     assert float(cost.tree_time(2, 8)) == pytest.approx(0.0191 + (0.0194 - 0.0191) / 3)
@@ -264,19 +264,83 @@ def test_tree_costs_depend_on_the_batch_size():
     calls: list = []
     cost.probe(*_fake_times(calls), budget_s=10.0)
     assert (16, 64) in calls  # the time budget reached batch 16
-    before1, before16 = float(cost.tree_time(1, 8)), float(cost.tree_time(16, 8))
-    plain16 = float(cost.plain(16))
-    cost.observe(16, 16 + 8, 0.5, plain16 + before16 + 0.01)  # 10 ms dearer than predicted
+    before1, before16 = float(cost.verify_time(1, 8)), float(cost.verify_time(16, 8))
+    cost.observe(16, 16 + 8, 0.5, before16 + 0.01)  # 10 ms dearer than predicted
     # the first observation after the probe weighs as much as the probe: half way
-    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.005)
-    assert float(cost.tree_time(1, 8)) == before1
+    assert float(cost.verify_time(16, 8)) == pytest.approx(before16 + 0.005)
+    assert float(cost.verify_time(1, 8)) == before1
     assert float(cost.draft(16)) == pytest.approx((1.6 + 0.5) / 2)
-    cost.observe(16, 16, None, plain16 + 0.006)  # a plain step moves the plain table only
-    assert float(cost.plain(16)) == pytest.approx(plain16 + 0.003)
-    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.005)
     for _ in range(5):  # evidence 3 .. 7: a running mean (rate 1/3, 1/4, ...) until the rate reaches lr = 0.2
-        cost.observe(16, 16 + 8, None, float(cost.plain(16)) + before16 + 0.01)
-    assert float(cost.tree_time(16, 8)) == pytest.approx(before16 + 0.01 * (1 - 1 / 5 * 0.8 * 0.8))
+        cost.observe(16, 16 + 8, None, before16 + 0.01)
+    assert float(cost.verify_time(16, 8)) == pytest.approx(before16 + 0.01 * (1 - 1 / 5 * 0.8 * 0.8))
+
+
+def _probed(follow_steps: int) -> StepCostModel:
+    cost = StepCostModel(max_batch=4, max_budget=8, follow_steps=follow_steps)
+    cost.probe(*_fake_times([]), budget_s=0.0)
+    return cost
+
+
+def test_a_slowdown_seen_by_drafted_steps_is_charged_once():
+    """While every step drafts, the machine runs twice as slow. The verify table learns it; the plain table,
+    unmeasured, follows the verify table's relative changes (from the second step on: follow_steps = 1).
+    Then a plain step measures the slowdown: the verify price does not move (a tree table learned as verify
+    minus the plain table charged the slowdown twice once a plain step measured it)."""
+    cost = _probed(follow_steps=1)
+    v, p, d = float(cost.verify_time(4, 8)), float(cost.plain(4)), float(cost.draft(4))
+    cost.observe(4, 4 + 8, d, 2 * v)
+    v1 = float(cost.verify_time(4, 8))
+    assert v1 == pytest.approx(1.5 * v) and float(cost.plain(4)) == p  # step 1: the plain table is fresh
+    for _ in range(200):
+        cost.observe(4, 4 + 8, d, 2 * v)
+    assert float(cost.verify_time(4, 8)) == pytest.approx(2 * v)
+    assert float(cost.plain(4)) == pytest.approx(p * 2 * v / v1)  # followed the verify table from 1.5 v on
+    cost.observe(4, 4, None, 2 * p)
+    assert float(cost.plain(4)) == pytest.approx((p * 2 * v / v1 + 2 * p) / 2)  # (evidence 2: half way)
+    assert float(cost.verify_time(4, 8)) == pytest.approx(2 * v)  # measured at the previous step: fresh
+
+
+def test_a_slowdown_seen_by_plain_steps_reaches_the_drafted_prices():
+    """The mirror case: no step drafts, the machine runs twice as slow; the verify and draft tables follow
+    the plain table's relative changes, so speculation does not look cheaper than it is."""
+    cost = _probed(follow_steps=1)
+    v, p, d = float(cost.verify_time(4, 8)), float(cost.plain(4)), float(cost.draft(4))
+    for _ in range(200):
+        cost.observe(4, 4, None, 2 * p)
+    assert float(cost.plain(4)) == pytest.approx(2 * p)
+    assert float(cost.verify_time(4, 8)) == pytest.approx(v * 2 / 1.5)  # from the second step (1.5 p) on
+    assert float(cost.draft(4)) == pytest.approx(d * 2 / 1.5)
+    assert float(cost.verify_time(1, 8)) == pytest.approx(float(_probed(1).verify_time(1, 8)))  # other bs
+
+
+def test_tables_measured_alternately_do_not_follow_each_other():
+    """Drafted and plain steps in turn, the machine twice as slow: every table is measured at the previous
+    step, so each moves only by its own measurements: after three of each, a running mean over the probe
+    and three measurements, 1 + 3/4 of the way to twice its probed value."""
+    cost = _probed(follow_steps=16)
+    v, p, d = float(cost.verify_time(4, 8)), float(cost.plain(4)), float(cost.draft(4))
+    for _ in range(3):
+        cost.observe(4, 4 + 8, 2 * d, 2 * v)
+        cost.observe(4, 4, None, 2 * p)
+    assert float(cost.plain(4)) == pytest.approx(1.75 * p)
+    assert float(cost.draft(4)) == pytest.approx(1.75 * d)
+    assert float(cost.verify_time(4, 8)) == pytest.approx(1.75 * v)
+
+
+def test_a_batch_between_two_tables_moves_both_by_the_plain_difference():
+    """A batch-3 verify step updates the batch-2 and batch-4 tables, each by half, towards the measurement
+    shifted by the plain table's difference between batch 3 and the table's batch size."""
+    cost = StepCostModel(max_batch=4, max_budget=8)
+    cost.probe(*_fake_times([]), budget_s=0.0)
+    v2, v4 = float(cost.verify_time(2, 6)), float(cost.verify_time(4, 6))  # grid points of e: 4, 8
+    p2, p3, p4 = (float(cost.plain(b)) for b in (2, 3, 4))
+    measured = float(cost.verify_time(3, 6)) + 0.02
+    cost.observe(3, 3 + 6, None, measured)
+    # e = 6 lies half way between grid points 4 and 8: each table's share is 1/2, each point's 1/4 (evidence
+    # 1 + 1/4: a running-mean rate of 0.8), so both points, and the value at 6, move by 0.8 / 4 of the error
+    for v, p, table in ((v2, p2, cost.verify[1]), (v4, p4, cost.verify[2])):
+        target = measured + p - p3
+        assert float(table(6.0)) == pytest.approx(v + 0.2 * (target - v))
 
 
 def test_probe_with_room_for_one_point_only():
