@@ -17,11 +17,11 @@ small trees at large batch far too low (docs/BENCHMARKS.md).
 Each table learns only from the steps it prices. An earlier model learned a tree table of ``verify -
 plain``, the measured verify step minus the plain table: while every step drafts, the plain table is
 measured one step in ``plain_refresh_every``, so a slowdown of the machine went into the tree table alone
-and, once a plain step measured it, was charged twice (docs/BENCHMARKS.md, session 8). Here a table not
-measured lately follows the relative changes of the table that is, at the same batch size, with a weight
-rising from 0 (measured at the previous step) to 1 over ``follow_steps`` unmeasured steps: a slowdown seen
-only by drafted steps raises the plain price too, one seen only by plain steps raises the drafted prices,
-and a table measured all along moves by its own measurements alone.
+and, once a plain step measured it, was charged twice (docs/BENCHMARKS.md, session 8). A table here is
+stale only until a step it prices runs again: a slowdown seen by drafted steps makes plain steps look
+cheap until one runs and measures it (so a drafting band keeps a plain step in ``plain_refresh_every``).
+Letting a stale table follow the relative changes of a measured one was tried and removed: per-point
+changes of a noisy table compound (tests/speculative/test_budget_closed_loop.py, DESIGN 4.8).
 
 Every table is piecewise linear over a geometric grid of its argument, extrapolated linearly past the
 last point. A start-up probe (``probe``) times real forwards: for bs = 1, 4, 16, ... while its time budget
@@ -38,8 +38,6 @@ from bisect import bisect_right
 from collections.abc import Callable
 
 import numpy as np
-
-_PLAIN, _VERIFY, _DRAFT = 0, 1, 2  # step kinds of StepCostModel.seen
 
 
 def geometric_grid(limit: int, factor: int = 2) -> np.ndarray:
@@ -104,16 +102,13 @@ class StepCostModel:
     """Seconds per step: ``draft(bs) * drafted + plain(bs)`` without tree nodes, ``draft(bs) * drafted +
     verify(bs, n - bs)`` with them (module docstring)."""
 
-    def __init__(self, max_batch: int, max_budget: int, lr: float = 0.2, follow_steps: int = 16):
+    def __init__(self, max_batch: int, max_budget: int, lr: float = 0.2):
         self.max_budget = max_budget  # nodes per request at most
         self.draft = PiecewiseLinear(geometric_grid(max_batch))
         self.plain = PiecewiseLinear(geometric_grid(max_batch))
         self.verify_bs = geometric_grid(max_batch)  # [G] batch sizes of the verify tables: 1, 2, 4, ...
         self.verify = [PiecewiseLinear(geometric_grid(max_batch * max_budget)) for _ in self.verify_bs]
         self.lr = lr
-        self.follow_steps = follow_steps  # steps unobserved after which a table follows the others fully
-        self.steps = 0  # observations so far
-        self.seen = np.zeros((3, len(self.verify_bs)))  # [plain/verify/draft, G] step of the last observation
         self.probed = False
 
     def _bs_weights(self, bs: int) -> tuple[int, float]:
@@ -148,49 +143,19 @@ class StepCostModel:
         """One step's measured phase times (``draft_s`` None when the step did not draft; ``verify_s``: the
         plain step's time when ``total_tokens == bs``, else the tree-verify step's). A batch size between two
         verify tables moves each by its weight, towards the measurement shifted by the plain table's
-        difference between the two batch sizes (a difference within one table, at one moment). Tables not
-        observed lately follow the relative change of the one observed (``_follow``)."""
-        self.steps += 1
-        i, w = self._bs_weights(bs)  # the plain and draft tables share the verify tables' batch grid
-        touched = [(j, wt) for j, wt in ((i, 1 - w), (i + 1, w)) if wt > 0]
+        difference between the two batch sizes (a difference within one table, at one moment)."""
         if draft_s is not None:
             self.draft.update(bs, draft_s, self.lr)
-            self.seen[_DRAFT, [j for j, _ in touched]] = self.steps
         e = total_tokens - bs
         if e <= 0:
-            before = self.plain.y.copy()
             self.plain.update(bs, verify_s, self.lr)
-            self._follow(_PLAIN, touched, self.plain.y / np.maximum(before, 1e-12))
             return
+        i, w = self._bs_weights(bs)
         here = self.plain.at(bs)
-        ratios = np.ones(len(self.verify_bs))  # [G] relative change of each verify table at e
-        for j, weight in touched:
-            old = float(self.verify[j].at(e))
-            target = verify_s + self.plain.at(float(self.verify_bs[j])) - here
-            self.verify[j].update(e, target, self.lr, weight)
-            ratios[j] = float(self.verify[j].at(e)) / max(old, 1e-12)
-        self._follow(_VERIFY, touched, ratios)
-
-    def _follow(self, observed: int, touched: list[tuple[int, float]], ratios: np.ndarray) -> None:
-        """The tables of the other step kinds at the batch grid points just observed scale by ``ratios``
-        [G] (the observed table's relative change there) to the power of their staleness, 0 when observed
-        at the previous step, rising to 1 over ``follow_steps`` unobserved steps. A machine that slows down
-        while every step drafts (the plain table measured one step in ``plain_refresh_every``) or while
-        none does (explorations rare) slows every price; a table measured all along moves only by its own
-        measurements, so nothing is charged twice."""
-        for j, _ in touched:
-            self.seen[observed, j] = self.steps
-            r = float(ratios[j])
-            if not np.isfinite(r) or r <= 0 or r == 1.0:
-                continue
-            for kind in {_PLAIN: (_VERIFY, _DRAFT), _VERIFY: (_PLAIN,)}[observed]:
-                stale = min(max(self.steps - self.seen[kind, j] - 1, 0) / self.follow_steps, 1.0)
-                if stale > 0:
-                    f = r**stale
-                    if kind == _VERIFY:
-                        self.verify[j].y *= f
-                    else:
-                        (self.plain if kind == _PLAIN else self.draft).y[j] *= f
+        for j, weight in ((i, 1 - w), (i + 1, w)):
+            if weight > 0:
+                target = verify_s + self.plain.at(float(self.verify_bs[j])) - here
+                self.verify[j].update(e, target, self.lr, weight)
 
     def probe(
         self,

@@ -1,0 +1,147 @@
+"""The adaptive budget in a closed loop with a simulated machine: its realized tokens per second against every
+fixed budget's on the same step sequence (same drafts, same verification draws, same timing noise).
+
+The bench (benchmarks/bench_spec.py) measures the real engine, but only on the machine it runs on; here the
+machine is a model, so the cases this CPU may never show run everywhere: speculation that pays at batch 1,
+speculation that loses, and a machine that runs twice as slow for a stretch while it drafts. The controller
+and the step-cost model are the real ones (probe included); only the forwards are replaced by a clock.
+
+Simulated draft: one chain per request whose node d has the drafter's path probability ``Q_d`` (the measured
+mean Q of the d-th pop of the shipped drafter at batch 1, docs/BENCHMARKS.md session 8) raised to a per-step
+power (easy and hard steps); verification reaches depth d with probability ``0.7 Q_d`` (the drafter is
+overconfident, as measured). Tolerances: auto must reach 0.95x the best fixed budget (the issue's bar) and
+0.97x plain decoding where speculation loses or nearly pays (explorations spend at most 1% of the time;
+the start-up exploration, the probe's empty-context prices and near-ties cost the rest). Measured with
+the verify-minus-plain tree table of session 7, the slowdown case gives 0.915x the best fixed budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from speculative.budget import BudgetConfig, BudgetController
+from speculative.ddtree import PoppedNodes, assemble_tree
+from speculative.step_cost import StepCostModel
+
+Q = np.array([0.357, 0.156, 0.080, 0.056, 0.044, 0.035, 0.029, 0.025, 0.021, 0.019, 0.017, 0.016, 0.014, 0.013,
+              0.012, 0.011])  # [16] mean path probability of the d-th pop (budget-64 run, batch 1)
+Q = np.concatenate([Q, 0.011 * 0.93 ** np.arange(1, 49)])  # [64] the tail, slowly decreasing
+TRUE_RATIO = 0.7  # verification reaches a node with 0.7 x its drafter probability
+FIXED = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Seconds of each phase at load 1: plain(bs) = base + per_req bs; verify = plain + per_node e."""
+
+    base: float
+    per_req: float
+    per_node: float
+    draft: float
+    slow_steps: tuple[int, int] = (0, 0)  # steps [start, end) run at load 2
+
+    def load(self, step: int) -> float:
+        return 2.0 if self.slow_steps[0] <= step < self.slow_steps[1] else 1.0
+
+    def plain(self, bs: int) -> float:
+        return self.base + self.per_req * bs
+
+    def verify(self, bs: int, e: int) -> float:
+        return self.plain(bs) + self.per_node * e
+
+
+class Steps:
+    """The step sequence shared by every policy: per step a power of Q, a uniform per request (which depth
+    verification reaches) and a timing noise factor."""
+
+    def __init__(self, n: int, bs: int, seed: int):
+        rng = np.random.default_rng(seed)
+        self.power = rng.uniform(0.6, 1.6, n)  # [n] easy (< 1) and hard (> 1) steps
+        self.u = rng.uniform(size=(n, bs))  # [n, bs]
+        self.noise = np.exp(rng.normal(0.0, 0.1, (n, 2)))  # [n, (draft, verify)]
+
+    def pops(self, step: int, bs: int, width: int) -> PoppedNodes:
+        """Every request's chain of ``width`` pops (depth d at pop d)."""
+        q = Q[:width] ** self.power[step]  # [w]
+        logws = np.tile(np.log(q), (bs, 1))  # [bs, w]
+        depths = np.tile(np.arange(1, width + 1), (bs, 1))  # [bs, w]
+        parents = np.tile(np.arange(width), (bs, 1))  # [bs, w]
+        return PoppedNodes(np.ones((bs, width), dtype=np.int64), parents, depths, logws, np.full(bs, width))
+
+    def accepted(self, step: int, budgets: np.ndarray) -> np.ndarray:
+        """Accepted nodes [bs]: the depths d <= budget whose true probability exceeds the request's uniform."""
+        reach = TRUE_RATIO * Q ** self.power[step]  # [64] non-increasing
+        hit = self.u[step][:, None] < reach[None, :]  # [bs, 64]
+        return np.minimum(hit.sum(1), budgets)
+
+
+def run(machine: Machine, steps: Steps, n: int, bs: int, fixed: int | None) -> float:
+    """Tokens per simulated second of ``n`` steps under a fixed budget, or under auto (``fixed`` None)."""
+    tokens, seconds = 0.0, 0.0
+    sampled = np.zeros(bs, dtype=bool)
+    ctl = None
+    if fixed is None:
+        cost = StepCostModel(max_batch=16, max_budget=64)
+        cost.probe(lambda b: machine.draft, machine.plain, machine.verify, budget_s=0.0)  # empty-context prices
+        ctl = BudgetController(BudgetConfig(max_budget=64), depth_limit=64, cost=cost)
+    for t in range(n):
+        load = machine.load(t) * steps.noise[t]  # [2]
+        drafted = fixed != 0 if ctl is None else ctl.plan_draft(sampled)
+        budgets = np.zeros(bs, dtype=np.int64)
+        popped = None
+        if drafted and ctl is not None:
+            popped, budgets = ctl.pop_and_choose(lambda w, t=t: steps.pops(t, bs, w), sampled)
+        elif drafted:
+            budgets[:] = fixed
+        draft_s = machine.draft * load[0] if drafted else None
+        e = int(budgets.sum())
+        verify_s = (machine.verify(bs, e) if e else machine.plain(bs)) * load[1]
+        acc = steps.accepted(t, budgets)
+        tokens += bs + acc.sum()
+        seconds += (draft_s or 0.0) + verify_s
+        if ctl is not None:
+            tree = None
+            if e:
+                tree = assemble_tree(popped, torch.from_numpy(budgets), torch.zeros(bs, dtype=torch.int64),
+                                     torch.full((bs,), 100), "cpu")
+            ctl.record(budgets, tree, acc, sampled, bs, bs + e, draft_s, verify_s)
+    return tokens / seconds
+
+
+def _compare(machine: Machine, bs: int, n: int = 600, seed: int = 0) -> tuple[float, dict[int, float]]:
+    steps = Steps(n, bs, seed)
+    return run(machine, steps, n, bs, None), {b: run(machine, steps, n, bs, b) for b in FIXED}
+
+
+def test_auto_drafts_where_speculation_pays():
+    """Batch 1, verify nearly free (a memory-bound forward): small trees pay ~1.2x over plain decoding."""
+    auto, fixed = _compare(Machine(base=0.020, per_req=0.001, per_node=0.0003, draft=0.003), bs=1)
+    best = max(fixed.values())
+    assert fixed[4] > 1.1 * fixed[0]  # the case is one where speculation pays
+    assert auto >= 0.95 * best, (auto, fixed)
+
+
+def test_auto_steps_aside_where_speculation_loses():
+    """Batch 4, every node costs what a request does: every tree loses to plain decoding."""
+    auto, fixed = _compare(Machine(base=0.020, per_req=0.004, per_node=0.004, draft=0.008), bs=4)
+    assert max(fixed.values()) == fixed[0]
+    assert auto >= 0.97 * fixed[0], (auto, fixed)
+
+
+def test_auto_stays_near_plain_where_speculation_nearly_pays():
+    """Batch 4 near break-even (one node per request: 0.98x plain decoding): the case where a biased price
+    makes auto lose to plain decoding most (a stale table that follows a noisy one lost 5% here)."""
+    auto, fixed = _compare(Machine(base=0.020, per_req=0.004, per_node=0.0015, draft=0.004), bs=4)
+    assert max(fixed.values()) == fixed[0] and fixed[1] > 0.95 * fixed[0]
+    assert auto >= 0.97 * fixed[0], (auto, fixed)
+
+
+def test_auto_keeps_paying_through_a_slowdown_while_it_drafts():
+    """As the first case, with the machine twice as slow for steps 200-400 (then as fast again): the slowdown
+    is seen by drafted steps only, and must not turn auto to plain steps (or keep it there afterwards)."""
+    machine = Machine(base=0.020, per_req=0.001, per_node=0.0003, draft=0.003, slow_steps=(200, 400))
+    auto, fixed = _compare(machine, bs=1)
+    assert auto >= 0.95 * max(fixed.values()), (auto, fixed)
