@@ -123,11 +123,6 @@ class StepCostModel:
         i, w = self._bs_weights(bs)
         return (1 - w) * self.verify[i](extra) + w * self.verify[i + 1](extra)
 
-    def tree_time(self, bs: int, extra: np.ndarray | float) -> np.ndarray:
-        """Seconds a tree-verify step costs beyond a plain step over the same requests (the plain table's
-        value now: a derived quantity, never learned)."""
-        return self.verify_time(bs, extra) - self.plain.at(bs)
-
     def step_time(self, bs: int, total_tokens: np.ndarray | int, drafted: bool) -> np.ndarray:
         """Predicted seconds of a step over ``bs`` requests verifying ``total_tokens`` tokens (vectorised over
         total_tokens; ``total_tokens == bs``: a plain step)."""
@@ -188,7 +183,7 @@ class StepCostModel:
         draft_pts: list[tuple[float, float]] = []
         plain_pts: list[tuple[float, float]] = []
         extra_pts: dict[int, list[tuple[float, float]]] = {}  # probed bs -> (e, verify - plain)
-        for i, g in enumerate(4**k for k in range(8)):
+        for i, g in enumerate(int(b) for b in geometric_grid(int(self.verify_bs[-1]), 4)):
             if g > self.verify_bs[-1] or agree(i >= 2 and time.perf_counter() - start > budget_s):
                 break
             d, p = best(time_draft, g), best(time_plain, g)
