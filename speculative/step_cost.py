@@ -17,11 +17,18 @@ small trees at large batch far too low (docs/BENCHMARKS.md).
 Each table learns only from the steps it prices. An earlier model learned a tree table of ``verify -
 plain``, the measured verify step minus the plain table: while every step drafts, the plain table is
 measured one step in ``plain_refresh_every``, so a slowdown of the machine went into the tree table alone
-and, once a plain step measured it, was charged twice (docs/BENCHMARKS.md, session 8). A table here is
-stale only until a step it prices runs again: a slowdown seen by drafted steps makes plain steps look
-cheap until one runs and measures it (so a drafting band keeps a plain step in ``plain_refresh_every``).
-Letting a stale table follow the relative changes of a measured one was tried and removed: per-point
-changes of a noisy table compound (tests/speculative/test_budget_closed_loop.py, DESIGN 4.8).
+and, once a plain step measured it, was charged twice (docs/BENCHMARKS.md, session 8). Instead the
+drafter point and the verify table at a batch-size grid point follow the plain table there, one way, by
+what they have not seen: each point keeps the step at which it was measured (blended as its value is), and
+a plain observation that moves the plain value by a factor f scales a point by ``1 + u (f - 1)``, u the
+share of the time since the plain point's previous measurement that passed after the point's (1 for a
+point older than the plain one). While no step drafts (explorations aside), a slowdown or growing contexts
+that plain steps measure so reach the drafted prices, which stayed stale-cheap before and kept losing
+explorations coming; while every step drafts, a plain refresh step moves what the drafted steps measured by
+a small share only (the slowdown it finds is mostly one they saw). The plain table never follows the
+others: its one point per batch size telescopes (the product of its factors is its own change), while
+following the noisy per-node points of a verify table compounded (tests/speculative/
+test_budget_closed_loop.py, DESIGN 4.8).
 
 Every table is piecewise linear over a geometric grid of its argument, extrapolated linearly past the
 last point. A start-up probe (``probe``) times real forwards: for bs = 1, 4, 16, ... while its time budget
@@ -57,6 +64,7 @@ class PiecewiseLinear:
             np.zeros_like(self.x) if values is None else np.asarray(values, dtype=np.float64).copy()
         )  # [G]
         self.evidence = np.ones_like(self.x)  # [G] observations behind each point (the probe counts as one)
+        self.time = np.zeros_like(self.x)  # [G] when each point was measured (blended like its value; probe: 0)
         self._xs = self.x.tolist()  # the grid as Python floats (scalar lookups, once per step)
 
     def _bracket_scalar(self, x: float) -> tuple[int, float]:
@@ -81,12 +89,13 @@ class PiecewiseLinear:
         i, w = self._bracket(xa)
         return np.maximum((1 - w) * self.y[i] + w * self.y[i + 1], 0.0)
 
-    def update(self, x: float, target: float, lr: float, weight: float = 1.0) -> None:
+    def update(self, x: float, target: float, lr: float, weight: float = 1.0, now: float = 0.0) -> None:
         """Move the interpolated value at ``x`` towards ``target``: each bracketing point by its share of the
         error (weights clipped to [0, 1], so an extrapolated observation only moves the nearest point) times
         its rate, ``max(lr, 1 / evidence)``: a running mean while a point has little evidence (the first
         observation after the probe weighs as much as the probe), an average of rate ``lr`` after. ``weight``
-        scales the observation (a step between two tables); ``lr <= 0`` freezes the table."""
+        scales the observation (a step between two tables); ``lr <= 0`` freezes the table. ``now``: the
+        observation's time (step count), blended into each point's measurement time by the same rate."""
         if lr <= 0 or weight <= 0:
             return
         err = target - self.at(x)
@@ -95,7 +104,9 @@ class PiecewiseLinear:
         for j, share in ((i, (1 - w) * weight), (i + 1, w * weight)):
             if share > 0:
                 self.evidence[j] += share
-                self.y[j] += max(lr, 1.0 / self.evidence[j]) * share * err
+                rate = max(lr, 1.0 / self.evidence[j]) * share
+                self.y[j] += rate * err
+                self.time[j] += rate * (now - self.time[j])
 
 
 class StepCostModel:
@@ -109,6 +120,7 @@ class StepCostModel:
         self.verify_bs = geometric_grid(max_batch)  # [G] batch sizes of the verify tables: 1, 2, 4, ...
         self.verify = [PiecewiseLinear(geometric_grid(max_batch * max_budget)) for _ in self.verify_bs]
         self.lr = lr
+        self.steps = 0  # observations so far: the clock of the tables' measurement times
         self.probed = False
 
     def _bs_weights(self, bs: int) -> tuple[int, float]:
@@ -138,19 +150,29 @@ class StepCostModel:
         """One step's measured phase times (``draft_s`` None when the step did not draft; ``verify_s``: the
         plain step's time when ``total_tokens == bs``, else the tree-verify step's). A batch size between two
         verify tables moves each by its weight, towards the measurement shifted by the plain table's
-        difference between the two batch sizes (a difference within one table, at one moment)."""
+        difference between the two batch sizes (a difference within one table, at one moment). A plain step
+        moves the drafter and verify points by the share of the plain table's change they have not seen
+        (module docstring)."""
+        self.steps += 1
+        now = float(self.steps)
         if draft_s is not None:
-            self.draft.update(bs, draft_s, self.lr)
+            self.draft.update(bs, draft_s, self.lr, now=now)
         e = total_tokens - bs
         if e <= 0:
-            self.plain.update(bs, verify_s, self.lr)
+            y, since = self.plain.y.copy(), now - self.plain.time  # [G] before this observation
+            self.plain.update(bs, verify_s, self.lr, now=now)
+            change = np.where(y > 0, self.plain.y / np.maximum(y, 1e-12), 1.0) - 1.0  # [G] relative
+            for j in np.flatnonzero(change):
+                self.verify[j].y *= 1.0 + _unseen(now - self.verify[j].time, since[j]) * change[j]  # [E]
+            if draft_s is None:  # (a step that drafted and chose no node measured the drafter)
+                self.draft.y *= 1.0 + _unseen(now - self.draft.time, since) * change
             return
         i, w = self._bs_weights(bs)
         here = self.plain.at(bs)
         for j, weight in ((i, 1 - w), (i + 1, w)):
             if weight > 0:
                 target = verify_s + self.plain.at(float(self.verify_bs[j])) - here
-                self.verify[j].update(e, target, self.lr, weight)
+                self.verify[j].update(e, target, self.lr, weight, now=now)
 
     def probe(
         self,
@@ -214,6 +236,14 @@ class StepCostModel:
             w = 0.0 if hi == lo else (b - lo) / (hi - lo)
             table.y[:] = self.plain.at(b) + (1 - w) * extra[lo].y + w * extra[hi].y
         self.probed = True
+
+
+def _unseen(age: np.ndarray, plain_age: np.ndarray | float) -> np.ndarray:
+    """Share of a plain table's change that a table measured ``age`` steps ago has not seen, the plain point
+    having been measured ``plain_age`` steps ago: all of it when the table is the older one, else the share
+    of the interval since the plain measurement that came after the table's (a change as likely at any
+    step)."""
+    return np.clip(age / np.maximum(plain_age, 1e-9), 0.0, 1.0)
 
 
 def _fit(table: PiecewiseLinear, points: list[tuple[float, float]]) -> None:

@@ -288,18 +288,42 @@ def _probed() -> StepCostModel:
 
 def test_a_slowdown_seen_by_drafted_steps_is_charged_once():
     """While every step drafts, the machine runs twice as slow: the verify table learns it, the plain table
-    does not move. Then a plain step measures the slowdown: the verify price does not move either (a tree
-    table learned as verify minus the plain table charged the slowdown twice once a plain step measured it)."""
+    does not move. Then a plain step measures the slowdown: the verify price moves only by the share of it
+    that came after the verify point's measurement (a tree table learned as verify minus the plain table
+    charged the slowdown twice once a plain step measured it)."""
     cost = _probed()
     v, p, d = float(cost.verify_time(4, 8)), float(cost.plain(4)), float(cost.draft(4))
     for _ in range(200):
         cost.observe(4, 4 + 8, d, 2 * v)
     assert float(cost.verify_time(4, 8)) == pytest.approx(2 * v)
     assert float(cost.plain(4)) == p
+    point = cost.verify[2]  # batch 4; e = 8 is a grid point of it
+    age = cost.steps + 1 - point.time[point.x.tolist().index(8.0)]  # ~5 steps: a running mean of rate 0.2
     cost.observe(4, 4, None, 2 * p)
     assert float(cost.plain(4)) == pytest.approx(1.5 * p)  # (evidence 2: half way)
-    assert float(cost.verify_time(4, 8)) == pytest.approx(2 * v)
-    assert float(cost.step_time(4, 12, drafted=True)) == pytest.approx(d + 2 * v)
+    # the plain point was measured by the probe (step 0), 201 steps ago; the verify point ~5 steps ago
+    assert 1 < age < 6
+    assert float(cost.verify_time(4, 8)) == pytest.approx(2 * v * (1 + 0.5 * age / 201))
+    assert float(cost.draft(4)) == pytest.approx(d * (1 + 0.5 * age / 201))  # measured as often
+    assert float(cost.step_time(4, 12, drafted=True)) == pytest.approx(float(cost.draft(4) + cost.verify_time(4, 8)))
+
+
+def test_a_slowdown_seen_by_plain_steps_reaches_the_drafted_prices():
+    """While no step drafts, the machine runs twice as slow: the plain table learns it, and the verify tables
+    and drafter points, which no step measured since the probe, follow it by the same factor (they stayed
+    stale-cheap before, and explorations that lose kept coming)."""
+    cost = _probed()
+    v1, v4, p, d = float(cost.verify_time(1, 4)), float(cost.verify_time(4, 8)), float(cost.plain(4)), float(cost.draft(4))
+    for _ in range(50):
+        cost.observe(4, 4, None, 2 * p)
+    assert float(cost.plain(4)) == pytest.approx(2 * p, rel=1e-3)
+    assert float(cost.verify_time(4, 8)) == pytest.approx(v4 * float(cost.plain(4)) / p)
+    assert float(cost.draft(4)) == pytest.approx(d * float(cost.plain(4)) / p)
+    assert float(cost.verify_time(1, 4)) == v1  # batch 1: no plain step measured anything there
+    # a step that drafted and then chose no node measured the drafter: it does not follow
+    d4 = float(cost.draft(4))
+    cost.observe(4, 4, d4, 4 * p)
+    assert float(cost.draft(4)) == pytest.approx(d4)
 
 
 def test_a_batch_between_two_tables_moves_both_by_the_plain_difference():
