@@ -9,8 +9,12 @@ ratio r_d = (observed + prior) / (predicted + prior) of how often verification r
 summed Q of the depth-d nodes it was offered, kept separately for greedy and sampled requests (for a
 deterministic draft tree, target-only sampling accepts a child c with probability p_target(c), so the same
 sum is the sampled prediction). The prior of each mode is the other mode's ratio (itself on a prior of 1),
-so sampled requests arriving after greedy ones start from what greedy steps measured. Old
-evidence decays geometrically, so the prior returns when nothing is observed.
+so sampled requests arriving after greedy ones start from what greedy steps measured. The prior's ratio of
+1 is optimistic for this drafter, and on purpose: deep nodes, seldom offered, keep being tried (a prior
+taken from the depth above let one unlucky stretch shrink every deeper ratio and the trees with them, with
+no evidence left to undo it; tests/speculative/test_budget_closed_loop.py). Old evidence decays
+geometrically with every calibrated step; steps without a tree do not decay it (a stretch of plain steps
+let the prior's optimism return, and the explorations it then predicted to pay lost).
 
 Decision (``choose_budgets``): with the marginal gains of every request non-increasing along its pop
 order, the best allocation of n extra tree tokens over the batch takes the n largest gains (each request
@@ -30,8 +34,10 @@ x rho ** ``explore_power`` of its time (rho: the predicted speculative rate over
 1, so the farther speculation is from paying, the slower the balance fills); a step explores only when the
 balance covers the exploration's predicted loss (the predicted speculative step's time beyond what plain
 decoding needs for its predicted tokens); every exploration withdraws its measured loss, its step time
-minus what plain decoding would take for the tokens its trees were expected to emit (calibrated; a
-negative loss, an exploration that paid, deposits). So explorations lose at most ``explore_share`` of the
+minus what plain decoding would take for the tokens it emitted (a negative loss, an exploration that paid,
+deposits). Emitted, not expected: the calibrated expectation is optimistic by design (the prior of ratio 1),
+and explorations charged by it predicted ~10% more accepted tokens than they verified and kept coming where
+they lost (docs/BENCHMARKS.md, session 9); one step's acceptance is a noisy sample, but an unbiased one. So explorations lose at most ``explore_share`` of the
 time spent where speculation does not pay, never before that time was spent (a new batch size does not
 start with an exploration), and continue step after step where they pay on balance (one unlucky step among
 paying ones does not stop them); the balance holds at most ``explore_credit`` exploration step times, so
@@ -70,8 +76,8 @@ GREEDY, SAMPLED = 0, 1
 @dataclass(frozen=True)
 class BudgetConfig:
     max_budget: int = 64  # upper bound of any request's budget
-    prior: float = 4.0  # pseudo-steps at ratio 1 per depth (calibration prior)
-    decay: float = 0.995  # per-step forgetting of the calibration evidence
+    prior: float = 4.0  # calibration prior per depth: this much offered Q at the prior's ratio
+    decay: float = 0.995  # forgetting of the calibration evidence per step with a tree
     curve_rate: float = 0.1  # EMA rate of the mean gain curve used before drafting
     draft_margin: float = 0.05  # draft only if the predicted rate beats a plain step's by this fraction
     min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
@@ -133,16 +139,17 @@ class AcceptanceCalibrator:
         self.pred = np.zeros((2, max_depth + 1))  # [mode, depth] decayed sum of offered Q at depth d
         self.obs = np.zeros((2, max_depth + 1))  # [mode, depth] decayed count of reaching depth d
         self.prior, self.decay = prior, decay
-        self.pending_decay = 0  # steps whose decay is not applied yet (decay_only is on every plain step)
+        self._ratios: np.ndarray | None = None  # cached ratios() (they change only in observe)
         self.predicted_total = np.zeros(2)  # [mode] calibrated expected accepted tokens of built trees
         self.observed_total = np.zeros(2)  # [mode] accepted tokens
 
     def ratios(self) -> np.ndarray:
         """[2, max_depth + 1] calibration factors (depth 0 unused): per mode, with the other mode's ratio (on a
         prior of 1) as its prior."""
-        self._settle()
-        other = (self.obs[::-1] + self.prior) / (self.pred[::-1] + self.prior)  # [2, max_depth + 1]
-        return (self.obs + self.prior * other) / (self.pred + self.prior)
+        if self._ratios is None:
+            other = (self.obs[::-1] + self.prior) / (self.pred[::-1] + self.prior)  # [2, max_depth + 1]
+            self._ratios = (self.obs + self.prior * other) / (self.pred + self.prior)
+        return self._ratios
 
     def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
         """Calibrated marginal gains [bs, B]: Q * r[mode, depth], made non-increasing along the pop order
@@ -154,8 +161,6 @@ class AcceptanceCalibrator:
     def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray) -> float:
         """Verification result of a built tree batch: per depth, the offered Q and whether it was reached.
         Returns the accepted tokens the calibration predicted for it (summed over the batch)."""
-        self.pending_decay += 1
-        self._settle()
         depths = tree.depths.cpu().numpy()  # [bs, D] (0: root / unused)
         q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * (depths > 0)  # [bs, D]
         mode = sampled.astype(np.int64)  # [bs]
@@ -163,6 +168,9 @@ class AcceptanceCalibrator:
         predicted = (q * ratios[mode[:, None], depths]).sum(1)  # [bs]
         self.predicted_total += np.bincount(mode, predicted, minlength=2)
         self.observed_total += np.bincount(mode, accept_length, minlength=2)
+        self.pred *= self.decay
+        self.obs *= self.decay
+        self._ratios = None
         width = self.pred.shape[1]
         cells = (mode[:, None] * width + depths).reshape(-1)  # [bs*D] flat (mode, depth) of every slot
         self.pred += np.bincount(cells, q.reshape(-1), minlength=2 * width).reshape(2, width)
@@ -170,17 +178,6 @@ class AcceptanceCalibrator:
         hist = np.bincount(mode * width + accept_length.astype(np.int64), minlength=2 * width).reshape(2, width)  # [2, L+1]
         self.obs[:, 1:] += hist[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
         return float(predicted.sum())
-
-    def decay_only(self) -> None:
-        """A step without a tree: only the decay (applied lazily, at the next read)."""
-        self.pending_decay += 1
-
-    def _settle(self) -> None:
-        if self.pending_decay:
-            f = self.decay ** self.pending_decay
-            self.pred *= f
-            self.obs *= f
-            self.pending_decay = 0
 
 
 class BudgetController:
@@ -360,21 +357,16 @@ class BudgetController:
         else:
             self.chosen.update(budgets.tolist())
             self._spec_rates.clear()  # the curve and the draft / verify tables move
-        predicted = None  # calibrated expected accepted tokens of the verified trees
         if tree is not None and int(tree.num_nodes.max()) > 0:
-            predicted = self.calib.observe(tree, accept_length, sampled)
-        else:
-            self.calib.decay_only()
+            self.calib.observe(tree, accept_length, sampled)
         if total_tokens <= bs:
             self.drafts_since_plain = 0
         step_s = (draft_s or 0.0) + verify_s
         if draft_s is not None and self._plan is not None:  # a drafted step: realized against predicted
             self.correction.observe(_band(bs), bs + float(np.sum(accept_length)), step_s, *self._plan)
             self._plan = None
-        if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it is expected
-            # to emit (calibrated: one step's acceptance is a noisy sample of it; without a tree, what it emitted)
-            emitted = bs + (float(np.sum(accept_length)) if predicted is None else predicted)
-            loss = step_s - emitted / self._plain_rate(bs)
+        if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it emitted
+            loss = step_s - (bs + float(np.sum(accept_length))) / self._plain_rate(bs)
             band = _band(bs)
             self.explore_balance[band] = min(self.explore_balance[band] - loss, self.config.explore_credit * step_s)
             self._exploring = False

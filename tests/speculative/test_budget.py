@@ -71,6 +71,22 @@ def test_calibrator_ratio_per_depth_and_mode():
     assert cal.ratios()[0, 2] == pytest.approx((0 + 2 / 1.4) / 1.4)
 
 
+def test_calibration_does_not_decay_without_trees():
+    """Plain steps leave the calibration alone: with a drafter that is overconfident (verification reaches a
+    node half as often as its Q says), the ratio stays near 1/2 through a stretch without trees instead of
+    returning to the prior's optimism."""
+    popped = _popped([[np.log(0.8)]], [[1]], [[0]])
+    tree = assemble_tree(popped, torch.tensor([1]), torch.tensor([7]), torch.tensor([10]), "cpu")
+    ctl = BudgetController(BudgetConfig(max_budget=1), depth_limit=1, cost=_FakeCost())
+    for i in range(200):  # reached on 2 steps in 5: 0.4 of a Q of 0.8
+        ctl.record(np.array([1]), tree, np.array([int(i % 5 < 2)]), np.array([False]), 1, 2, 1.0, 1.0)
+    before = float(ctl.calib.ratios()[0, 1])
+    assert before == pytest.approx(0.5, abs=0.05)
+    for _ in range(1000):
+        ctl.record(np.zeros(1, dtype=np.int64), None, np.zeros(1), np.array([False]), 1, 1, None, 1.0)
+    assert float(ctl.calib.ratios()[0, 1]) == before
+
+
 class _FakeCost:
     """Hand-set step times: draft 1 s, verify 1 s per 2 tokens plus 1 s."""
 
@@ -170,21 +186,28 @@ def test_the_curve_follows_the_calibration():
     assert ctl.curve[0].tolist() == pytest.approx([0.8, 0.4]) and ctl._curve_drift()[0] == pytest.approx(1.0)
     # verification offered Q 1.2 at depth 1 and never reached it: ratio (0 + 1) / (1.2 + 1) = 1 / 2.2
     ctl.calib.obs[0, 1], ctl.calib.pred[0, 1] = 0.0, 1.2
+    ctl.calib._ratios = None  # (set by hand: observe clears the cache)
     assert ctl._curve_drift()[0] == pytest.approx(1 / 2.2)
 
 
-def test_an_exploration_is_charged_its_expected_tokens():
-    """An exploration's loss counts the tokens its verified trees were expected to emit (calibrated), not the
-    one noisy sample verification drew: a tree of Q 0.9 + 0.8 that accepted nothing still banks credit."""
+def test_an_exploration_is_charged_the_tokens_it_emitted():
+    """An exploration's loss counts the tokens verification accepted, not the calibrated expectation (which
+    the prior of ratio 1 makes optimistic): a tree of Q 0.9 + 0.8 that accepted nothing is charged its whole
+    time beyond one plain step; one that accepted both nodes banks credit."""
     ctl = BudgetController(BudgetConfig(max_budget=3), depth_limit=3, cost=_FakeCost())
     greedy = np.array([False])
-    assert ctl.plan_draft(greedy) and ctl._exploring
     popped = _popped([[np.log(0.9), np.log(0.8), np.log(0.1)]], [[1, 2, 3]], [[0, 1, 2]])
-    budgets = ctl.choose(popped, greedy)
-    tree = assemble_tree(popped, torch.from_numpy(budgets), torch.tensor([3]), torch.tensor([7]), "cpu")
-    # prior ratios 1: 1 + 1.7 tokens expected in 1 + 2 s where plain decoding takes 1.5 s per token
-    ctl.record(budgets, tree, np.array([0]), greedy, 1, 3, 1.0, 2.0)
-    assert ctl.explore_balance[0] == pytest.approx(2.7 * 1.5 - 3.0)
+    balance = 0.0
+    for accepted in (0, 2):
+        ctl._exploring = True  # (forced: an exploration each time)
+        budgets = ctl.choose(popped, greedy)
+        assert budgets.sum() >= accepted
+        tree = assemble_tree(popped, torch.from_numpy(budgets), torch.tensor([3]), torch.tensor([7]), "cpu")
+        # 1 + accepted tokens in 1 + 2 s where plain decoding takes 1.5 s per token
+        ctl.record(budgets, tree, np.array([accepted]), greedy, 1, 1 + int(budgets.sum()), 1.0, 2.0)
+        balance = min(balance - (3.0 - (1 + accepted) * 1.5), 2 * 3.0)
+        assert ctl.explore_balance[0] == pytest.approx(balance)
+    assert balance == pytest.approx(-1.5 + 1.5)
 
 
 def test_exploration_balance_per_batch_size_band():

@@ -11,10 +11,11 @@ mean Q of the d-th pop of the shipped drafter at batch 1, docs/BENCHMARKS.md ses
 power (easy and hard steps); verification reaches depth d with probability ``0.7 Q_d`` (the drafter is
 overconfident, as measured). Tolerances: auto must reach 0.95x the best fixed budget (the issue's bar) and
 0.97x plain decoding where speculation loses or nearly pays (explorations spend at most 1% of the time;
-the start-up exploration, the probe's empty-context prices and near-ties cost the rest), 0.985x where a
-slowdown comes while no step drafts. Measured with the verify-minus-plain tree table of session 7, the
-slowdown-while-drafting case gives 0.915x the best fixed budget; with verify tables that did not follow the
-plain table (session 8), the slowdown-while-plain cases give 0.979x and 0.978x plain decoding.
+the start-up exploration, the probe's empty-context prices and near-ties cost the rest), 0.985x on average
+over three step sequences where a slowdown comes while no step drafts. Measured with the verify-minus-plain
+tree table of session 7, the slowdown-while-drafting case gives 0.915x the best fixed budget; with verify
+tables that did not follow the plain table (session 8's), the slowdown-while-plain cases give 0.981x and
+0.971x plain decoding (docs/BENCHMARKS.md, session 9).
 """
 
 from __future__ import annotations
@@ -149,18 +150,25 @@ def test_auto_keeps_paying_through_a_slowdown_while_it_drafts():
     assert auto >= 0.95 * max(fixed.values()), (auto, fixed)
 
 
+def _mean_ratio_to_plain(machine: Machine, bs: int, seeds: tuple[int, ...] = (0, 1, 2)) -> float:
+    """auto / plain decoding, averaged over step sequences (one sequence's near-ties swing it by ~2%)."""
+    ratios = []
+    for seed in seeds:
+        auto, fixed = _compare(machine, bs, seed=seed)
+        assert max(fixed.values()) == fixed[0]  # cases where plain decoding is best
+        ratios.append(auto / fixed[0])
+    return float(np.mean(ratios))
+
+
 def test_auto_steps_aside_through_a_slowdown_while_plain():
     """The losing case with the machine twice as slow for steps 200-400: plain steps measure the slowdown, the
-    drafted prices must follow it (left at their old, cheap level, explorations that lose keep coming)."""
+    drafted prices must follow it (left at their old, cheap level, explorations that lose keep coming;
+    session 8's model: 0.981)."""
     machine = Machine(base=0.020, per_req=0.004, per_node=0.004, draft=0.008, slow_steps=(200, 400))
-    auto, fixed = _compare(machine, bs=4)
-    assert max(fixed.values()) == fixed[0]
-    assert auto >= 0.985 * fixed[0], (auto, fixed)
+    assert _mean_ratio_to_plain(machine, bs=4) >= 0.985
 
 
 def test_auto_stays_near_plain_through_a_slowdown_while_plain():
-    """The near-break-even case with the machine twice as slow for steps 200-400 (session 8's model: 0.978x)."""
+    """The near-break-even case with the machine twice as slow for steps 200-400 (session 8's model: 0.971)."""
     machine = Machine(base=0.020, per_req=0.004, per_node=0.0015, draft=0.004, slow_steps=(200, 400))
-    auto, fixed = _compare(machine, bs=4)
-    assert max(fixed.values()) == fixed[0]
-    assert auto >= 0.985 * fixed[0], (auto, fixed)
+    assert _mean_ratio_to_plain(machine, bs=4) >= 0.985
