@@ -112,12 +112,17 @@ def build_engine(alg: str, budget: int | str, args) -> Engine:
     return engine
 
 
-def run_rounds(engines: dict, ids_of: Callable[[int], list[list[int]]], params, bs: int, rounds: int,
-               first_round: int, rows: dict[str, list]) -> int:
+def run_rounds(engines: dict, ids_of: Callable[[int], list[list[int]]], params_of: Callable[[int], SamplingParams],
+               bs: int, rounds: int, first_round: int, rows: dict[str, list]) -> int:
     """``rounds`` interleaved rounds over every engine in ``engines``, all of a round on the prompts
-    ``ids_of(round)`` in calls of ``bs`` requests, each call run by every engine in turn, the order rotated
-    every call (a batch smaller than the round interleaves request by request); the rows (tagged with a
-    global round id, so that ratios pair rows of the same round) go to ``rows``. Returns the next round id."""
+    ``ids_of(round)`` and the sampling parameters ``params_of(round)`` in calls of ``bs`` requests, each call
+    run by every engine in turn, the order rotated every call (a batch smaller than the round interleaves
+    request by request); the rows (tagged with a global round id, so that ratios pair rows of the same round)
+    go to ``rows``. Returns the next round id. The seed changes with the round: under sampling, each
+    configuration draws its own sample path (speculation consumes a request's random stream differently
+    from plain decoding), and its acceptance depends on that path. With one seed for every round, a fixed
+    budget whose paths happen to accept well is lucky in every round, and the A/A control cannot see it
+    (its two plain engines draw the same path)."""
     labels = list(engines)
     for k in range(rounds):
         rid = first_round + k
@@ -126,7 +131,7 @@ def run_rounds(engines: dict, ids_of: Callable[[int], list[list[int]]], params, 
         for j, i in enumerate(range(0, len(ids), bs)):
             rot = (rid + j) % len(labels)
             for lab in labels[rot:] + labels[:rot]:
-                raw[lab] = merge(raw[lab], run(engines[lab], ids[i:i + bs], params))
+                raw[lab] = merge(raw[lab], run(engines[lab], ids[i:i + bs], params_of(rid)))
         for lab in labels:
             rows.setdefault(lab, []).append({**finish(raw[lab]), "round": rid})
     return first_round + rounds
@@ -257,9 +262,11 @@ def main() -> None:
                 rot = ids_all[rid % len(ids_all):] + ids_all[:rid % len(ids_all)]
                 return (rot * ((n + len(rot) - 1) // len(rot)))[:n]
 
-            params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
+            def params_of(rid: int, temp: float = temp) -> SamplingParams:  # seed = round: see run_rounds
+                return SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=rid, ignore_eos=True)
+
             print(f"[bench] {'/'.join(engines)} batch={bs} T={temp}: {rounds} rounds", flush=True)
-            next_round[(bs, temp)] = run_rounds(engines, ids_of, params, bs, rounds, next_round[(bs, temp)],
+            next_round[(bs, temp)] = run_rounds(engines, ids_of, params_of, bs, rounds, next_round[(bs, temp)],
                                                 rows_by_cell[(bs, temp)])
             last = {lab: rows_by_cell[(bs, temp)][lab][-1]["tok_s"] for lab in engines}
             print("[bench]   last round tok/s: " + "  ".join(f"{k} {v:.1f}" for k, v in last.items())
