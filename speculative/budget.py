@@ -37,9 +37,9 @@ decoding needs for its predicted tokens); every exploration withdraws its measur
 minus what plain decoding would take for the tokens it emitted (a negative loss, an exploration that paid,
 deposits). Emitted, not expected: the calibrated expectation is optimistic by design (the prior of ratio 1),
 and explorations charged by it predicted ~10% more accepted tokens than they verified and kept coming where
-they lost (docs/BENCHMARKS.md, session 9); one step's acceptance is a noisy sample, but an unbiased one. So explorations lose at most ``explore_share`` of the
-time spent where speculation does not pay, never before that time was spent (a new batch size does not
-start with an exploration), and continue step after step where they pay on balance (one unlucky step among
+they lost (docs/BENCHMARKS.md, session 9); one step's acceptance is a noisy sample, but an unbiased one.
+So explorations lose at most ``explore_share`` of the time spent where speculation does not pay, never
+before that time was spent (a new batch size does not start with an exploration), and continue step after step where they pay on balance (one unlucky step among
 paying ones does not stop them); the balance holds at most ``explore_credit`` exploration step times, so
 credit earned where speculation paid cannot fund a long run of losing explorations elsewhere. There is one
 balance per batch-size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32
@@ -158,9 +158,9 @@ class AcceptanceCalibrator:
         g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
         return np.minimum.accumulate(g, axis=1) if g.size else g
 
-    def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray) -> float:
-        """Verification result of a built tree batch: per depth, the offered Q and whether it was reached.
-        Returns the accepted tokens the calibration predicted for it (summed over the batch)."""
+    def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray) -> None:
+        """Verification result of a built tree batch: per depth, the offered Q and whether it was reached (and
+        the totals of predicted and accepted tokens, for metrics)."""
         depths = tree.depths.cpu().numpy()  # [bs, D] (0: root / unused)
         q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * (depths > 0)  # [bs, D]
         mode = sampled.astype(np.int64)  # [bs]
@@ -177,7 +177,6 @@ class AcceptanceCalibrator:
         # depth d is reached by the requests whose accepted path has at least d nodes (never past the tree)
         hist = np.bincount(mode * width + accept_length.astype(np.int64), minlength=2 * width).reshape(2, width)  # [2, L+1]
         self.obs[:, 1:] += hist[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
-        return float(predicted.sum())
 
 
 class BudgetController:
