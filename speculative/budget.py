@@ -40,9 +40,9 @@ and explorations charged by it predicted ~10% more accepted tokens than they ver
 they lost (docs/BENCHMARKS.md, session 9); one step's acceptance is a noisy sample, but an unbiased one.
 So explorations lose at most ``explore_share`` of the time spent where speculation does not pay, never
 before that time was spent (a new batch size does not start with an exploration), and continue step after
-step where they pay on balance (one unlucky step among paying ones does not stop them); the balance holds at most ``explore_credit`` exploration step times, so
-credit earned where speculation paid cannot fund a long run of losing explorations elsewhere. There is one
-balance per batch-size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32
+step where they pay on balance (one unlucky step among paying ones does not stop them); the balance holds
+at most ``explore_credit`` exploration step times, so credit earned where speculation paid cannot fund a
+long run of losing explorations elsewhere. There is one balance per batch-size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32
 do not keep batch 1, where speculation may pay, from exploring. Symmetrically, where drafting pays, one
 step in ``plain_refresh_every`` is a plain step, so that the plain-step cost it is compared with stays
 measured (a start-up probe timed under load would otherwise keep it drafting where it loses). After
