@@ -42,12 +42,13 @@ So explorations lose at most ``explore_share`` of the time spent where speculati
 before that time was spent (a new batch size does not start with an exploration), and continue step after
 step where they pay on balance (one unlucky step among paying ones does not stop them); the balance holds
 at most ``explore_credit`` exploration step times, so credit earned where speculation paid cannot fund a
-long run of losing explorations elsewhere. There is one balance per batch-size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32
-do not keep batch 1, where speculation may pay, from exploring. Symmetrically, where drafting pays, one
-step in ``plain_refresh_every`` is a plain step, so that the plain-step cost it is compared with stays
-measured (a start-up probe timed under load would otherwise keep it drafting where it loses). After
-drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
-tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
+long run of losing explorations elsewhere. There is one balance per batch-size band (1, 4, 16, ... to the
+nearest power of 4): explorations that lose at batch 32 do not keep batch 1, where speculation may pay, from
+exploring. Symmetrically, where drafting pays, one step in ``plain_refresh_every`` is a plain step, so that
+the plain-step cost it is compared with stays measured (a start-up probe timed under load would otherwise
+keep it drafting where it loses). After drafting (``choose``) the drafter's cost is sunk and the budgets
+come from this step's own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ
+per rank).
 
 Pops (``BudgetController.pop_and_choose``): popping costs host time per node, so a step pops only twice the
 largest budget the previous drafted step chose (at least ``min_pops``) and re-pops up to ``max_budget`` only
