@@ -159,9 +159,13 @@ class AcceptanceCalibrator:
         g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
         return np.minimum.accumulate(g, axis=1) if g.size else g
 
-    def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray) -> None:
-        """Verification result of a built tree batch: per depth, the offered Q and whether it was reached (and
-        the totals of predicted and accepted tokens, for metrics)."""
+    def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray,
+                reach: np.ndarray | None = None) -> None:
+        """Verification result of a built tree batch: per depth, the offered Q and how often it was reached (and
+        the totals of predicted and accepted tokens, for metrics). ``reach`` [bs, D]: the probability that
+        each node was accepted given the tree and the target (``speculative.verify.node_reach``: the coins'
+        noise taken out of sampled outcomes); without it, depth d counts as reached by the requests whose
+        ``accept_length`` [bs] is at least d."""
         depths = tree.depths.cpu().numpy()  # [bs, D] (0: root / unused)
         q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * (depths > 0)  # [bs, D]
         mode = sampled.astype(np.int64)  # [bs]
@@ -175,6 +179,10 @@ class AcceptanceCalibrator:
         width = self.pred.shape[1]
         cells = (mode[:, None] * width + depths).reshape(-1)  # [bs*D] flat (mode, depth) of every slot
         self.pred += np.bincount(cells, q.reshape(-1), minlength=2 * width).reshape(2, width)
+        if reach is not None:
+            hit = np.asarray(reach, dtype=np.float64) * (depths > 0)  # [bs, D]
+            self.obs += np.bincount(cells, hit.reshape(-1), minlength=2 * width).reshape(2, width)
+            return
         # depth d is reached by the requests whose accepted path has at least d nodes (never past the tree)
         hist = np.bincount(mode * width + accept_length.astype(np.int64), minlength=2 * width).reshape(2, width)  # [2, L+1]
         self.obs[:, 1:] += hist[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
@@ -349,16 +357,21 @@ class BudgetController:
         total_tokens: int,
         draft_s: float | None,
         verify_s: float,
+        reach: np.ndarray | None = None,
     ) -> None:
         """After the step: the chosen budgets (metrics), the verification outcome (calibration; ``tree``
-        None or without nodes: nothing to calibrate) and the measured phase times (cost model)."""
+        None or without nodes: nothing to calibrate) and the measured phase times (cost model).
+        ``accept_length`` [bs]: accepted tokens, or with ``reach`` [bs, D] (per-node acceptance probabilities,
+        ``speculative.verify.node_reach``) their expectation ``reach[:, 1:].sum(1)``, which the worker passes:
+        the rate correction and exploration charges then see a sampled step's expected outcome, not one
+        draw of its coins."""
         if draft_s is None:  # a plain step (the common case where speculation does not pay: kept cheap)
             self.chosen[0] += bs
         else:
             self.chosen.update(budgets.tolist())
             self._spec_rates.clear()  # the curve and the draft / verify tables move
         if tree is not None and int(tree.num_nodes.max()) > 0:
-            self.calib.observe(tree, accept_length, sampled)
+            self.calib.observe(tree, accept_length, sampled, reach)
         if total_tokens <= bs:
             self.drafts_since_plain = 0
         step_s = (draft_s or 0.0) + verify_s

@@ -249,7 +249,7 @@ class SpecWorker:
         vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
         res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy,
                           [q.generator for q in reqs], min_p=info.min_p, penalties=pen,
-                          threshold_single=single, threshold_acc=acc)
+                          threshold_single=single, threshold_acc=acc, want_reach=ctl is not None)
         t.lap("verify")
         out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
         if want_lp:
@@ -260,8 +260,9 @@ class SpecWorker:
         for o, n in zip(out, n_used.tolist(), strict=True):
             o.budget = n
         if ctl is not None:  # the (ragged) verify forward ran bs + sum(nodes) tokens
-            ctl.record(n_used.numpy(), tree, res.accept_length.cpu().numpy(), sampled, bs, bs + int(n_used.sum()),
-                       draft_s, time.perf_counter() - built_at)
+            reach = res.node_reach.cpu().numpy()  # [bs, D] sampled rows: expected, not one draw of the coins
+            ctl.record(n_used.numpy(), tree, reach[:, 1:].sum(1), sampled, bs, bs + int(n_used.sum()),
+                       draft_s, time.perf_counter() - built_at, reach)
         return out
 
     def _plain_step(self, reqs, idx, cached, roots, sampled: np.ndarray, draft_s: float | None) -> list[DecodeResult]:

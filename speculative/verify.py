@@ -46,6 +46,44 @@ class VerifyResult:
     accept_index: torch.Tensor  # [bs, S] int64, local slots: root, then the accepted nodes in path order
     accept_length: torch.Tensor  # [bs] int64, accepted draft nodes (root not counted)
     emitted_tokens: torch.Tensor  # [bs, S] int64, accepted draft tokens then the bonus token
+    node_reach: torch.Tensor | None = None  # [bs, D] float32, P(node i on the accepted path) (``node_reach``)
+
+
+def node_reach(tree: DraftTree, target_probs: torch.Tensor) -> torch.Tensor:
+    """[bs, D] float32: the probability that verification accepts node i, given the tree and the target
+    distributions, over the coins (root 1, unused slots 0).
+
+    With thresholds 1 and ``draft_probs`` zero the sampling kernel accepts child j of the last accepted
+    node with coin u when ``acc_{j-1} < u <= acc_j`` (``acc`` the running sum of the parent row's target
+    probabilities in sibling order; ``<`` under the ``lt`` rule, the same measure for a continuous coin), so
+    with probability ``p_target(token_j)`` at the parent row, and the coins of successive levels are
+    independent: a node is reached with the product of its path's target probabilities. For a one-hot
+    (greedy) row that is 1 on the argmax path and 0 elsewhere: the greedy outcome itself. Summed over the
+    nodes this is the expected accepted length, the sampled outcome with the coins' noise taken out
+    (Rao-Blackwell): what the adaptive budget calibrates against (``speculative.budget``).
+
+    tree: D slots per request; target_probs [bs, D, V] (row i: the distribution after node i)."""
+    bs, d = tree.candidates.shape
+    dev = target_probs.device
+    node = tree.parents >= 0  # [bs, D] non-root used slots
+    rows = torch.arange(bs, device=dev)[:, None] * d + tree.parents.clamp(min=0)  # [bs, D] parent rows
+    flat = target_probs.reshape(bs * d, -1)  # [bs*D, V]
+    p = flat[rows.reshape(-1), tree.candidates.reshape(-1)].reshape(bs, d)  # [bs, D] p_target at the parent
+    p = torch.where(node, p.float(), torch.ones_like(p, dtype=torch.float32))  # [bs, D] root / unused: 1
+    anc = tree.tree_mask.float()  # [bs, D, D] ancestors and self
+    log_path = torch.bmm(anc, p.clamp_min(1e-30).log()[:, :, None])[:, :, 0]  # [bs, D]
+    dead = torch.bmm(anc, (p <= 0).float()[:, :, None])[:, :, 0] > 0  # [bs, D] a zero on the path
+    reach = torch.where(dead, 0.0, log_path.exp())  # [bs, D]
+    used = node | (torch.arange(d, device=dev) == 0)[None, :]  # [bs, D]
+    return torch.where(used, reach, 0.0)
+
+
+def _path_indicator(accept_index: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[bs, D] float32: 1 on the accepted path (root included), from local ``accept_index`` [bs, S]."""
+    bs = accept_index.shape[0]
+    out = torch.zeros(bs, num_slots + 1, device=accept_index.device)  # [bs, D + 1] (column D: padding)
+    out.scatter_(1, torch.where(accept_index >= 0, accept_index, num_slots), 1.0)
+    return out[:, :num_slots]
 
 
 def build_target_probs(
@@ -124,6 +162,7 @@ def verify_tree(
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     penalties: BatchPenalties | None = None,
+    want_reach: bool = False,
 ) -> VerifyResult:
     """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification, lossless with
     thresholds 1).
@@ -132,7 +171,9 @@ def verify_tree(
     top_p [bs] float; top_k [bs] int (<= 0: off); is_greedy [bs] bool; generators: one per request
     (None: torch's default generator), only used by sampled requests. ``penalties``: logit bias and
     repetition / frequency / presence penalties (``model_executor.penalties.apply_tree_penalties``: node i
-    counts the tokens on its own path root..i), applied before the argmax and the target probabilities."""
+    counts the tokens on its own path root..i), applied before the argmax and the target probabilities.
+    ``want_reach``: also return ``node_reach`` (sampled rows: the exact reach probabilities, ``node_reach``;
+    greedy rows and thresholds below 1: the realized path, 0 / 1)."""
     from kernels import speculative as kspec
 
     bs, d = tree.candidates.shape
@@ -187,8 +228,14 @@ def verify_tree(
     base = (torch.arange(bs, device=dev) * d).view(bs, 1)  # [bs, 1]
     local = torch.where(valid, glob - base, -1)  # [bs, S]
     emitted = torch.where(valid, predicts.long()[glob.clamp(min=0)], -1)  # [bs, S]
+    reach = None
+    if want_reach:
+        reach = _path_indicator(local, d)  # [bs, D]
+        if not bool(greedy.all()) and threshold_single >= 1.0 and threshold_acc >= 1.0:
+            reach = torch.where(greedy[:, None], reach, node_reach(tree, target_probs))  # [bs, D]
     return VerifyResult(
         accept_index=local,
         accept_length=accept_num.long(),
         emitted_tokens=emitted,
+        node_reach=reach,
     )

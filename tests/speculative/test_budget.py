@@ -70,6 +70,23 @@ def test_calibrator_ratio_per_depth_and_mode():
     assert cal.ratios()[0, 2] == pytest.approx((0 + 2 / 1.4) / 1.4)
 
 
+def test_calibrator_learns_from_reach_probabilities():
+    """With ``reach`` (per-node acceptance probabilities, sampled requests), depth d counts the summed reach of
+    its nodes, not whether one draw of the coins reached it: the tree of the test above, with reach 0.3 and
+    0.1 at the depth-1 nodes and 0.2 at the depth-2 node, gives ratios 0.4 / 0.75 and 0.2 / 0.4 (no prior)."""
+    popped = _popped([[np.log(0.5), np.log(0.4), np.log(0.25)]], [[1, 2, 1]], [[0, 1, 0]])
+    tree = assemble_tree(popped, torch.tensor([3]), torch.tensor([7]), torch.tensor([10]), "cpu")
+    depth = tree.depths[0].tolist()
+    reach = np.zeros((1, tree.num_slots))
+    reach[0, 0] = 1.0
+    for i, d in enumerate(depth[1:], start=1):
+        reach[0, i] = 0.2 if d == 2 else (0.3 if np.isclose(float(tree.node_logws[0, i].exp()), 0.5) else 0.1)
+    cal = AcceptanceCalibrator(max_depth=3, prior=1e-9, decay=1.0)
+    cal.observe(tree, reach[:, 1:].sum(1), np.array([True]), reach)
+    assert cal.ratios()[1, 1] == pytest.approx(0.4 / 0.75) and cal.ratios()[1, 2] == pytest.approx(0.2 / 0.4)
+    assert cal.observed_total[1] == pytest.approx(0.6)
+
+
 def test_calibration_does_not_decay_without_trees():
     """Plain steps leave the calibration alone: with a drafter that is overconfident (verification reaches a
     node half as often as its Q says), the ratio stays near 1/2 through a stretch without trees instead of

@@ -1,0 +1,105 @@
+"""``speculative.verify.node_reach``: the probability that sampled verification accepts each tree node, against
+the kernel's own acceptance frequencies (Monte Carlo over the coins), by hand, at probabilities of exactly 0
+and 1, and as ``verify_tree(want_reach=True)`` returns it for greedy, sampled and mixed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculative.ddtree import DraftTree, build_ddtree
+from speculative.verify import COIN_RULE_ENV, build_target_probs, node_reach, verify_tree
+
+
+def _tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
+    bs = draft_logits.shape[0]
+    return build_ddtree(draft_logits, torch.full((bs,), budget), torch.zeros(bs, dtype=torch.int64),
+                        torch.full((bs,), 5, dtype=torch.int64))
+
+
+def _params(bs: int, temp: float, top_k: int = -1, greedy: bool = False):
+    return (torch.full((bs,), temp), torch.full((bs,), top_k, dtype=torch.int64), torch.full((bs,), 1.0),
+            torch.full((bs,), greedy, dtype=torch.bool))
+
+
+def _on_path(accept_index: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[bs, D] bool: slot i is on the accepted path."""
+    ar = torch.arange(num_slots)
+    return (accept_index[:, :, None] == ar[None, None, :]).any(1)
+
+
+@pytest.mark.parametrize("rule", ["le", "lt"])
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_reach_is_the_kernels_acceptance_frequency(monkeypatch: pytest.MonkeyPatch, rule: str, top_k: int) -> None:
+    """One tree of 8 nodes over a vocabulary of 6, verified N = 20000 times with independent coins: each
+    node's acceptance frequency matches ``node_reach`` within 4.5 binomial standard deviations (+ 1e-3), under
+    both coin rules of the kernel, with and without top-k (top-k zeroes tokens: reach exactly 0 there)."""
+    monkeypatch.setenv(COIN_RULE_ENV, rule)
+    gen = torch.Generator().manual_seed(3)
+    n, vocab, depth = 20000, 6, 3
+    draft = torch.randn(1, depth, vocab, generator=gen) * 1.5
+    one = _tree(draft, 8)
+    d = one.num_slots
+    target = torch.randn(1, d, vocab, generator=gen) * 1.3  # [1, D, V]
+    tree = _tree(draft.expand(n, -1, -1).contiguous(), 8)
+    res = verify_tree(tree, target.expand(n, -1, -1).contiguous(), *_params(n, 0.8, top_k),
+                      [torch.Generator().manual_seed(s) for s in range(n)], want_reach=True)
+    freq = _on_path(res.accept_index, d).double().mean(0)  # [D]
+    probs = build_target_probs(target, *_params(1, 0.8, top_k))  # [1, D, V]
+    reach = node_reach(one, probs)[0].double()  # [D]
+    assert torch.allclose(res.node_reach, reach.float().expand(n, -1))  # every replica: the same reach
+    assert reach[0] == 1.0 and float(reach[1:].sum()) > 0.3  # the tree is used
+    tol = 4.5 * (reach * (1 - reach) / n).sqrt() + 1e-3
+    assert ((freq - reach).abs() <= tol).all(), (freq.tolist(), reach.tolist())
+    if top_k > 0:  # some node's token is filtered out at its parent: never accepted, and exactly 0 predicted
+        zero = reach == 0
+        assert zero.any() and (freq[zero] == 0).all()
+
+
+def test_reach_by_hand() -> None:
+    """A chain root -> a -> b and a sibling c of a: reach(a) = p0(a), reach(b) = p0(a) pa(b), reach(c) = p0(c)
+    (the sibling order does not matter: the coin's intervals are disjoint); unused slots 0."""
+    vocab = 5
+    draft = torch.full((1, 2, vocab), -9.0)
+    draft[0, 0, 1], draft[0, 0, 2], draft[0, 1, 3] = 2.0, 1.0, 2.0  # depth 1: 1 then 2; depth 2: 3
+    tree = _tree(draft, 3)
+    probs = torch.zeros(1, tree.num_slots, vocab)
+    probs[0, :, 4] = 1.0  # rows of nodes without children: irrelevant
+    probs[0, 0] = torch.tensor([0.1, 0.5, 0.2, 0.0, 0.2])
+    cand, par = tree.candidates[0].tolist(), tree.parents[0].tolist()
+    a = next(i for i in range(1, 4) if par[i] == 0 and cand[i] == 1)
+    c = next(i for i in range(1, 4) if par[i] == 0 and cand[i] == 2)
+    b = next(i for i in range(1, 4) if par[i] == a)
+    probs[0, a] = torch.tensor([0.0, 0.0, 0.0, 0.25, 0.75])
+    reach = node_reach(tree, probs)[0]
+    assert reach[0] == 1.0
+    assert reach[a].item() == pytest.approx(0.5) and reach[c].item() == pytest.approx(0.2)
+    assert reach[b].item() == pytest.approx(0.125)
+    wide = _tree(torch.cat([draft, draft]), 3)  # budgets 3 and 1 in one batch: the second has unused slots
+    narrow = build_ddtree(torch.cat([draft, draft]), torch.tensor([3, 1]), torch.zeros(2, dtype=torch.int64),
+                          torch.full((2,), 5, dtype=torch.int64))
+    assert wide.num_slots == narrow.num_slots
+    r2 = node_reach(narrow, torch.cat([probs, probs]))
+    assert r2[1, 2:].tolist() == [0.0, 0.0] and r2[1, 1].item() == pytest.approx(0.5)
+
+
+def test_greedy_and_mixed_rows_get_the_realized_path() -> None:
+    """Greedy rows: reach is the accepted path itself (0 / 1), in an all-greedy batch and in a mixed one
+    (one-hot rows); thresholds below 1 (lossy): the realized path for every row."""
+    gen = torch.Generator().manual_seed(5)
+    bs, vocab = 6, 8
+    draft = torch.randn(bs, 4, vocab, generator=gen)
+    tree = _tree(draft, 10)
+    target = torch.randn(bs, tree.num_slots, vocab, generator=gen)
+    gens = [torch.Generator().manual_seed(s) for s in range(bs)]
+    greedy = verify_tree(tree, target, *_params(bs, 0.0, greedy=True), gens, want_reach=True)
+    assert torch.equal(greedy.node_reach, _on_path(greedy.accept_index, tree.num_slots).float())
+    temp, top_k, top_p, is_greedy = _params(bs, 1.0)
+    is_greedy[::2] = True
+    mixed = verify_tree(tree, target, temp, top_k, top_p, is_greedy, gens, want_reach=True)
+    assert torch.equal(mixed.node_reach[::2], greedy.node_reach[::2])
+    sampled_rows = mixed.node_reach[1::2]
+    assert ((sampled_rows > 0) & (sampled_rows < 1)).any()  # probabilities, not the draw
+    lossy = verify_tree(tree, target, *_params(bs, 1.0), gens, threshold_acc=0.5, want_reach=True)
+    assert torch.equal(lossy.node_reach, _on_path(lossy.accept_index, tree.num_slots).float())
+    assert verify_tree(tree, target, *_params(bs, 1.0), gens).node_reach is None  # only when asked for
