@@ -40,7 +40,8 @@ class ServerMetrics:
                                    "controller predicted (calibrated), by sampling mode", labels + ["mode"],
                                    registry=reg)
         self.accept_obs = Counter(f"{p}_spec_observed_accepted_tokens", "Accepted draft tokens of the trees the "
-                                  "auto budget controller chose, by sampling mode", labels + ["mode"], registry=reg)
+                                  "auto budget controller chose, by sampling mode (sampled: the expectation over the coins "
+                                  "given the tree)", labels + ["mode"], registry=reg)
         self._budget_seen: dict = {}  # cumulative controller stats already exported
         self.running = Gauge(f"{p}_num_running_reqs", "Requests being decoded", labels, registry=reg)
         self.queued = Gauge(f"{p}_num_queue_reqs", "Requests waiting for admission", labels, registry=reg)

@@ -8,7 +8,10 @@ drafter's probabilities are not calibrated: ``AcceptanceCalibrator`` scales the 
 ratio r_d = (observed + prior) / (predicted + prior) of how often verification reached depth d against the
 summed Q of the depth-d nodes it was offered, kept separately for greedy and sampled requests (for a
 deterministic draft tree, target-only sampling accepts a child c with probability p_target(c), so the same
-sum is the sampled prediction). The prior of each mode is the other mode's ratio (itself on a prior of 1),
+sum is the sampled prediction). A sampled step's observation is not its one draw of the coins but each node's
+reach probability, the product of the target probabilities along its path (``speculative.verify.node_reach``:
+the draw's expectation given the tree, Rao-Blackwell), so sampled requests calibrate, and are charged, as
+steadily as greedy ones, whose outcome is deterministic given the tree. The prior of each mode is the other mode's ratio (itself on a prior of 1),
 so sampled requests arriving after greedy ones start from what greedy steps measured. The prior's ratio of
 1 is optimistic for this drafter, and on purpose: deep nodes, seldom offered, keep being tried (a prior
 taken from the depth above let one unlucky stretch shrink every deeper ratio and the trees with them, with
@@ -35,9 +38,11 @@ x rho ** ``explore_power`` of its time (rho: the predicted speculative rate over
 balance covers the exploration's predicted loss (the predicted speculative step's time beyond what plain
 decoding needs for its predicted tokens); every exploration withdraws its measured loss, its step time
 minus what plain decoding would take for the tokens it emitted (a negative loss, an exploration that paid,
-deposits). Emitted, not expected: the calibrated expectation is optimistic by design (the prior of ratio 1),
+deposits). Emitted, not the calibrated expectation: that is optimistic by design (the prior of ratio 1),
 and explorations charged by it predicted ~10% more accepted tokens than they verified and kept coming where
-they lost (docs/BENCHMARKS.md, session 9); one step's acceptance is a noisy sample, but an unbiased one.
+they lost (docs/BENCHMARKS.md, session 9). For sampled requests "emitted" is the verified expectation given
+the tree (reach probabilities, above): one draw of the coins made a near-break-even step's balance, and with
+it the exploring, a matter of luck (tests/speculative/test_budget_closed_loop.py).
 So explorations lose at most ``explore_share`` of the time spent where speculation does not pay, never
 before that time was spent (a new batch size does not start with an exploration), and continue step after
 step where they pay on balance (one unlucky step among paying ones does not stop them); the balance holds

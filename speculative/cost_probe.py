@@ -96,8 +96,10 @@ def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
         tree = assemble_tree(popped, torch.from_numpy(popped.counts), zeros, zeros, r.device)
         logits, captured, slots = worker._verify_forward(tree, idx, zeros)  # [bs, D, V], [bs*D, F], [bs, D]
         info = BatchSamplingInfo.build([GREEDY] * bs, logits.shape[-1], r.device)
-        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy, [None] * bs)
+        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy, [None] * bs,
+                          want_reach=True)
         res.accept_length.tolist()  # the commit's host copy: synchronises
+        res.node_reach.cpu()  # the controller's copy (spec_worker)
         d = slots.shape[1]
         worker._write_context(captured[torch.arange(bs, device=r.device) * d], zeros, slots[:, 0])
         return time.perf_counter() - t

@@ -73,8 +73,9 @@ def test_engine_plain_steps_defer_and_match_immediate_writes(tiny):
         _assert_pool_full(e)
     assert outputs[0] == outputs[1]
     assert reused[0] == 0 and reused[1] > 0  # slots were reused while their writes waited
-    for a, b in zip(*caches, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(*caches, strict=True):  # float32 rounding only: a batched write projects more rows at once,
+        # and a CPU BLAS may sum by the row count (AMD EPYC: 1.7e-6 abs); a wrong slot differs by O(1)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     # a direct write (a prefill's context, a tree step's commit) lands after the writes still waiting
     feats = torch.randn(2, 3, len(spec.drafter.target_layer_ids) * spec.drafter.config.hidden_size)  # [2, T, F]
     pos, slots = torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7])
