@@ -93,7 +93,7 @@ class BudgetConfig:
     replan_every: int = 16  # plain steps between re-predictions of the speculative rate (calibration drifts)
     correction_rate: float = 0.05  # forgetting rate of the realized / predicted rate sums (rate_correction.py)
     correction_prior: float = 8.0  # drafted steps of evidence at which the correction counts half (in log)
-    plain_refresh_every: int = 64  # where drafting pays, one plain step per this many to keep plain(bs) measured
+    plain_refresh_every: int = 64  # a step that would draft is a plain step when plain(bs) is this many steps old
     deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
     probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
 
@@ -212,7 +212,6 @@ class BudgetController:
         self._rho = 1.0  # this step's predicted speculative / plain rate (scales the deposit)
         self.correction = RateCorrection(8, config.correction_rate, config.correction_prior)  # by band
         self._plan: tuple[float, float] | None = None  # this step's uncorrected (rate, seconds) prediction
-        self.drafts_since_plain = 0  # planned drafts since the last plain step (plain_refresh_every)
         self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
 
@@ -240,13 +239,15 @@ class BudgetController:
         rate *= self.correction.factor(_band(bs))  # what drafted steps of this band realized (rate_correction.py)
         plain = self._plain_rate(bs)
         self._rho = min(rate / plain, 1.0)
-        if rate > plain * (1 + self.config.draft_margin):
-            self.drafts_since_plain += 1  # a plain-step cost that is never measured could stay wrong forever
-            return self.drafts_since_plain < self.config.plain_refresh_every
-        self._planned_plain = True
-        loss = max(step_s * (1.0 - rate / plain), 0.0)  # predicted loss of drafting now (module docstring)
-        self._exploring = bool(self.explore_balance[_band(bs)] >= loss)
-        return self._exploring
+        draft = rate > plain * (1 + self.config.draft_margin)
+        if not draft:
+            self._planned_plain = True
+            loss = max(step_s * (1.0 - rate / plain), 0.0)  # predicted loss of drafting now (module docstring)
+            self._exploring = draft = bool(self.explore_balance[_band(bs)] >= loss)
+        if draft and self.cost.plain_age(bs) >= self.config.plain_refresh_every:
+            self._exploring = False  # a plain price that is never measured could stay wrong forever: refresh it
+            return False
+        return draft
 
     def _predict(self, sampled: np.ndarray) -> tuple[float, float]:
         """The best speculative step's predicted rate and seconds, from the mean gain curves (rescaled by the
@@ -377,8 +378,6 @@ class BudgetController:
             self._spec_rates.clear()  # the curve and the draft / verify tables move
         if tree is not None and int(tree.num_nodes.max()) > 0:
             self.calib.observe(tree, accept_length, sampled, reach)
-        if total_tokens <= bs:
-            self.drafts_since_plain = 0
         step_s = (draft_s or 0.0) + verify_s
         if draft_s is not None and self._plan is not None:  # a drafted step: realized against predicted
             self.correction.observe(_band(bs), bs + float(np.sum(accept_length)), step_s, *self._plan)

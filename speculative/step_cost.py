@@ -65,6 +65,7 @@ class PiecewiseLinear:
         )  # [G]
         self.evidence = np.ones_like(self.x)  # [G] observations behind each point (the probe counts as one)
         self.time = np.zeros_like(self.x)  # [G] when each point was measured (blended like its value; probe: 0)
+        self.last = np.zeros_like(self.x)  # [G] when each point was last moved by a measurement (probe: 0)
         self._xs = self.x.tolist()  # the grid as Python floats (scalar lookups, once per step)
 
     def _bracket_scalar(self, x: float) -> tuple[int, float]:
@@ -89,13 +90,17 @@ class PiecewiseLinear:
         i, w = self._bracket(xa)
         return np.maximum((1 - w) * self.y[i] + w * self.y[i + 1], 0.0)
 
-    def update(self, x: float, target: float, lr: float, weight: float = 1.0, now: float = 0.0) -> None:
+    def update(self, x: float, target: float, lr: float, weight: float = 1.0, now: float = 0.0,
+               half_life: float = 0.0) -> None:
         """Move the interpolated value at ``x`` towards ``target``: each bracketing point by its share of the
         error (weights clipped to [0, 1], so an extrapolated observation only moves the nearest point) times
         its rate, ``max(lr, 1 / evidence)``: a running mean while a point has little evidence (the first
         observation after the probe weighs as much as the probe), an average of rate ``lr`` after. ``weight``
         scales the observation (a step between two tables); ``lr <= 0`` freezes the table. ``now``: the
-        observation's time (step count), blended into each point's measurement time by the same rate."""
+        observation's time (step count), blended into each point's measurement time by the same rate.
+        ``half_life`` > 0: a point's evidence (at most the ``1 / lr`` observations an average of rate ``lr``
+        holds) halves every ``half_life`` steps since its last measurement, so an observation after a long gap weighs more
+        (after 64 unmeasured steps at half-life 32 and lr 0.2: rate 0.44 instead of 0.2)."""
         if lr <= 0 or weight <= 0:
             return
         err = target - self.at(x)
@@ -103,23 +108,28 @@ class PiecewiseLinear:
         w = min(max(w, 0.0), 1.0)
         for j, share in ((i, (1 - w) * weight), (i + 1, w * weight)):
             if share > 0:
+                if half_life > 0:
+                    held = min(self.evidence[j], 1.0 / lr)
+                    self.evidence[j] = held * 0.5 ** (max(now - self.last[j], 0.0) / half_life)
                 self.evidence[j] += share
                 rate = max(lr, 1.0 / self.evidence[j]) * share
                 self.y[j] += rate * err
                 self.time[j] += rate * (now - self.time[j])
+                self.last[j] = now
 
 
 class StepCostModel:
     """Seconds per step: ``draft(bs) * drafted + plain(bs)`` without tree nodes, ``draft(bs) * drafted +
     verify(bs, n - bs)`` with them (module docstring)."""
 
-    def __init__(self, max_batch: int, max_budget: int, lr: float = 0.2):
+    def __init__(self, max_batch: int, max_budget: int, lr: float = 0.2, plain_half_life: float = 32.0):
         self.max_budget = max_budget  # nodes per request at most
         self.draft = PiecewiseLinear(geometric_grid(max_batch))
         self.plain = PiecewiseLinear(geometric_grid(max_batch))
         self.verify_bs = geometric_grid(max_batch)  # [G] batch sizes of the verify tables: 1, 2, 4, ...
         self.verify = [PiecewiseLinear(geometric_grid(max_batch * max_budget)) for _ in self.verify_bs]
         self.lr = lr
+        self.plain_half_life = plain_half_life  # evidence half-life of the plain table (module docstring)
         self.steps = 0  # observations so far: the clock of the tables' measurement times
         self.probed = False
 
@@ -146,6 +156,12 @@ class StepCostModel:
         """Predicted seconds of a plain decode step over ``bs`` requests (``step_time(bs, bs, False)``)."""
         return self.plain.at(bs)
 
+    def plain_age(self, bs: int) -> float:
+        """Steps since a plain step last measured the plain price at ``bs`` (its bracketing points, weighted)."""
+        i, w = self.plain._bracket_scalar(float(bs))
+        w = min(max(w, 0.0), 1.0)
+        return self.steps - ((1 - w) * self.plain.last[i] + w * self.plain.last[i + 1])
+
     def observe(self, bs: int, total_tokens: int, draft_s: float | None, verify_s: float) -> None:
         """One step's measured phase times (``draft_s`` None when the step did not draft; ``verify_s``: the
         plain step's time when ``total_tokens == bs``, else the tree-verify step's). A batch size between two
@@ -160,7 +176,7 @@ class StepCostModel:
         e = total_tokens - bs
         if e <= 0:
             y, since = self.plain.y.copy(), now - self.plain.time  # [G] before this observation
-            self.plain.update(bs, verify_s, self.lr, now=now)
+            self.plain.update(bs, verify_s, self.lr, now=now, half_life=self.plain_half_life)
             change = np.where(y > 0, self.plain.y / np.maximum(y, 1e-12), 1.0) - 1.0  # [G] relative
             for j in np.flatnonzero(change):
                 self.verify[j].y *= 1.0 + _unseen(now - self.verify[j].time, since[j]) * change[j]  # [E]

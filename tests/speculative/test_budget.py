@@ -112,6 +112,11 @@ class _FakeCost:
     def plain_time(self, bs):
         return float(self.step_time(bs, bs, False))
 
+    age = 0.0  # steps since plain(bs) was measured (set by hand)
+
+    def plain_age(self, bs):
+        return self.age
+
     def observe(self, *args):
         pass
 
@@ -161,13 +166,18 @@ def test_controller_drafts_only_when_it_pays_and_explores():
     ctl.record(np.array([2]), None, np.array([10]), greedy, 1, 3, 1.0, 2.5)
     assert ctl.explore_balance[0] == pytest.approx(7.0)
     assert ctl.stats()["budget_counts"] == {2: 4, 0: 3}
-    # where drafting pays, every plain_refresh_every-th (64th) planned draft is a plain step instead
+    # a step that would draft (planned, or an exploration) is a plain step instead once the plain price is
+    # plain_refresh_every (64) steps old
+    assert ctl.plan_draft(greedy) and ctl._exploring
+    ctl.cost.age = 64
+    assert not ctl.plan_draft(greedy) and not ctl._exploring and ctl._planned_plain  # (a deposit, as plain)
     ctl.curve[0], ctl._spec_rates = [0.9, 0.8, 0.1], {}
-    ctl.drafts_since_plain = 0
-    assert [ctl.plan_draft(greedy) for _ in range(64)] == [True] * 63 + [False]
+    ctl.cost.age = 63
+    assert ctl.plan_draft(greedy) and not ctl._exploring
+    ctl.cost.age = 64
+    assert not ctl.plan_draft(greedy)
     assert not ctl._exploring and not ctl._planned_plain  # (no exploration, no regret accounting)
-    ctl.record(np.array([0]), None, np.array([0]), greedy, 1, 1, None, 1.5)
-    assert ctl.drafts_since_plain == 0
+    ctl.cost.age = 0
     # near break-even (plain 1 / 1.5 = 0.667/s, margin 5%: a draft must promise > 0.7/s): the curve 0.9, 0.6
     # gives 2.5 / 3.5 = 0.714/s at budget 2 -> draft; 0.9, 0.5 gives 2.4 / 3.5 = 0.686/s -> plain
     ctl.explore_balance[:] = -1e9  # (no exploration)

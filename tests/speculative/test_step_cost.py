@@ -75,7 +75,8 @@ def _probed() -> StepCostModel:
 
 def test_a_slowdown_seen_by_drafted_steps_is_charged_once():
     """While every step drafts, the machine runs twice as slow: the verify table learns it, the plain table
-    does not move. Then a plain step measures the slowdown: the verify price moves only by the share of it
+    does not move. Then a plain step measures the slowdown (and, 201 steps after the last plain measurement,
+    counts nearly in full: the plain table's evidence decays): the verify price moves only by the share of it
     that came after the verify point's measurement (a tree table learned as verify minus the plain table
     charged the slowdown twice once a plain step measured it)."""
     cost = _probed()
@@ -87,11 +88,14 @@ def test_a_slowdown_seen_by_drafted_steps_is_charged_once():
     point = cost.verify[2]  # batch 4; e = 8 is a grid point of it
     age = cost.steps + 1 - point.time[point.x.tolist().index(8.0)]  # ~5 steps: a running mean of rate 0.2
     cost.observe(4, 4, None, 2 * p)
-    assert float(cost.plain(4)) == pytest.approx(1.5 * p)  # (evidence 2: half way)
+    # the probe's evidence (1) halved every 32 steps over the plain point's 201 unmeasured steps: the new
+    # observation weighs nearly all
+    rate = 1 / (1 + 0.5 ** (201 / 32))
+    assert float(cost.plain(4)) == pytest.approx((1 + rate) * p)
     # the plain point was measured by the probe (step 0), 201 steps ago; the verify point ~5 steps ago
     assert 1 < age < 6
-    assert float(cost.verify_time(4, 8)) == pytest.approx(2 * v * (1 + 0.5 * age / 201))
-    assert float(cost.draft(4)) == pytest.approx(d * (1 + 0.5 * age / 201))  # measured as often
+    assert float(cost.verify_time(4, 8)) == pytest.approx(2 * v * (1 + rate * age / 201))
+    assert float(cost.draft(4)) == pytest.approx(d * (1 + rate * age / 201))  # measured as often
     assert float(cost.step_time(4, 12, drafted=True)) == pytest.approx(float(cost.draft(4) + cost.verify_time(4, 8)))
 
 
@@ -141,3 +145,28 @@ def test_probe_with_room_for_one_point_only():
     assert _extra(cost, 2, np.array([1.0, 4.0, 16.0])).tolist() == pytest.approx([0.0051, 0.0111, 0.0351])
     with pytest.raises(RuntimeError, match="single forward"):
         StepCostModel(max_batch=2, max_budget=8).probe(lambda bs: None, plain, verify, budget_s=0.0)
+
+
+def test_a_stale_plain_price_trusts_its_next_measurement():
+    """The plain table's evidence (at most the 1 / lr observations of its running average) halves every
+    ``plain_half_life`` steps that no plain step measures it: measured every step it averages at rate lr;
+    64 steps after its last measurement (a stretch of drafted steps) the next plain step moves it 1 / (1 +
+    5 / 4) of the way, where a plain average of rate 0.2 left a price from before a speed-up for hundreds of
+    drafted steps (the closed loop's slowdown-then-drafting case). ``plain_age`` counts those steps."""
+    cost = _probed()
+    p = float(cost.plain(4))
+    for _ in range(50):
+        cost.observe(4, 4, None, p)
+    assert cost.plain_age(4) == 0
+    before = float(cost.plain(4))
+    cost.observe(4, 4, None, 2 * p)  # measured every step: lr (evidence 5 x 0.5^(1 / 32) + 1)
+    assert float(cost.plain(4)) - before == pytest.approx(0.2 * (2 * p - before), rel=0.02)
+    for _ in range(50):
+        cost.observe(4, 4, None, p)
+    d = float(cost.draft(4))
+    for _ in range(64):
+        cost.observe(4, 12, d, float(cost.verify_time(4, 8)))  # drafted steps: the plain price ages
+    assert cost.plain_age(4) == 64 and cost.plain_age(1) == 165  # (batch 1: only the probe)
+    before = float(cost.plain(4))
+    cost.observe(4, 4, None, 2 * p)
+    assert float(cost.plain(4)) - before == pytest.approx((2 * p - before) / (1 + 5 / 4), rel=0.02)
