@@ -49,9 +49,11 @@ step where they pay on balance (one unlucky step among paying ones does not stop
 at most ``explore_credit`` exploration step times, so credit earned where speculation paid cannot fund a
 long run of losing explorations elsewhere. There is one balance per batch-size band (1, 4, 16, ... to the
 nearest power of 4): explorations that lose at batch 32 do not keep batch 1, where speculation may pay, from
-exploring. Symmetrically, where drafting pays, one step in ``plain_refresh_every`` is a plain step, so that
+exploring. Symmetrically, a step that would draft (planned, or an exploration) is a plain step instead once
+the plain price at its batch size is ``plain_refresh_every`` steps old (``StepCostModel.plain_age``), so that
 the plain-step cost it is compared with stays measured (a start-up probe timed under load would otherwise
-keep it drafting where it loses). After drafting (``choose``) the drafter's cost is sunk and the budgets
+keep it drafting where it loses; a price from before a speed-up kept explorations "paying" for hundreds of
+steps where they lost, tests/speculative/test_budget_closed_loop.py). After drafting (``choose``) the drafter's cost is sunk and the budgets
 come from this step's own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ
 per rank).
 

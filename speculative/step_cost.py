@@ -36,7 +36,12 @@ lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs, 16 bs (
 nodes, each the minimum of ``repeats`` timings. Then every step's measured phase times move the grid
 points around the observation (a running mean at first, so that real steps soon outweigh the probe's
 empty contexts, then an average of rate ``lr``), so the model follows the machine's load and the
-requests' context lengths.
+requests' context lengths. The plain table's evidence halves every ``plain_half_life`` steps that no plain
+step measures it: the controller stops measuring the plain price exactly when it looks dear (it drafts
+then), so a price that one noisy stretch, or a slowdown since over, left too high would otherwise persist
+through the drafting it causes (the verify tables have the mirror case covered by following the plain
+table); its next measurement, which ``BudgetController`` forces once the price is ``plain_refresh_every``
+steps old, now counts for most of it.
 """
 
 from __future__ import annotations
