@@ -1,68 +1,67 @@
-"""Adaptive tree budget: each step, the per-request budgets that maximise the batch's expected emitted tokens
-per second, down to none (a plain decode step).
+"""Adaptive tree budget: each step, the per-request budgets that maximise the batch's expected emitted tokens per
+second, down to none (a plain decode step).
 
 Expected tokens (DDTree, arXiv 2604.12989): the best-first builder pops prefixes in decreasing path
-probability Q, and a tree's expected accepted length is the sum of Q over its nodes, so
-``1 + cumsum(Q over the pop order)`` is the expected number of emitted tokens of every budget at once. The
-drafter's probabilities are not calibrated: ``AcceptanceCalibrator`` scales the Q of a depth-d node by a
-ratio r_d = (observed + prior) / (predicted + prior) of how often verification reached depth d against the
-summed Q of the depth-d nodes it was offered, kept separately for greedy and sampled requests (for a
-deterministic draft tree, target-only sampling accepts a child c with probability p_target(c), so the same
-sum is the sampled prediction). A sampled step's observation is not its one draw of the coins but each node's
-reach probability, the product of the target probabilities along its path (``speculative.verify.node_reach``:
-the draw's expectation given the tree, Rao-Blackwell), so sampled requests calibrate, and are charged, as
-steadily as greedy ones, whose outcome is deterministic given the tree. The prior of each mode is the other mode's ratio (itself on a prior of 1),
-so sampled requests arriving after greedy ones start from what greedy steps measured. The prior's ratio of
-1 is optimistic for this drafter, and on purpose: deep nodes, seldom offered, keep being tried (a prior
-taken from the depth above let one unlucky stretch shrink every deeper ratio and the trees with them, with
-no evidence left to undo it; tests/speculative/test_budget_closed_loop.py). Old evidence decays
-geometrically with every calibrated step; steps without a tree do not decay it (a stretch of plain steps
-let the prior's optimism return, and the explorations it then predicted to pay lost).
+probability Q, and a tree's expected accepted length is the sum of Q over its nodes, so ``1 + cumsum(Q over
+the pop order)`` is the expected number of emitted tokens of every budget at once. The drafter's probabilities
+are not calibrated: ``AcceptanceCalibrator`` scales the Q of a depth-d node by a ratio r_d = (observed +
+prior) / (predicted + prior) of how often verification reached depth d against the summed Q of the depth-d
+nodes it was offered, kept separately for greedy and sampled requests (for a deterministic draft tree,
+target-only sampling accepts a child c with probability p_target(c), so the same sum is the sampled
+prediction). A sampled step's observation is not its one draw of the coins but each node's reach probability,
+the product of the target probabilities along its path (``speculative.verify.node_reach``: the draw's
+expectation given the tree, Rao-Blackwell), so sampled requests calibrate, and are charged, as steadily as
+greedy ones, whose outcome is deterministic given the tree. The prior of each mode is the other mode's ratio
+(itself on a prior of 1), so sampled requests arriving after greedy ones start from what greedy steps
+measured. The prior's ratio of 1 is optimistic for this drafter, and on purpose: deep nodes, seldom offered,
+keep being tried (a prior taken from the depth above let one unlucky stretch shrink every deeper ratio and the
+trees with them, with no evidence left to undo it; tests/speculative/test_budget_closed_loop.py). Old evidence
+decays geometrically with every calibrated step; steps without a tree do not decay it (a stretch of plain
+steps let the prior's optimism return, and the explorations it then predicted to pay lost).
 
-Decision (``choose_budgets``): with the marginal gains of every request non-increasing along its pop
-order, the best allocation of n extra tree tokens over the batch takes the n largest gains (each request
-keeps a prefix of its pops); one sort and one cumulative sum give the expected tokens of every n, and the
-step-time model (``speculative.step_cost``) turns them into a rate; the argmax wins (n = 0: no tree).
+Decision (``choose_budgets``): with the marginal gains of every request non-increasing along its pop order,
+the best allocation of n extra tree tokens over the batch takes the n largest gains (each request keeps a
+prefix of its pops); one sort and one cumulative sum give the expected tokens of every n, and the step-time
+model (``speculative.step_cost``) turns them into a rate; the argmax wins (n = 0: no tree).
 
 A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
-decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode
-(a running mean over its first ``1 / curve_rate`` drafted steps, then an average of that rate; rescaled by
-how the calibration moved since; a mode without a curve yet borrows the other mode's), drafter forward
-included, scaled by what this band's drafted steps realized against such predictions
-(``speculative.rate_correction``), and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain of a near
-break-even step; docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve fresh (an
-exploration; the very first draft is one too), under a regret budget kept as a balance in seconds, saved
-before it is spent: every step that predicted a plain step and did not explore deposits ``explore_share``
-x rho ** ``explore_power`` of its time (rho: the predicted speculative rate over the plain rate, at most
-1, so the farther speculation is from paying, the slower the balance fills); a step explores only when the
-balance covers the exploration's predicted loss (the predicted speculative step's time beyond what plain
-decoding needs for its predicted tokens); every exploration withdraws its measured loss, its step time
-minus what plain decoding would take for the tokens it emitted (a negative loss, an exploration that paid,
-deposits). Emitted, not the calibrated expectation: that is optimistic by design (the prior of ratio 1),
-and explorations charged by it predicted ~10% more accepted tokens than they verified and kept coming where
-they lost (docs/BENCHMARKS.md, session 9). For sampled requests "emitted" is the verified expectation given
-the tree (reach probabilities, above): one draw of the coins made a near-break-even step's balance, and with
-it the exploring, a matter of luck (tests/speculative/test_budget_closed_loop.py).
-So explorations lose at most ``explore_share`` of the time spent where speculation does not pay, never
-before that time was spent (a new batch size does not start with an exploration), and continue step after
-step where they pay on balance (one unlucky step among paying ones does not stop them); the balance holds
-at most ``explore_credit`` exploration step times, so credit earned where speculation paid cannot fund a
-long run of losing explorations elsewhere. There is one balance per batch-size band (1, 4, 16, ... to the
-nearest power of 4): explorations that lose at batch 32 do not keep batch 1, where speculation may pay, from
-exploring. Symmetrically, a step that would draft (planned, or an exploration) is a plain step instead once
-the plain price at its batch size is ``plain_refresh_every`` steps old (``StepCostModel.plain_age``), so that
-the plain-step cost it is compared with stays measured (a start-up probe timed under load would otherwise
-keep it drafting where it loses; a price from before a speed-up kept explorations "paying" for hundreds of
-steps where they lost, tests/speculative/test_budget_closed_loop.py). After drafting (``choose``) the drafter's cost is sunk and the budgets
-come from this step's own pops. Under tensor parallelism rank 0's decisions are broadcast (timings differ
-per rank).
+decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode (a
+running mean over its first ``1 / curve_rate`` drafted steps, then an average of that rate; rescaled by how
+the calibration moved since; a mode without a curve yet borrows the other mode's), drafter forward included,
+scaled by what this band's drafted steps realized against such predictions (``speculative.rate_correction``),
+and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain of a near break-even step;
+docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve fresh (an exploration; the very
+first draft is one too), under a regret budget kept as a balance in seconds, saved before it is spent: every
+step that predicted a plain step and did not explore deposits ``explore_share`` x rho ** ``explore_power`` of
+its time (rho: the predicted speculative rate over the plain rate, at most 1, so the farther speculation is
+from paying, the slower the balance fills); a step explores only when the balance covers the exploration's
+predicted loss (the predicted speculative step's time beyond what plain decoding needs for its predicted
+tokens); every exploration withdraws its measured loss, its step time minus what plain decoding would take for
+the tokens it emitted (a negative loss, an exploration that paid, deposits). Emitted, not the calibrated
+expectation: that is optimistic by design (the prior of ratio 1), and explorations charged by it predicted
+~10% more accepted tokens than they verified and kept coming where they lost (docs/BENCHMARKS.md, session 9).
+For sampled requests "emitted" is the verified expectation given the tree (reach probabilities, above): one
+draw of the coins made a near-break-even step's balance, and with it the exploring, a matter of luck
+(tests/speculative/test_budget_closed_loop.py). So explorations lose at most ``explore_share`` of the time
+spent where speculation does not pay, never before that time was spent (a new batch size does not start with
+an exploration), and continue step after step where they pay on balance (one unlucky step among paying ones
+does not stop them); the balance holds at most ``explore_credit`` exploration step times, so credit earned
+where speculation paid cannot fund a long run of losing explorations elsewhere. There is one balance per
+batch-size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32 do not keep
+batch 1, where speculation may pay, from exploring. Symmetrically, a step that would draft (planned, or an
+exploration) is a plain step instead once the plain price at its batch size is ``plain_refresh_every`` steps
+old (``StepCostModel.plain_age``), so that the plain-step cost it is compared with stays measured (a start-up
+probe timed under load would otherwise keep it drafting where it loses; a price from before a speed-up kept
+explorations "paying" for hundreds of steps where they lost, tests/speculative/test_budget_closed_loop.py).
+After drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
+tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
 
 Pops (``BudgetController.pop_and_choose``): popping costs host time per node, so a step pops only twice the
 largest budget the previous drafted step chose (at least ``min_pops``) and re-pops up to ``max_budget`` only
-when the pops it did not make could change the decision: the pops past a cut row have gains at most that
-row's last gain g, so ``(bs + H(n)) / step_time(bs + n)``, with H the batch's sorted popped gains merged with
-an endless supply of g, bounds the rate of every allocation; if no n beats the chosen rate, that choice is
-the one full pops would give.
+when the pops it did not make could change the decision: the pops past a cut row have gains at most that row's
+last gain g, so ``(bs + H(n)) / step_time(bs + n)``, with H the batch's sorted popped gains merged with an
+endless supply of g, bounds the rate of every allocation; if no n beats the chosen rate, that choice is the
+one full pops would give.
 """
 
 from __future__ import annotations

@@ -104,8 +104,8 @@ class PiecewiseLinear:
         scales the observation (a step between two tables); ``lr <= 0`` freezes the table. ``now``: the
         observation's time (step count), blended into each point's measurement time by the same rate.
         ``half_life`` > 0: a point's evidence (at most the ``1 / lr`` observations an average of rate ``lr``
-        holds) halves every ``half_life`` steps since its last measurement, so an observation after a long gap weighs more
-        (after 64 unmeasured steps at half-life 32 and lr 0.2: rate 0.44 instead of 0.2)."""
+        holds) halves every ``half_life`` steps since its last measurement, so an observation after a long
+        gap weighs more (after 64 unmeasured steps at half-life 32 and lr 0.2: rate 0.44 instead of 0.2)."""
         if lr <= 0 or weight <= 0:
             return
         err = target - self.at(x)
