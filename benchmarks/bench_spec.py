@@ -5,8 +5,9 @@ temperature) cell runs the configurations in rounds, the order rotated every rou
 drift (2-3x between runs minutes apart on a shared CPU) hits all of them alike. The engines of none, of an
 A/A control (a second plain engine, ``none-aa``: its paired ratio to none measures the noise) and of auto
 live through the whole run; each fixed budget (and dflash) gets its engine in turn (memory), and runs
-``--fixed-rounds`` rounds of (none, none-aa, auto, it) per cell; then ``--rounds`` rounds of (none, none-aa,
-auto). A round serves at least ``--round-prompts`` requests (a smaller batch runs several calls, every
+``--fixed-rounds`` rounds of (none, none-aa, auto, it) per cell, and ``--contender-rounds`` more in a cell
+where it reached ``--contender-within`` x none (a contender for the best); then ``--rounds`` rounds of (none,
+none-aa, auto). A round serves at least ``--round-prompts`` requests (a smaller batch runs several calls, every
 engine in turn call by call), so a batch-1 round does not hang on one prompt's acceptance. Every engine is warmed up alike by
 one request of ``--max-tokens``. Per cell and configuration it
 reports the median tokens/s over the rounds and the median of the per-round ratios to none (paired: the same
@@ -16,8 +17,8 @@ issue's bar: >= 0.95x the best, never below none, the latter to the resolution `
 gives). Table + JSON.
 
     python benchmarks/bench_spec.py [--budgets 4,16,64] [--no-auto] [--no-control] [--dflash] [--batch-sizes 1,4,16,32]
-        [--temperatures 0,1] [--max-tokens 64] [--round-prompts 4] [--rounds 3] [--fixed-rounds N] [--threads 1]
-        [--out bench_out/spec.json]
+        [--temperatures 0,1] [--max-tokens 64] [--round-prompts 4] [--rounds 3] [--fixed-rounds N]
+        [--contender-rounds 6] [--contender-within 0.9] [--threads 1] [--out bench_out/spec.json]
 """
 
 from __future__ import annotations
@@ -137,15 +138,19 @@ def run_rounds(engines: dict, ids_of: Callable[[int], list[list[int]]], params_o
     return first_round + rounds
 
 
+def paired_ratio(rows: dict[str, list], label: str) -> float:
+    """Median over ``label``'s rounds of its tokens/s over none's in the same round."""
+    none = {r["round"]: r["tok_s"] for r in rows["none"]}
+    return statistics.median(r["tok_s"] / none[r["round"]] for r in rows[label])
+
+
 def summarise_cell(rows: dict[str, list], bs: int, temp: float) -> list[dict]:
     """Median tokens/s per label, median of the per-round ratios to none, phase medians, auto's budgets."""
-    none_by_round = {r["round"]: r["tok_s"] for r in rows["none"]}
     out = []
     for lab, rs in rows.items():
         s = {"config": lab, "batch": bs, "temperature": temp, "rounds": len(rs),
              "tok_s": statistics.median(r["tok_s"] for r in rs),
-             "tok_s_all": [round(r["tok_s"], 2) for r in rs],
-             "vs_none": statistics.median(r["tok_s"] / none_by_round[r["round"]] for r in rs)}
+             "tok_s_all": [round(r["tok_s"], 2) for r in rs], "vs_none": paired_ratio(rows, lab)}
         for key in ("tau", "mean_budget", "sched_ms", *(f"{p}_ms" for p in PHASES)):
             vals = [r[key] for r in rs if key in r]
             if vals:
@@ -235,6 +240,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of none and auto per cell, after the fixed ones")
     ap.add_argument("--fixed-rounds", type=int, default=None,
                     help="rounds per cell of each fixed budget / dflash next to none and auto (default --rounds)")
+    ap.add_argument("--contender-rounds", type=int, default=6,
+                    help="more rounds in a cell for a fixed configuration that reaches --contender-within x none")
+    ap.add_argument("--contender-within", type=float, default=0.9,
+                    help="paired median ratio to none (over its first rounds) that makes a fixed configuration a "
+                         "contender for the best in a cell")
     ap.add_argument("--draft-model-path", default="default")
     ap.add_argument("--dtype", default="auto", help="auto: the engine's default (bfloat16 where the CPU has AMX)")
     ap.add_argument("--kv-tokens", type=int, default=8192, help="KV pool per engine (several are alive at once)")
@@ -255,7 +265,10 @@ def main() -> None:
     rows_by_cell: dict = {c: {} for c in cells}
     next_round = dict.fromkeys(cells, 0)
 
-    def phase(engines: dict, rounds: int) -> None:
+    def phase(engines: dict, rounds: int, contender: str | None = None) -> None:
+        """``rounds`` rounds of ``engines`` per cell; a fixed configuration (``contender``) that reaches
+        ``--contender-within`` x none in them runs ``--contender-rounds`` more there: where a fixed budget may
+        be the best, the bar's ratio rests on its rounds, and two of them are too few on a noisy machine."""
         for bs, temp in cells:
             def ids_of(rid: int, bs: int = bs) -> list[list[int]]:  # round k starts at prompt k, and serves
                 n = max(bs, args.round_prompts)  # at least --round-prompts of them (small batches: several calls)
@@ -265,9 +278,14 @@ def main() -> None:
             def params_of(rid: int, temp: float = temp) -> SamplingParams:  # seed = round: see run_rounds
                 return SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=rid, ignore_eos=True)
 
+            cell = rows_by_cell[(bs, temp)]
             print(f"[bench] {'/'.join(engines)} batch={bs} T={temp}: {rounds} rounds", flush=True)
-            next_round[(bs, temp)] = run_rounds(engines, ids_of, params_of, bs, rounds, next_round[(bs, temp)],
-                                                rows_by_cell[(bs, temp)])
+            next_round[(bs, temp)] = run_rounds(engines, ids_of, params_of, bs, rounds, next_round[(bs, temp)], cell)
+            if contender and args.contender_rounds and paired_ratio(cell, contender) >= args.contender_within:
+                print(f"[bench]   {contender} within {args.contender_within:g}x none: {args.contender_rounds} more "
+                      "rounds", flush=True)
+                next_round[(bs, temp)] = run_rounds(engines, ids_of, params_of, bs, args.contender_rounds,
+                                                    next_round[(bs, temp)], cell)
             last = {lab: rows_by_cell[(bs, temp)][lab][-1]["tok_s"] for lab in engines}
             print("[bench]   last round tok/s: " + "  ".join(f"{k} {v:.1f}" for k, v in last.items())
                   + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
@@ -275,7 +293,7 @@ def main() -> None:
     for lab, alg, budget in configs:  # one extra engine at a time (memory), next to none's and auto's
         if lab not in base:
             extra = build_engine(alg, budget, args)
-            phase({**base, lab: extra}, fixed_rounds)
+            phase({**base, lab: extra}, fixed_rounds, contender=lab)
             extra.shutdown()
             del extra
             gc.collect()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_spec import cross_fitted_vs_best
+from benchmarks.bench_spec import cross_fitted_vs_best, paired_ratio
 
 
 def _rows(tok_s: dict[str, dict[int, float]]) -> dict[str, list[dict]]:
@@ -34,3 +34,10 @@ def test_cross_fitted_best_can_be_plain_decoding():
 def test_cross_fitted_needs_two_rounds():
     rows = _rows({"none": {0: 10.0}, "auto": {0: 9.0}, "ddtree@4": {0: 8.0}})
     assert cross_fitted_vs_best(rows) != cross_fitted_vs_best(rows)  # nan: no held-out round
+
+
+def test_paired_ratio_pairs_each_round_with_none_of_the_same_round():
+    """A fixed budget runs in rounds 1 and 3 only: its ratios are 12/8 and 10/10, not against none's median."""
+    rows = _rows({"none": {0: 20.0, 1: 8.0, 2: 20.0, 3: 10.0}, "ddtree@4": {1: 12.0, 3: 10.0}})
+    assert paired_ratio(rows, "ddtree@4") == pytest.approx((1.5 + 1.0) / 2)
+    assert paired_ratio(rows, "none") == 1.0
