@@ -189,9 +189,9 @@ class SpecWorker:
         t.start()
         t0 = time.perf_counter()
         dev = r.device
-        idx = torch.tensor([q.req_pool_idx for q in reqs], device=dev)  # [bs]
-        cached = torch.tensor([q.num_cached for q in reqs], device=dev)  # [bs] = root position
-        roots = torch.tensor([q.output_ids[-1] for q in reqs], device=dev)  # [bs]
+        rows = [q.req_pool_idx for q in reqs]  # [bs] host lists: a plain step needs no tensors of them
+        root_pos = [q.num_cached for q in reqs]  # [bs] = root position
+        root_ids = [q.output_ids[-1] for q in reqs]  # [bs]
         sampled = np.array([not q.params.is_greedy for q in reqs])  # [bs] bool
         ctl = self.controller  # auto budget; under TP rank 0 decides (timings differ per rank) and broadcasts
         cap = self.max_verify_tokens  # tree tokens, roots included: the verify workspace, and (auto) the free slots
@@ -203,38 +203,40 @@ class SpecWorker:
             drafted = bool(r.tp.broadcast_object(ctl.plan_draft(sampled, fits)))
         else:
             drafted = useful
+        if not drafted:
+            return self._plain_step(reqs, rows, root_pos, root_ids, sampled, None)
         grammars = [q.grammar for q in reqs]
         mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
-        if drafted:
-            draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
-            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
-                mask_draft_logits(grammars, draft_logits)
-            t.lap("draft")
-            full = torch.full((bs,), self.budget)  # [bs]
-            depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
+        idx = torch.tensor(rows, device=dev)  # [bs]
+        cached = torch.tensor(root_pos, device=dev)  # [bs]
+        roots = torch.tensor(root_ids, device=dev)  # [bs]
+        draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+        if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
+            mask_draft_logits(grammars, draft_logits)
+        t.lap("draft")
+        full = torch.full((bs,), self.budget)  # [bs]
+        depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
 
-            # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
-            k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
-            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] host arrays
+        # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
+        k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
+        topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] host arrays
 
-            def pop(width: int) -> PoppedNodes:  # best-first pops, grammar-pruned when drafts are masked
-                widths = torch.full((bs,), width)  # [bs]
-                if topk is not None:
-                    return pop_nodes(draft_logits, widths, chain=self.chain, max_depths=depths, topk=topk)
-                wide = pop_nodes(draft_logits, draft_pop_budgets(grammars, widths), chain=self.chain, max_depths=depths)
-                return prune_popped(wide, grammars, widths)
+        def pop(width: int) -> PoppedNodes:  # best-first pops, grammar-pruned when drafts are masked
+            widths = torch.full((bs,), width)  # [bs]
+            if topk is not None:
+                return pop_nodes(draft_logits, widths, chain=self.chain, max_depths=depths, topk=topk)
+            wide = pop_nodes(draft_logits, draft_pop_budgets(grammars, widths), chain=self.chain, max_depths=depths)
+            return prune_popped(wide, grammars, widths)
 
-            if ctl is not None:  # pops only as many nodes as can matter to its choice
-                popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
-                budgets = torch.from_numpy(chosen)
-            else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
-                popped = pop(self.budget)
-                budgets = full if cap is None else torch.full((bs,), step_budget(self.budget, bs, cap))
-        else:
-            popped, budgets = PoppedNodes.empty(bs), torch.zeros(bs, dtype=torch.int64)
-        draft_s = time.perf_counter() - t0 if drafted else None  # drafter forward + pops + decision
+        if ctl is not None:  # pops only as many nodes as can matter to its choice
+            popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
+            budgets = torch.from_numpy(chosen)
+        else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
+            popped = pop(self.budget)
+            budgets = full if cap is None else torch.full((bs,), step_budget(self.budget, bs, cap))
+        draft_s = time.perf_counter() - t0  # drafter forward + pops + decision
         if not (np.minimum(budgets.numpy(), popped.counts) > 0).any():  # every tree is its root alone
-            return self._plain_step(reqs, idx, cached, roots, sampled, draft_s)
+            return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
         tree = assemble_tree(popped, budgets, roots, cached, dev)
         t.lap("build")
         built_at = time.perf_counter()
@@ -265,7 +267,8 @@ class SpecWorker:
                        draft_s, time.perf_counter() - built_at, reach)
         return out
 
-    def _plain_step(self, reqs, idx, cached, roots, sampled: np.ndarray, draft_s: float | None) -> list[DecodeResult]:
+    def _plain_step(self, reqs, rows: list[int], root_pos: list[int], root_ids: list[int], sampled: np.ndarray,
+                    draft_s: float | None) -> list[DecodeResult]:
         """A step whose trees are all the root alone, at the cost of the scheduler's plain decode step: one
         causal decode forward over the roots (their KV kept) that also captures the target layers the
         drafter's context needs, so speculation can resume at any later step; then the plain sampler
@@ -274,7 +277,7 @@ class SpecWorker:
         decoding's; sampled tokens are drawn exactly as plain decoding draws them."""
         r, bs = self.runner, len(reqs)
         start = time.perf_counter()
-        fb = r.prepare_decode(idx.tolist(), cached.tolist(), roots.tolist(), self.capture_layer_ids)  # roots' KV
+        fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids)  # roots' KV
         assert fb is not None, "decode() checked free slots for the whole step"
         out = r.forward(fb)
         if self.deferred is not None:  # written before the drafter next reads its cache (deferred_context.py)
