@@ -179,14 +179,19 @@ class StepCostModel:
         if draft_s is not None:
             self.draft.update(bs, draft_s, self.lr, now=now)
         e = total_tokens - bs
-        if e <= 0:
-            y, since = self.plain.y.copy(), now - self.plain.time  # [G] before this observation
+        if e <= 0:  # the common step where speculation does not pay: scalar work on the two points it moves
+            i, _ = self.plain._bracket_scalar(float(bs))
+            before = [(j, float(self.plain.y[j]), now - float(self.plain.time[j])) for j in (i, i + 1)]
             self.plain.update(bs, verify_s, self.lr, now=now, half_life=self.plain_half_life)
-            change = np.where(y > 0, self.plain.y / np.maximum(y, 1e-12), 1.0) - 1.0  # [G] relative
-            for j in np.flatnonzero(change):
-                self.verify[j].y *= 1.0 + _unseen(now - self.verify[j].time, since[j]) * change[j]  # [E]
-            if draft_s is None:  # (a step that drafted and chose no node measured the drafter)
-                self.draft.y *= 1.0 + _unseen(now - self.draft.time, since) * change
+            for j, y, since in before:
+                change = float(self.plain.y[j]) / y - 1.0 if y > 0 else 0.0  # relative
+                if change == 0.0:
+                    continue
+                table = self.verify[j]
+                table.y *= 1.0 + _unseen(now - table.time, since) * change  # [E]
+                if draft_s is None:  # (a step that drafted and chose no node measured the drafter)
+                    unseen = min(max((now - float(self.draft.time[j])) / max(since, 1e-9), 0.0), 1.0)
+                    self.draft.y[j] *= 1.0 + unseen * change
             return
         i, w = self._bs_weights(bs)
         here = self.plain.at(bs)
