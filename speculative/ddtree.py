@@ -176,12 +176,6 @@ class PoppedNodes:
     logws: np.ndarray  # [bs, B] float64, cumulative draft log-prob of the prefix
     counts: np.ndarray  # [bs] int64
 
-    @classmethod
-    def empty(cls, bs: int) -> PoppedNodes:
-        """No pops for any request (every tree is the root alone)."""
-        z = np.zeros((bs, 0), dtype=np.int64)
-        return cls(z, z.copy(), z.copy(), np.zeros((bs, 0)), np.zeros(bs, dtype=np.int64))
-
     def path_probs(self) -> np.ndarray:
         """Q(prefix) of every popped node, 0 for unused entries: [bs, B]. ``1 + cumsum(row)[k-1]`` is the
         expected number of tokens a budget-k tree emits if the drafter were the target (DDTree objective)."""

@@ -214,7 +214,6 @@ class SpecWorker:
         if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
             mask_draft_logits(grammars, draft_logits)
         t.lap("draft")
-        full = torch.full((bs,), self.budget)  # [bs]
         depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
 
         # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
@@ -233,7 +232,7 @@ class SpecWorker:
             budgets = torch.from_numpy(chosen)
         else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
             popped = pop(self.budget)
-            budgets = full if cap is None else torch.full((bs,), step_budget(self.budget, bs, cap))
+            budgets = torch.full((bs,), self.budget if cap is None else step_budget(self.budget, bs, cap))  # [bs]
         draft_s = time.perf_counter() - t0  # drafter forward + pops + decision
         if not (np.minimum(budgets.numpy(), popped.counts) > 0).any():  # every tree is its root alone
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)

@@ -190,8 +190,7 @@ class StepCostModel:
                 table = self.verify[j]
                 table.y *= 1.0 + _unseen(now - table.time, since) * change  # [E]
                 if draft_s is None:  # (a step that drafted and chose no node measured the drafter)
-                    unseen = min(max((now - float(self.draft.time[j])) / max(since, 1e-9), 0.0), 1.0)
-                    self.draft.y[j] *= 1.0 + unseen * change
+                    self.draft.y[j] *= 1.0 + float(_unseen(now - self.draft.time[j], since)) * change
             return
         i, w = self._bs_weights(bs)
         here = self.plain.at(bs)
