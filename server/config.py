@@ -200,6 +200,36 @@ class SpeculativeArgs(Area):
     accept_threshold_acc: float = setting(1.0, "Sampled verification: accept a draft token once the accumulated "
                                           "target probability reaches this (values below 1 are LOSSY).",
                                           low=0, high=1)
+    draft_sources: str = setting("auto", "Where ddtree's draft nodes come from: 'dflash' (the drafter), 'suffix' "
+                                 "(continuations of earlier occurrences of the text's suffix, in the request and "
+                                 "in recent outputs), or 'dflash,suffix' (one merged tree); auto = dflash,suffix "
+                                 "when a drafter is configured (or the default model's shipped one), suffix "
+                                 "otherwise; dflash for the dflash algorithm.")
+    suffix_max_depth: int = setting(12, "Suffix drafts: levels of a draft below the root.", low=1, high=64)
+    suffix_min_match: int = setting(2, "Suffix drafts: shortest suffix of the text that may match.", low=1)
+    suffix_max_match: int = setting(8, "Suffix drafts: longest suffix matched (the index holds n-grams of "
+                                    "min..max match tokens).", low=1, high=64)
+    suffix_cache_tokens: int = setting(65536, "Suffix drafts: tokens of recent outputs kept in the shared index "
+                                       "(oldest evicted first; 0 = the request's own tokens only).", low=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.draft_sources != "auto":
+            from speculative.draft_sources import parse_sources
+
+            sources = parse_sources(self.draft_sources)
+            if "suffix" in sources and self.algorithm == "dflash":
+                raise ValueError("speculative_draft_sources 'suffix' needs speculative_algorithm ddtree (dflash "
+                                 "verifies a chain from the drafter alone)")
+            object.__setattr__(self, "draft_sources", ",".join(sources))
+        if self.suffix_min_match > self.suffix_max_match:
+            raise ValueError(f"speculative_suffix_min_match ({self.suffix_min_match}) must not exceed "
+                             f"speculative_suffix_max_match ({self.suffix_max_match})")
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether the DFlash drafter runs (after resolution: ``draft_sources`` names it)."""
+        return self.enabled and "dflash" in self.draft_sources.split(",")
 
     @property
     def lossy(self) -> bool:

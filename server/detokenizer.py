@@ -105,6 +105,7 @@ class IncrementalDetokenizer:
             matched_stop=matched, prompt_tokens=out.prompt_tokens, completion_tokens=st.completion_tokens,
             cached_tokens=out.cached_tokens,
             spec_verify_steps=out.spec_verify_steps, spec_accepted_tokens=out.spec_accepted_tokens,
+            spec_accepted_suffix=out.spec_accepted_suffix,
             spec_budget_sum=out.spec_budget_sum,
             logprobs=logprobs, abort_scheduler=abort,
             prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs) if out.prompt_logprobs else None,

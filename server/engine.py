@@ -40,6 +40,7 @@ class RequestOutput:
     finish_reason: str | None = None
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_suffix: int = 0  # of spec_accepted_tokens, proposed by the suffix draft source
     spec_budget_sum: int = 0
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: [(token_id, logprob, top)]
@@ -200,7 +201,7 @@ def _load_tokenizer(path: str, trust_remote_code: bool):
 def _apply(out: RequestOutput, d: TokenOut) -> None:
     out.token_ids.extend(d.token_ids)
     out.spec_verify_steps, out.spec_accepted_tokens = d.spec_verify_steps, d.spec_accepted_tokens
-    out.spec_budget_sum = d.spec_budget_sum
+    out.spec_budget_sum, out.spec_accepted_suffix = d.spec_budget_sum, d.spec_accepted_suffix
     out.cached_tokens = d.cached_tokens
     if d.logprobs is not None:
         out.logprobs = (out.logprobs or []) + d.logprobs

@@ -39,6 +39,7 @@ class TokenOut:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_suffix: int = 0  # of spec_accepted_tokens, proposed by the suffix draft source
     spec_budget_sum: int = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     error: str | None = None
@@ -119,6 +120,7 @@ class TextOut:
     cached_tokens: int = 0
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_suffix: int = 0  # of spec_accepted_tokens, proposed by the suffix draft source
     spec_budget_sum: int = 0
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
     error: str | None = None

@@ -42,6 +42,9 @@ class ServerMetrics:
         self.accept_obs = Counter(f"{p}_spec_observed_accepted_tokens", "Accepted draft tokens of the trees the "
                                   "auto budget controller chose, by sampling mode (sampled: the expectation over the coins "
                                   "given the tree)", labels + ["mode"], registry=reg)
+        self.accepted = Counter(f"{p}_spec_accepted_tokens", "Accepted draft tokens of finished requests, by "
+                                "the draft source that proposed them (dflash, suffix)", labels + ["source"],
+                                registry=reg)
         self._budget_seen: dict = {}  # cumulative controller stats already exported
         self.running = Gauge(f"{p}_num_running_reqs", "Requests being decoded", labels, registry=reg)
         self.queued = Gauge(f"{p}_num_queue_reqs", "Requests waiting for admission", labels, registry=reg)
@@ -72,8 +75,11 @@ class ServerMetrics:
                 h.observe(seconds / n)
 
     def observe_finished(self, finish_reason: str | None, prompt_tokens: int, e2e_seconds: float,
-                         verify_steps: int, accepted_tokens: int) -> None:
+                         verify_steps: int, accepted_tokens: int, accepted_suffix: int = 0) -> None:
         self.requests.labels(self._model, finish_reason or "error").inc()
+        if verify_steps > 0:
+            self.accepted.labels(self._model, "dflash").inc(accepted_tokens - accepted_suffix)
+            self.accepted.labels(self._model, "suffix").inc(accepted_suffix)
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.e2e.labels(self._model).observe(e2e_seconds)
         if verify_steps > 0:

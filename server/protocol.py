@@ -213,19 +213,22 @@ class SpecStats(BaseModel):
     """Speculative decoding statistics of one request (summed over its ``n`` choices).
     ``acceptance_length``: tokens emitted per target verify step (accepted drafts + the bonus token).
     ``mean_budget``: draft tree nodes offered per verify step (fixed with an integer budget; chosen per step
-    with ``auto``, 0 for plain decode steps)."""
+    with ``auto``, 0 for plain decode steps). ``accepted_by_source``: accepted draft tokens by the draft source
+    that proposed them (``dflash``, ``suffix``; they add up to ``accepted_tokens``)."""
 
     verify_steps: int = 0
     accepted_tokens: int = 0
     acceptance_length: float = 0.0
     mean_budget: float = 0.0
+    accepted_by_source: dict[str, int] = Field(default_factory=dict)
 
     @classmethod
-    def of(cls, verify_steps: int, accepted_tokens: int, budget_sum: int = 0) -> SpecStats:
+    def of(cls, verify_steps: int, accepted_tokens: int, budget_sum: int = 0, accepted_suffix: int = 0) -> SpecStats:
         tau = (accepted_tokens + verify_steps) / verify_steps if verify_steps else 0.0
         mean = budget_sum / verify_steps if verify_steps else 0.0
         return cls(verify_steps=verify_steps, accepted_tokens=accepted_tokens, acceptance_length=round(tau, 4),
-                   mean_budget=round(mean, 4))
+                   mean_budget=round(mean, 4),
+                   accepted_by_source={"dflash": accepted_tokens - accepted_suffix, "suffix": accepted_suffix})
 
 
 class TopLogprob(BaseModel):

@@ -29,6 +29,7 @@ class Req:
     finish_reason: str | None = None
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_suffix: int = 0  # of spec_accepted_tokens, proposed by the suffix draft source
     spec_budget_sum: int = 0  # tree nodes offered over all verify steps (auto budget: mean = sum / steps)
     pending_logprobs: list = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
@@ -64,6 +65,7 @@ class Req:
         return TokenOut(self.rid, list(new), prompt_tokens=len(self.prompt_ids),
                         completion_tokens=len(self.output_ids), cached_tokens=self.cached_tokens,
                         spec_verify_steps=self.spec_verify_steps, spec_accepted_tokens=self.spec_accepted_tokens,
+                        spec_accepted_suffix=self.spec_accepted_suffix,
                         spec_budget_sum=self.spec_budget_sum, logprobs=lps, prompt_logprobs=self._take_prompt_logprobs())
 
     def _take_prompt_logprobs(self) -> list | None:

@@ -212,7 +212,7 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 self.running.remove(req)
-                self._release(req)
+                self._release(req, finished=True)
                 self._finish_out(req, reason)
             else:
                 self._delta_out(req)
@@ -330,6 +330,7 @@ class Scheduler:
         for req, res in zip(batch.reqs, results, strict=True):
             req.spec_verify_steps += 1
             req.spec_accepted_tokens += res.accepted
+            req.spec_accepted_suffix += res.accepted_suffix
             req.spec_budget_sum += res.budget
             self.total_verify_steps += 1
             self.total_spec_tokens += len(res.tokens)
@@ -364,8 +365,12 @@ class Scheduler:
     def _spec_margin(self) -> int:
         return self.spec.max_step_tokens if self.spec is not None else 1
 
-    def _release(self, req: Req) -> None:
+    def _release(self, req: Req, finished: bool = False) -> None:
+        """Free a request's KV and its speculative state; a ``finished`` request's output joins the shared
+        suffix-draft index (not an aborted, retracted or failed one's)."""
         self.kv.release(req)
+        if self.spec is not None:
+            self.spec.release(req.rid, req.output_ids if finished else None)
 
     def _delta_out(self, req: Req) -> None:
         new = req.output_ids[req.sent_tokens:]

@@ -139,6 +139,7 @@ class ChoiceAccum:
     cached_tokens: int = 0
     verify_steps: int = 0
     accepted_tokens: int = 0
+    accepted_suffix: int = 0
     budget_sum: int = 0
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
     error: str | None = None
@@ -154,6 +155,7 @@ class ChoiceAccum:
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         self.verify_steps = max(self.verify_steps, out.spec_verify_steps)
         self.accepted_tokens = max(self.accepted_tokens, out.spec_accepted_tokens)
+        self.accepted_suffix = max(self.accepted_suffix, out.spec_accepted_suffix)
         self.budget_sum = max(self.budget_sum, out.spec_budget_sum)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
@@ -176,7 +178,7 @@ def usage_of(choices: list[ChoiceAccum], prompt_tokens: int, choices_per_prompt:
 
 def spec_of(choices: list[ChoiceAccum]) -> SpecStats:
     return SpecStats.of(sum(c.verify_steps for c in choices), sum(c.accepted_tokens for c in choices),
-                        sum(c.budget_sum for c in choices))
+                        sum(c.budget_sum for c in choices), sum(c.accepted_suffix for c in choices))
 
 
 def raise_choice_error(choices: list[ChoiceAccum]) -> None:

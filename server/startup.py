@@ -47,7 +47,20 @@ def is_resolved(config: ServerConfig) -> bool:
     """Whether ``resolve_config`` has nothing left to do (a concrete device and model path)."""
     spec = config.speculative
     return (config.model.device != "auto" and not is_default_path(config.model.model_path)
-            and not (spec.enabled and is_default_path(spec.draft_model_path)))
+            and not (spec.enabled and spec.draft_sources == "auto")
+            and not (spec.uses_drafter and is_default_path(spec.draft_model_path)))
+
+
+def resolve_draft_sources(config: ServerConfig) -> str:
+    """``auto`` -> ``dflash`` for the dflash algorithm; for ddtree ``dflash,suffix`` when a drafter is configured
+    (a path, or the default model, whose drafter ships), ``suffix`` alone otherwise."""
+    spec = config.speculative
+    if spec.draft_sources != "auto":
+        return spec.draft_sources
+    if spec.algorithm == "dflash":
+        return "dflash"
+    drafter = not is_default_path(spec.draft_model_path) or is_default_path(config.model.model_path)
+    return "dflash,suffix" if drafter else "suffix"
 
 
 def resolve_config(config: ServerConfig) -> ServerConfig:
@@ -55,9 +68,11 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     tokenizer needs remote code that is not trusted: all before any weights load or process starts."""
     from server.process_utils import check_trust_remote_code
 
+    if config.speculative.enabled:  # before the model path is resolved: 'default' decides the sources
+        config = config.replace("speculative", draft_sources=resolve_draft_sources(config))
     model_path = resolve_model_path(config.model.model_path)
     check_trust_remote_code(model_path, config.model.trust_remote_code)
     config = config.replace("model", model_path=model_path, device=resolve_device(config.model.device))
-    if config.speculative.enabled:
+    if config.speculative.uses_drafter:
         config = config.replace("speculative", draft_model_path=resolve_draft_path(config.speculative.draft_model_path))
     return config

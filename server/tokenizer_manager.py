@@ -242,7 +242,8 @@ class TokenizerManager:
             del self.states[out.rid]
             self.metrics.set_inflight(len(self.states))
             self.metrics.observe_finished(out.finish_reason if out.error is None else "error", st.prompt_tokens,
-                                          now - st.created, out.spec_verify_steps, out.spec_accepted_tokens)
+                                          now - st.created, out.spec_verify_steps, out.spec_accepted_tokens,
+                                          out.spec_accepted_suffix)
             if out.abort_scheduler and self._send is not None:
                 self._send.send_pyobj(AbortReq(out.rid))
         st.queue.put_nowait((st.index, out))

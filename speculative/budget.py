@@ -63,11 +63,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from speculative.calibration import AcceptanceCalibrator
-from speculative.ddtree import DraftTree, PoppedNodes
+from speculative.ddtree import DFLASH, SUFFIX, DraftTree, PoppedNodes
 from speculative.rate_correction import RateCorrection
 from speculative.step_cost import StepCostModel
 
 GREEDY, SAMPLED = 0, 1
+PLAIN, SUFFIX_ONLY, DRAFT = 0, 1, 2  # a step's plan (plan_step): no tree, suffix drafts only, the drafter runs
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ class BudgetController:
         self.config = config
         self.padded = padded  # whether the verify forward pads every tree to the widest (see choose_budgets)
         self.cost = cost
-        self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)
+        self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # DFlash's nodes
+        self.calib_suffix = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # suffix drafts' nodes
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
         self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
         self.curve_mass = np.zeros((2, 2, depth_limit + 1))  # [mode, raw/calibrated, depth] mean Q per step
@@ -151,10 +153,55 @@ class BudgetController:
         self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
         self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
 
-    def plan_draft(self, sampled: np.ndarray, fits: bool = True) -> bool:
+    def plan_step(self, sampled: np.ndarray, draft_fits: bool, suffix: PoppedNodes | None,
+                  max_verify_tokens: int | None = None) -> int:
+        """PLAIN, SUFFIX_ONLY or DRAFT for this step (docs/DESIGN.md 4.13). ``draft_fits``: whether the drafter
+        may run (there is one, a node can be of use, its block's slots are free); ``suffix``: this step's suffix
+        drafts (tagged SUFFIX) or None. A suffix-only step costs no drafter forward and its expected tokens come
+        from this step's own candidates, so its rate is known before anything runs; the DFlash step's rate is
+        ``plan_draft``'s prediction, the suffix candidates merged into it. Either must beat a plain step by
+        ``draft_margin``; the plain price is refreshed as for drafting."""
+        bs = len(sampled)
+        s_rate = 0.0
+        if suffix is not None and suffix.counts.any():
+            gains = self.gains(suffix, sampled)  # [bs, S]
+            budgets, s_rate = choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=False),
+                                             max_verify_tokens, self.padded)
+            s_rate = s_rate if budgets.any() else 0.0
+        suffix_ok = s_rate > self._plain_rate(bs) * (1 + self.config.draft_margin)
+        self._exploring = self._planned_plain = False
+        if draft_fits and self.plan_draft(sampled, True, self.gains(suffix, sampled) if suffix_ok else None):
+            corrected = self._plan[0] * self.correction.factor(_band(bs)) if self._plan else math.inf
+            if not suffix_ok or (corrected > s_rate and not self._exploring):
+                return DRAFT
+        self._exploring = False
+        self._plan = None
+        if suffix_ok and self.cost.plain_age(bs) < self.config.plain_refresh_every:
+            self._planned_plain = False  # a suffix-only step: outside the exploration balance
+            return SUFFIX_ONLY
+        return PLAIN
+
+    def scale(self, sampled: np.ndarray) -> np.ndarray:
+        """[2, bs, L+1] calibration ratio per source (DFLASH, SUFFIX), request (its mode) and depth."""
+        mode = sampled.astype(np.int64)  # [bs]
+        return np.stack([self.calib.ratios()[mode], self.calib_suffix.ratios()[mode]])
+
+    def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
+        """Calibrated marginal gains [bs, B] of pops from either source (``AcceptanceCalibrator.gains`` with each
+        node's ratio taken from its source's calibrator), non-increasing along a row."""
+        if popped.sources is None:
+            return self.calib.gains(popped, sampled)
+        mode = sampled.astype(np.int64)[:, None]  # [bs, 1]
+        r = np.where(popped.sources == SUFFIX, self.calib_suffix.ratios()[mode, popped.depths],
+                     self.calib.ratios()[mode, popped.depths])  # [bs, B]
+        g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
+        return np.minimum.accumulate(g, axis=1) if g.size else g
+
+    def plan_draft(self, sampled: np.ndarray, fits: bool = True, extra: np.ndarray | None = None) -> bool:
         """Whether this step should run the drafter (False: a plain decode step). ``fits``: whether a draft
         can be of use (some request has room for a node) and the KV slots it needs are free (if not, a plain
-        step outside the regret accounting)."""
+        step outside the regret accounting). ``extra`` [bs, S]: gains of this step's suffix drafts, merged into
+        the prediction (it is then not cached)."""
         bs = len(sampled)
         self._exploring = self._planned_plain = False
         self._plan = None
@@ -168,9 +215,12 @@ class BudgetController:
         if self._plans_since_learn > self.config.replan_every:  # the calibration decays meanwhile
             self._spec_rates.clear()
             self._plans_since_learn = 0
-        if key not in self._spec_rates:  # unchanged while no step drafts (invalidated by record)
-            self._spec_rates[key] = self._predict(sampled)
-        self._plan = self._spec_rates[key]
+        if extra is not None:
+            self._plan = self._predict(sampled, extra)
+        else:
+            if key not in self._spec_rates:  # unchanged while no step drafts (invalidated by record)
+                self._spec_rates[key] = self._predict(sampled)
+            self._plan = self._spec_rates[key]
         rate, step_s = self._plan
         rate *= self.correction.factor(_band(bs))  # what drafted steps of this band realized (rate_correction.py)
         plain = self._plain_rate(bs)
@@ -185,13 +235,16 @@ class BudgetController:
             return False
         return draft
 
-    def _predict(self, sampled: np.ndarray) -> tuple[float, float]:
+    def _predict(self, sampled: np.ndarray, extra: np.ndarray | None = None) -> tuple[float, float]:
         """The best speculative step's predicted rate and seconds, from the mean gain curves (rescaled by the
-        calibration's drift; a mode without a curve yet borrows the other mode's)."""
+        calibration's drift; a mode without a curve yet borrows the other mode's), with ``extra`` [bs, S] gains
+        (suffix drafts) merged in."""
         bs = len(sampled)
         curves = self.curve * self._curve_drift()[:, None]  # [2, B]
         curves = np.where((self.curve_steps > 0)[:, None], curves, curves[::-1])  # [2, B]
         gains = curves[sampled.astype(np.int64)]  # [bs, B]
+        if extra is not None:  # one descending row per request (overlaps between the sources ignored)
+            gains = -np.sort(-np.concatenate([gains, extra], axis=1), axis=1)[:, :self.config.max_budget]
         budgets, rate = choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded)
         tokens = bs * (1 + int(budgets.max(initial=0))) if self.padded else bs + int(budgets.sum())
         return rate, float(self.cost.step_time(bs, tokens, drafted=True))
@@ -212,7 +265,7 @@ class BudgetController:
         self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
     ) -> np.ndarray:
         """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
-        gains = self.calib.gains(popped, sampled)  # [bs, B]
+        gains = self.gains(popped, sampled)  # [bs, B]
         budgets, rate = self._decide(gains, max_verify_tokens)
         self._learn(gains, popped, sampled)
         return budgets
@@ -229,12 +282,12 @@ class BudgetController:
         tensor-parallel ranks take rank 0's re-pop decision and budgets."""
         width = self.pop_width
         popped = pop(width)
-        gains = self.calib.gains(popped, sampled)  # [bs, w]
+        gains = self.gains(popped, sampled)  # [bs, w]
         budgets, rate = self._decide(gains, max_verify_tokens)
         if width < self.config.max_budget and agree(self._pops_could_matter(gains, popped, width, rate,
                                                                              max_verify_tokens)):
             popped = pop(self.config.max_budget)
-            gains = self.calib.gains(popped, sampled)  # [bs, B]
+            gains = self.gains(popped, sampled)  # [bs, B]
             budgets, rate = self._decide(gains, max_verify_tokens)
         budgets = np.asarray(agree(budgets))
         self._learn(gains, popped, sampled)
@@ -272,11 +325,16 @@ class BudgetController:
         per depth, raw and calibrated (``_curve_drift``)."""
         self._spec_rates.clear()
         self._plans_since_learn = 0
+        q, depths = popped.path_probs(), popped.depths  # [bs, B] each
+        if popped.sources is not None:  # the curve is DFlash's own: its nodes, in their order, moved left
+            own = popped.sources == DFLASH  # [bs, B]
+            order = np.argsort(~own, axis=1, kind="stable")  # [bs, B]
+            gains, q, depths = (np.take_along_axis(np.where(own, a, z), order, 1)
+                                for a, z in ((gains, 0.0), (q, 0.0), (depths, 0)))
         w = min(gains.shape[1], self.config.max_budget)
         mode = sampled.astype(np.int64)  # [bs]
         ratios = self.calib.ratios()  # [2, D+1]
-        q = popped.path_probs()[:, :w]  # [bs, w]
-        depths = popped.depths[:, :w]  # [bs, w]
+        q, depths = q[:, :w], depths[:, :w]  # [bs, w]
         nd = self.curve_mass.shape[2]
         for m in (GREEDY, SAMPLED):
             sel = mode == m
@@ -307,13 +365,19 @@ class BudgetController:
         ``speculative.verify.node_reach``) their expectation ``reach[:, 1:].sum(1)``, which the worker passes:
         the rate correction and exploration charges then see a sampled step's expected outcome, not one
         draw of its coins."""
-        if draft_s is None:  # a plain step (the common case where speculation does not pay: kept cheap)
+        if tree is None:  # a plain step (the common case where speculation does not pay: kept cheap)
             self.chosen[0] += bs
         else:
             self.chosen.update(budgets.tolist())
             self._spec_rates.clear()  # the curve and the draft / verify tables move
         if tree is not None and int(tree.num_nodes.max()) > 0:
-            self.calib.observe(tree, accept_length, sampled, reach)
+            if tree.sources is None:
+                self.calib.observe(tree, accept_length, sampled, reach)
+            else:  # each source's calibration sees the nodes it proposed (docs/DESIGN.md 4.13)
+                src = tree.sources.cpu().numpy()  # [bs, D]
+                for calib, source in ((self.calib, DFLASH), (self.calib_suffix, SUFFIX)):
+                    if (src == source).any():
+                        calib.observe(tree, accept_length, sampled, reach, select=src == source)
         step_s = (draft_s or 0.0) + verify_s
         if draft_s is not None and self._plan is not None:  # a drafted step: realized against predicted
             self.correction.observe(_band(bs), bs + float(np.sum(accept_length)), step_s, *self._plan)
@@ -334,4 +398,14 @@ class BudgetController:
             "budget_counts": dict(self.chosen),
             "predicted_accepted": self.calib.predicted_total.tolist(),
             "observed_accepted": self.calib.observed_total.tolist(),
+            "suffix_predicted_accepted": self.calib_suffix.predicted_total.tolist(),
+            "suffix_observed_accepted": self.calib_suffix.observed_total.tolist(),
         }
+
+    def choose_suffix(self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
+                      ) -> np.ndarray:
+        """Budgets [bs] for a suffix-only step (``plan_step`` chose SUFFIX_ONLY; no drafter cost)."""
+        bs = len(sampled)
+        budgets, _ = choose_budgets(self.gains(popped, sampled), lambda n: self.cost.step_time(bs, n, drafted=False),
+                                    max_verify_tokens, self.padded)
+        return budgets

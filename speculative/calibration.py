@@ -50,19 +50,24 @@ class AcceptanceCalibrator:
         return np.minimum.accumulate(g, axis=1) if g.size else g
 
     def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray,
-                reach: np.ndarray | None = None) -> None:
+                reach: np.ndarray | None = None, select: np.ndarray | None = None) -> None:
         """Verification result of a built tree batch: per depth, the offered Q and how often it was reached (and
         the totals of predicted and accepted tokens, for metrics). ``reach`` [bs, D]: the probability that
         each node was accepted given the tree and the target (``speculative.verify.node_reach``: the coins'
         noise taken out of sampled outcomes); without it, depth d counts as reached by the requests whose
-        ``accept_length`` [bs] is at least d."""
+        ``accept_length`` [bs] is at least d. ``select`` [bs, D] bool (with ``reach``): only these nodes are
+        observed (a merged tree's nodes of one draft source, docs/DESIGN.md 4.13)."""
         depths = tree.depths.cpu().numpy()  # [bs, D] (0: root / unused)
+        if select is not None:
+            assert reach is not None, "observing a subset of the nodes needs their reach"
+            depths = np.where(select, depths, 0)
         q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * (depths > 0)  # [bs, D]
         mode = sampled.astype(np.int64)  # [bs]
         ratios = self.ratios()
         predicted = (q * ratios[mode[:, None], depths]).sum(1)  # [bs]
         self.predicted_total += np.bincount(mode, predicted, minlength=2)
-        self.observed_total += np.bincount(mode, accept_length, minlength=2)
+        observed = accept_length if select is None else (np.asarray(reach) * (depths > 0)).sum(1)  # [bs]
+        self.observed_total += np.bincount(mode, observed, minlength=2)
         self.pred *= self.decay
         self.obs *= self.decay
         self._ratios = None

@@ -44,6 +44,8 @@ def _rows(worker: SpecWorker, n: int) -> list[int] | None:
 @torch.inference_mode()
 def _time_draft(worker: SpecWorker, bs: int) -> float | None:
     r = worker.runner
+    if worker.drafter is None:  # suffix drafts alone: no drafter forward
+        return 0.0
     if r.slots.num_free < bs * worker.block_size:
         return None
     rows = _rows(worker, bs)
@@ -88,7 +90,7 @@ def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
         return None
     idx = torch.tensor(rows, device=r.device)  # [bs]
     zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs] tokens and positions
-    popped = _chain_pops(bs, extra, worker.depth_limit)
+    popped = _chain_pops(bs, extra, max(worker.tree_depth, 1))
     slots = None
     try:
         _sync(r.device)
@@ -101,7 +103,8 @@ def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
         res.accept_length.tolist()  # the commit's host copy: synchronises
         res.node_reach.cpu()  # the controller's copy (spec_worker)
         d = slots.shape[1]
-        worker._write_context(captured[torch.arange(bs, device=r.device) * d], zeros, slots[:, 0])
+        if captured is not None:  # (no drafter: no context)
+            worker._write_context(captured[torch.arange(bs, device=r.device) * d], zeros, slots[:, 0])
         return time.perf_counter() - t
     finally:
         if slots is not None:

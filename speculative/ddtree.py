@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
+DFLASH, SUFFIX = 0, 1  # draft sources of a node (speculative/draft_sources.py)
+DRAFT_SOURCES = ("dflash", "suffix")  # their names, by index
 
 
 @dataclass
@@ -50,6 +52,7 @@ class DraftTree:
     retrive_next_sibling: torch.Tensor  # [bs, D] int64, next sibling (lower log-weight) or -1
     positions: torch.Tensor  # [bs, D] int64, seq_len + depth
     tree_mask: torch.Tensor  # [bs, D, D] bool, [b, i, j]: node i attends to node j
+    sources: torch.Tensor | None = None  # [bs, D] int64 node's draft source (DFLASH, SUFFIX; -1 root, unused)
 
     @property
     def batch_size(self) -> int:
@@ -175,6 +178,7 @@ class PoppedNodes:
     depths: np.ndarray  # [bs, B] int64
     logws: np.ndarray  # [bs, B] float64, cumulative draft log-prob of the prefix
     counts: np.ndarray  # [bs] int64
+    sources: np.ndarray | None = None  # [bs, B] int64 draft source per node (DRAFT_SOURCES); None: all DFlash
 
     def path_probs(self) -> np.ndarray:
         """Q(prefix) of every popped node, 0 for unused entries: [bs, B]. ``1 + cumsum(row)[k-1]`` is the
@@ -253,6 +257,11 @@ def assemble_tree(
     depths[:, 1:] = np.where(used, popped.depths[:, : d - 1], 0)
     logws[:, 1:] = np.where(used, popped.logws[:, : d - 1], _NEG_INF)
 
+    sources = None
+    if popped.sources is not None:
+        sources = np.full((bs, d), -1, dtype=np.int64)  # [bs, D]
+        sources[:, 1:] = np.where(used, popped.sources[:, : d - 1], -1)
+
     dev = torch.device(device)
     candidates = torch.from_numpy(tokens).to(dev)  # [bs, D]
     candidates[:, 0] = root_tokens.to(device=dev, dtype=torch.int64)
@@ -271,6 +280,7 @@ def assemble_tree(
         retrive_next_sibling=next_sibling,
         positions=seq_lens.to(device=dev, dtype=torch.int64).view(bs, 1) + depths_t,
         tree_mask=mask,
+        sources=None if sources is None else torch.from_numpy(sources).to(dev),
     )
 
 

@@ -31,10 +31,12 @@ from model_executor.model_runner import ModelRunner, load_model, pick_attention_
 from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, sample_requests, token_logprobs
 from model_executor.sampling_params import SamplingParams, find_stop
-from speculative.budget import BudgetConfig, BudgetController
-from speculative.ddtree import DraftTree, PoppedNodes, assemble_tree, draft_topk, pop_nodes
+from speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
+from speculative.ddtree import SUFFIX, DraftTree, PoppedNodes, assemble_tree, draft_topk, pop_nodes
+from speculative.draft_sources import accepted_by_source, merge_popped, no_pops, tag
 from speculative.deferred_context import DeferredContext
 from speculative.step_cost import StepCostModel
+from speculative.suffix_index import SuffixConfig, SuffixProposer
 from speculative.types import DecodeResult, OutOfKVSlots, SpecSettings
 from speculative.verify import verify_tree
 
@@ -44,8 +46,10 @@ logger = logging.getLogger(__name__)
 class SpecRequest(Protocol):
     """What the worker reads from (and ``num_cached`` it updates on) a scheduler request."""
 
+    rid: str
     params: SamplingParams
     generator: torch.Generator
+    prompt_ids: list[int]
     output_ids: list[int]
     req_pool_idx: int | None
     num_cached: int
@@ -78,25 +82,31 @@ class StepTimer:
 
 class SpecWorker:
     """budget: an int (fixed tree size) or "auto" (``speculative.budget``: per step and request, from measured
-    cost and calibrated expected acceptance, at most ``max_budget``; 0 everywhere = a plain decode step)."""
+    cost and calibrated expected acceptance, at most ``max_budget``; 0 everywhere = a plain decode step).
+    drafter: the DFlash drafter, or None (suffix drafts alone); suffix: the suffix-draft settings, or None
+    (no suffix drafts). At least one of the two is given."""
 
-    def __init__(self, algorithm: str, drafter: torch.nn.Module, budget: int | str, block_size: int,
+    def __init__(self, algorithm: str, drafter: torch.nn.Module | None, budget: int | str, block_size: int,
                  runner: ModelRunner, max_budget: int = 64, accept_thresholds: tuple[float, float] = (1.0, 1.0),
-                 budget_config: BudgetConfig | None = None):
+                 budget_config: BudgetConfig | None = None, suffix: SuffixConfig | None = None):
         auto = budget == "auto"  # the values were checked once, by the configuration (server/config.py)
         self.chain = algorithm == "dflash"
         self.drafter = drafter
         self.runner = runner
-        self.block_size = block_size
-        self.depth_limit = block_size - 1
+        self.block_size = block_size if drafter is not None else 1
+        self.depth_limit = self.block_size - 1  # the drafter's deepest level
+        self.suffix = SuffixProposer(suffix) if suffix is not None else None
+        self.tree_depth = max(self.depth_limit, suffix.max_depth if suffix is not None else 0)  # any source's
         self.budget = self.depth_limit if self.chain else (max_budget if auto else budget)
         self.accept_thresholds = accept_thresholds
         self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
-        self.capture_layer_ids = tuple(drafter.target_layer_ids)
+        self.capture_layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.draft_kv: KVCache | None = None
-        # The drafter's own attention backend: its head dims may differ from the target's.
-        self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, drafter.kv_cache_layout())
-        warm_up_attention(self.draft_backend, drafter.kv_cache_layout(), drafter, runner.config.dtype, runner.device)
+        self.draft_backend = None
+        if drafter is not None:  # the drafter's own attention backend: its head dims may differ from the target's
+            layout = drafter.kv_cache_layout()
+            self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, layout)
+            warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device)
         self.timer = StepTimer()
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
@@ -107,47 +117,59 @@ class SpecWorker:
 
     @property
     def draft_kv_bytes_per_token(self) -> int:
+        if self.drafter is None:
+            return 0
         return self.drafter.kv_cache_layout().bytes_per_token(self.runner.config.dtype)
 
     def allocate_kv(self) -> None:
         """The drafter's context cache, one slot per target KV slot (after the runner's ``allocate_kv``); then,
         for the auto budget, the step-cost model and its start-up probe (which runs real forwards)."""
         r = self.runner
-        self.draft_kv = KVCache(self.drafter.kv_cache_layout(), r.num_slots, r.config.dtype, r.device)
+        if self.drafter is not None:
+            self.draft_kv = KVCache(self.drafter.kv_cache_layout(), r.num_slots, r.config.dtype, r.device)
         if self.auto:
             from speculative.cost_probe import probe_step_cost
 
             cfg = self.budget_config or BudgetConfig(max_budget=self.budget)
-            self.deferred = DeferredContext(
-                lambda c, p, s: self.drafter.write_context(c, p, s, self.draft_kv), cfg.deferred_context_tokens)
+            if self.drafter is not None:
+                self.deferred = DeferredContext(
+                    lambda c, p, s: self.drafter.write_context(c, p, s, self.draft_kv), cfg.deferred_context_tokens)
             max_reqs = r.slots.max_rows - 1
             cost = StepCostModel(max_reqs, self.budget)
-            self.controller = BudgetController(cfg, self.depth_limit, cost)  # ragged verify: padded=False
+            self.controller = BudgetController(cfg, self.tree_depth, cost)  # ragged verify: padded=False
             probe_step_cost(self, cost, cfg.probe_seconds)
 
     @classmethod
     def create(cls, settings: SpecSettings, runner: ModelRunner, target_config: ModelConfig) -> SpecWorker:
         """Load the drafter at ``settings.draft_model_path`` (a resolved directory) onto the target's ranks
-        and device, and build the worker; warns when the accept thresholds make sampling lossy."""
-        path = settings.draft_model_path
-        if path is None:
-            raise ValueError("speculative_draft_model_path is unset (server/startup.py resolves 'default')")
-        cfg = ModelConfig.load(path, "float32", str(runner.device))
-        cfg = ModelConfig(cfg.path, cfg.hf, cfg.architecture, cfg.eos_token_ids, target_config.dtype)
-        if cfg.hidden_size != target_config.hidden_size:
-            raise ValueError(f"drafter hidden size {cfg.hidden_size} != target hidden size {target_config.hidden_size}")
-        drafter = load_model(cfg, runner.tp, runner.device)
-        bsz = settings.block_size or int(drafter.block_size)
-        if bsz < 2:
-            raise ValueError(f"speculative_block_size must be >= 2, got {bsz}")
+        and device when the draft sources name DFlash, and build the worker; warns when the accept thresholds
+        make sampling lossy."""
+        sources = settings.draft_sources.split(",")  # resolved by server/startup.py
+        drafter, bsz, path = None, 0, settings.draft_model_path
+        if "dflash" in sources:
+            if path is None:
+                raise ValueError("speculative_draft_model_path is unset (server/startup.py resolves 'default')")
+            cfg = ModelConfig.load(path, "float32", str(runner.device))
+            cfg = ModelConfig(cfg.path, cfg.hf, cfg.architecture, cfg.eos_token_ids, target_config.dtype)
+            if cfg.hidden_size != target_config.hidden_size:
+                raise ValueError(f"drafter hidden size {cfg.hidden_size} != target hidden size "
+                                 f"{target_config.hidden_size}")
+            drafter = load_model(cfg, runner.tp, runner.device)
+            bsz = settings.block_size or int(drafter.block_size)
+            if bsz < 2:
+                raise ValueError(f"speculative_block_size must be >= 2, got {bsz}")
+        suffix = None
+        if "suffix" in sources:
+            suffix = SuffixConfig(settings.suffix_max_depth, settings.suffix_min_match, settings.suffix_max_match,
+                                  cache_tokens=settings.suffix_cache_tokens)
         budget, max_budget = settings.ddtree_budget, settings.ddtree_max_budget
-        logger.info("speculative %s: drafter %s, block %d, budget %s (max %d)", settings.algorithm, path, bsz,
-                    budget, max_budget)
+        logger.info("speculative %s: sources %s, drafter %s, block %d, budget %s (max %d)", settings.algorithm,
+                    settings.draft_sources, path if drafter is not None else None, bsz, budget, max_budget)
         thresholds = (settings.accept_threshold_single, settings.accept_threshold_acc)
         if settings.lossy:
             logger.warning("speculative accept thresholds single=%g acc=%g are below 1: sampled verification is "
                            "LOSSY (outputs no longer follow the target distribution)", *thresholds)
-        return cls(settings.algorithm, drafter, budget, bsz, runner, max_budget, thresholds)
+        return cls(settings.algorithm, drafter, budget, bsz, runner, max_budget, thresholds, suffix=suffix)
 
     @property
     def max_step_tokens(self) -> int:
@@ -169,8 +191,16 @@ class SpecWorker:
 
     def _write_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Store context features in the drafter's cache, after every deferred write (their order kept)."""
+        if self.drafter is None:
+            return
         self.flush_context()
         self.drafter.write_context(captured, positions, slots, self.draft_kv)
+
+    def release(self, rid: str, output: list[int] | None = None) -> None:
+        """A request left the running set (finished, aborted, retracted, failed): free its suffix index;
+        ``output``: a finished request's generated tokens, which the shared suffix index keeps."""
+        if self.suffix is not None:
+            self.suffix.release(rid, output)
 
     def flush_context(self) -> None:
         """Write the plain steps' deferred drafter context (before anything reads the drafter's cache)."""
@@ -195,51 +225,61 @@ class SpecWorker:
         sampled = np.array([not q.params.is_greedy for q in reqs])  # [bs] bool
         ctl = self.controller  # auto budget; under TP rank 0 decides (timings differ per rank) and broadcasts
         cap = self.max_verify_tokens  # tree tokens, roots included: the verify workspace, and (auto) the free slots
-        # a request with one token left can take no tree node: where none can, the drafter would run for nothing
-        useful = any(q.remaining_tokens > 1 for q in reqs)
+        # a request with one token left can take no tree node: where none can, no source would be of use
+        max_depths = [q.remaining_tokens - 1 for q in reqs]  # deeper nodes could never be emitted
+        useful = max(max_depths) > 0
+        suffix = self._suffix_drafts(reqs, max_depths) if useful and self.suffix is not None else None
+        draft_fits = useful and self.drafter is not None
         if ctl is not None:
             cap = room if cap is None else min(cap, room)
-            fits = useful and room >= bs * self.block_size  # the draft block (freed before the verify forward)
-            drafted = bool(r.tp.broadcast_object(ctl.plan_draft(sampled, fits)))
+            draft_fits = draft_fits and room >= bs * self.block_size  # the block (freed before the verify forward)
+            plan = int(r.tp.broadcast_object(ctl.plan_step(sampled, draft_fits, suffix, cap)))
         else:
-            drafted = useful
-        if not drafted:
+            plan = DRAFT if draft_fits else SUFFIX_ONLY if suffix is not None and suffix.counts.any() else PLAIN
+        if plan == PLAIN:
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, None)
         grammars = [q.grammar for q in reqs]
         mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
         idx = torch.tensor(rows, device=dev)  # [bs]
         cached = torch.tensor(root_pos, device=dev)  # [bs]
         roots = torch.tensor(root_ids, device=dev)  # [bs]
-        draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
-        if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
-            mask_draft_logits(grammars, draft_logits)
-        t.lap("draft")
-        depths = torch.tensor([q.remaining_tokens - 1 for q in reqs])  # deeper nodes could never be emitted
+        draft_logits = topk = None
+        if plan == DRAFT:
+            draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
+                mask_draft_logits(grammars, draft_logits)
+            t.lap("draft")
+            # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
+            k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
+            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] host arrays
+        depths = torch.tensor(max_depths)  # [bs]
+        scale = ctl.scale(sampled) if ctl is not None and suffix is not None else None  # [2, bs, L+1]
 
-        # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
-        k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
-        topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] host arrays
-
-        def pop(width: int) -> PoppedNodes:  # best-first pops, grammar-pruned when drafts are masked
+        def pop(width: int) -> PoppedNodes:  # best-first pops of both sources, grammar-pruned when masked
             widths = torch.full((bs,), width)  # [bs]
-            if topk is not None:
-                return pop_nodes(draft_logits, widths, chain=self.chain, max_depths=depths, topk=topk)
-            wide = pop_nodes(draft_logits, draft_pop_budgets(grammars, widths), chain=self.chain, max_depths=depths)
-            return prune_popped(wide, grammars, widths)
+            wide = draft_pop_budgets(grammars, widths) if mask_drafts else widths  # [bs]
+            popped = pop_nodes(draft_logits, wide, chain=self.chain, max_depths=depths, topk=topk) \
+                if draft_logits is not None else no_pops(bs)
+            if suffix is not None:  # one best-first order over both (speculative/draft_sources.py)
+                popped = merge_popped(popped, suffix, int(wide.max()), scale)
+            return prune_popped(popped, grammars, widths) if mask_drafts else popped
 
-        if ctl is not None:  # pops only as many nodes as can matter to its choice
+        if ctl is not None and plan == DRAFT:  # pops only as many nodes as can matter to its choice
             popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
             budgets = torch.from_numpy(chosen)
+        elif ctl is not None:  # suffix drafts alone: no drafter cost
+            popped = pop(self.budget)
+            budgets = torch.from_numpy(np.asarray(r.tp.broadcast_object(ctl.choose_suffix(popped, sampled, cap))))
         else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
             popped = pop(self.budget)
             budgets = torch.full((bs,), self.budget if cap is None else step_budget(self.budget, bs, cap))  # [bs]
-        draft_s = time.perf_counter() - t0  # drafter forward + pops + decision
+        draft_s = time.perf_counter() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
         if not (np.minimum(budgets.numpy(), popped.counts) > 0).any():  # every tree is its root alone
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
         tree = assemble_tree(popped, budgets, roots, cached, dev)
         t.lap("build")
-        built_at = time.perf_counter()
-        draft_s = built_at - t0  # drafter forward + pops + decision + tree
+        built_at = time.perf_counter() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
+        draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
         logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
         t.lap("verify_forward")
         info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
@@ -253,6 +293,11 @@ class SpecWorker:
                           threshold_single=single, threshold_acc=acc, want_reach=ctl is not None)
         t.lap("verify")
         out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
+        if tree.sources is not None:  # accepted tokens by draft source (metrics)
+            suffix_acc = accepted_by_source(tree.sources.cpu().numpy(), res.accept_index.cpu().numpy(),
+                                            [o.accepted for o in out])
+            for o, n in zip(out, suffix_acc, strict=True):
+                o.accepted_suffix = n
         if want_lp:
             _attach_logprobs(reqs, res, logits, out)
         t.lap("commit")
@@ -296,6 +341,16 @@ class SpecWorker:
             self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, time.perf_counter() - start)
         return results
 
+    def _suffix_drafts(self, reqs: Sequence[SpecRequest], max_depths: list[int]) -> PoppedNodes | None:
+        """This step's suffix drafts (tagged SUFFIX; rank 0's under TP), or None when no request has one."""
+        r = self.runner
+        suffix = None
+        if r.tp.rank == 0:
+            suffix = self.suffix.propose([q.rid for q in reqs], [q.prompt_ids for q in reqs],
+                                         [q.output_ids for q in reqs], max_depths)
+            suffix = tag(suffix, SUFFIX) if suffix.counts.any() else None
+        return r.tp.broadcast_object(suffix)
+
     def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
         """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]."""
         r, bsz, bs = self.runner, self.block_size, idx.shape[0]
@@ -332,8 +387,10 @@ class SpecWorker:
         rows = r.logits(out.hidden)  # [T, V]
         logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
         logits[used.view(-1)] = rows
-        captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
-        captured[used.view(-1)] = out.captured
+        captured = None  # no drafter: nothing captured
+        if out.captured is not None:
+            captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
+            captured[used.view(-1)] = out.captured
         return logits.view(bs, d, -1), captured, slots
 
     def _commit(self, reqs, tree: DraftTree, res, idx, cached, tree_slots, captured, eos_ids) -> list[DecodeResult]:
@@ -362,8 +419,9 @@ class SpecWorker:
         rows = idx[:, None].expand(bs, s)[valid]
         pos = (cached[:, None] + cols[None, :])[valid]  # [n_kept] absolute positions
         r.slots.keep_path(rows, pos, path_slots[valid], tree_slots[~kept_mask & (tree_slots >= 0)])
-        feat_rows = (torch.arange(bs, device=r.device)[:, None] * d + path)[valid]
-        self._write_context(captured[feat_rows], pos, path_slots[valid])
+        if captured is not None:
+            feat_rows = (torch.arange(bs, device=r.device)[:, None] * d + path)[valid]
+            self._write_context(captured[feat_rows], pos, path_slots[valid])
         for q, k in zip(reqs, keep, strict=True):
             q.num_cached += k
         return results

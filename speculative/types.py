@@ -21,6 +21,7 @@ class DecodeResult:
     accepted: int
     logprobs: list | None = None
     budget: int = 0  # tree nodes this step offered the request (0: a plain decode step)
+    accepted_suffix: int = 0  # of ``accepted``, nodes proposed by the suffix draft source
 
 
 class SpecSettings(Protocol):
@@ -50,3 +51,18 @@ class SpecSettings(Protocol):
 
     @property
     def lossy(self) -> bool: ...  # a threshold below 1: sampled verification no longer follows the target
+
+    @property
+    def draft_sources(self) -> str: ...  # resolved: "dflash", "suffix" or "dflash,suffix"
+
+    @property
+    def suffix_max_depth(self) -> int: ...
+
+    @property
+    def suffix_min_match(self) -> int: ...
+
+    @property
+    def suffix_max_match(self) -> int: ...
+
+    @property
+    def suffix_cache_tokens(self) -> int: ...  # a threshold below 1: sampled verification no longer follows the target

@@ -170,7 +170,10 @@ def prune_popped(popped, states: Sequence[GrammarState | None], budgets: torch.T
         slot = np.zeros(n + 1, dtype=np.int64)  # old slot -> new slot (0: root)
         slot[idx + 1] = np.arange(1, len(idx) + 1)
         m = len(idx)
-        for arr, fill in ((popped.tokens, 0), (popped.depths, 0), (popped.logws, -np.inf)):
+        arrays = [(popped.tokens, 0), (popped.depths, 0), (popped.logws, -np.inf)]
+        if popped.sources is not None:  # the node's draft source follows it
+            arrays.append((popped.sources, 0))
+        for arr, fill in arrays:
             arr[b, :m] = arr[b, idx]
             arr[b, m:] = fill
         popped.parents[b, :m] = slot[popped.parents[b, idx]]
@@ -178,8 +181,9 @@ def prune_popped(popped, states: Sequence[GrammarState | None], budgets: torch.T
         popped.counts[b] = m
     w = int(budgets.max()) if len(budgets) else 0
     if popped.tokens.shape[1] > w:  # back to the width of an unconstrained pop
-        for name in ("tokens", "parents", "depths", "logws"):
-            setattr(popped, name, np.ascontiguousarray(getattr(popped, name)[:, :w]))
+        for name in ("tokens", "parents", "depths", "logws", "sources"):
+            if getattr(popped, name) is not None:
+                setattr(popped, name, np.ascontiguousarray(getattr(popped, name)[:, :w]))
     return popped
 
 
