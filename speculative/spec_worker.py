@@ -33,8 +33,8 @@ from model_executor.sampler import BatchSamplingInfo, sample_requests, token_log
 from model_executor.sampling_params import SamplingParams, find_stop
 from speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
 from speculative.ddtree import SUFFIX, DraftTree, PoppedNodes, assemble_tree, draft_topk, pop_nodes
-from speculative.draft_sources import accepted_by_source, merge_popped, no_pops, tag
 from speculative.deferred_context import DeferredContext
+from speculative.draft_sources import accepted_by_source, merge_popped, no_pops, tag
 from speculative.step_cost import StepCostModel
 from speculative.suffix_index import SuffixConfig, SuffixProposer
 from speculative.types import DecodeResult, OutOfKVSlots, SpecSettings
