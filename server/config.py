@@ -228,8 +228,12 @@ class SpeculativeArgs(Area):
 
     @property
     def uses_drafter(self) -> bool:
-        """Whether the DFlash drafter runs (after resolution: ``draft_sources`` names it)."""
-        return self.enabled and "dflash" in self.draft_sources.split(",")
+        """Whether the DFlash drafter runs: ``draft_sources`` names it (``auto``: dflash, or a drafter path set;
+        server/startup.py resolves ``auto`` for the default model, whose drafter ships)."""
+        from speculative.draft_sources import resolve_sources
+
+        has = self.draft_model_path is not None
+        return self.enabled and "dflash" in resolve_sources(self.draft_sources, self.algorithm, has).split(",")
 
     @property
     def lossy(self) -> bool:

@@ -47,20 +47,17 @@ def is_resolved(config: ServerConfig) -> bool:
     """Whether ``resolve_config`` has nothing left to do (a concrete device and model path)."""
     spec = config.speculative
     return (config.model.device != "auto" and not is_default_path(config.model.model_path)
-            and not (spec.enabled and spec.draft_sources == "auto")
             and not (spec.uses_drafter and is_default_path(spec.draft_model_path)))
 
 
 def resolve_draft_sources(config: ServerConfig) -> str:
     """``auto`` -> ``dflash`` for the dflash algorithm; for ddtree ``dflash,suffix`` when a drafter is configured
     (a path, or the default model, whose drafter ships), ``suffix`` alone otherwise."""
+    from speculative.draft_sources import resolve_sources
+
     spec = config.speculative
-    if spec.draft_sources != "auto":
-        return spec.draft_sources
-    if spec.algorithm == "dflash":
-        return "dflash"
     drafter = not is_default_path(spec.draft_model_path) or is_default_path(config.model.model_path)
-    return "dflash,suffix" if drafter else "suffix"
+    return resolve_sources(spec.draft_sources, spec.algorithm, drafter)
 
 
 def resolve_config(config: ServerConfig) -> ServerConfig:

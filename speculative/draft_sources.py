@@ -36,6 +36,16 @@ def parse_sources(text: str) -> tuple[str, ...]:
     return tuple(s for s in DRAFT_SOURCES if s in names)
 
 
+def resolve_sources(sources: str, algorithm: str, has_drafter: bool) -> str:
+    """``sources`` with ``auto`` resolved: ``dflash`` for the dflash algorithm; for ddtree ``dflash,suffix`` when
+    there is a drafter, ``suffix`` otherwise."""
+    if sources != "auto":
+        return sources
+    if algorithm == "dflash":
+        return "dflash"
+    return "dflash,suffix" if has_drafter else "suffix"
+
+
 def tag(popped: PoppedNodes, source: int) -> PoppedNodes:
     """``popped`` with every node attributed to ``source`` (in place)."""
     popped.sources = np.full(popped.tokens.shape, source, dtype=np.int64)

@@ -34,7 +34,7 @@ from model_executor.sampling_params import SamplingParams, find_stop
 from speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
 from speculative.ddtree import SUFFIX, DraftTree, PoppedNodes, assemble_tree, draft_topk, pop_nodes
 from speculative.deferred_context import DeferredContext
-from speculative.draft_sources import accepted_by_source, merge_popped, no_pops, tag
+from speculative.draft_sources import accepted_by_source, merge_popped, no_pops, resolve_sources, tag
 from speculative.step_cost import StepCostModel
 from speculative.suffix_index import SuffixConfig, SuffixProposer
 from speculative.types import DecodeResult, OutOfKVSlots, SpecSettings
@@ -144,7 +144,8 @@ class SpecWorker:
         """Load the drafter at ``settings.draft_model_path`` (a resolved directory) onto the target's ranks
         and device when the draft sources name DFlash, and build the worker; warns when the accept thresholds
         make sampling lossy."""
-        sources = settings.draft_sources.split(",")  # resolved by server/startup.py
+        has = settings.draft_model_path is not None  # auto (a config not from server/startup.py): sources from it
+        sources = resolve_sources(settings.draft_sources, settings.algorithm, has).split(",")
         drafter, bsz, path = None, 0, settings.draft_model_path
         if "dflash" in sources:
             if path is None:

@@ -1,0 +1,96 @@
+"""Suffix drafts (speculative/suffix_index.py): the n-gram continuation index, the shared index's cap and
+eviction, the per-request tries and their scores, and release."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from speculative.suffix_index import SEPARATOR, NgramIndex, SharedIndex, SuffixConfig, SuffixProposer
+
+
+def _recount(idx: NgramIndex) -> dict[tuple[int, ...], list[int]]:
+    """The table ``idx`` must hold, rebuilt from its tokens by brute force."""
+    want: dict[tuple[int, ...], list[int]] = {}
+    toks = idx.tokens
+    for j in range(len(toks)):
+        for n in range(idx.min_match, min(idx.max_match, j) + 1):
+            key = tuple(toks[j - n:j])
+            if SEPARATOR not in key:
+                want.setdefault(key, []).append(idx.base + j)
+    return want
+
+
+def test_ngram_index_positions_and_no_self_match():
+    idx = NgramIndex(1, 3)
+    idx.extend([1, 2, 3, 1, 2])
+    assert idx.lookup((1, 2)) == [2]  # "1 2" was followed by position 2 (token 3); the trailing "1 2" has no follower yet
+    assert idx.lookup((2,)) == [2]
+    assert idx.lookup((3, 1, 2)) == []  # the current suffix is never its own match
+    idx.extend([3])
+    assert idx.lookup((1, 2)) == [2, 5]
+    assert idx.table == _recount(idx)
+
+
+def test_shared_index_is_capped_and_evicts_oldest_first():
+    shared = SharedIndex(SuffixConfig(min_match=2, max_match=4, cache_tokens=40))
+    rng = np.random.default_rng(0)
+    outputs = [rng.integers(0, 50, size=int(rng.integers(5, 15))).tolist() for _ in range(20)]
+    for out in outputs:
+        shared.add(out)
+        assert shared.num_tokens <= 40
+        assert shared.index.table == _recount(shared.index)  # no entry points at an evicted token
+    last = outputs[-1]
+    assert shared.index.tokens[-len(last) - 1:] == last + [SEPARATOR]  # the newest output is kept whole
+    first = outputs[0]
+    assert all(p >= shared.index.base for v in shared.index.table.values() for p in v)
+    assert shared.index.base > 0 and len(first) < shared.index.base  # the first outputs were evicted
+    too_long = list(range(100))
+    shared.add(too_long)  # longer than the cap: its tail is kept
+    assert shared.num_tokens <= 40 and shared.index.tokens[-2] == 99
+
+
+def test_proposer_trie_counts_and_scores():
+    p = SuffixProposer(SuffixConfig(max_depth=3, min_match=2, max_match=4, cache_tokens=0))
+    # "7 8" occurs twice before the end, followed by 1 2 3 and by 1 5 6; the text ends with "7 8"
+    prompt = [7, 8, 1, 2, 3, 9, 7, 8, 1, 5, 6, 4, 7, 8]
+    got = p.propose(["r"], [prompt], [[]], [10])
+    n = int(got.counts[0])
+    nodes = {(int(got.parents[0, i]), int(got.tokens[0, i])): i + 1 for i in range(n)}
+    # the shared first token 1 (both occurrences) then two branches of depth 3
+    assert n == 5 and got.tokens[0, 0] == 1 and got.parents[0, 0] == 0
+    c = 2 / 3  # a match of 2 tokens: c = n / (n + 1)
+    assert math.isclose(got.logws[0, 0], math.log(1.0 * c))
+    two = nodes[(1, 2)]
+    five = nodes[(1, 5)]
+    assert math.isclose(got.logws[0, two - 1], math.log(0.5 * c**2))
+    assert nodes[(two, 3)] and nodes[(five, 6)]
+    assert all(got.parents[0, i] < i + 1 for i in range(n))  # parents first
+    assert np.all(np.diff(got.logws[0, :n]) <= 1e-12)  # pop order: descending scores
+    # the longest match wins: "9 7 8" matches once more specifically than "7 8"
+    got = p.propose(["s"], [[9, 7, 8, 1, 2, 3, 7, 8, 1, 5, 6, 9, 7, 8]], [[]], [10])
+    assert got.tokens[0, : int(got.counts[0])].tolist() == [1, 2, 3]
+    # max_depths cut the trie
+    assert p.propose(["t"], [prompt], [[]], [1]).counts[0] == 1
+
+
+def test_outputs_extend_the_index_incrementally_and_release():
+    p = SuffixProposer(SuffixConfig(max_depth=4, min_match=2, max_match=3, cache_tokens=100))
+    prompt, out = [5, 6, 7, 8], [5, 6]
+    got = p.propose(["a"], [prompt], [out], [5])
+    assert got.tokens[0, : int(got.counts[0])].tolist() == [7, 8, 5, 6]
+    out.append(7)
+    got = p.propose(["a"], [prompt], [out], [5])
+    assert got.tokens[0, : int(got.counts[0])].tolist() == [8, 5, 6, 7]
+    assert len(p.own["a"].tokens) == 7
+    p.release("a", None)  # an abort: nothing joins the shared index
+    assert not p.own and p.shared.num_tokens == 0
+    p.propose(["b"], [[1, 2]], [[3, 4, 1, 2, 9]], [4])
+    p.release("b", [3, 4, 1, 2, 9])  # finished: its output is shared
+    assert not p.own and p.shared.num_tokens == 6
+    # another request whose text ends with "3 4" finds the continuation in the shared index
+    got = p.propose(["c"], [[8, 3, 4]], [[]], [3])
+    assert got.tokens[0, : int(got.counts[0])].tolist() == [1, 2, 9]
+    p.release("c")
+    assert not p.own
