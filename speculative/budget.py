@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from speculative.allocation import choose_budgets
 from speculative.calibration import AcceptanceCalibrator
 from speculative.ddtree import DFLASH, SUFFIX, DraftTree, PoppedNodes
 from speculative.rate_correction import RateCorrection
@@ -88,41 +89,6 @@ class BudgetConfig:
     plain_refresh_every: int = 64  # a step that would draft is a plain step when plain(bs) is this many steps old
     deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
     probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
-
-
-def choose_budgets(
-    gains: np.ndarray,
-    step_time: Callable[[np.ndarray], np.ndarray],
-    max_total_tokens: int | None = None,
-    padded: bool = False,
-) -> tuple[np.ndarray, float]:
-    """Budgets [bs] maximising ``(bs + expected accepted tokens) / step_time(verified tokens)``, and that rate.
-
-    gains [bs, B]: expected accepted tokens added by each successive pop of each request (non-increasing
-    along a row; zero for pops that do not exist). step_time: seconds for a number of verified tree tokens,
-    roots included (vectorised). max_total_tokens: cap on those tokens. padded=False: a step verifies
-    ``bs + sum(budgets)`` tokens, so the n largest gains of the batch win (each request keeps a prefix of
-    its pops); padded=True: every request is padded to the widest tree, ``bs * (1 + max(budgets))`` tokens,
-    so for a width w every request takes its first w pops. Ties prefer fewer tokens; among equal gains in
-    the unpadded case, the earlier request."""
-    bs, width = gains.shape
-    positive = (gains > 0).sum(axis=1)  # [bs] pops worth anything (a prefix: rows are non-increasing)
-    if padded:
-        expected = bs + np.concatenate([[0.0], np.cumsum(gains.sum(axis=0))])  # [B+1] by width
-        tokens = bs * (1 + np.arange(width + 1))  # [B+1]
-    else:
-        flat = gains.reshape(-1)  # [bs*B]
-        keep = np.flatnonzero(flat > 0)
-        order = keep[np.argsort(-flat[keep], kind="stable")]  # row-major stable: each row keeps a prefix
-        expected = bs + np.concatenate([[0.0], np.cumsum(flat[order])])  # [n+1] by extra tokens
-        tokens = bs + np.arange(len(order) + 1)  # [n+1]
-    rate = expected / np.maximum(step_time(tokens), 1e-12)
-    if max_total_tokens is not None:
-        rate[1:][tokens[1:] > max_total_tokens] = -np.inf
-    n = int(np.argmax(rate))
-    if padded:
-        return np.minimum(positive, n), float(rate[n])
-    return np.bincount(order[:n] // width, minlength=bs), float(rate[n])
 
 
 def _band(bs: int) -> int:

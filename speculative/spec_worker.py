@@ -29,12 +29,13 @@ from model_executor.memory import step_budget
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model, pick_attention_backend, warm_up_attention
 from model_executor.penalties import BatchPenalties, TokenCounts
-from model_executor.sampler import BatchSamplingInfo, sample_requests, token_logprobs
-from model_executor.sampling_params import SamplingParams, find_stop
+from model_executor.sampler import BatchSamplingInfo, sample_requests
+from model_executor.sampling_params import SamplingParams
 from speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
+from speculative.commit import attach_logprobs, commit
 from speculative.ddtree import SUFFIX, DraftTree, PoppedNodes, assemble_tree, draft_topk, pop_nodes
 from speculative.deferred_context import DeferredContext
-from speculative.draft_sources import accepted_by_source, merge_popped, no_pops, resolve_sources, tag
+from speculative.draft_sources import merge_popped, no_pops, resolve_sources, tag
 from speculative.step_cost import StepCostModel
 from speculative.suffix_index import SuffixConfig, SuffixProposer
 from speculative.types import DecodeResult, OutOfKVSlots, SpecSettings
@@ -293,14 +294,9 @@ class SpecWorker:
                           [q.generator for q in reqs], min_p=info.min_p, penalties=pen,
                           threshold_single=single, threshold_acc=acc, want_reach=ctl is not None)
         t.lap("verify")
-        out = self._commit(reqs, tree, res, idx, cached, tree_slots, captured, eos_ids)
-        if tree.sources is not None:  # accepted tokens by draft source (metrics)
-            suffix_acc = accepted_by_source(tree.sources.cpu().numpy(), res.accept_index.cpu().numpy(),
-                                            [o.accepted for o in out])
-            for o, n in zip(out, suffix_acc, strict=True):
-                o.accepted_suffix = n
+        out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context)
         if want_lp:
-            _attach_logprobs(reqs, res, logits, out)
+            attach_logprobs(reqs, res, logits, out)
         t.lap("commit")
         t.steps += 1
         n_used = tree.num_nodes.cpu()  # [bs]
@@ -393,47 +389,3 @@ class SpecWorker:
             captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
             captured[used.view(-1)] = out.captured
         return logits.view(bs, d, -1), captured, slots
-
-    def _commit(self, reqs, tree: DraftTree, res, idx, cached, tree_slots, captured, eos_ids) -> list[DecodeResult]:
-        """Unified commit for greedy and sampled verification: keep the KV of the root and the accepted
-        nodes (path order) up to a stop, free every other tree slot, feed the kept nodes' hidden states
-        to the drafter's context, and return the emitted tokens."""
-        r = self.runner
-        bs, d = tree_slots.shape
-        s = res.accept_index.shape[1]
-        acc = res.accept_length.tolist()
-        emitted = res.emitted_tokens.tolist()
-        keep = []
-        results = []
-        for b, q in enumerate(reqs):  # per-request stop scan over at most S tokens
-            toks = emitted[b][: acc[b] + 1]
-            k, _ = find_stop(toks, q.params, eos_ids, q.remaining_tokens)
-            keep.append(k)
-            results.append(DecodeResult(toks[:k], min(acc[b], k)))
-        keep_t = torch.tensor(keep, device=r.device)  # [bs] KV entries kept: root + (k-1) nodes
-        cols = torch.arange(s, device=r.device)  # [S]
-        valid = cols[None, :] < keep_t[:, None]  # [bs, S]
-        path = res.accept_index.clamp(min=0)  # [bs, S] local node ids
-        path_slots = tree_slots.gather(1, path)  # [bs, S]
-        kept_mask = torch.zeros(bs, d, dtype=torch.bool, device=r.device)  # [bs, D]
-        kept_mask[torch.arange(bs, device=r.device)[:, None].expand(bs, s)[valid], path[valid]] = True
-        rows = idx[:, None].expand(bs, s)[valid]
-        pos = (cached[:, None] + cols[None, :])[valid]  # [n_kept] absolute positions
-        r.slots.keep_path(rows, pos, path_slots[valid], tree_slots[~kept_mask & (tree_slots >= 0)])
-        if captured is not None:
-            feat_rows = (torch.arange(bs, device=r.device)[:, None] * d + path)[valid]
-            self._write_context(captured[feat_rows], pos, path_slots[valid])
-        for q, k in zip(reqs, keep, strict=True):
-            q.num_cached += k
-        return results
-
-
-def _attach_logprobs(reqs, res, logits: torch.Tensor, out: list[DecodeResult]) -> None:
-    """OpenAI logprobs of the emitted tokens under the raw target distribution at their parent nodes, with
-    the requested number of alternatives (only for requests that asked)."""
-    for b, (q, r) in enumerate(zip(reqs, out, strict=True)):
-        if q.params.logprobs is None or not r.tokens:
-            continue
-        k = len(r.tokens)
-        rows = logits[b, res.accept_index[b, :k]]  # [k, V] rows of the root and accepted nodes
-        r.logprobs = token_logprobs(rows, torch.tensor(r.tokens, device=rows.device), q.params.logprobs)

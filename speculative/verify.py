@@ -41,7 +41,7 @@ from speculative.ddtree import DraftTree
 class VerifyResult:
     """Per request, ``accept_length[b] + 1`` valid leading entries in each ``[bs, S]`` field
     (S = 1 + the deepest node of the batch); padding is -1. Logprobs of the emitted tokens are the
-    worker's (``spec_worker._attach_logprobs``: raw target logits at ``accept_index``, as plain decoding)."""
+    worker's (``commit.attach_logprobs``: raw target logits at ``accept_index``, as plain decoding)."""
 
     accept_index: torch.Tensor  # [bs, S] int64, local slots: root, then the accepted nodes in path order
     accept_length: torch.Tensor  # [bs] int64, accepted draft nodes (root not counted)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kernels.speculative as kspec
+from speculative.commit import attach_logprobs
 from speculative.ddtree import DraftTree, build_ddtree
-from speculative.spec_worker import _attach_logprobs
 from speculative.types import DecodeResult
 from speculative.verify import COIN_RULE_ENV, VerifyResult, build_target_probs, verify_coins, verify_tree
 
@@ -111,7 +111,7 @@ def test_greedy_hand_built() -> None:
     # the worker's logprobs of the emitted tokens: raw target rows of the root and the accepted nodes
     lsm = torch.log_softmax(target[0], -1)
     out = [DecodeResult([2, 4], 2)]  # a stop cut the bonus token
-    _attach_logprobs([SimpleNamespace(params=SimpleNamespace(logprobs=1))], res, target, out)
+    attach_logprobs([SimpleNamespace(params=SimpleNamespace(logprobs=1))], res, target, out)
     assert [lp for lp, _ in out[0].logprobs] == pytest.approx([lsm[0, 2].item(), lsm[n2, 4].item()])
     assert [top[0][0] for _, top in out[0].logprobs] == [2, 4]
     # No match at the root: bonus only.

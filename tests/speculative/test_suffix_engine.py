@@ -1,0 +1,141 @@
+"""Suffix drafts end to end (issue 32): lossless greedy output on copy-heavy and ordinary prompts, alone and
+merged with DFlash, at batch 1 and in mixed batches; the sampled law with suffix nodes on accepted paths; a
+ddtree server without a drafter; the shared index's cap and release on finish and abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine import Engine, SamplingParams
+from server.io_struct import GenerateReq
+from speculative.suffix_index import SEPARATOR
+from tests.speculative.test_spec_engine import (
+    VOCAB,
+    _assert_pool_full,
+    _exact_joint,
+    assert_follows_law,
+    tiny,
+)
+
+__all__ = ["tiny"]  # the fixture, shared with test_spec_engine
+
+CODE = '''def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+def main():
+    for i in range(10):
+        print(i, fibonacci(i))
+'''
+COPY = ["Repeat this code exactly:\n```python\n" + CODE + "```",
+        'Return this JSON unchanged: {"name": "ddtree", "version": 3, "tags": ["fast", "exact"], "ok": true}']
+CHAT = ["What is the capital of France?", "Write a haiku about the sea."]
+
+
+def _engine(model: str, **kw) -> Engine:
+    return Engine(model, dtype="float32", max_total_tokens=16384, **kw)
+
+
+def _chat_ids(engine: Engine, prompts: list[str]) -> list[list[int]]:
+    from benchmarks.common import chat_ids
+
+    return chat_ids(engine.tokenizer, prompts)
+
+
+def _assert_released(e: Engine) -> None:
+    spec = e.scheduler.spec
+    assert not spec.suffix.own, "every request's suffix index is freed with the request"
+    _assert_pool_full(e)
+
+
+@pytest.mark.parametrize("sources", ["suffix", "dflash,suffix"])
+def test_greedy_lossless_copy_and_chat_default_model(default_model_path, sources):
+    plain = _engine(default_model_path, speculative_algorithm="none")
+    ids = _chat_ids(plain, COPY + CHAT)
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    ref = plain.generate(input_ids=ids, sampling_params=sp)
+    plain.shutdown()
+    kw = {"draft_model_path": "default"} if "dflash" in sources else {}
+    e = _engine(default_model_path, speculative_algorithm="ddtree", draft_sources=sources, **kw)
+    assert e.config.speculative.draft_sources == sources
+    mixed = e.generate(input_ids=ids, sampling_params=sp)  # copy and chat prompts in one batch
+    assert [o.token_ids for o in mixed] == [o.token_ids for o in ref]
+    single = [e.generate(input_ids=[i], sampling_params=sp)[0] for i in ids[:2]]  # batch 1
+    assert [o.token_ids for o in single] == [o.token_ids for o in ref[:2]]
+    copies = mixed[:2] + single
+    assert all(o.spec_accepted_suffix > 0 for o in copies), [o.spec_accepted_suffix for o in copies]
+    assert max(o.acceptance_length for o in copies) > 2.0  # paths of depth >= 2 accepted
+    assert all(o.spec_accepted_suffix <= o.spec_accepted_tokens for o in mixed)
+    _assert_released(e)
+    stats = e.scheduler.spec.controller.stats()
+    assert sum(stats["suffix_observed_accepted"]) > 0
+    e.shutdown()
+
+
+def test_ddtree_without_a_drafter_is_suffix_only(tiny):
+    target, _ = tiny
+    prompt = [3, 7, 1, 9, 4, 4, 2, 3, 7, 1, 9, 4, 4, 2, 3, 7, 1]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = _engine(target, speculative_algorithm="none").generate(input_ids=[prompt], sampling_params=sp)
+    e = _engine(target, speculative_algorithm="ddtree", ddtree_budget=8)  # no drafter path
+    spec = e.scheduler.spec
+    assert e.config.speculative.draft_sources == "suffix" and spec.drafter is None and spec.draft_kv is None
+    assert spec.capture_layer_ids == () and spec.draft_kv_bytes_per_token == 0
+    got = e.generate(input_ids=[prompt], sampling_params=sp)
+    assert got[0].token_ids == ref[0].token_ids
+    assert got[0].spec_accepted_suffix == got[0].spec_accepted_tokens > 0
+    _assert_released(e)
+
+
+def test_sampled_law_with_suffix_nodes(tiny):
+    """Joint law of tokens 2-3 (one speculative step) with trees merged from DFlash and suffix drafts, on a
+    prompt whose earlier text holds the target's likely continuation (so suffix nodes are offered and accepted
+    at depths 1 and 2). The same statistics as test_spec_engine's law tests (N = 3000, chi-square p > 1e-3,
+    total variation within 0.05 of plain sampling's)."""
+    target, drafter = tiny
+    head = [3, 7, 1, 9]
+    plain = _engine(target, speculative_algorithm="none", max_running_requests=512)
+    cont = plain.generate(input_ids=[head], sampling_params=SamplingParams(temperature=0, max_tokens=8,
+                                                                           ignore_eos=True))[0].token_ids
+    prompt = head + cont + head
+    temperature = 0.7
+    exact = _exact_joint(target, prompt, temperature, -1, 1.0)  # [V, V]
+    n = 3000
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    e = _engine(target, speculative_algorithm="ddtree", draft_model_path=drafter, draft_sources="dflash,suffix",
+                ddtree_budget=8, max_running_requests=512)
+    outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
+    suffix_acc = sum(o.spec_accepted_suffix for o in outs)
+    assert suffix_acc > n // 60, suffix_acc  # measured: 101
+    assert sum(o.spec_accepted_tokens - o.spec_accepted_suffix for o in outs) > 0  # DFlash nodes accepted too
+    assert sum(o.spec_accepted_suffix == 2 for o in outs) > 0  # a depth-2 suffix path
+    ref = plain.generate(input_ids=[prompt] * n, sampling_params=params)
+    assert exact.shape == (VOCAB, VOCAB)
+    assert_follows_law(outs, ref, exact)
+    _assert_released(e)
+
+
+def test_shared_index_cap_and_release_on_finish_and_abort(tiny):
+    target, _ = tiny
+    e = _engine(target, speculative_algorithm="ddtree", ddtree_budget=4, suffix_cache_tokens=32)
+    spec = e.scheduler.spec
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = e.generate(input_ids=[[1, 2, 3], [4, 5, 6, 7], [8, 9, 10], [2, 2, 2, 5]], sampling_params=sp)
+    shared = spec.suffix.shared
+    assert 0 < shared.num_tokens <= 32
+    kept = [t for t in shared.index.tokens if t != SEPARATOR]
+    assert kept and set(kept) <= {t for o in outs for t in o.token_ids}  # finished outputs only
+    _assert_released(e)
+    # an aborted request's index is freed and its output does not join the shared index
+    before = list(shared.index.tokens)
+    sch = e.scheduler
+    sch.add_request(GenerateReq("x", [6, 6, 1, 6, 6], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
+    for _ in range(4):
+        sch.step()
+    assert "x" in spec.suffix.own
+    sch.abort_request("x")
+    sch.step()
+    assert shared.index.tokens == before
+    _assert_released(e)
