@@ -56,7 +56,7 @@ def resolve_draft_sources(config: ServerConfig) -> str:
     from speculative.draft_sources import resolve_sources
 
     spec = config.speculative
-    drafter = not is_default_path(spec.draft_model_path) or is_default_path(config.model.model_path)
+    drafter = spec.draft_model_path not in (None, "") or is_default_path(config.model.model_path)  # 'default' too
     return resolve_sources(spec.draft_sources, spec.algorithm, drafter)
 
 

@@ -331,7 +331,7 @@ class BudgetController:
         ``speculative.verify.node_reach``) their expectation ``reach[:, 1:].sum(1)``, which the worker passes:
         the rate correction and exploration charges then see a sampled step's expected outcome, not one
         draw of its coins."""
-        if tree is None:  # a plain step (the common case where speculation does not pay: kept cheap)
+        if draft_s is None and tree is None:  # a plain step (the common case where speculation does not pay)
             self.chosen[0] += bs
         else:
             self.chosen.update(budgets.tolist())

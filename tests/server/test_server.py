@@ -79,8 +79,9 @@ def test_chat_sync_stream_and_not(client, model_name) -> None:
     assert c.message.role == "assistant" and c.message.content
     assert c.finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 8 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.model_extra["spec_stats"].keys() == {"verify_steps", "accepted_tokens", "acceptance_length",
-                                                  "mean_budget"}
+    stats = r.model_extra["spec_stats"]
+    assert stats.keys() == {"verify_steps", "accepted_tokens", "acceptance_length", "mean_budget", "accepted_by_source"}
+    assert sum(stats["accepted_by_source"].values()) == stats["accepted_tokens"]
     text, usage, finish = "", None, None
     for ch in client.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
                                              stream=True, stream_options={"include_usage": True}):
