@@ -30,6 +30,7 @@ Last, the issue's aims: on copy at batch 1 both >= 1.3x plain and >= hf-pld; on 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -71,9 +72,9 @@ def total_size(paths: list[str]) -> int:
         total += os.path.getsize(p)
     return total
 '''
-_JSON = ('{"id": 4172, "name": "Ada Lovelace", "email": "ada@example.org", "roles": ["admin", "editor"], '
-         '"address": {"street": "12 St James Square", "city": "London", "postcode": "SW1Y 4JH"}, '
-         '"active": true, "last_login": "2024-03-18T09:41:27Z", "quota_mb": 2048}')
+_JSON = json.dumps({"id": 4172, "name": "Ada Lovelace", "email": "ada@example.org", "roles": ["admin", "editor"],
+                    "address": {"street": "12 St James Square", "city": "London", "postcode": "SW1Y 4JH"},
+                    "active": True, "last_login": "2024-03-18T09:41:27Z", "quota_mb": 2048}, indent=2)
 _YAML = ("server:\n  host: 0.0.0.0\n  port: 8443\n  tls:\n    cert: /etc/ssl/certs/api.pem\n"
          "    key: /etc/ssl/private/api.key\ndatabase:\n  url: postgres://app@db.internal:5432/orders\n"
          "  pool_size: 20\n  timeout_s: 30\nlogging:\n  level: info\n  format: json\n")
@@ -83,9 +84,9 @@ _PARAGRAPH = ("The river runs through the old town, past the mill and under the 
               "from dawn until the light fades.")
 COPY_PROMPTS = [
     f"Repeat this code exactly:\n```python\n{_CODE}```",
-    f"Return this JSON unchanged:\n{_JSON}",
+    f"Repeat this JSON exactly:\n```json\n{_JSON}\n```",
     f"Copy this paragraph, replacing 'the river' with 'the canal':\n{_PARAGRAPH}",
-    f"Repeat this YAML file exactly, changing only the port to 9443:\n```yaml\n{_YAML}```",
+    f"Here is a config file:\n```yaml\n{_YAML}```\nWrite the same file with the port changed to 9443.",
     f"Rewrite this code with the variable `total` renamed to `acc`; change nothing else:\n```python\n{_CODE}```",
 ]
 _LISTING = "\n".join(f"{s:>8}  2024-05-{d:02d}  {p}" for s, d, p in [
@@ -103,9 +104,9 @@ def _tool_turn(user: str, call: str, result: str, ask: str) -> list[dict]:
 
 AGENT_CONVERSATIONS = [
     _tool_turn("What files are in the project?", '{"name": "list_dir", "arguments": {"path": ".", "long": true}}',
-               _LISTING, "Quote that listing back to me exactly as the tool returned it."),
+               f"```\n{_LISTING}\n```", "Copy the file listing above into your answer exactly."),
     _tool_turn("Look up user 4172.", '{"name": "http_get", "arguments": {"url": "/api/users/4172"}}', _JSON,
-               "Show me that response again, unchanged, as JSON, then tell me the user's city."),
+               "Repeat the JSON response above exactly, in a json code block."),
     _tool_turn("Open src/app/config.py.", '{"name": "read_file", "arguments": {"path": "src/app/config.py"}}',
                _CODE, "Change the default port to 9090 and show me the whole file."),
 ]
@@ -113,24 +114,19 @@ AGENT_CONVERSATIONS = [
 
 def conversations(name: str) -> list[list[dict]]:
     """The chat messages of prompt set ``name`` (copy, agent or chat)."""
-    if name == "copy":
-        return [[{"role": "user", "content": p}] for p in COPY_PROMPTS]
-    if name == "agent":
-        return AGENT_CONVERSATIONS
-    if name == "chat":
-        return [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
-    raise ValueError(f"unknown prompt set {name!r} (copy, agent, chat)")
+    if name not in ("copy", "agent", "chat"):
+        raise ValueError(f"unknown prompt set {name!r} (copy, agent, chat)")
+    single = COPY_PROMPTS if name == "copy" else CHAT_PROMPTS
+    return AGENT_CONVERSATIONS if name == "agent" else [[{"role": "user", "content": p}] for p in single]
 
 
 def prompt_sets(tokenizer, names: list[str]) -> dict[str, list[list[int]]]:
     """Set name -> its prompts' token ids (chat template with the generation prompt)."""
-    out = {}
-    for name in names:
-        out[name] = []
-        for msgs in conversations(name):
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            out[name].append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    def ids(msgs: list[dict]) -> list[int]:
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    return {name: [ids(m) for m in conversations(name)] for name in names}
 
 
 def calls_of(n_prompts: int, bs: int) -> list[list[int]]:
@@ -148,8 +144,7 @@ def forget_outputs(engine: Engine) -> None:
 
 
 def by_source(out) -> dict[str, int]:
-    """Accepted draft tokens by source: ``spec_accepted_by_source`` where the output has it, else from
-    ``spec_accepted_suffix``; {} without either."""
+    """Accepted draft tokens by source (``spec_accepted_by_source``, else from ``spec_accepted_suffix``)."""
     d = getattr(out, "spec_accepted_by_source", None)
     if d is None and hasattr(out, "spec_accepted_suffix"):
         d = {"dflash": out.spec_accepted_tokens - out.spec_accepted_suffix, "suffix": out.spec_accepted_suffix}
