@@ -104,7 +104,7 @@ class BudgetController:
         self.padded = padded  # whether the verify forward pads every tree to the widest (see choose_budgets)
         self.cost = cost
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # DFlash's nodes
-        self.calib_suffix = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # suffix drafts' nodes
+        self.calib_suffix = AcceptanceCalibrator(64, config.prior, config.decay)  # suffix nodes, by match length
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
         self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
         self.curve_mass = np.zeros((2, 2, depth_limit + 1))  # [mode, raw/calibrated, depth] mean Q per step
@@ -147,10 +147,11 @@ class BudgetController:
             return SUFFIX_ONLY
         return PLAIN
 
-    def scale(self, sampled: np.ndarray) -> np.ndarray:
-        """[2, bs, L+1] calibration ratio per source (DFLASH, SUFFIX), request (its mode) and depth."""
+    def scale(self, sampled: np.ndarray, suffix: PoppedNodes) -> tuple[np.ndarray, np.ndarray]:
+        """The merge's calibration ratios (``draft_sources.merge_popped``): DFlash's [bs, L+1] by request (its
+        mode) and depth; the suffix drafts' [bs] at each request's match length."""
         mode = sampled.astype(np.int64)  # [bs]
-        return np.stack([self.calib.ratios()[mode], self.calib_suffix.ratios()[mode]])
+        return self.calib.ratios()[mode], self.calib_suffix.ratios()[mode, suffix.match_lens[:, 0]]
 
     def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
         """Calibrated marginal gains [bs, B] of pops from either source (``AcceptanceCalibrator.gains`` with each
@@ -158,7 +159,8 @@ class BudgetController:
         if popped.sources is None:
             return self.calib.gains(popped, sampled)
         mode = sampled.astype(np.int64)[:, None]  # [bs, 1]
-        r = np.where(popped.sources == SUFFIX, self.calib_suffix.ratios()[mode, popped.depths],
+        keys = popped.match_lens if popped.match_lens is not None else popped.depths  # [bs, B]
+        r = np.where(popped.sources == SUFFIX, self.calib_suffix.ratios()[mode, keys],
                      self.calib.ratios()[mode, popped.depths])  # [bs, B]
         g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
         return np.minimum.accumulate(g, axis=1) if g.size else g
@@ -341,9 +343,11 @@ class BudgetController:
                 self.calib.observe(tree, accept_length, sampled, reach)
             else:  # each source's calibration sees the nodes it proposed (docs/DESIGN.md 4.13)
                 src = tree.sources.cpu().numpy()  # [bs, D]
-                for calib, source in ((self.calib, DFLASH), (self.calib_suffix, SUFFIX)):
-                    if (src == source).any():
-                        calib.observe(tree, accept_length, sampled, reach, select=src == source)
+                if (src == DFLASH).any():
+                    self.calib.observe(tree, accept_length, sampled, reach, select=src == DFLASH)
+                if (src == SUFFIX).any():  # calibrated by the length of the match that proposed them
+                    keys = tree.match_lens.cpu().numpy() if tree.match_lens is not None else None
+                    self.calib_suffix.observe(tree, accept_length, sampled, reach, select=src == SUFFIX, keys=keys)
         step_s = (draft_s or 0.0) + verify_s
         if draft_s is not None and self._plan is not None:  # a drafted step: realized against predicted
             self.correction.observe(_band(bs), bs + float(np.sum(accept_length)), step_s, *self._plan)

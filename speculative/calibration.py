@@ -50,14 +50,16 @@ class AcceptanceCalibrator:
         return np.minimum.accumulate(g, axis=1) if g.size else g
 
     def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray,
-                reach: np.ndarray | None = None, select: np.ndarray | None = None) -> None:
+                reach: np.ndarray | None = None, select: np.ndarray | None = None,
+                keys: np.ndarray | None = None) -> None:
         """Verification result of a built tree batch: per depth, the offered Q and how often it was reached (and
         the totals of predicted and accepted tokens, for metrics). ``reach`` [bs, D]: the probability that
         each node was accepted given the tree and the target (``speculative.verify.node_reach``: the coins'
         noise taken out of sampled outcomes); without it, depth d counts as reached by the requests whose
         ``accept_length`` [bs] is at least d. ``select`` [bs, D] bool (with ``reach``): only these nodes are
-        observed (a merged tree's nodes of one draft source, docs/DESIGN.md 4.13)."""
-        depths = tree.depths.cpu().numpy()  # [bs, D] (0: root / unused)
+        observed (a merged tree's nodes of one draft source, docs/DESIGN.md 4.13); ``keys`` [bs, D]: the column
+        of each node instead of its depth (suffix drafts: their match length)."""
+        depths = tree.depths.cpu().numpy() if keys is None else keys  # [bs, D] (0: root / unused)
         if select is not None:
             assert reach is not None, "observing a subset of the nodes needs their reach"
             depths = np.where(select, depths, 0)

@@ -53,6 +53,7 @@ class DraftTree:
     positions: torch.Tensor  # [bs, D] int64, seq_len + depth
     tree_mask: torch.Tensor  # [bs, D, D] bool, [b, i, j]: node i attends to node j
     sources: torch.Tensor | None = None  # [bs, D] int64 node's draft source (DFLASH, SUFFIX; -1 root, unused)
+    match_lens: torch.Tensor | None = None  # [bs, D] int64 a suffix node's match length (0: other nodes)
 
     @property
     def batch_size(self) -> int:
@@ -179,6 +180,7 @@ class PoppedNodes:
     logws: np.ndarray  # [bs, B] float64, cumulative draft log-prob of the prefix
     counts: np.ndarray  # [bs] int64
     sources: np.ndarray | None = None  # [bs, B] int64 draft source per node (DRAFT_SOURCES); None: all DFlash
+    match_lens: np.ndarray | None = None  # [bs, B] int64 suffix nodes: length of the match that proposed them
 
     def path_probs(self) -> np.ndarray:
         """Q(prefix) of every popped node, 0 for unused entries: [bs, B]. ``1 + cumsum(row)[k-1]`` is the
@@ -257,10 +259,13 @@ def assemble_tree(
     depths[:, 1:] = np.where(used, popped.depths[:, : d - 1], 0)
     logws[:, 1:] = np.where(used, popped.logws[:, : d - 1], _NEG_INF)
 
-    sources = None
+    sources = match_lens = None
     if popped.sources is not None:
         sources = np.full((bs, d), -1, dtype=np.int64)  # [bs, D]
         sources[:, 1:] = np.where(used, popped.sources[:, : d - 1], -1)
+    if popped.match_lens is not None:
+        match_lens = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
+        match_lens[:, 1:] = np.where(used, popped.match_lens[:, : d - 1], 0)
 
     dev = torch.device(device)
     candidates = torch.from_numpy(tokens).to(dev)  # [bs, D]
@@ -281,6 +286,7 @@ def assemble_tree(
         positions=seq_lens.to(device=dev, dtype=torch.int64).view(bs, 1) + depths_t,
         tree_mask=mask,
         sources=None if sources is None else torch.from_numpy(sources).to(dev),
+        match_lens=None if match_lens is None else torch.from_numpy(match_lens).to(dev),
     )
 
 

@@ -5,10 +5,11 @@ scored by the factorised draft probability Q_d of the prefix) and suffix drafts 
 scored by the share of earlier occurrences that continued that way, Q_s). One best-first order ranks the union
 of both node sets under one budget: a prefix proposed by either source gets the score
 
-    s(x) = min(s(parent(x)), max(r_d[depth] * Q_d(x), r_s[depth] * Q_s(x)))
+    s(x) = min(s(parent(x)), max(r_d[depth] * Q_d(x), r_s[n] * Q_s(x)))
 
-(Q of a source that did not propose x is 0; r: that source's calibration ratio at the node's depth for the
-request's sampling mode, 1 without the adaptive budget). The minimum with the parent keeps s non-increasing
+(Q of a source that did not propose x is 0; r: the source's calibration ratio for the request's sampling mode,
+DFlash's at the node's depth, the suffix drafts' at the length n of the match that proposed them, which tells
+copying (long matches) from ordinary text (short ones) better than the depth; 1 without the adaptive budget). The minimum with the parent keeps s non-increasing
 along every path, so sorting by (-s, depth) puts parents first and every prefix of the order is a tree: the
 best tree of that size under s. A node belongs to the source whose term is larger (DFlash on a tie); the
 calibration and the accepted-token metrics count it there. The DFlash pops are the top ``width`` prefixes under
@@ -59,25 +60,31 @@ def no_pops(bs: int) -> PoppedNodes:
                        counts=np.zeros(bs, dtype=np.int64))
 
 
-def merge_popped(draft: PoppedNodes, suffix: PoppedNodes, width: int, scale: np.ndarray | None = None) -> PoppedNodes:
-    """The first ``width`` nodes of each request's merged best-first order (module docstring), with ``sources``
-    and ``logws`` = log Q of the node's source (uncalibrated, for the calibration). ``scale`` [2, bs, L+1]:
-    per source (DFLASH, SUFFIX), request and depth, the factor r (None: 1)."""
+def merge_popped(draft: PoppedNodes, suffix: PoppedNodes, width: int,
+                 scale: tuple[np.ndarray, np.ndarray] | None = None) -> PoppedNodes:
+    """The first ``width`` nodes of each request's merged best-first order (module docstring), with ``sources``,
+    ``match_lens`` and ``logws`` = log Q of the node's source (uncalibrated, for the calibration). ``suffix``
+    carries ``match_lens``. ``scale``: (r_d [bs, L+1] by depth, r_s [bs] at each request's match length), the
+    factors r (None: 1)."""
     bs = int(draft.counts.shape[0])
-    rows = [_merge_row(draft, suffix, b, width, None if scale is None else scale[:, b]) for b in range(bs)]
+    rows = [_merge_row(draft, suffix, b, width, None if scale is None else (scale[0][b], float(scale[1][b])))
+            for b in range(bs)]
     w = max((len(r[0]) for r in rows), default=0)
     out = PoppedNodes(tokens=np.zeros((bs, w), dtype=np.int64), parents=np.full((bs, w), -1, dtype=np.int64),
                       depths=np.zeros((bs, w), dtype=np.int64), logws=np.full((bs, w), -np.inf),
-                      counts=np.zeros(bs, dtype=np.int64), sources=np.zeros((bs, w), dtype=np.int64))
+                      counts=np.zeros(bs, dtype=np.int64), sources=np.zeros((bs, w), dtype=np.int64),
+                      match_lens=np.zeros((bs, w), dtype=np.int64))
     for b, (toks, pars, deps, logw, src) in enumerate(rows):
         n = len(toks)
         out.counts[b] = n
         out.tokens[b, :n], out.parents[b, :n], out.depths[b, :n] = toks, pars, deps
         out.logws[b, :n], out.sources[b, :n] = logw, src
+        if suffix.match_lens is not None and suffix.counts[b] > 0:
+            out.match_lens[b, :n] = np.where(out.sources[b, :n] == SUFFIX, suffix.match_lens[b, 0], 0)
     return out
 
 
-def _merge_row(draft: PoppedNodes, suffix: PoppedNodes, b: int, width: int, scale: np.ndarray | None):
+def _merge_row(draft: PoppedNodes, suffix: PoppedNodes, b: int, width: int, scale: tuple[np.ndarray, float] | None):
     """One request's merged order: (tokens, parent slots, depths, log Q of the source, sources)."""
     tokens: list[int] = []
     parents: list[int] = []  # merged node id of the parent (0: root), ids 1-based in insertion order
@@ -108,8 +115,8 @@ def _merge_row(draft: PoppedNodes, suffix: PoppedNodes, b: int, width: int, scal
         d = depths[i]
         sd, ss = logq[DFLASH][i], logq[SUFFIX][i]
         if scale is not None:  # log r (a ratio of 0 takes the source's term out)
-            sd += math.log(scale[DFLASH, d]) if scale[DFLASH, d] > 0 else -math.inf
-            ss += math.log(scale[SUFFIX, d]) if scale[SUFFIX, d] > 0 else -math.inf
+            sd += math.log(scale[0][d]) if scale[0][d] > 0 else -math.inf
+            ss += math.log(scale[1]) if scale[1] > 0 else -math.inf
         if ss > sd:
             src[i] = SUFFIX
         score[i + 1] = min(score[parents[i]], max(sd, ss))

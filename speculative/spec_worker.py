@@ -255,7 +255,7 @@ class SpecWorker:
             k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
             topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] host arrays
         depths = torch.tensor(max_depths)  # [bs]
-        scale = ctl.scale(sampled) if ctl is not None and suffix is not None else None  # [2, bs, L+1]
+        scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
 
         def pop(width: int) -> PoppedNodes:  # best-first pops of both sources, grammar-pruned when masked
             widths = torch.full((bs,), width)  # [bs]

@@ -178,11 +178,13 @@ class SuffixProposer:
         out = PoppedNodes(tokens=np.zeros((bs, width), dtype=np.int64),
                           parents=np.full((bs, width), -1, dtype=np.int64),
                           depths=np.zeros((bs, width), dtype=np.int64),
-                          logws=np.full((bs, width), -np.inf), counts=np.zeros(bs, dtype=np.int64))
-        for b, (toks, pars, deps, logw) in enumerate(tries):
+                          logws=np.full((bs, width), -np.inf), counts=np.zeros(bs, dtype=np.int64),
+                          match_lens=np.zeros((bs, width), dtype=np.int64))
+        for b, (toks, pars, deps, logw, match) in enumerate(tries):
             n = len(toks)
             out.counts[b] = n
             out.tokens[b, :n], out.parents[b, :n], out.depths[b, :n], out.logws[b, :n] = toks, pars, deps, logw
+            out.match_lens[b, :n] = match
         return out
 
     def _match(self, idx: NgramIndex) -> tuple[int, list[tuple[NgramIndex, int]]]:
@@ -199,12 +201,12 @@ class SuffixProposer:
                 return n, found
         return 0, []
 
-    def _trie(self, idx: NgramIndex, depth: int) -> tuple[list[int], list[int], list[int], list[float]]:
+    def _trie(self, idx: NgramIndex, depth: int) -> tuple[list[int], list[int], list[int], list[float], int]:
         """Pop-ordered trie of the continuations of the longest match (tokens, parent slots, depths, log
-        scores); empty without a match."""
+        scores) and the match's length; empty without a match."""
         n, found = self._match(idx) if depth > 0 else (0, [])
         if not found:
-            return [], [], [], []
+            return [], [], [], [], 0
         nodes: dict[tuple[int, int], int] = {}  # (parent slot, token) -> slot (1-based)
         tokens: list[int] = []
         parents: list[int] = []
@@ -233,4 +235,4 @@ class SuffixProposer:
         for rank, i in enumerate(order):
             new_slot[i + 1] = rank + 1
         return ([tokens[i] for i in order], [new_slot[parents[i]] for i in order], [depths[i] for i in order],
-                [logw[i] for i in order])
+                [logw[i] for i in order], n)

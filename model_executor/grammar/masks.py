@@ -171,8 +171,9 @@ def prune_popped(popped, states: Sequence[GrammarState | None], budgets: torch.T
         slot[idx + 1] = np.arange(1, len(idx) + 1)
         m = len(idx)
         arrays = [(popped.tokens, 0), (popped.depths, 0), (popped.logws, -np.inf)]
-        if popped.sources is not None:  # the node's draft source follows it
-            arrays.append((popped.sources, 0))
+        for extra in (popped.sources, popped.match_lens):  # a node's draft source and match length follow it
+            if extra is not None:
+                arrays.append((extra, 0))
         for arr, fill in arrays:
             arr[b, :m] = arr[b, idx]
             arr[b, m:] = fill
@@ -181,7 +182,7 @@ def prune_popped(popped, states: Sequence[GrammarState | None], budgets: torch.T
         popped.counts[b] = m
     w = int(budgets.max()) if len(budgets) else 0
     if popped.tokens.shape[1] > w:  # back to the width of an unconstrained pop
-        for name in ("tokens", "parents", "depths", "logws", "sources"):
+        for name in ("tokens", "parents", "depths", "logws", "sources", "match_lens"):
             if getattr(popped, name) is not None:
                 setattr(popped, name, np.ascontiguousarray(getattr(popped, name)[:, :w]))
     return popped

@@ -47,8 +47,7 @@ def test_merge_takes_the_best_of_both_sources_under_one_budget():
     m3 = merge_popped(draft, suffix, width=3)
     assert list(_paths(m3, 0)) == [(5,), (5, 8), (5, 8, 9)]
     # calibration ratios reorder: suffix nodes worth a tenth
-    scale = np.ones((2, 1, 4))
-    scale[SUFFIX] = 0.1
+    scale = (np.ones((1, 4)), np.array([0.1]))  # (DFlash by depth, the suffix drafts' ratio at their match)
     ms = merge_popped(draft, suffix, width=10, scale=scale)
     order = list(_paths(ms, 0))
     assert order[:2] == [(5,), (5, 6)] and _paths(ms, 0)[(5,)][1] == DFLASH

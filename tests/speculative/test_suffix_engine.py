@@ -50,27 +50,41 @@ def _assert_released(e: Engine) -> None:
     _assert_pool_full(e)
 
 
-@pytest.mark.parametrize("sources", ["suffix", "dflash,suffix"])
-def test_greedy_lossless_copy_and_chat_default_model(default_model_path, sources):
+@pytest.fixture(scope="module")
+def copy_chat_ref(default_model_path):
+    """Plain greedy outputs of the copy and chat prompts (the reference), and the prompts' ids."""
     plain = _engine(default_model_path, speculative_algorithm="none")
     ids = _chat_ids(plain, COPY + CHAT)
-    sp = SamplingParams(temperature=0, max_tokens=40)
-    ref = plain.generate(input_ids=ids, sampling_params=sp)
+    ref = [o.token_ids for o in plain.generate(input_ids=ids, sampling_params=SamplingParams(temperature=0,
+                                                                                               max_tokens=40))]
     plain.shutdown()
+    return ids, ref
+
+
+@pytest.mark.parametrize(("sources", "budget"), [("suffix", 8), ("dflash,suffix", 8), ("dflash,suffix", "auto")])
+def test_greedy_lossless_copy_and_chat_default_model(default_model_path, copy_chat_ref, sources, budget):
+    """Equal to plain decoding in a mixed batch (copy and chat prompts) and at batch 1. With a fixed budget every
+    copy request accepts suffix nodes on paths of depth >= 2; the auto budget's choices depend on measured
+    timings, so there only equality and some suffix acceptance on the copies are asserted."""
+    ids, ref = copy_chat_ref
+    sp = SamplingParams(temperature=0, max_tokens=40)
     kw = {"draft_model_path": "default"} if "dflash" in sources else {}
-    e = _engine(default_model_path, speculative_algorithm="ddtree", draft_sources=sources, **kw)
+    e = _engine(default_model_path, speculative_algorithm="ddtree", draft_sources=sources, ddtree_budget=budget,
+                **kw)
     assert e.config.speculative.draft_sources == sources
     mixed = e.generate(input_ids=ids, sampling_params=sp)  # copy and chat prompts in one batch
-    assert [o.token_ids for o in mixed] == [o.token_ids for o in ref]
+    assert [o.token_ids for o in mixed] == ref
+    e.scheduler.spec.suffix.shared.__init__(e.scheduler.spec.suffix.config)  # batch 1 without the outputs above
     single = [e.generate(input_ids=[i], sampling_params=sp)[0] for i in ids[:2]]  # batch 1
-    assert [o.token_ids for o in single] == [o.token_ids for o in ref[:2]]
+    assert [o.token_ids for o in single] == ref[:2]
     copies = mixed[:2] + single
-    assert all(o.spec_accepted_suffix > 0 for o in copies), [o.spec_accepted_suffix for o in copies]
-    assert max(o.acceptance_length for o in copies) > 2.0  # paths of depth >= 2 accepted
-    assert all(o.spec_accepted_suffix <= o.spec_accepted_tokens for o in mixed)
+    assert all(o.spec_accepted_suffix <= o.spec_accepted_tokens for o in mixed + single)
+    if budget == "auto":
+        assert sum(o.spec_accepted_suffix for o in copies) > 0
+    else:
+        assert all(o.spec_accepted_suffix > 0 for o in copies), [o.spec_accepted_suffix for o in copies]
+        assert max(o.acceptance_length for o in copies) > 2.0  # paths of depth >= 2 accepted
     _assert_released(e)
-    stats = e.scheduler.spec.controller.stats()
-    assert sum(stats["suffix_observed_accepted"]) > 0
     e.shutdown()
 
 
@@ -90,7 +104,7 @@ def test_ddtree_without_a_drafter_is_suffix_only(tiny):
 
 
 def test_sampled_law_with_suffix_nodes(tiny):
-    """Joint law of tokens 2-3 (one speculative step) with trees merged from DFlash and suffix drafts, on a
+    """Joint law of tokens 2-3 (drafts of one speculative step) with trees merged from DFlash and suffix drafts, on a
     prompt whose earlier text holds the target's likely continuation (so suffix nodes are offered and accepted
     at depths 1 and 2). The same statistics as test_spec_engine's law tests (N = 3000, chi-square p > 1e-3,
     total variation within 0.05 of plain sampling's)."""
@@ -100,17 +114,19 @@ def test_sampled_law_with_suffix_nodes(tiny):
     cont = plain.generate(input_ids=[head], sampling_params=SamplingParams(temperature=0, max_tokens=8,
                                                                            ignore_eos=True))[0].token_ids
     prompt = head + cont + head
-    temperature = 0.7
+    temperature = 0.4
     exact = _exact_joint(target, prompt, temperature, -1, 1.0)  # [V, V]
     n = 3000
-    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    # max_tokens 4: the first speculative step may accept a depth-2 path (t2, t3) and add t4 as its bonus
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=4, ignore_eos=True) for s in range(n)]
     e = _engine(target, speculative_algorithm="ddtree", draft_model_path=drafter, draft_sources="dflash,suffix",
                 ddtree_budget=8, max_running_requests=512)
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
     suffix_acc = sum(o.spec_accepted_suffix for o in outs)
-    assert suffix_acc > n // 60, suffix_acc  # measured: 101
+    assert suffix_acc > n // 10, suffix_acc  # measured: 798
     assert sum(o.spec_accepted_tokens - o.spec_accepted_suffix for o in outs) > 0  # DFlash nodes accepted too
-    assert sum(o.spec_accepted_suffix == 2 for o in outs) > 0  # a depth-2 suffix path
+    depth2 = sum(o.spec_verify_steps == 1 and o.spec_accepted_tokens == 2 for o in outs)
+    assert depth2 > 10, depth2  # depth-2 paths accepted in the first step (measured: 17)
     ref = plain.generate(input_ids=[prompt] * n, sampling_params=params)
     assert exact.shape == (VOCAB, VOCAB)
     assert_follows_law(outs, ref, exact)
