@@ -15,10 +15,12 @@ with hash tables of n-grams, so that a lookup costs a few dictionary probes, nev
 * ``SuffixProposer``: per request (keyed by rid, released with the request), the longest suffix of the
   request's tokens (max_match down to min_match) that occurred before, in its own tokens or the shared
   index; the continuations after its most recent ``max_positions`` occurrences make a trie of at most
-  ``max_depth`` levels. A node's score is ``count(node) / occurrences * c ** depth`` with ``c = n / (n + 1)``
-  for a match of n tokens: the share of occurrences that continued that way, discounted per level by the
-  match's length (a long match predicts better). The adaptive budget calibrates these scores per depth
-  against verification (``speculative.calibration``), separately from the DFlash drafter's.
+  ``min(max_depth, SPEC_FACTOR * n)`` levels for a match of n tokens (a short match predicts little far
+  ahead; SuffixDecoding bounds its speculation by the match length the same way). A node's score is
+  ``count(node) / occurrences * c ** depth`` with ``c = n / (n + 1)``: the share of occurrences that continued
+  that way, discounted per level by the match's length (a long match predicts better). The adaptive budget
+  calibrates these scores per match length against verification (``speculative.calibration``), separately
+  from the DFlash drafter's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from speculative.ddtree import PoppedNodes
 
 SEPARATOR = -1  # between outputs in the shared index; never part of a pattern
+SPEC_FACTOR = 2  # a match of n tokens proposes at most SPEC_FACTOR * n levels
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ class SuffixProposer:
         n, found = self._match(idx) if depth > 0 else (0, [])
         if not found:
             return [], [], [], [], 0
+        depth = min(depth, SPEC_FACTOR * n)
         nodes: dict[tuple[int, int], int] = {}  # (parent slot, token) -> slot (1-based)
         tokens: list[int] = []
         parents: list[int] = []
