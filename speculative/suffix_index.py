@@ -35,6 +35,7 @@ from speculative.ddtree import PoppedNodes
 
 SEPARATOR = -1  # between outputs in the shared index; never part of a pattern
 SPEC_FACTOR = 2  # a match of n tokens proposes at most SPEC_FACTOR * n levels
+INDEX_CHUNK = 4096  # tokens a request's index takes in per step: a long prompt is indexed over several steps
 
 
 @dataclass(frozen=True)
@@ -152,15 +153,17 @@ class SuffixProposer:
         self.own: dict[str, NgramIndex] = {}  # rid -> the request's index (released with the request)
 
     def _sync(self, rid: str, prompt: list[int], output: list[int]) -> NgramIndex:
+        """The request's index, extended by at most INDEX_CHUNK of the tokens it has not indexed yet (a 100k-token
+        prompt costs a few steps of ~30 ms of host time, not one long stall)."""
         idx = self.own.get(rid)
         if idx is None:
             idx = self.own[rid] = NgramIndex(self.config.min_match, self.config.max_match)
         n, p = len(idx.tokens), len(prompt)
         if n < p:
-            idx.extend(prompt[n:])
-            n = p
-        if n < p + len(output):
-            idx.extend(output[n - p:])
+            idx.extend(prompt[n:n + INDEX_CHUNK])
+        n = len(idx.tokens)
+        if p <= n < p + len(output) and n - p < INDEX_CHUNK:
+            idx.extend(output[n - p:n - p + INDEX_CHUNK])
         return idx
 
     def release(self, rid: str, output: list[int] | None = None) -> None:
@@ -174,7 +177,8 @@ class SuffixProposer:
                 max_depths: list[int]) -> PoppedNodes:
         """Each request's suffix-draft trie in pop order (descending score; parents first), as ``PoppedNodes``
         whose ``logws`` are log scores; ``max_depths[b]``: deepest level of use to request b."""
-        tries = [self._trie(self._sync(rid, p, o), min(d, self.config.max_depth))
+        m = self.config.max_match
+        tries = [self._trie(self._sync(rid, p, o), _tail(p, o, m), min(d, self.config.max_depth))
                  for rid, p, o, d in zip(rids, prompts, outputs, max_depths, strict=True)]
         width = max((len(t[0]) for t in tries), default=0)
         bs = len(tries)
@@ -190,12 +194,13 @@ class SuffixProposer:
             out.match_lens[b, :n] = match
         return out
 
-    def _match(self, idx: NgramIndex) -> tuple[int, list[tuple[NgramIndex, int]]]:
-        """The longest suffix of ``idx``'s tokens that occurred before (in them or the shared index): its length
-        and its most recent occurrences' continuation positions (own first, newest first)."""
-        toks, cfg = idx.tokens, self.config
-        for n in range(min(cfg.max_match, len(toks)), cfg.min_match - 1, -1):
-            key = tuple(toks[-n:])
+    def _match(self, idx: NgramIndex, tail: list[int]) -> tuple[int, list[tuple[NgramIndex, int]]]:
+        """The longest suffix of ``tail`` (the request's last tokens) that occurred before (in ``idx``, the
+        request's indexed tokens, or the shared index): its length and its most recent occurrences'
+        continuation positions (own first, newest first)."""
+        cfg = self.config
+        for n in range(min(cfg.max_match, len(tail)), cfg.min_match - 1, -1):
+            key = tuple(tail[-n:])
             found = [(idx, p) for p in reversed(idx.lookup(key)[-cfg.max_positions:])]
             if self.shared is not None and len(found) < cfg.max_positions:
                 shared = self.shared.index.lookup(key)[-(cfg.max_positions - len(found)):]
@@ -204,10 +209,11 @@ class SuffixProposer:
                 return n, found
         return 0, []
 
-    def _trie(self, idx: NgramIndex, depth: int) -> tuple[list[int], list[int], list[int], list[float], int]:
+    def _trie(self, idx: NgramIndex, tail: list[int], depth: int
+              ) -> tuple[list[int], list[int], list[int], list[float], int]:
         """Pop-ordered trie of the continuations of the longest match (tokens, parent slots, depths, log
         scores) and the match's length; empty without a match."""
-        n, found = self._match(idx) if depth > 0 else (0, [])
+        n, found = self._match(idx, tail) if depth > 0 else (0, [])
         if not found:
             return [], [], [], [], 0
         depth = min(depth, SPEC_FACTOR * n)
@@ -240,3 +246,10 @@ class SuffixProposer:
             new_slot[i + 1] = rank + 1
         return ([tokens[i] for i in order], [new_slot[parents[i]] for i in order], [depths[i] for i in order],
                 [logw[i] for i in order], n)
+
+
+def _tail(prompt: list[int], output: list[int], m: int) -> list[int]:
+    """The last ``m`` tokens of prompt + output (without concatenating the whole text)."""
+    if len(output) >= m:
+        return output[-m:]
+    return prompt[max(len(prompt) - (m - len(output)), 0):] + output

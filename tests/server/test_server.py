@@ -320,6 +320,24 @@ def test_metrics_parse(server, model_name) -> None:
     assert m["ddtree_spec_chosen_budget_count"] > 0  # the default: auto budget, one observation per request-step
 
 
+def test_default_server_copies_with_suffix_drafts(server, client, model_name) -> None:
+    """The default `serve` (ddtree, auto budget, DFlash + suffix drafts): a copy-heavy request accepts suffix
+    drafts (spec_stats.accepted_by_source, and the per-source counter in /metrics)."""
+    from tests.speculative.test_suffix_engine import COPY
+
+    before = _metrics(server).get("ddtree_spec_accepted_tokens_total", 0.0)
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": COPY[0]}],
+                                       max_tokens=48, temperature=0)
+    stats = r.model_extra["spec_stats"]
+    assert stats["accepted_by_source"]["suffix"] > 0, stats
+    assert sum(stats["accepted_by_source"].values()) == stats["accepted_tokens"]
+    text = httpx.get(server["base"] + "/metrics", timeout=30).text
+    by_source = {s.labels["source"]: s.value for f in text_string_to_metric_families(text)
+                 if f.name == "ddtree_spec_accepted_tokens" for s in f.samples if s.name.endswith("_total")}
+    assert set(by_source) == {"dflash", "suffix"} and by_source["suffix"] >= stats["accepted_by_source"]["suffix"]
+    assert sum(by_source.values()) - before >= stats["accepted_tokens"]
+
+
 def test_bench_multiturn_against_the_server(server, tmp_path) -> None:
     """benchmarks/bench_multiturn.py's logic on a short run: histories grow turn by turn, every turn is timed."""
     from benchmarks.bench_multiturn import main as bench_multiturn
@@ -390,20 +408,3 @@ def test_sigterm_during_load_leaves_no_process(tmp_path) -> None:
     time.sleep(0.5)
     assert not [p for p in kids if alive(p)]
 
-
-def test_default_server_copies_with_suffix_drafts(server, client, model_name) -> None:
-    """The default `serve` (ddtree, auto budget, DFlash + suffix drafts): a copy-heavy request accepts suffix
-    drafts (spec_stats.accepted_by_source, and the per-source counter in /metrics)."""
-    from tests.speculative.test_suffix_engine import COPY
-
-    before = _metrics(server).get("ddtree_spec_accepted_tokens_total", 0.0)
-    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": COPY[0]}],
-                                       max_tokens=48, temperature=0)
-    stats = r.model_extra["spec_stats"]
-    assert stats["accepted_by_source"]["suffix"] > 0, stats
-    assert sum(stats["accepted_by_source"].values()) == stats["accepted_tokens"]
-    text = httpx.get(server["base"] + "/metrics", timeout=30).text
-    by_source = {s.labels["source"]: s.value for f in text_string_to_metric_families(text)
-                 if f.name == "ddtree_spec_accepted_tokens" for s in f.samples if s.name.endswith("_total")}
-    assert set(by_source) == {"dflash", "suffix"} and by_source["suffix"] >= stats["accepted_by_source"]["suffix"]
-    assert sum(by_source.values()) - before >= stats["accepted_tokens"]

@@ -94,3 +94,19 @@ def test_outputs_extend_the_index_incrementally_and_release():
     assert got.tokens[0, : int(got.counts[0])].tolist() == [1, 2, 9]
     p.release("c")
     assert not p.own
+
+
+def test_long_prompt_is_indexed_over_several_steps(monkeypatch):
+    import speculative.suffix_index as si
+
+    monkeypatch.setattr(si, "INDEX_CHUNK", 8)
+    p = SuffixProposer(SuffixConfig(max_depth=3, min_match=2, max_match=3, cache_tokens=0))
+    prompt = [1, 2, 3, 4] + list(range(10, 30)) + [1, 2]  # "1 2" was followed by 3 4 at the start
+    got = p.propose(["r"], [prompt], [[]], [3])
+    assert len(p.own["r"].tokens) == 8 and got.tokens[0, : int(got.counts[0])].tolist() == [3, 4, 10]
+    for _ in range(3):
+        p.propose(["r"], [prompt], [[]], [3])
+    assert p.own["r"].tokens == prompt and p.own["r"].table == _recount(p.own["r"])
+    out = list(range(40, 60))
+    p.propose(["r"], [prompt], [out], [3])  # the output is indexed in chunks too
+    assert len(p.own["r"].tokens) == len(prompt) + 8
