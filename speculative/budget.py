@@ -149,9 +149,20 @@ class BudgetController:
 
     def scale(self, sampled: np.ndarray, suffix: PoppedNodes) -> tuple[np.ndarray, np.ndarray]:
         """The merge's calibration ratios (``draft_sources.merge_popped``): DFlash's [bs, L+1] by request (its
-        mode) and depth; the suffix drafts' [bs] at each request's match length."""
-        mode = sampled.astype(np.int64)  # [bs]
-        return self.calib.ratios()[mode], self.calib_suffix.ratios()[mode, suffix.match_lens[:, 0]]
+        mode) and depth; the suffix drafts' [bs] (``suffix_ratios``)."""
+        return self.calib.ratios()[sampled.astype(np.int64)], self.suffix_ratios(sampled, suffix)
+
+    def suffix_ratios(self, sampled: np.ndarray, popped: PoppedNodes) -> np.ndarray:
+        """[bs] calibration ratio of each request's suffix drafts: its own record (reached over offered score,
+        ``SuffixProposer.observe``) on a prior of the shared ratio at its match length (all requests' suffix
+        nodes of that length, per mode), worth ``config.prior`` offered score: a request that copies and one
+        that chats differ even at equal match lengths."""
+        keys = popped.match_lens.max(1) if popped.match_lens is not None and popped.match_lens.size else 0  # [bs]
+        shared = self.calib_suffix.ratios()[sampled.astype(np.int64), keys]  # [bs]
+        if popped.evidence is None:
+            return shared
+        hit, offered = popped.evidence[:, 0], popped.evidence[:, 1]  # [bs] each
+        return (hit + self.config.prior * shared) / (offered + self.config.prior)
 
     def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
         """Calibrated marginal gains [bs, B] of pops from either source (``AcceptanceCalibrator.gains`` with each
@@ -159,8 +170,7 @@ class BudgetController:
         if popped.sources is None:
             return self.calib.gains(popped, sampled)
         mode = sampled.astype(np.int64)[:, None]  # [bs, 1]
-        keys = popped.match_lens if popped.match_lens is not None else popped.depths  # [bs, B]
-        r = np.where(popped.sources == SUFFIX, self.calib_suffix.ratios()[mode, keys],
+        r = np.where(popped.sources == SUFFIX, self.suffix_ratios(sampled, popped)[:, None],
                      self.calib.ratios()[mode, popped.depths])  # [bs, B]
         g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
         return np.minimum.accumulate(g, axis=1) if g.size else g

@@ -181,6 +181,7 @@ class PoppedNodes:
     counts: np.ndarray  # [bs] int64
     sources: np.ndarray | None = None  # [bs, B] int64 draft source per node (DRAFT_SOURCES); None: all DFlash
     match_lens: np.ndarray | None = None  # [bs, B] int64 suffix nodes: length of the match that proposed them
+    evidence: np.ndarray | None = None  # [bs, 2] suffix drafts: the request's own (reached, offered) score sums
 
     def path_probs(self) -> np.ndarray:
         """Q(prefix) of every popped node, 0 for unused entries: [bs, B]. ``1 + cumsum(row)[k-1]`` is the

@@ -73,7 +73,7 @@ def merge_popped(draft: PoppedNodes, suffix: PoppedNodes, width: int,
     out = PoppedNodes(tokens=np.zeros((bs, w), dtype=np.int64), parents=np.full((bs, w), -1, dtype=np.int64),
                       depths=np.zeros((bs, w), dtype=np.int64), logws=np.full((bs, w), -np.inf),
                       counts=np.zeros(bs, dtype=np.int64), sources=np.zeros((bs, w), dtype=np.int64),
-                      match_lens=np.zeros((bs, w), dtype=np.int64))
+                      match_lens=np.zeros((bs, w), dtype=np.int64), evidence=suffix.evidence)
     for b, (toks, pars, deps, logw, src) in enumerate(rows):
         n = len(toks)
         out.counts[b] = n

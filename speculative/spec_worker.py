@@ -304,6 +304,10 @@ class SpecWorker:
             o.budget = n
         if ctl is not None:  # the (ragged) verify forward ran bs + sum(nodes) tokens
             reach = res.node_reach.cpu().numpy()  # [bs, D] sampled rows: expected, not one draw of the coins
+            if self.suffix is not None and tree.sources is not None:  # each request's own suffix record
+                mine = tree.sources.cpu().numpy() == SUFFIX  # [bs, D]
+                q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * mine  # [bs, D]
+                self.suffix.observe([q_.rid for q_ in reqs], (reach * mine).sum(1), q.sum(1))
             ctl.record(n_used.numpy(), tree, reach[:, 1:].sum(1), sampled, bs, bs + int(n_used.sum()),
                        draft_s, time.perf_counter() - built_at, reach)
         return out

@@ -36,6 +36,7 @@ from speculative.ddtree import PoppedNodes
 SEPARATOR = -1  # between outputs in the shared index; never part of a pattern
 SPEC_FACTOR = 2  # a match of n tokens proposes at most SPEC_FACTOR * n levels
 INDEX_CHUNK = 4096  # tokens a request's index takes in per step: a long prompt is indexed over several steps
+EVIDENCE_DECAY = 0.8  # per verified step with suffix nodes: a request's own acceptance record follows its phases
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class SuffixProposer:
         self.config = config
         self.shared = SharedIndex(config) if config.cache_tokens > 1 else None
         self.own: dict[str, NgramIndex] = {}  # rid -> the request's index (released with the request)
+        self.evidence: dict[str, np.ndarray] = {}  # rid -> its suffix nodes' decayed (reached, offered) score sums
 
     def _sync(self, rid: str, prompt: list[int], output: list[int]) -> NgramIndex:
         """The request's index, extended by at most INDEX_CHUNK of the tokens it has not indexed yet (a 100k-token
@@ -170,6 +172,7 @@ class SuffixProposer:
         """Free a request's index; ``output``: its generated tokens, added to the shared index (a finished
         request; None for an abort or a retraction)."""
         self.own.pop(rid, None)
+        self.evidence.pop(rid, None)
         if output and self.shared is not None:
             self.shared.add(output)
 
@@ -186,13 +189,24 @@ class SuffixProposer:
                           parents=np.full((bs, width), -1, dtype=np.int64),
                           depths=np.zeros((bs, width), dtype=np.int64),
                           logws=np.full((bs, width), -np.inf), counts=np.zeros(bs, dtype=np.int64),
-                          match_lens=np.zeros((bs, width), dtype=np.int64))
+                          match_lens=np.zeros((bs, width), dtype=np.int64),
+                          evidence=np.array([self.evidence.get(rid, (0.0, 0.0)) for rid in rids]).reshape(bs, 2))
         for b, (toks, pars, deps, logw, match) in enumerate(tries):
             n = len(toks)
             out.counts[b] = n
             out.tokens[b, :n], out.parents[b, :n], out.depths[b, :n], out.logws[b, :n] = toks, pars, deps, logw
             out.match_lens[b, :n] = match
         return out
+
+    def observe(self, rids: list[str], reached: np.ndarray, offered: np.ndarray) -> None:
+        """A verified step: per request, the reach (expected accepted nodes) and the summed scores of the suffix
+        nodes its tree held; the adaptive budget calibrates each request's suffix drafts by its own record
+        (``BudgetController.suffix_ratios``): a request that copies accepts them, a chat request seldom does."""
+        for rid, hit, q in zip(rids, reached.tolist(), offered.tolist(), strict=True):
+            if q > 0:
+                ev = self.evidence.setdefault(rid, np.zeros(2))
+                ev *= EVIDENCE_DECAY
+                ev += (hit, q)
 
     def _match(self, idx: NgramIndex, tail: list[int]) -> tuple[int, list[tuple[NgramIndex, int]]]:
         """The longest suffix of ``tail`` (the request's last tokens) that occurred before (in ``idx``, the
