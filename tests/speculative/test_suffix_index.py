@@ -110,3 +110,24 @@ def test_long_prompt_is_indexed_over_several_steps(monkeypatch):
     out = list(range(40, 60))
     p.propose(["r"], [prompt], [out], [3])  # the output is indexed in chunks too
     assert len(p.own["r"].tokens) == len(prompt) + 8
+
+
+def test_request_record_scales_its_suffix_drafts():
+    from speculative.budget import BudgetConfig, BudgetController
+    from speculative.step_cost import StepCostModel
+
+    p = SuffixProposer(SuffixConfig(max_depth=2, min_match=2, max_match=2, cache_tokens=0))
+    texts = [[1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]
+    got = p.propose(["copy", "chat"], texts, [[], []], [2, 2])
+    assert got.evidence.tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    p.observe(["copy", "chat"], np.array([1.5, 0.0]), np.array([1.5, 1.5]))  # one accepts, one rejects
+    p.observe(["copy", "chat"], np.array([0.0, 0.0]), np.array([0.0, 0.0]))  # no suffix node: no change
+    got = p.propose(["copy", "chat"], texts, [[], []], [2, 2])
+    assert got.evidence.tolist() == [[1.5, 1.5], [0.0, 1.5]]
+    ctl = BudgetController(BudgetConfig(prior=4.0), 4, StepCostModel(4, 8))
+    ratios = ctl.suffix_ratios(np.array([False, False]), got)  # shared prior ratio 1 (no evidence yet)
+    assert ratios.tolist() == [1.0, 4.0 / 5.5]
+    p.observe(["chat"], np.array([0.0]), np.array([1.0]))
+    assert p.evidence["chat"].tolist() == [0.0, 0.8 * 1.5 + 1.0]  # decayed, then added
+    p.release("chat")
+    assert "chat" not in p.evidence and "copy" in p.evidence
