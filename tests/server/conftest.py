@@ -51,6 +51,19 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def read_metrics(base: str, label: str | None = None) -> dict:
+    """The server's /metrics: each sample name -> its value summed over labels; with ``label``, keyed by
+    (name, that label's value) instead."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            key = s.name if label is None else (s.name, s.labels.get(label))
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 def start_server(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``ddtree-serve serve ARGS`` with its output in ``log_path``; ``env``: extra environment variables."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import alive, descendants, free_port, running_server, start_server
+from tests.server.conftest import alive, descendants, free_port, read_metrics, running_server, start_server
 
 KEY = "sk-test-key"
 MAX_TOTAL_TOKENS = 16384
@@ -49,15 +49,6 @@ def model_name(client):
 def _http(server, method: str, path: str, **kw) -> httpx.Response:
     headers = kw.pop("headers", {"Authorization": f"Bearer {KEY}"})
     return httpx.request(method, server["base"] + path, headers=headers, timeout=120, **kw)
-
-
-def _metrics(server) -> dict[str, float]:
-    text = httpx.get(server["base"] + "/metrics", timeout=30).text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def test_health_models_auth(server, client, model_name) -> None:
@@ -260,11 +251,11 @@ def test_disconnect_frees_kv(server, model_name) -> None:
             if got >= 3:
                 break
         time.sleep(0.5)
-        m = _metrics(server)
+        m = read_metrics(server["base"])
         assert m["ddtree_num_running_reqs"] >= 1 and m["ddtree_kv_used_tokens"] > 0
     deadline = time.time() + 30
     while time.time() < deadline:
-        m = _metrics(server)
+        m = read_metrics(server["base"])
         if m["ddtree_kv_used_tokens"] == 0 and m["ddtree_num_running_reqs"] == 0:
             break
         time.sleep(0.3)
@@ -291,7 +282,7 @@ def test_prefix_cache_reports_cached_tokens(server, client, model_name) -> None:
     assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 2  # counted once per prompt
     deadline = time.time() + 30
     while time.time() < deadline:
-        m = _metrics(server)
+        m = read_metrics(server["base"])
         if m.get("ddtree_cached_prompt_tokens_total", 0) > 0:
             break
         time.sleep(0.3)
@@ -311,7 +302,7 @@ def test_metrics_parse(server, model_name) -> None:
                        ("ddtree_spec_chosen_budget", "histogram"), ("ddtree_spec_observed_accepted_tokens", "counter"),
                        ("ddtree_spec_predicted_accepted_tokens", "counter")):
         assert families.get(name) == kind, name
-    m = _metrics(server)
+    m = read_metrics(server["base"])
     for name in ("ddtree_requests_total", "ddtree_prompt_tokens_total", "ddtree_generation_tokens_total",
                  "ddtree_time_to_first_token_seconds_count", "ddtree_inter_token_latency_seconds_count",
                  "ddtree_kv_total_tokens"):
@@ -325,15 +316,14 @@ def test_default_server_copies_with_suffix_drafts(server, client, model_name) ->
     drafts (spec_stats.accepted_by_source, and the per-source counter in /metrics)."""
     from tests.speculative.test_suffix_engine import COPY
 
-    before = _metrics(server).get("ddtree_spec_accepted_tokens_total", 0.0)
+    before = read_metrics(server["base"]).get("ddtree_spec_accepted_tokens_total", 0.0)
     r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": COPY[0]}],
                                        max_tokens=48, temperature=0)
     stats = r.model_extra["spec_stats"]
     assert stats["accepted_by_source"]["suffix"] > 0, stats
     assert sum(stats["accepted_by_source"].values()) == stats["accepted_tokens"]
-    text = httpx.get(server["base"] + "/metrics", timeout=30).text
-    by_source = {s.labels["source"]: s.value for f in text_string_to_metric_families(text)
-                 if f.name == "ddtree_spec_accepted_tokens" for s in f.samples if s.name.endswith("_total")}
+    by_source = {src: v for (name, src), v in read_metrics(server["base"], "source").items()
+                 if name == "ddtree_spec_accepted_tokens_total"}
     assert set(by_source) == {"dflash", "suffix"} and by_source["suffix"] >= stats["accepted_by_source"]["suffix"]
     assert sum(by_source.values()) - before >= stats["accepted_tokens"]
 
