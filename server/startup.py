@@ -8,9 +8,10 @@ shipped model / drafter; ``device`` is ``cpu`` or ``cuda``). Everything below it
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from server.config import ServerConfig, is_default_path
+from server.config import ServerConfig, SpeculativeArgs, flat_name, is_default_path
 
 
 def resolve_device(device: str) -> str:
@@ -43,6 +44,21 @@ def resolve_draft_path(path: str | None) -> str:
     return str(path)
 
 
+def check_source_settings(spec: SpeculativeArgs) -> None:
+    """A setting of a draft source that the resolved sources leave out would be accepted and do nothing:
+    ValueError naming it (the block size without DFlash, a suffix bound without suffix drafts)."""
+    sources = spec.draft_sources.split(",")
+    unused = []
+    if "dflash" not in sources and spec.block_size is not None:
+        unused.append("speculative_block_size")
+    if "suffix" not in sources:
+        unused += [flat_name(SpeculativeArgs, f.name) for f in dataclasses.fields(spec)
+                   if f.name.startswith("suffix_") and getattr(spec, f.name) != f.default]
+    if unused:
+        raise ValueError(f"{', '.join(unused)} set, but speculative_draft_sources is {spec.draft_sources!r}: "
+                         "the setting would have no effect")
+
+
 def is_resolved(config: ServerConfig) -> bool:
     """Whether ``resolve_config`` has nothing left to do (a concrete device and model path)."""
     spec = config.speculative
@@ -67,6 +83,7 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
 
     if config.speculative.enabled:  # before the model path is resolved: 'default' decides the sources
         config = config.replace("speculative", draft_sources=resolve_draft_sources(config))
+        check_source_settings(config.speculative)
     model_path = resolve_model_path(config.model.model_path)
     check_trust_remote_code(model_path, config.model.trust_remote_code)
     config = config.replace("model", model_path=model_path, device=resolve_device(config.model.device))

@@ -104,7 +104,8 @@ class BudgetController:
         self.padded = padded  # whether the verify forward pads every tree to the widest (see choose_budgets)
         self.cost = cost
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # DFlash's nodes
-        self.calib_suffix = AcceptanceCalibrator(64, config.prior, config.decay)  # suffix nodes, by match length
+        # suffix nodes, by the length of the match that proposed them (server/config.py caps it at 64)
+        self.calib_suffix = AcceptanceCalibrator(64, config.prior, config.decay)
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
         self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
         self.curve_mass = np.zeros((2, 2, depth_limit + 1))  # [mode, raw/calibrated, depth] mean Q per step
@@ -128,15 +129,14 @@ class BudgetController:
         ``plan_draft``'s prediction, the suffix candidates merged into it. Either must beat a plain step by
         ``draft_margin``; the plain price is refreshed as for drafting."""
         bs = len(sampled)
-        s_rate = 0.0
+        s_rate, gains = 0.0, None
         if suffix is not None and suffix.counts.any():
             gains = self.gains(suffix, sampled)  # [bs, S]
-            budgets, s_rate = choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=False),
-                                             max_verify_tokens, self.padded)
+            budgets, s_rate = self._suffix_choice(gains, max_verify_tokens)
             s_rate = s_rate if budgets.any() else 0.0
         suffix_ok = s_rate > self._plain_rate(bs) * (1 + self.config.draft_margin)
         self._exploring = self._planned_plain = False
-        if draft_fits and self.plan_draft(sampled, True, self.gains(suffix, sampled) if suffix_ok else None):
+        if draft_fits and self.plan_draft(sampled, True, gains if suffix_ok else None):
             corrected = self._plan[0] * self.correction.factor(_band(bs)) if self._plan else math.inf
             if not suffix_ok or (corrected > s_rate and not self._exploring):
                 return DRAFT
@@ -385,7 +385,10 @@ class BudgetController:
     def choose_suffix(self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
                       ) -> np.ndarray:
         """Budgets [bs] for a suffix-only step (``plan_step`` chose SUFFIX_ONLY; no drafter cost)."""
-        bs = len(sampled)
-        budgets, _ = choose_budgets(self.gains(popped, sampled), lambda n: self.cost.step_time(bs, n, drafted=False),
-                                    max_verify_tokens, self.padded)
-        return budgets
+        return self._suffix_choice(self.gains(popped, sampled), max_verify_tokens)[0]
+
+    def _suffix_choice(self, gains: np.ndarray, max_verify_tokens: int | None) -> tuple[np.ndarray, float]:
+        """``choose_budgets`` priced without a drafter forward."""
+        bs = gains.shape[0]
+        return choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=False), max_verify_tokens,
+                              self.padded)

@@ -5,11 +5,12 @@ scored by the factorised draft probability Q_d of the prefix) and suffix drafts 
 scored by the share of earlier occurrences that continued that way, Q_s). One best-first order ranks the union
 of both node sets under one budget: a prefix proposed by either source gets the score
 
-    s(x) = min(s(parent(x)), max(r_d[depth] * Q_d(x), r_s[n] * Q_s(x)))
+    s(x) = min(s(parent(x)), max(r_d[depth] * Q_d(x), r_s * Q_s(x)))
 
-(Q of a source that did not propose x is 0; r: the source's calibration ratio for the request's sampling mode,
-DFlash's at the node's depth, the suffix drafts' at the length n of the match that proposed them, which tells
-copying (long matches) from ordinary text (short ones) better than the depth; 1 without the adaptive budget). The minimum with the parent keeps s non-increasing
+(Q of a source that did not propose x is 0; r: the source's calibration ratio for the request's sampling
+mode, DFlash's at the node's depth, the suffix drafts' the request's own on a prior of the ratio at the
+length n of the match that proposed them, which tells copying (long matches) from ordinary text (short ones)
+better than the depth; 1 without the adaptive budget). The minimum with the parent keeps s non-increasing
 along every path, so sorting by (-s, depth) puts parents first and every prefix of the order is a tree: the
 best tree of that size under s. A node belongs to the source whose term is larger (DFlash on a tie); the
 calibration and the accepted-token metrics count it there. The DFlash pops are the top ``width`` prefixes under

@@ -237,7 +237,7 @@ class SpecWorker:
             draft_fits = draft_fits and room >= bs * self.block_size  # the block (freed before the verify forward)
             plan = int(r.tp.broadcast_object(ctl.plan_step(sampled, draft_fits, suffix, cap)))
         else:
-            plan = DRAFT if draft_fits else SUFFIX_ONLY if suffix is not None and suffix.counts.any() else PLAIN
+            plan = DRAFT if draft_fits else SUFFIX_ONLY if suffix is not None else PLAIN
         if plan == PLAIN:
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, None)
         grammars = [q.grammar for q in reqs]

@@ -36,3 +36,19 @@ def test_sources_are_normalised_and_auto_resolves_by_drafter():
     assert resolve_draft_sources(_cfg(model_path="/m", speculative_draft_sources="dflash", **ddtree)) == "dflash"
     cfg = _cfg(model_path="/m", **ddtree)
     assert not cfg.speculative.uses_drafter  # no drafter is loaded (nor resolved) for suffix drafts alone
+
+
+def test_settings_of_an_unused_source_are_errors():
+    from server.startup import check_source_settings
+
+    def spec(**flat):
+        cfg = _cfg(model_path="/m", speculative_algorithm="ddtree", **flat)
+        return cfg.replace("speculative", draft_sources=resolve_draft_sources(cfg)).speculative
+
+    with pytest.raises(ValueError, match="speculative_block_size set, but speculative_draft_sources is 'suffix'"):
+        check_source_settings(spec(speculative_block_size=4))  # no drafter: suffix drafts alone
+    with pytest.raises(ValueError, match="speculative_suffix_max_depth, speculative_suffix_cache_tokens set"):
+        check_source_settings(spec(speculative_draft_model_path="/d", speculative_draft_sources="dflash",
+                                   speculative_suffix_max_depth=4, speculative_suffix_cache_tokens=0))
+    check_source_settings(spec(speculative_suffix_max_depth=4))  # used: no error
+    check_source_settings(spec(speculative_draft_model_path="/d", speculative_block_size=4))

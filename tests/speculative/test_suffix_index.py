@@ -25,7 +25,7 @@ def _recount(idx: NgramIndex) -> dict[tuple[int, ...], list[int]]:
 def test_ngram_index_positions_and_no_self_match():
     idx = NgramIndex(1, 3)
     idx.extend([1, 2, 3, 1, 2])
-    assert idx.lookup((1, 2)) == [2]  # "1 2" was followed by position 2 (token 3); the trailing "1 2" has no follower yet
+    assert idx.lookup((1, 2)) == [2]  # followed by position 2 (token 3); the trailing "1 2" has no follower yet
     assert idx.lookup((2,)) == [2]
     assert idx.lookup((3, 1, 2)) == []  # the current suffix is never its own match
     idx.extend([3])
