@@ -50,5 +50,8 @@ def test_settings_of_an_unused_source_are_errors():
     with pytest.raises(ValueError, match="speculative_suffix_max_depth, speculative_suffix_cache_tokens set"):
         check_source_settings(spec(speculative_draft_model_path="/d", speculative_draft_sources="dflash",
                                    speculative_suffix_max_depth=4, speculative_suffix_cache_tokens=0))
+    with pytest.raises(ValueError, match="speculative_draft_model_path set"):
+        check_source_settings(spec(speculative_draft_model_path="/d", speculative_draft_sources="suffix"))
+    check_source_settings(spec(speculative_draft_model_path="default", speculative_draft_sources="suffix"))
     check_source_settings(spec(speculative_suffix_max_depth=4))  # used: no error
     check_source_settings(spec(speculative_draft_model_path="/d", speculative_block_size=4))
