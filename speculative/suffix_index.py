@@ -160,12 +160,13 @@ class SuffixProposer:
         idx = self.own.get(rid)
         if idx is None:
             idx = self.own[rid] = NgramIndex(self.config.min_match, self.config.max_match)
-        n, p = len(idx.tokens), len(prompt)
+        n, p, room = len(idx.tokens), len(prompt), INDEX_CHUNK
         if n < p:
-            idx.extend(prompt[n:n + INDEX_CHUNK])
-        n = len(idx.tokens)
-        if p <= n < p + len(output) and n - p < INDEX_CHUNK:
-            idx.extend(output[n - p:n - p + INDEX_CHUNK])
+            take = prompt[n:n + room]
+            idx.extend(take)
+            n, room = n + len(take), room - len(take)
+        if room > 0 and p <= n < p + len(output):
+            idx.extend(output[n - p:n - p + room])
         return idx
 
     def release(self, rid: str, output: list[int] | None = None) -> None:

@@ -108,8 +108,11 @@ def test_long_prompt_is_indexed_over_several_steps(monkeypatch):
         p.propose(["r"], [prompt], [[]], [3])
     assert p.own["r"].tokens == prompt and p.own["r"].table == _recount(p.own["r"])
     out = list(range(40, 60))
-    p.propose(["r"], [prompt], [out], [3])  # the output is indexed in chunks too
+    p.propose(["r"], [prompt], [out], [3])  # the output is indexed in chunks too, past one chunk's length
     assert len(p.own["r"].tokens) == len(prompt) + 8
+    for _ in range(2):
+        p.propose(["r"], [prompt], [out], [3])
+    assert p.own["r"].tokens == prompt + out
 
 
 def test_request_record_scales_its_suffix_drafts():
