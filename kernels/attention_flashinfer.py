@@ -9,9 +9,17 @@ cache as pages of one token (``page_size=1``, NHD layout) and request b's keys a
 - decode (one new token per request): ``BatchDecodeWithPagedKVCacheWrapper``, no mask;
 - extend (prefill, chunked prefill): ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``
   (flashinfer aligns the queries to the end of the keys: query i sees the prefix and new tokens <= i),
-  no mask, so FA3 is eligible on Hopper;
-- tree verification and drafter blocks (``meta.causal`` False): the same prefill wrapper with a
-  flattened per-request ``custom_mask`` (the only place an O(Q x K) mask is built and packed).
+  no mask, ``backend="auto"``: FA3 on Hopper (sm90) for the head dims it instantiates, FA2 elsewhere;
+- tree verification and drafter blocks (``meta.causal`` False): a second prefill wrapper, built with
+  ``backend="fa2"``, with a flattened per-request ``custom_mask`` (the only place an O(Q x K) mask is
+  built and packed).
+
+Why two prefill wrappers: flashinfer's paged prefill wrapper resolves ``backend="auto"`` once, at its
+first ``plan``, and keeps that backend for every later plan. A causal first plan on sm90 fixes FA3, whose
+paged prefill has no custom-mask kernel (it returns ``cudaErrorNotSupported``, raised by ``run``); one
+shared wrapper therefore crashed the start-up warm-up (decode -> extend -> tree) on H100/H200. Masked work
+never touches the causal wrapper, and its own wrapper is pinned to FA2, the backend flashinfer's auto rule
+picks for a custom mask on every architecture.
 
 Plans are per forward: the model calls ``begin_forward(meta)`` once before its first layer, which drops
 the previous plan; the first layer plans (one host sync, flashinfer's plan copies its index pointers to
@@ -36,8 +44,8 @@ def plan_arguments(
 ) -> tuple[str, tuple, dict]:
     """(kernel, positional args, keyword args) of the flashinfer ``plan`` call for one forward.
 
-    kernel: ``"decode"`` (BatchDecodeWithPagedKVCacheWrapper) or ``"prefill"``
-    (BatchPrefillWithPagedKVCacheWrapper, causal or with ``custom_mask``)."""
+    kernel: ``"decode"`` (BatchDecodeWithPagedKVCacheWrapper), ``"prefill"`` (the causal
+    BatchPrefillWithPagedKVCacheWrapper) or ``"masked_prefill"`` (the FA2 one, with ``custom_mask``)."""
     bs, q_max, k_max = meta.attn_mask.shape
     dev = meta.kv_indices.device
     qo_len = meta.extend_lens.to(device=dev, dtype=torch.int64)  # [bs]
@@ -52,13 +60,13 @@ def plan_arguments(
         return "decode", (kv_indptr, page_indices, last_page_len, hq, hkv, d, 1), common
     qo_indptr = torch.cat([qo_len.new_zeros(1), qo_len.cumsum(0)]).to(torch.int32)  # [bs+1]
     extra = {} if dv == d else {"head_dim_vo": dv}
+    args = (qo_indptr, kv_indptr, page_indices, last_page_len, hq, hkv, d, 1)
     if meta.causal:
-        extra["causal"] = True
-    else:
-        real_q = torch.arange(q_max, device=dev)[None, :] < qo_len[:, None]  # [bs, Q]
-        used = real_q[:, :, None] & key_used[:, None, :]  # [bs, Q, K]
-        extra["custom_mask"] = meta.attn_mask[used]  # row-major [qo_len[b], kv_len[b]] per request
-    return "prefill", (qo_indptr, kv_indptr, page_indices, last_page_len, hq, hkv, d, 1), {**extra, **common}
+        return "prefill", args, {**extra, "causal": True, **common}
+    real_q = torch.arange(q_max, device=dev)[None, :] < qo_len[:, None]  # [bs, Q]
+    used = real_q[:, :, None] & key_used[:, None, :]  # [bs, Q, K]
+    extra["custom_mask"] = meta.attn_mask[used]  # row-major [qo_len[b], kv_len[b]] per request
+    return "masked_prefill", args, {**extra, **common}
 
 
 class FlashInferAttentionBackend:
@@ -72,11 +80,18 @@ class FlashInferAttentionBackend:
                 raise RuntimeError("FlashInferAttentionBackend needs CUDA")
             flashinfer = require_cuda_library(FLASHINFER, "FlashInferAttentionBackend")
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper
+        # one forward runs at a time on one stream, so the wrappers share the float workspace
+        self._prefill = prefill(self._workspace, kv_layout="NHD")  # causal only: backend "auto" (FA3 on sm90)
+        self._masked_prefill = prefill(self._workspace, kv_layout="NHD", backend="fa2")  # custom masks only
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
         self._meta: AttentionMeta | None = None
         self._planned: tuple | None = None  # (head counts, dims, dtype, scale) of the current plan
-        self._kernel = ""  # "prefill" | "decode": the wrapper planned for this forward
+        self._kernel = ""  # "prefill" | "masked_prefill" | "decode": the wrapper planned for this forward
+
+    def _wrapper(self, kernel: str):
+        """The wrapper that serves ``kernel`` (a ``plan_arguments`` kernel name)."""
+        return {"decode": self._decode, "prefill": self._prefill, "masked_prefill": self._masked_prefill}[kernel]
 
     def begin_forward(self, meta: AttentionMeta) -> None:
         self._meta = meta
@@ -108,9 +123,9 @@ class FlashInferAttentionBackend:
         shape = (q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2], k_cache.dtype, float(scale))
         if self._planned != shape:
             kernel, args, kwargs = plan_arguments(meta, *shape)
-            (self._decode if kernel == "decode" else self._prefill).plan(*args, **kwargs)
+            self._wrapper(kernel).plan(*args, **kwargs)
             self._planned, self._kernel = shape, kernel
-        wrapper = self._decode if self._kernel == "decode" else self._prefill
+        wrapper = self._wrapper(self._kernel)
         paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # [num_slots, page=1, Hkv, d]
         return wrapper.run(q.to(k_cache.dtype), paged)
 
@@ -124,7 +139,8 @@ class FlashInferAttentionBackend:
         device: torch.device | str,
     ) -> list[str]:
         """Compile (JIT) and run every kernel this backend uses once, on two tiny requests: decode,
-        causal extend and custom-mask prefill. Call at start-up, before the server reports healthy.
+        causal extend and custom-mask prefill, in that order (the order that crashed Hopper when one
+        wrapper served causal and masked plans). Call at start-up, before the server reports healthy.
         Returns the kernels run."""
         dev = torch.device(device)
         k_cache = torch.zeros(8, num_kv_heads, head_dim, dtype=dtype, device=dev)  # [slots, Hkv, d]

@@ -201,5 +201,11 @@ def test_flashinfer_chosen_for_bf16_and_warm_up_runs(backend_report):
     assert not isinstance(
         get_attention_backend("auto", "cuda", torch.float32, 64, 64), FlashInferAttentionBackend
     )
-    ran = backend.warmup(9, 3, 64, 64, torch.bfloat16, "cuda")
-    backend_report.append(f"attention warm-up: flashinfer {', '.join(ran)}; float32 -> torch reference")
+    ran = backend.warmup(9, 3, 64, 64, torch.bfloat16, "cuda")  # decode -> extend -> tree: FA3 first on sm90
+    ran = backend.warmup(9, 3, 64, 64, torch.bfloat16, "cuda")  # and again, as serving interleaves them
+    causal_be = getattr(backend._prefill, "_backend", "?")  # flashinfer resolves "auto" at the first plan
+    assert getattr(backend._masked_prefill, "_backend", "fa2") == "fa2"  # custom masks never on FA3
+    backend_report.append(
+        f"attention warm-up: flashinfer {', '.join(ran)} (causal prefill on {causal_be}, masked on fa2); "
+        "float32 -> torch reference"
+    )

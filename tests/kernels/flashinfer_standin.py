@@ -9,6 +9,14 @@ indices, masks or kernel choices:
   custom_mask: flattened row-major ``[qo_len, kv_len]`` per request, request after request.
 - ``BatchDecodeWithPagedKVCacheWrapper.plan(indptr, indices, last_page_len, Hq, Hkv, d, page_size, ...)``:
   one query per request, all its keys.
+- The prefill wrapper's backend, as flashinfer 0.7.2 chooses it (read in flashinfer/prefill.py and
+  flashinfer/utils.py of that wheel): built with ``backend="auto"`` (the default), the paged prefill
+  wrapper resolves it at its FIRST ``plan`` and keeps it for every later plan (``determine_attention_backend``:
+  FA3 on sm90 when there is no custom mask and the head dims are an FA3 pair, (64|128|256 both) or
+  (192, 128); FA2 otherwise). FA3's paged prefill has no custom-mask kernel: ``run`` of an FA3 wrapper
+  planned with ``custom_mask`` raises, as the library does (``cudaErrorNotSupported`` from
+  ``BatchPrefillWithPagedKVCacheSM90Run``). An explicit ``backend="fa3"`` off sm90 cannot compile: raised
+  at ``plan``. ``make_flashinfer_standin(sm=...)`` sets the architecture (default 90, Hopper, the strictest).
 - ``sampling.top_k_renorm_probs(probs, top_k, is_deterministic=False)`` and ``top_p_renorm_probs``: the
   torch reference of kernels/sampling.py on the given arguments.
 """
@@ -19,14 +27,24 @@ import types
 
 import torch
 
+_FA3_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+
+
+def _auto_backend(sm: int, custom_mask: bool, head_dim_qk: int, head_dim_vo: int) -> str:
+    """flashinfer's ``determine_attention_backend`` for our arguments (no RoPE fusion, no fp16 reduction)."""
+    return "fa3" if sm == 90 and not custom_mask and (head_dim_qk, head_dim_vo) in _FA3_HEAD_DIMS else "fa2"
+
 
 class _Wrapper:
     kind = ""
+    sm = 90  # the device's compute capability (major * 10 + minor); set per stand-in module
 
-    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", **kw) -> None:
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", backend: str = "auto", **kw) -> None:
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        assert backend in ("auto", "fa2", "fa3"), backend
         self.calls: list[tuple[str, tuple, dict]] = []
         self._plan: tuple[tuple, dict] | None = None
+        self.backend = backend  # "auto" until the first plan resolves it (prefill)
 
     def plan(self, *args, **kwargs) -> None:
         self.calls.append(("plan", args, kwargs))
@@ -60,9 +78,20 @@ class _Wrapper:
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     kind = "prefill"
 
+    def plan(self, *args, **kwargs) -> None:
+        super().plan(*args, **kwargs)
+        mask = kwargs.get("custom_mask") is not None
+        d = args[6]
+        if self.backend == "auto":  # resolved once, at the first plan, and kept (as flashinfer does)
+            self.backend = _auto_backend(self.sm, mask, d, kwargs.get("head_dim_vo", d))
+        if self.backend == "fa3" and self.sm != 90:
+            raise RuntimeError(f"FA3 needs sm90, this device is sm{self.sm}")
+
     def run(self, q: torch.Tensor, pages) -> torch.Tensor:
         self.calls.append(("run", (q.shape,), {}))
         args, kw = self._plan
+        if self.backend == "fa3" and kw.get("custom_mask") is not None:
+            raise RuntimeError("BatchPrefillWithPagedKVCacheSM90Run failed with error: operation not supported")
         qo_indptr, kv_indptr, kv_indices, last_page_len, hq, hkv, d, page_size = args
         assert page_size == 1 and bool((last_page_len == 1).all()) and q.shape[1:] == (hq, d)
         assert qo_indptr.dtype == kv_indptr.dtype == kv_indices.dtype == torch.int32
@@ -92,11 +121,16 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         return self._attend(q, pages, qo_indptr, kv_indptr, kv_indices, False, None, kw["sm_scale"])
 
 
-def make_flashinfer_standin() -> types.SimpleNamespace:
-    """A fresh stand-in module (its wrappers record into their own ``calls``)."""
+def make_flashinfer_standin(sm: int = 90) -> types.SimpleNamespace:
+    """A fresh stand-in module for a device of compute capability ``sm`` (its wrappers record into their
+    own ``calls``)."""
     return types.SimpleNamespace(
-        BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
-        BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=type(
+            "BatchPrefillWithPagedKVCacheWrapper", (BatchPrefillWithPagedKVCacheWrapper,), {"sm": sm}
+        ),
+        BatchDecodeWithPagedKVCacheWrapper=type(
+            "BatchDecodeWithPagedKVCacheWrapper", (BatchDecodeWithPagedKVCacheWrapper,), {"sm": sm}
+        ),
     )
 
 

@@ -5,11 +5,13 @@ per forward, and outputs equal to the torch reference backend."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kernels.attention import TorchAttentionBackend
-from kernels.attention_flashinfer import FlashInferAttentionBackend
+from kernels.attention_flashinfer import FlashInferAttentionBackend, plan_arguments
 from model_executor.forward_batch import ForwardMode, build_forward_batch
 from tests.kernels.flashinfer_standin import make_flashinfer_standin
 
@@ -67,7 +69,7 @@ def _run(backend, fb, k_cache, v_cache, qkv, layers: int = 2) -> list[torch.Tens
 CASES = [
     (ForwardMode.EXTEND, [3, 0, 5], [4, 2, 1], "prefill", True),
     (ForwardMode.DECODE, [3, 6], [1, 1], "decode", True),
-    (ForwardMode.TARGET_VERIFY, [2, 5], [3, 4], "prefill", False),
+    (ForwardMode.TARGET_VERIFY, [2, 5], [3, 4], "masked_prefill", False),
 ]
 
 
@@ -81,16 +83,15 @@ def test_kernel_choice_plan_and_output(mode, prefix, extend, kernel, causal):
     ref = _run(TorchAttentionBackend(), fb, k_cache.clone(), v_cache.clone(), qkv, layers=1)[0]
     for out in got:
         assert torch.allclose(out, ref, atol=1e-5)
-    used, unused = (
-        (backend._decode, backend._prefill) if kernel == "decode" else (backend._prefill, backend._decode)
-    )
+    wrappers = {"decode": backend._decode, "prefill": backend._prefill, "masked_prefill": backend._masked_prefill}
+    used = wrappers.pop(kernel)
     assert [c[0] for c in used.calls] == ["plan", "run", "run"]  # one plan serves both layers
-    assert unused.calls == []
+    assert all(w.calls == [] for w in wrappers.values())
     _, args, kw = used.calls[0]
     lens = [p + e for p, e in zip(prefix, extend, strict=True)]
     kv_indptr = args[0] if kernel == "decode" else args[1]
     assert kv_indptr.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
-    if kernel == "prefill":
+    if kernel != "decode":
         assert args[0].tolist() == [sum(extend[:i]) for i in range(len(extend) + 1)]  # qo_indptr
         assert kw.get("causal", False) == causal
         assert (kw.get("custom_mask") is None) == causal  # the O(Q x K) mask only for tree verification
@@ -116,8 +117,42 @@ def test_warmup_runs_every_kernel_once():
     assert backend.warmup(HQ, HKV, D, D, torch.float32, "cpu") == [
         "decode:decode",
         "extend:prefill",
-        "tree:prefill",
+        "tree:masked_prefill",
     ]
-    plans = [kw for name, _, kw in backend._prefill.calls if name == "plan"]
-    assert [kw.get("causal", False) for kw in plans] == [True, False]
-    assert plans[1]["custom_mask"] is not None
+    causal = [kw for name, _, kw in backend._prefill.calls if name == "plan"]
+    masked = [kw for name, _, kw in backend._masked_prefill.calls if name == "plan"]
+    assert [kw.get("causal", False) for kw in causal] == [True] and "custom_mask" not in causal[0]
+    assert len(masked) == 1 and masked[0]["custom_mask"] is not None and "causal" not in masked[0]
+
+
+@pytest.mark.parametrize("sm", [90, 100, 120])
+def test_hopper_warm_up_keeps_custom_masks_off_fa3(sm):
+    """issue 33 item 1: flashinfer fixes a prefill wrapper's "auto" backend at its first plan; the warm-up's
+    causal extend comes first and, on sm90 with FA3 head dims (64 here), fixes FA3, which refuses the tree's
+    custom mask. Causal and masked plans use separate wrappers, the masked one pinned to FA2; then a second
+    round, as serving interleaves them."""
+    backend = FlashInferAttentionBackend("cpu", flashinfer=make_flashinfer_standin(sm=sm))
+    for _ in range(2):
+        assert backend.warmup(HQ, HKV, 64, 64, torch.float32, "cpu")[2] == "tree:masked_prefill"
+    assert backend._prefill.backend == ("fa3" if sm == 90 else "fa2")
+    assert backend._masked_prefill.backend == "fa2"
+    fb, k_cache, v_cache, qkv = _batch(ForwardMode.TARGET_VERIFY, [2, 5], [3, 4], d=64)
+    got = _run(backend, fb, k_cache.clone(), v_cache.clone(), qkv, layers=1)[0]
+    ref = _run(TorchAttentionBackend(), fb, k_cache.clone(), v_cache.clone(), qkv, layers=1)[0]
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_standin_refuses_a_custom_mask_on_a_wrapper_fixed_to_fa3():
+    """The stand-in reproduces the library's failure that one shared wrapper met on Hopper."""
+    fi = make_flashinfer_standin(sm=90)
+    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty(8, dtype=torch.uint8), kv_layout="NHD")
+    fb, k_cache, v_cache, (q, _, _) = _batch(ForwardMode.TARGET_VERIFY, [2, 5], [3, 4], d=64)
+    for mode in ("extend", "tree"):
+        meta = fb.attention_meta()
+        if mode == "extend":
+            meta = dataclasses.replace(meta, causal=True)
+        _, args, kw = plan_arguments(meta, HQ, HKV, 64, 64, torch.float32, 0.125)
+        wrapper.plan(*args, **kw)
+    assert wrapper.backend == "fa3"
+    with pytest.raises(RuntimeError, match="operation not supported"):
+        wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))

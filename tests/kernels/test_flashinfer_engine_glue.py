@@ -41,7 +41,7 @@ def _generate(path: str, standin: bool, **kw) -> tuple[list[list[int]], list[Fla
 
 def _plans(backend: FlashInferAttentionBackend) -> list[str]:
     kinds = []
-    for wrapper in (backend._prefill, backend._decode):
+    for wrapper in (backend._prefill, backend._masked_prefill, backend._decode):
         for name, _, kw in wrapper.calls:
             if name == "plan":
                 kind = (
