@@ -6,11 +6,22 @@ budget + 1) launches hundreds of small kernels; replaying a captured graph remov
 ``(mode, q, capture_layer_ids, padded batch size)``, captured lazily at its first use (warm-up forwards on a
 side stream compile the Triton kernels first), all sharing one memory pool.
 
+Order at a first use: fill the static buffers with THIS step's batch, then warm up, then capture, then
+replay. The warm-up forwards really run, and every forward writes its tokens' KV at ``out_cache_loc``: run
+on stale buffers (the previous step's batch, as before issue 33) they wrote the previous step's tokens into
+slots that by now may hold another request's committed KV (it happened whenever a new padded batch size
+was first captured for a query length used before). Filled first, they write this step's own KV into this
+step's own slots (and padding into slot 0), which the replay then writes again.
+
 Static inputs: every ForwardBatch tensor at the padded size, as views of buffers shared by all graphs
 (``kv_indices [max_bs, max_context]``, as wide as a request can grow, so one graph serves every step;
 verify's compact ``tree_mask [max_bs, q, q]``). A replay copies the real batch into the top-left corner and
 pads the rest: padded requests have prefix 0, write their KV to slot 0 (the padding slot) and see key 0
 only; their outputs are dropped.
+
+Capture is a ``GraphCapture`` (``warm_up(run)``, ``capture(run) -> replay``): ``CudaCapture`` on a GPU;
+the CPU tests pass a stand-in (tests/model_executor/graph_capture_standin.py) that runs the warm-ups and
+replays by running the recorded forward, so the runner's order is checked against a live KV pool on CPU.
 
 Capturable only when the forward never syncs with the host: the MLA model (DeepSeek-V3 / Kimi) with
 ``attention_backend == "triton"`` (its kernels bound the key loop on device) and ``moe_backend == "triton"``
@@ -20,7 +31,9 @@ how the CPU tests check the padding contract (padded forward == plain forward) w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -47,11 +60,46 @@ def check_graphable(config: ModelConfig) -> None:
         )
 
 
+class GraphCapture(Protocol):
+    """How the runner turns a forward over static buffers into a replayable graph."""
+
+    def warm_up(self, run: Callable[[], ModelOutput]) -> None:
+        """Run the forward once before capture (compiles kernels, settles the allocator); it really runs."""
+
+    def capture(self, run: Callable[[], ModelOutput]) -> Callable[[], ModelOutput]:
+        """Record the forward (nothing runs) -> a replay that runs it on the static buffers' current
+        contents and returns its output."""
+
+
+class CudaCapture:
+    """``GraphCapture`` with torch.cuda graphs: warm-ups on a side stream, every graph in one memory pool."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def warm_up(self, run: Callable[[], ModelOutput]) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def capture(self, run: Callable[[], ModelOutput]) -> Callable[[], ModelOutput]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()  # static outputs: each replay rewrites them
+
+        def replay() -> ModelOutput:
+            graph.replay()
+            return out
+
+        return replay
+
+
 @dataclass
 class _Graph:
-    fb: ForwardBatch  # static padded inputs
-    out: ModelOutput | None  # static outputs (captured graphs)
-    graph: torch.cuda.CUDAGraph | None  # None: eager replay of the static batch
+    fb: ForwardBatch  # static padded inputs (views of the runner's shared buffers)
+    replay: Callable[[], ModelOutput]  # the captured graph, or an eager forward of ``fb`` (no capture)
 
 
 class CudaGraphRunner:
@@ -63,16 +111,18 @@ class CudaGraphRunner:
         batch_sizes: tuple[int, ...],
         max_context: int,
         device: torch.device | str,
-        capture: bool = True,
+        capture: bool | GraphCapture = True,
     ):
-        if capture and torch.device(device).type != "cuda":
+        """``capture``: True: CUDA graphs (``CudaCapture``, CUDA only); False: the padded static batches run
+        eagerly; a ``GraphCapture``: that one (the CPU tests' stand-in)."""
+        if capture is True and torch.device(device).type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model, self.kv, self.backend = model, kv, backend
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_bs = self.batch_sizes[-1]
-        self.max_context, self.device, self.capture = max_context, torch.device(device), capture
+        self.max_context, self.device = max_context, torch.device(device)
+        self.capturer: GraphCapture | None = CudaCapture() if capture is True else (capture or None)
         self.graphs: dict[tuple, _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
         # shared by every graph (each uses the leading rows): [max_bs, max_context] KV slots, [max_bs] prefixes
         self.kv_indices = torch.zeros(self.max_bs, max_context, dtype=torch.int64, device=self.device)
         self.prefix_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)
@@ -96,14 +146,13 @@ class CudaGraphRunner:
         bs_pad = next(b for b in self.batch_sizes if b >= bs)
         key = (fb.mode, q, fb.capture_layer_ids, bs_pad)
         g = self.graphs.get(key)
-        if g is None:
-            g = self.graphs[key] = self._make(fb.mode, q, fb.capture_layer_ids, bs_pad)
-        self._fill(g.fb, fb)
-        if g.graph is None:
-            out = self.model(g.fb, self.kv, self.backend)
+        if g is None:  # fill first: the warm-up forwards write KV at the static out_cache_loc (module doc)
+            static = self._static(fb.mode, q, fb.capture_layer_ids, bs_pad)
+            self._fill(static, fb)
+            g = self.graphs[key] = self._make(static)
         else:
-            g.graph.replay()
-            out = g.out
+            self._fill(g.fb, fb)
+        out = g.replay()
         t = bs * q
         captured = out.captured[:t].clone() if out.captured is not None else None
         return ModelOutput(out.hidden[:t].clone(), captured)
@@ -139,20 +188,17 @@ class CudaGraphRunner:
             tree_mask=buf["tree_mask"][:bs] if verify else None,
         )
 
-    def _make(self, mode: ForwardMode, q: int, layer_ids: tuple[int, ...], bs: int) -> _Graph:
-        fb = self._static(mode, q, layer_ids, bs)
-        if not self.capture:
-            return _Graph(fb, None, None)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles the Triton kernels and settles the allocator outside the capture
-                self.model(fb, self.kv, self.backend)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(fb, self.kv, self.backend)
-        return _Graph(fb, out, graph)
+    def _make(self, fb: ForwardBatch) -> _Graph:
+        """Warm up and capture the forward of the static batch ``fb``, already filled with the step's batch."""
+
+        def run() -> ModelOutput:
+            return self.model(fb, self.kv, self.backend)
+
+        if self.capturer is None:
+            return _Graph(fb, run)
+        for _ in range(2):  # compiles the Triton kernels and settles the allocator outside the capture
+            self.capturer.warm_up(run)
+        return _Graph(fb, self.capturer.capture(run))
 
     @staticmethod
     def _fill(st: ForwardBatch, fb: ForwardBatch) -> None:

@@ -1,5 +1,6 @@
 """GPU check: CUDA-graph replay of decode and verify forwards equals the eager forward (tiny Kimi INT4,
-Triton backends), directly and through the Engine's greedy tokens with and without DDTree."""
+Triton backends), directly, in KV written to a fresh pool, after capturing a new batch size with live KV in
+the pool, and through the Engine's greedy tokens with and without DDTree."""
 
 from __future__ import annotations
 
@@ -62,6 +63,22 @@ def test_graph_replay_equals_eager(tmp_path):
             for _ in range(2):  # first call captures, second replays
                 got = graphs.forward(fb).hidden
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_graph_kv_equals_eager_kv_in_a_fresh_pool(tmp_path):
+    """The CPU test's check (tests/model_executor/test_cuda_graph_runner.py) with real CUDA graphs: the
+    graph path writes the eager path's KV into slots the eager path never wrote, and nothing else."""
+    from tests.model_executor.test_cuda_graph_runner import check_fresh_pool_kv
+
+    check_fresh_pool_kv(tmp_path, "cuda", True)
+
+
+def test_capture_after_use_leaves_live_kv_alone(tmp_path):
+    """issue 33 item 2 with real CUDA graphs: capturing a new batch size for a used query length writes
+    nothing outside the step's own slots (and the padding slot)."""
+    from tests.model_executor.test_cuda_graph_runner import check_capture_after_use
+
+    check_capture_after_use(tmp_path, "cuda", True)
 
 
 def test_engine_with_cuda_graphs_keeps_greedy_tokens(tmp_path):
