@@ -15,8 +15,11 @@ Modes, all over the ``ForwardBatch`` metadata (model_executor/forward_batch.py):
   ``prefix + j`` iff ``tree_mask[b, i, j]`` (its ancestors and itself). ``tree_mask [bs, Q, Q]`` is
   ``ForwardBatch.tree_mask``, or taken from ``attn_mask``'s new-token block when not given.
 
-One program per (new token, ``BLOCK_H`` heads); no split over the keys (a flash-decoding split as in
-SGLang's triton decode kernel would raise occupancy for long contexts at small batch: not done). Numerics:
+One program per (new token, ``BLOCK_H`` heads) walks all of the token's keys; when a launch has few programs
+and the context is long (small-batch decode or verify), the split-K variant (kernels/triton_mla_split.py)
+splits the keys over more programs and merges them by log-sum-exp. Tiles (``BLOCK_H``, ``BLOCK_N``) and the
+split count: kernels/triton_mla_plan.py (within the device's shared memory, e.g. float32 on sm120 takes
+16-key tiles). Numerics:
 products in the cache dtype, float32 scores, softmax and accumulation; output in the query's dtype. Runs on
 CUDA, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
@@ -27,6 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_mla_plan import (
+    MlaTiles,
+    choose_kv_splits,
+    device_arch,
+    device_sm_count,
+    device_smem_limit,
+    tiles_for,
+)
+from kernels.triton_mla_split import launch_split
 from kernels.triton_utils import dot_args
 
 LOG2E = 1.4426950408889634
@@ -131,9 +143,14 @@ def _launch(
     scale: float,
     tree: bool,
     tree_mask: torch.Tensor | None = None,
-    block_n: int = 32,
+    num_splits: int | None = None,
+    tiles: MlaTiles | None = None,
 ) -> torch.Tensor:
-    """q [T, Hr, L + R] (absorbed, in the cache dtype); k_cache [slots, 1, L + R] -> o_lat [T, Hr, L]."""
+    """q [T, Hr, L + R] (absorbed, in the cache dtype); k_cache [slots, 1, L + R] -> o_lat [T, Hr, L].
+
+    ``tiles``: default ``tiles_for`` the device's shared memory. ``num_splits``: key splits
+    (kernels/triton_mla_split.py); default ``choose_kv_splits`` from the launch's programs, the key columns
+    of ``kv_indices`` and the device's SM count (1 on CPU); 1 runs the single-pass kernel."""
     t, heads, width = q.shape
     lat, rope = kv_lora_rank, width - kv_lora_rank
     q_max = attn_mask.shape[1]
@@ -154,9 +171,16 @@ def _launch(
         tree_mask = attn_mask.gather(2, cols.clamp(max=k_max - 1).expand(bs, q_max, q_max))  # [bs, Q, Q]
     mask = tree_mask if tree else attn_mask  # unread unless tree
     mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    block_h = max(16, min(64, triton.next_power_of_2(heads)))
-    grid = (t, triton.cdiv(heads, block_h))
-    _mla_kernel[grid](
+    dev = (q.device.type, q.device.index)
+    if tiles is None:
+        tiles = tiles_for(heads, lat, rope, k_cache.dtype, device_smem_limit(*dev), device_arch(*dev))
+    head_blocks = triton.cdiv(heads, tiles.block_h)
+    if num_splits is None:
+        num_splits = choose_kv_splits(t * head_blocks, kv_indices.shape[1], device_sm_count(*dev))
+    if num_splits > 1:
+        return launch_split(q, cache, kv_indices, mask, tok_req, tok_pos, kv_len.to(torch.int32), prefix_lens,
+                            out, scale * LOG2E, lat, tree, tiles, num_splits)  # fmt: skip
+    _mla_kernel[(t, head_blocks)](
         q,
         cache,
         kv_indices,
@@ -179,53 +203,51 @@ def _launch(
         L=lat,
         R=rope,
         TREE=tree,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_L=max(16, triton.next_power_of_2(lat)),
-        BLOCK_R=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=tiles.block_h,
+        BLOCK_N=tiles.block_n,
+        BLOCK_L=tiles.block_l,
+        BLOCK_R=tiles.block_r,
         num_warps=4,
-        num_stages=2,  # two 32 x 576 bf16 key tiles in flight fit sm120's ~99 KB of shared memory
+        num_stages=tiles.num_stages,  # tiles_for keeps the stages' tiles within the device's shared memory
         **dot_args(k_cache.dtype),
     )
     return out
 
 
 def mla_decode(
-    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
-):
-    """DECODE: one new token per request (``extend_lens`` all 1). Shapes as ``_launch``."""
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
+    num_splits=None, tiles=None,
+):  # fmt: skip
+    """DECODE: one new token per request (``extend_lens`` all 1). Shapes as ``_launch``; split-K when
+    ``choose_kv_splits`` says so (long context, few programs) or ``num_splits`` > 1. ``tiles``: as
+    ``_launch`` (tests force small ones)."""
     return _launch(
-        q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False
-    )
+        q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False,
+        num_splits=num_splits, tiles=tiles,
+    )  # fmt: skip
 
 
 def mla_extend(
-    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
-):
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
+    num_splits=None, tiles=None,
+):  # fmt: skip
     """EXTEND: causal prefill of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones."""
     return _launch(
-        q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False
-    )
+        q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False,
+        num_splits=num_splits, tiles=tiles,
+    )  # fmt: skip
 
 
 def mla_verify(
-    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None
-):
+    q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
+    num_splits=None, tiles=None,
+):  # fmt: skip
     """TARGET_VERIFY: tree nodes see the prefix and their ancestors (``tree_mask [bs, Q, Q]``, or
-    ``attn_mask``'s new-token block)."""
+    ``attn_mask``'s new-token block); split-K like decode at small batch and long context."""
     return _launch(
-        q,
-        k_cache,
-        kv_indices,
-        attn_mask,
-        q_index,
-        prefix_lens,
-        extend_lens,
-        kv_lora_rank,
-        scale,
-        True,
-        tree_mask,
-    )
+        q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, True,
+        tree_mask, num_splits, tiles,
+    )  # fmt: skip
 
 
 MLA_KERNELS = {"decode": mla_decode, "extend": mla_extend, "target_verify": mla_verify}

@@ -15,16 +15,25 @@ MHA (Llama, Qwen)  ``torch`` | ``flashinfer`` | auto (flashinfer     ``torch`` /
 
 ``auto`` takes the reference when ``DDTREE_KERNELS=torch`` or Triton does not import. Triton on a CPU
 device runs only in Triton's interpreter (``TRITON_INTERPRET=1``, how tests check the kernels); asking for it
-on CPU without the interpreter is an error.
+on CPU without the interpreter is an error. MLA on a CUDA device: the Triton kernel must fit the device's
+shared memory at the model's latent width and dtype with its smallest tiles (kernels/triton_mla_plan.py;
+it shrinks its tiles to fit, e.g. float32 on sm120, and logs that); if even those do not fit, ``auto``
+takes the reference with a log line and ``triton`` is a startup error.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
+import torch
+
 from kernels.dispatch import kernels_forced_to_torch
+from kernels.triton_mla_plan import device_smem_limit, smallest_tiles_fit
 from kernels.triton_utils import interpreting
+
+logger = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "torch", "triton", "flashinfer")
 
@@ -41,9 +50,33 @@ def _triton_usable(cuda: bool) -> bool:
     return importlib.util.find_spec("triton") is not None and (cuda or interpreting())
 
 
-def resolve_kernel_backends(hf: dict[str, Any], attention: str, moe: str, device: str) -> tuple[str, str]:
+def _mla_unfit(hf: dict[str, Any], dtype: torch.dtype | None, device: str, smem_limit: int | None) -> str:
+    """Why the Triton MLA kernel cannot run this model on ``device`` ("" when it can or nothing is known)."""
+    if smem_limit is None and torch.cuda.is_available():
+        dev = torch.device(device)
+        smem_limit = device_smem_limit(dev.type, dev.index)
+    if smem_limit is None or dtype is None:
+        return ""
+    lat, rope = int(hf["kv_lora_rank"]), int(hf.get("qk_rope_head_dim", 64))
+    if smallest_tiles_fit(lat, rope, dtype, smem_limit):
+        return ""
+    return (
+        f"the Triton MLA kernel's smallest tiles (16 heads x 16 keys of latent {lat} + rope {rope} in {dtype}) "
+        f"need more than this GPU's {smem_limit} B of shared memory"
+    )
+
+
+def resolve_kernel_backends(
+    hf: dict[str, Any],
+    attention: str,
+    moe: str,
+    device: str,
+    dtype: torch.dtype | None = None,
+    smem_limit: int | None = None,
+) -> tuple[str, str]:
     """-> (attention_backend, moe_backend) with "auto" resolved, except MHA attention's "auto", which
-    the model runner resolves (flashinfer probe) as before."""
+    the model runner resolves (flashinfer probe) as before. ``dtype``: the model's (and KV cache's);
+    ``smem_limit``: the device's opt-in shared memory per block (default: probed on CUDA)."""
     for name, value in (("attention_backend", attention), ("moe_backend", moe)):
         if value not in BACKEND_CHOICES:
             raise ValueError(f"{name} must be one of {', '.join(BACKEND_CHOICES)}; got {value!r}")
@@ -55,7 +88,14 @@ def resolve_kernel_backends(hf: dict[str, Any], attention: str, moe: str, device
             raise ValueError(
                 "attention_backend 'flashinfer' is not wired for MLA models; use torch or triton"
             )
-        attention = ("triton" if fast else "torch") if attention == "auto" else attention
+        auto = attention == "auto"
+        attention = ("triton" if fast else "torch") if auto else attention
+        unfit = _mla_unfit(hf, dtype, device, smem_limit) if attention == "triton" and cuda else ""
+        if unfit and not auto:
+            raise ValueError(f"attention_backend 'triton': {unfit}; use torch")
+        if unfit:
+            logger.info("MLA attention: the torch reference, because %s", unfit)
+            attention = "torch"
     elif attention == "triton":
         raise ValueError("attention_backend 'triton' is wired for MLA models only; use torch or flashinfer")
     if moe == "flashinfer":

@@ -79,9 +79,10 @@ class ModelConfig:
                 break
         from model_executor.kernel_backends import resolve_kernel_backends
 
-        attention_backend, moe_backend = resolve_kernel_backends(hf, attention_backend, moe_backend, device)
+        dt = resolve_dtype(dtype, device)
+        attention_backend, moe_backend = resolve_kernel_backends(hf, attention_backend, moe_backend, device, dt)
         return cls(path=str(p), hf=hf, architecture=archs[0], eos_token_ids=tuple(dict.fromkeys(eos)),
-                   dtype=resolve_dtype(dtype, device), int4_experts=int4_experts,
+                   dtype=dt, int4_experts=int4_experts,
                    attention_backend=attention_backend, moe_backend=moe_backend)
 
 

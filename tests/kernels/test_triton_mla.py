@@ -17,6 +17,7 @@ from model_executor.forward_batch import ForwardMode, build_forward_batch
 pytest.importorskip("triton")
 
 from kernels.triton_mla import MLA_KERNELS  # noqa: E402
+from kernels.triton_mla_plan import choose_mla_tiles  # noqa: E402
 
 
 def _tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
@@ -41,8 +42,8 @@ def _case(
     seed: int,
 ):
     g = torch.Generator().manual_seed(seed)
-    bs, slots = len(prefix), 200
     total = [p + e for p, e in zip(prefix, extend, strict=True)]
+    bs, slots = len(prefix), max(200, sum(total) + 20)
     perm = torch.randperm(slots, generator=g)[: sum(total)] + 1  # distinct non-padding slots, shuffled
     table = torch.zeros(bs, max(total), dtype=torch.int64)
     off = 0
@@ -107,3 +108,48 @@ def test_mla_verify_bf16_and_mask_is_read():
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
     causal = MLA_KERNELS["extend"](*args)  # a tree is not a chain: ignoring the mask must change the answer
     assert (causal.float() - ref.float()).abs().max() > 0.05
+
+
+SPLIT_CASES = [  # (mode, prefix, extend, heads, dtype, splits): empty splits, one-key requests, two head blocks
+    (ForwardMode.DECODE, [5, 0, 40, 70], [1, 1, 1, 1], 4, torch.float32, 3),
+    (ForwardMode.TARGET_VERIFY, [12, 3, 30], [9, 5, 17], 20, torch.float32, 4),
+    (ForwardMode.DECODE, [33, 9], [1, 1], 4, torch.bfloat16, 2),
+]
+
+
+@pytest.mark.parametrize("mode,prefix,extend,heads,dtype,splits", SPLIT_CASES)
+def test_split_k_matches_reference(mode, prefix, extend, heads, dtype, splits):
+    """issue 33 item 8: the split-K (flash-decoding) variant with its log-sum-exp merge, on 16-key tiles
+    so that every request spans several splits; in the verify case some splits hold only keys a node
+    cannot see (their lse is -inf and they must add nothing)."""
+    lat, rope = 32, 8
+    fb, cache, q = _case(mode, prefix, extend, heads, lat, rope, dtype, seed=11 + splits)
+    tiles = choose_mla_tiles(heads, lat, rope, dtype, smem_limit=8_000)
+    assert tiles is not None and tiles.block_n == 16
+    ref = masked_paged_attention(q, cache, cache[..., :lat], fb.kv_indices, fb.attn_mask, fb.q_index, 0.3)
+    args = (q, cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens, fb.extend_lens, lat, 0.3)
+    got = MLA_KERNELS[mode.value](*args, num_splits=splits, tiles=tiles)
+    one = MLA_KERNELS[mode.value](*args, num_splits=1, tiles=tiles)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), one.float(), atol=tol, rtol=tol)
+
+
+def test_long_context_decode_takes_the_split_path(monkeypatch):
+    """The launch's choice: a decode of one request over 1,100 keys on a GPU of 132 SMs (the SM count, a
+    device fact, is given: there is none on CPU) runs split-K (2 splits of >= 512 keys) and matches the
+    reference; the same call on CPU (no SM count) runs the single-pass kernel."""
+    import kernels.triton_mla as tm
+
+    calls = []
+    real = tm.launch_split
+    monkeypatch.setattr(tm, "launch_split", lambda *a: calls.append(a[-1]) or real(*a))
+    fb, cache, q = _case(ForwardMode.DECODE, [1100], [1], 4, 32, 8, torch.float32, seed=3)
+    args = (q, cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens, fb.extend_lens, 32, 0.3)
+    ref = masked_paged_attention(q, cache, cache[..., :32], fb.kv_indices, fb.attn_mask, fb.q_index, 0.3)
+    torch.testing.assert_close(MLA_KERNELS["decode"](*args), ref, atol=1e-5, rtol=1e-5)
+    assert calls == []
+    monkeypatch.setattr(tm, "device_sm_count", lambda *dev: 132)
+    torch.testing.assert_close(MLA_KERNELS["decode"](*args), ref, atol=1e-5, rtol=1e-5)
+    assert calls == [2]

@@ -1,0 +1,98 @@
+"""Offline check (no GPU needed; Triton's bundled ptxas): compile the Triton MLA kernels
+(kernels/triton_mla.py, kernels/triton_mla_split.py) for each GPU architecture at the tiles
+``kernels/triton_mla_plan.choose_mla_tiles`` picks there, and compare the shared memory of the cubin with
+the device's limit and with the plan's estimate.
+
+    python benchmarks/triton_smem_check.py [--archs 90,100,120] [--heads 8,64]
+
+Kimi K2.6 latent (512 + rope 64), float32 / bfloat16. Exits 1 when a chosen configuration does not fit or
+the estimate lies below the cubin. Run without ``TRITON_INTERPRET`` (the interpreter compiles nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def _signature(kernel, ptr: str, const: dict) -> dict[str, str]:
+    typed = {
+        "kv_idx_ptr": "*i64",
+        "mask_ptr": "*u8",
+        "tok_req_ptr": "*i64",
+        "tok_pos_ptr": "*i64",
+        "kv_len_ptr": "*i32",
+        "prefix_ptr": "*i64",
+        "o_part_ptr": "*fp32",
+        "lse_ptr": "*fp32",
+    }
+    sig = {}
+    for name in kernel.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = typed.get(name, ptr)
+        else:
+            sig[name] = "fp32" if name == "sm_scale_log2" else "i32"
+    return sig
+
+
+def cubin_shared_bytes(kernel, dtype: torch.dtype, arch: int, tiles, lat: int, rope: int) -> int:
+    """``metadata.shared`` of ``kernel`` compiled for ``sm<arch>`` at ``tiles`` (num_warps 4)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = dict(
+        L=lat,
+        R=rope,
+        TREE=False,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        UPCAST_DOT=False,
+        BLOCK_H=tiles.block_h,
+        BLOCK_N=tiles.block_n,
+        BLOCK_L=tiles.block_l,
+        BLOCK_R=tiles.block_r,
+    )
+    ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    src = ASTSource(kernel, _signature(kernel, ptr, const), constexprs=const)
+    opts = dict(num_warps=4, num_stages=tiles.num_stages)
+    return int(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).metadata.shared)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--archs", default="90,100,120")
+    ap.add_argument("--heads", default="8,64")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter compiles nothing")
+        return 2
+    from kernels.triton_mla import _mla_kernel
+    from kernels.triton_mla_plan import SMEM_OPTIN_BYTES, choose_mla_tiles
+    from kernels.triton_mla_split import _mla_split_kernel
+
+    ok = True
+    for arch in (int(a) for a in args.archs.split(",")):
+        limit = SMEM_OPTIN_BYTES[(arch // 10, arch % 10)]
+        for dtype in (torch.float32, torch.bfloat16):
+            for heads in (int(h) for h in args.heads.split(",")):
+                tiles = choose_mla_tiles(heads, 512, 64, dtype, limit, arch)
+                for kernel in (_mla_kernel, _mla_split_kernel):
+                    shared = cubin_shared_bytes(kernel, dtype, arch, tiles, 512, 64)
+                    good = shared <= limit and shared <= tiles.smem_bytes
+                    ok &= good
+                    print(
+                        f"sm{arch} {str(dtype):15} heads {heads:3} {kernel.__name__:18} tiles "
+                        f"{tiles.block_h}x{tiles.block_n}: cubin {shared:7,} B, estimate "
+                        f"{tiles.smem_bytes:7,} B, limit {limit:7,} B {'ok' if good else 'FAIL'}"
+                    )
+    print("ALL OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
