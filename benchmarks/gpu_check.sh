@@ -58,7 +58,7 @@ timeout 60 "$PY" benchmarks/bench_kernels.py --quick --device cuda --no-model-fe
 part "default pair: plain vs ddtree tokens/s, greedy lossless, first-request cost, backends"
 timeout 120 "$PY" benchmarks/gpu_ddtree_check.py --out bench_out/gpu_ddtree.json || fail "gpu_ddtree_check"
 
-part "Triton MLA / MoE kernels vs the reference on CUDA, tiny-Kimi tokens/s per backend pair"
+part "Triton MLA (single-pass and split-K) / MoE kernels vs the reference on CUDA, tiny-Kimi tokens/s per backend pair"
 timeout 90 "$PY" benchmarks/gpu_triton_check.py --out bench_out/gpu_triton.json || fail "gpu_triton_check"
 
 part "result"

@@ -1,6 +1,6 @@
 """GPU check (one device, nothing fetched, < 3 minutes): the Triton kernels (kernels/triton_moe.py,
-kernels/triton_mla.py) against the torch reference on CUDA at Kimi K2.6 per-rank shapes (TP 8), with their
-times, then the tiny Kimi INT4 model through the Engine with each backend: greedy tokens must agree between
+kernels/triton_mla.py, the split-K kernels/triton_mla_split.py at batch 1 and 32k context) against the torch
+reference on CUDA at Kimi K2.6 per-rank shapes (TP 8), with their times, then the tiny Kimi INT4 model through the Engine with each backend: greedy tokens must agree between
 backends (and DDTree must equal plain greedy); prints tokens/s of each.
 
     python benchmarks/gpu_triton_check.py [--out bench_out/gpu_triton.json] [--experts 64]
@@ -158,6 +158,68 @@ def check_mla(results: dict, dev: str, tiny: bool) -> bool:
     return ok
 
 
+def check_mla_split(results: dict, dev: str, tiny: bool) -> bool:
+    """Split-K MLA (kernels/triton_mla_split.py) at batch 1 and long context (Kimi TP 8 shapes, 32k keys;
+    tiny: 300): decode and a 17-node verify, the launch's own choice (on CUDA it must split: fails loudly
+    otherwise) and forced 4 splits against the reference; times of the single-pass kernel and the choice."""
+    from kernels.attention import masked_paged_attention
+    from kernels.triton_mla import MLA_KERNELS
+    from kernels.triton_mla_plan import choose_kv_splits, device_sm_count, preferred_block_h
+    from model_executor.forward_batch import ForwardMode, build_forward_batch
+
+    heads, lat, rope, ctx = (4, 32, 8, 300) if tiny else (8, 512, 64, 32768)
+    g = torch.Generator(device=dev).manual_seed(2)
+    cache = torch.randn(ctx + 64, 1, lat + rope, device=dev, generator=g, dtype=torch.bfloat16)
+    ok = True
+    for mode, q_len in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 17)):
+        table = torch.randperm(ctx + 63, device=dev, generator=g)[: ctx + q_len].view(1, -1) + 1
+        tree = None
+        if mode == ForwardMode.TARGET_VERIFY:
+            tree = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=dev))
+            tree[1:, 1:] &= torch.eye(q_len - 1, dtype=torch.bool, device=dev) | (
+                torch.rand(q_len - 1, q_len - 1, device=dev, generator=g) < 0.3
+            ).tril()
+            tree = tree.expand(1, q_len, q_len)
+        fb = build_forward_batch(
+            mode,
+            torch.zeros(q_len, dtype=torch.long, device=dev),
+            torch.zeros(q_len, dtype=torch.long, device=dev),
+            table[0, ctx:],
+            table,
+            torch.zeros(1, dtype=torch.long, device=dev),
+            torch.tensor([ctx]),
+            torch.tensor([q_len]),
+            tree_mask=tree,
+        )
+        q = torch.randn(q_len, heads, lat + rope, device=dev, generator=g, dtype=torch.bfloat16)
+        args = (q, cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens, fb.extend_lens, lat, 0.1)
+        ref = masked_paged_attention(q, cache, cache[..., :lat], fb.kv_indices, fb.attn_mask, fb.q_index, 0.1)
+        kernel = MLA_KERNELS[mode.value]
+        dev_t = torch.device(dev)
+        programs = q_len * -(-heads // preferred_block_h(heads))
+        splits = choose_kv_splits(programs, fb.kv_indices.shape[1], device_sm_count(dev_t.type, dev_t.index))
+        good_auto, err = _close(kernel(*args), ref)
+        good_forced, err4 = _close(kernel(*args, num_splits=4), ref)
+        chose = splits > 1 or dev != "cuda"
+        ms_one = _time(partial(kernel, *args, num_splits=1))
+        ms_auto = _time(partial(kernel, *args))
+        name = f"mla_split_{mode.value}"
+        good = good_auto and good_forced and chose
+        results[name] = {
+            "ok": good,
+            "splits": splits,
+            "max_abs_err": max(err, err4),
+            "single_pass_ms": ms_one,
+            "chosen_ms": ms_auto,
+        }
+        print(
+            f"{name:<24} ok={good} splits={splits} err={max(err, err4):.2e} single-pass {ms_one:8.3f} ms"
+            f"  chosen {ms_auto:8.3f} ms" + ("" if chose else "  (FAIL: no split chosen on CUDA)")
+        )
+        ok &= good
+    return ok
+
+
 def check_engine(results: dict, max_tokens: int, dev: str) -> bool:
     """Tiny Kimi (INT4 experts resident) through the Engine: tokens/s per backend; tokens must agree."""
     from server.engine import Engine, SamplingParams
@@ -219,6 +281,7 @@ def main() -> int:
     results: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"}
     ok = check_moe(args.experts, results, args.device, args.tiny)
     ok &= check_mla(results, args.device, args.tiny)
+    ok &= check_mla_split(results, args.device, args.tiny)
     ok &= check_engine(results, args.max_tokens, args.device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

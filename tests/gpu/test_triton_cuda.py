@@ -22,6 +22,12 @@ def test_triton_mla_kernels_match_reference_on_cuda():
     assert check_mla({}, "cuda", tiny=False)
 
 
+def test_triton_mla_split_k_matches_reference_on_cuda():
+    from benchmarks.gpu_triton_check import check_mla_split
+
+    assert check_mla_split({}, "cuda", tiny=False)
+
+
 def test_tiny_kimi_backends_agree_on_cuda():
     from benchmarks.gpu_triton_check import check_engine
 
