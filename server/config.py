@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from model_executor.radix_cache import EVICTION_POLICIES
+from server.machines import GPU_MEMORY_GIB
 
 SETTING = "setting"  # the key of a field's ``Setting`` in its dataclass metadata
 DEFAULT = "default"  # the model / drafter path that names the shipped default model / drafter
@@ -163,6 +164,10 @@ class CacheArgs(Area):
                                          low=0, low_open=True)
     mem_fraction_static: float = setting(0.85, "Share of total GPU memory for weights + verify workspace + KV "
                                          "cache (CUDA).", low=0, high=1, low_open=True)
+    machine: str | None = setting(None, "GPU class the configuration is written for (presets): 'ddtree-serve "
+                                  "plan' sizes with its memory per GPU (server/machines.py) unless --gpu-memory-gb "
+                                  "is given; serve sizes from the GPU it finds and warns when that differs by more "
+                                  "than 10%.", choices=tuple(GPU_MEMORY_GIB))
     verify_workspace_gb: float | None = setting(None, "Memory per rank for one step's logits and probabilities, "
                                                 "reserved before the KV cache; caps the tree nodes verified per "
                                                 "step (default: enough for the full batch x budget).",
