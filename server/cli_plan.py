@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--overhead-gb", type=_non_negative, default=2.0, metavar="GIB",
                       help="memory in use per GPU besides weights and drafter: CUDA context, NCCL, kernel "
                            "workspaces (default: 2.0)")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
