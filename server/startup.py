@@ -1,7 +1,8 @@
 """Start-up resolution, done once before anything is built: the model and drafter paths and the device.
 
 ``resolve_config`` turns the user's configuration into a resolved one (``model_path`` and, with
-speculation, ``speculative_draft_model_path`` are existing directories, ``"default"`` replaced by the
+speculation, ``speculative_draft_model_path`` are existing directories, the drafter's checked to be a DFlash
+drafter for the target (``check_drafter``, before any weights load), ``"default"`` replaced by the
 shipped model / drafter; ``device`` is ``cpu`` or ``cuda``). Everything below it (``make_scheduler``,
 ``Scheduler``, ``SpecWorker.create``, the TP ranks) reads those fields as they are and resolves nothing.
 """
@@ -35,6 +36,11 @@ def resolve_model_path(path: str | None) -> str:
     return str(path)
 
 
+DRAFTER_HINT = ("the Kimi presets name /models/Kimi-K2.6-DFlash, z-lab/Kimi-K2.6-DFlash on Hugging Face "
+                "(docs/DEPLOY.md); without a drafter, serve with suffix drafts alone: --speculative-draft-sources "
+                "suffix --speculative-draft-model-path ''")
+
+
 def resolve_draft_path(path: str | None) -> str:
     """A drafter directory; ``"default"`` or unset = the default model's shipped drafter."""
     if is_default_path(path):
@@ -42,6 +48,37 @@ def resolve_draft_path(path: str | None) -> str:
 
         return default_drafter_path()
     return str(path)
+
+
+def check_drafter(path: str, target_path: str) -> None:
+    """ValueError naming ``--speculative-draft-model-path`` unless ``path`` holds a DFlash drafter config
+    (architectures ``DFlashDraftModel``, a ``dflash_config`` with ``mask_token_id``) whose hidden size is the
+    target's: read from the two config.json files, before any weights load."""
+    import json
+
+    cfg_file = Path(path) / "config.json"
+    problem = None
+    if not Path(path).is_dir():
+        problem = "does not exist or is not a directory"
+    elif not cfg_file.is_file():
+        problem = "holds no config.json"
+    else:
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            cfg, problem = {}, f"has an unreadable config.json ({e})"
+        if problem is None and "DFlashDraftModel" not in (cfg.get("architectures") or []):
+            problem = f"is not a DFlash drafter (config.json architectures {cfg.get('architectures')})"
+        elif problem is None and "mask_token_id" not in (cfg.get("dflash_config") or {}):
+            problem = "is not a DFlash drafter (config.json has no dflash_config.mask_token_id)"
+        elif problem is None:
+            target = json.loads((Path(target_path) / "config.json").read_text())
+            target = target.get("text_config") or target
+            if cfg.get("hidden_size") != target.get("hidden_size"):
+                problem = (f"is a drafter for another target (hidden size {cfg.get('hidden_size')}, the target's "
+                           f"{target.get('hidden_size')})")
+    if problem:
+        raise ValueError(f"--speculative-draft-model-path {path!r} {problem}; {DRAFTER_HINT}")
 
 
 def check_source_settings(spec: SpeculativeArgs) -> None:
@@ -86,9 +123,14 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     if config.speculative.enabled:  # before the model path is resolved: 'default' decides the sources
         config = config.replace("speculative", draft_sources=resolve_draft_sources(config))
         check_source_settings(config.speculative)
+    draft_path = config.speculative.draft_model_path
+    if config.speculative.uses_drafter and not is_default_path(draft_path) and not Path(draft_path).is_dir():
+        check_drafter(draft_path, "")  # a missing drafter fails before the default model is prepared
     model_path = resolve_model_path(config.model.model_path)
     check_trust_remote_code(model_path, config.model.trust_remote_code)
     config = config.replace("model", model_path=model_path, device=resolve_device(config.model.device))
     if config.speculative.uses_drafter:
-        config = config.replace("speculative", draft_model_path=resolve_draft_path(config.speculative.draft_model_path))
+        draft_path = resolve_draft_path(draft_path)
+        check_drafter(draft_path, model_path)
+        config = config.replace("speculative", draft_model_path=draft_path)
     return config

@@ -40,6 +40,7 @@ from speculative.step_cost import StepCostModel
 from speculative.suffix_index import SuffixConfig, SuffixProposer
 from speculative.types import DecodeResult, OutOfKVSlots, SpecSettings
 from speculative.verify import verify_tree
+from speculative.worker_shape import drafter_model_config, resolve_block, step_shape
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +95,11 @@ class SpecWorker:
         self.chain = algorithm == "dflash"
         self.drafter = drafter
         self.runner = runner
-        self.block_size = block_size if drafter is not None else 1
+        self.block_size, self.budget = step_shape(algorithm, budget, max_budget, block_size if drafter is not None
+                                                  else None)
         self.depth_limit = self.block_size - 1  # the drafter's deepest level
         self.suffix = SuffixProposer(suffix) if suffix is not None else None
         self.tree_depth = max(self.depth_limit, suffix.max_depth if suffix is not None else 0)  # any source's
-        self.budget = self.depth_limit if self.chain else (max_budget if auto else budget)
         self.accept_thresholds = accept_thresholds
         self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
         self.capture_layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
@@ -151,15 +152,9 @@ class SpecWorker:
         if "dflash" in sources:
             if path is None:
                 raise ValueError("speculative_draft_model_path is unset (server/startup.py resolves 'default')")
-            cfg = ModelConfig.load(path, "float32", str(runner.device))
-            cfg = ModelConfig(cfg.path, cfg.hf, cfg.architecture, cfg.eos_token_ids, target_config.dtype)
-            if cfg.hidden_size != target_config.hidden_size:
-                raise ValueError(f"drafter hidden size {cfg.hidden_size} != target hidden size "
-                                 f"{target_config.hidden_size}")
-            drafter = load_model(cfg, runner.tp, runner.device)
-            bsz = settings.block_size or int(drafter.block_size)
-            if bsz < 2:
-                raise ValueError(f"speculative_block_size must be >= 2, got {bsz}")
+            drafter = load_model(drafter_model_config(path, target_config, str(runner.device)), runner.tp,
+                                 runner.device)
+            bsz = resolve_block(settings.block_size, drafter)
         suffix = None
         if "suffix" in sources:
             suffix = SuffixConfig(settings.suffix_max_depth, settings.suffix_min_match, settings.suffix_max_match,

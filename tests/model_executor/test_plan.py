@@ -1,85 +1,110 @@
-"""Capacity planning from config.json alone, on Kimi K2.6's published config (tests/data)."""
+"""Capacity planning from config.json alone: the served model classes built on the meta device, on Kimi
+K2.6's published config (tests/data) and tiny checkpoints."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from model_executor.plan import GIB, make_plan
+from model_executor.memory import GIB
+from model_executor.model_config import ModelConfig
+from model_executor.parallel_state import TPGroup
+from model_executor.plan import meta_model, module_bytes, rank_models, weight_breakdown
+from server.cli import main
 
-KIMI = Path(__file__).resolve().parents[1] / "data" / "kimi-k2.6-config.json"
-
-
-def test_kimi_k26_tp8_weights_and_kv_per_token():
-    plan = make_plan(KIMI, tp_size=8, gpu_memory_gb=96)
-    # Published: ~69 GiB per GPU at TP 8. Tolerance +-5%: we also count the replicated q_a/kv_a
-    # projections and the float32 router on every rank (~71.3 GiB).
-    assert abs(plan.weight_bytes_per_rank / GIB - 69) <= 0.05 * 69
-    # MLA latent, BF16: 61 layers x (512 + 64) x 2 bytes = 70272 B (~70 KB) per token, on every rank.
-    assert plan.kv_bytes_per_token == 61 * 576 * 2
-    assert plan.weight_breakdown["routed experts"] > 0.9 * plan.weight_bytes_per_rank  # INT4 packed + scales
-    total_tp1 = make_plan(KIMI, tp_size=1, gpu_memory_gb=1000).weight_bytes_per_rank
-    assert abs(total_tp1 / 1e9 - 595) <= 0.05 * 595  # ~595 GB checkpoint
+DATA = Path(__file__).resolve().parents[1] / "data"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+NO_DRAFTER = ["--speculative-draft-sources", "suffix", "--speculative-draft-model-path", ""]
 
 
-def test_expert_parallel_plan_holds_whole_experts():
-    """384 experts over 8 ranks split evenly: EP holds 48 whole experts, TP-MoE 1/8 of all 384, the same
-    bytes up to the 16-byte ``weight_shape`` of each packed tensor (EP holds 8x fewer); over 5 ranks the largest EP block (77 experts) is what must fit."""
-    tp_moe, ep = make_plan(KIMI, 8, 96), make_plan(KIMI, 8, 96, expert_parallel=True)
-    diff = tp_moe.weight_breakdown["routed experts"] - ep.weight_breakdown["routed experts"]
-    assert diff == 60 * (384 - 48) * 3 * 16  # 60 MoE layers x fewer experts x 3 tensors x weight_shape
-    ep5 = make_plan(KIMI, 5, 96, expert_parallel=True).weight_breakdown["routed experts"]
-    full = make_plan(KIMI, 1, 1000).weight_breakdown["routed experts"]
-    assert ep5 == full * 77 // 384
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("kimi")
+    (d / "config.json").write_text((DATA / "kimi-k2.6-config.json").read_text())
+    return d
 
 
-def test_kv_capacity_and_budget_table_are_consistent():
-    small, big = make_plan(KIMI, 8, 96), make_plan(KIMI, 8, 288, verify_workspace_gb=40)
-    assert 0 < small.kv_tokens < big.kv_tokens
-    # The server's rule (model_executor/memory.py): mem_fraction x total - in use (weights + 2 GiB overhead)
-    # - the workspace (64 requests x (16 + 1) verify tokens + 64 x 7 drafted rows, 16 B per vocab entry).
-    workspace = (64 * 17 + 64 * 7) * 163840 * 16
-    assert small.workspace_bytes == workspace and small.max_verify_tokens == 64 * 17
-    expect = (int(96 * GIB * 0.88) - small.weight_bytes_per_rank - 2 * GIB - workspace) // small.kv_bytes_per_token
-    assert small.kv_tokens == expect
-    for row in small.rows:
-        assert row.max_batch == min(row.kv_bound, row.workspace_bound)
-        assert row.max_batch * (small.context_len + row.budget + 1) <= small.kv_tokens
-    assert small.best is not None and big.best.budget * big.best.max_batch > small.best.budget * small.best.max_batch
-    assert make_plan(KIMI, 8, 64).best is None  # 64 GiB x 0.88 cannot hold ~71 GiB of weights
-    assert "largest budget x batch" in small.table()
+def _short_kimi(tmp_path: Path, layers: int = 3, heads: int = 64, **changes) -> ModelConfig:
+    """Kimi K2.6's config cut to a few layers (per-layer quantities scale), packed INT4 experts, BF16."""
+    full = json.loads((DATA / "kimi-k2.6-config.json").read_text())
+    full["text_config"].update(num_hidden_layers=layers, num_attention_heads=heads)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    full.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(full))
+    return ModelConfig.load(str(tmp_path), "bfloat16", "cuda", "packed")
 
 
-def test_plan_counts_unquantized_experts_in_bf16(tmp_path):
-    cfg = json.loads(KIMI.read_text())
-    del cfg["quantization_config"]
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    dense = make_plan(tmp_path, 8, 96).weight_breakdown["routed experts"]
-    int4 = make_plan(KIMI, 8, 96).weight_breakdown["routed experts"]
+def test_b300_preset_plan_kimi_weights_kv_and_pool(kimi_dir, capsys) -> None:
+    """The B300 preset with suffix drafts alone: ~69 GiB per GPU at TP 8 (published; we also count the
+    replicated q_a/kv_a projections and the float32 router), MLA latent KV 61 x 576 x 2 B per token, and the
+    server's rule: 0.90 x 288 GiB - in use (weights + 2 GiB) - the workspace of 128 x 129 verify tokens."""
+    assert main(["plan", "--config", str(CONFIGS / "kimi-k2.6-8x-b300.yaml"), "--model-path", str(kimi_dir),
+                 *NO_DRAFTER, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    weights = plan["weight_bytes_per_rank"]
+    assert abs(weights / GIB - 69) <= 0.05 * 69
+    assert plan["weight_breakdown"]["routed experts"] > 0.9 * weights  # INT4 packed + scales
+    assert plan["kv_bytes_per_token"] == 61 * 576 * 2 and plan["draft_bytes_per_rank"] == 0
+    assert plan["device_memory_bytes"] == 288 * GIB and plan["memory"].endswith("(machine b300)")
+    workspace = 128 * 129 * 163840 * 16
+    assert plan["workspace_bytes"] == workspace and plan["max_verify_tokens"] == 128 * 129
+    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace) // (61 * 576 * 2)
+    assert plan["kv_tokens"] == expect and plan["kv_source"] == "mem_fraction_static"
+    assert plan["log_line"].startswith(f"KV pool: {expect} tokens x 70272 B")
+    # The B300 preset on 96 GiB GPUs: serve's start-up error (weights + the 128 x 128 workspace leave no pool).
+    assert main(["plan", "--config", str(CONFIGS / "kimi-k2.6-8x-b300.yaml"), "--model-path", str(kimi_dir),
+                 *NO_DRAFTER, "--gpu-memory-gb", "96"]) == 2
+    assert "no memory left for the KV cache" in capsys.readouterr().err
+
+
+def test_whole_checkpoint_at_tp1(kimi_dir) -> None:
+    cfg = ModelConfig.load(str(kimi_dir), "bfloat16", "cuda", "packed")
+    assert abs(module_bytes(meta_model(cfg, TPGroup())) / 1e9 - 595) <= 0.05 * 595  # ~595 GB checkpoint
+
+
+def test_expert_parallel_holds_whole_experts(tmp_path) -> None:
+    """384 experts over 8 ranks: EP holds 48 whole experts, TP-MoE 1/8 of all 384; over 5 ranks rank 0
+    holds the largest EP block, 77 experts (80 attention heads here, so that MLA splits 5 ways)."""
+    cfg = _short_kimi(tmp_path, heads=80)
+    experts = lambda tp: weight_breakdown(meta_model(cfg, tp))["routed experts"]  # noqa: E731
+    full = experts(TPGroup())
+    assert experts(TPGroup(0, 8, expert_parallel=True)) == full // 8 == experts(TPGroup(0, 8))
+    assert experts(TPGroup(0, 5, expert_parallel=True)) == full * 77 // 384
+
+
+def test_unquantized_experts_count_in_bf16(tmp_path) -> None:
+    int4 = weight_breakdown(meta_model(_short_kimi(tmp_path / "a"), TPGroup(0, 8)))["routed experts"]
+    dense_cfg = _short_kimi(tmp_path / "b", quantization_config=None)
+    dense = weight_breakdown(meta_model(dense_cfg, TPGroup(0, 8)))["routed experts"]
     assert 3.4 < dense / int4 < 3.6  # 16 bits vs 4 bits + a BF16 scale per 32 values
 
 
-def test_plan_command_prints_table_and_json(capsys):
+def test_uneven_partitions_plan_every_rank(tiny_llama_factory, capsys) -> None:
+    """3 KV heads over 2 ranks: rank 0 holds 2 (more KV per token), rank 1 holds 1; the pool is the
+    minimum over ranks, and rank 0's line carries it (the real ranks agree on it: tests/model_executor/
+    test_memory.py, two gloo ranks)."""
+    from server.args import config_from_args
+    from server.plan import make_plan
+    from tests.server.test_plan_vs_startup import _parse
+
+    path = tiny_llama_factory(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    cfg = ModelConfig.load(path, "float32", "cpu")
+    assert [m.rank for m in rank_models(cfg, None, 2, False)] == [0, 1]
+    assert [m.rank for m in rank_models(cfg, None, 1, False)] == [0]
     from server import cli_plan
 
-    parser = argparse.ArgumentParser()
-    cli_plan.add_arguments(parser)
-    assert cli_plan.run(parser.parse_args(["--model-path", str(KIMI.parent / KIMI.name), "--tp-size", "8"])) == 0
-    out = capsys.readouterr().out
-    assert "weights per rank" in out and "KV bytes per token" in out and "70272" in out
-    assert cli_plan.run(parser.parse_args(["--model-path", str(KIMI), "--gpu-memory-gb", "288", "--json"])) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["kv_bytes_per_token"] == 70272 and data["best"]["max_batch"] > 0
-    with pytest.raises(ValueError):
-        cli_plan.run(parser.parse_args(["--model-path", "/nonexistent"]))
+    plan = make_plan(config_from_args(_parse(cli_plan, ["--model-path", path, "--tp-size", "2", "--device", "cpu",
+                                                        "--speculative-algorithm", "none"])), 0.01, 0.0)
+    r0, r1 = plan.ranks
+    assert r0.facts.kv_bytes_per_token == 2 * r1.facts.kv_bytes_per_token and r0.weight_bytes > r1.weight_bytes
+    assert r0.kv_tokens != r1.kv_tokens and plan.sizing.kv.tokens == min(r0.kv_tokens, r1.kv_tokens)
+    assert plan.sizing.kv.bytes_per_token == r0.facts.kv_bytes_per_token
+    assert "rank 1:" in plan.table() and plan.log_line in plan.table()
 
 
-def test_plan_subcommand_through_cli_when_registered(capsys):
-    cli = pytest.importorskip("server.cli")
-    if "plan" not in cli.subcommand_modules():
-        pytest.skip("server.cli does not list the plan subcommand yet")
-    assert cli.main(["plan", "--model-path", str(KIMI), "--tp-size", "8", "--gpu-memory-gb", "96"]) == 0
-    assert "KV token capacity" in capsys.readouterr().out
+def test_unknown_device_memory_is_an_error(kimi_dir, capsys) -> None:
+    assert main(["plan", "--model-path", str(kimi_dir), "--device", "cuda", "--speculative-algorithm", "none",
+                 "--tp-size", "8"]) == 2
+    assert "--gpu-memory-gb or --machine" in capsys.readouterr().err

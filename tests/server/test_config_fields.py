@@ -45,7 +45,7 @@ def test_every_field_has_help_and_exactly_one_flag() -> None:
         assert len(by_dest.get(flat, [])) == 1, f"{flat}: {len(by_dest.get(flat, []))} flags"
         action = by_dest[flat][0]
         assert action.option_strings[0] == "--" + flat.replace("_", "-")
-        assert meta.help in action.help and repr(f.default) in action.help
+        assert meta.help in action.help and (meta.default_help or repr(f.default)) in action.help
         flats.append(flat)
     assert len(flats) == len(set(flats)) == len(by_dest)  # no flag without a field, no name shared
     assert set(area_classes()) == {f.name for f in dataclasses.fields(ServerConfig)}

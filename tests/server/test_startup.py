@@ -50,3 +50,57 @@ def test_both_schedulers_declare_the_protocol() -> None:
     for name in ("add_request", "abort_request", "has_work", "step", "stats", "close"):
         assert callable(getattr(Scheduler, name)), name
     assert not hasattr(TPScheduler, "__getattr__")
+
+
+KIMI_PRESET = "configs/kimi-k2.6-8x-b300.yaml"
+
+
+def _serve(argv: list[str], capsys) -> tuple[int, str]:
+    from server.cli import main
+
+    rc = main(["serve", *argv])
+    return rc, capsys.readouterr().err
+
+
+def test_missing_or_wrong_drafter_fails_before_the_target_loads(tmp_path, capsys) -> None:
+    """The target directory holds config.json only: any attempt to load its weights would fail otherwise.
+    The Kimi preset's drafter path is missing here; a target directory or another target's drafter is not it."""
+    target = tmp_path / "kimi"
+    target.mkdir()
+    (target / "config.json").write_text(open("tests/data/kimi-k2.6-config.json").read())
+    base = ["--config", KIMI_PRESET, "--model-path", str(target), "--device", "cpu"]
+    rc, err = _serve(base, capsys)
+    assert rc == 2 and "--speculative-draft-model-path '/models/Kimi-K2.6-DFlash' does not exist" in err
+    assert "z-lab/Kimi-K2.6-DFlash" in err and "--speculative-draft-sources suffix" in err
+    assert "is not a model directory" not in err
+    rc, err = _serve([*base, "--speculative-draft-model-path", str(target)], capsys)
+    assert rc == 2 and "--speculative-draft-model-path" in err and "is not a DFlash drafter" in err
+    drafter = tmp_path / "dflash"  # a drafter trained for a target of hidden size 64, not 7168
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "hidden_size": 64,
+                                                      "dflash_config": {"mask_token_id": 0}}))
+    rc, err = _serve([*base, "--speculative-draft-model-path", str(drafter)], capsys)
+    assert rc == 2 and "is a drafter for another target (hidden size 64, the target's 7168)" in err
+    (tmp_path / "empty").mkdir()
+    rc, err = _serve([*base, "--speculative-draft-model-path", str(tmp_path / "empty")], capsys)
+    assert rc == 2 and "holds no config.json" in err
+
+
+def test_kimi_preset_serves_without_a_drafter_on_suffix_drafts(tmp_path) -> None:
+    """The documented command for the presets without the drafter: suffix drafts alone, no drafter loaded."""
+    import argparse
+
+    from server import cli_serve
+    from server.args import config_from_args
+    from tests.model_executor.tiny_deepseek import write_tiny_deepseek
+
+    kimi = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True).path
+    parser = argparse.ArgumentParser()
+    cli_serve.add_arguments(parser)
+    args = parser.parse_args(["--config", KIMI_PRESET, "--model-path", kimi, "--device", "cpu",
+                              "--speculative-draft-sources", "suffix", "--speculative-draft-model-path", "",
+                              "--context-length", "256", "--max-running-requests", "2", "--max-total-tokens", "1024"])
+    config = resolve_config(config_from_args(args))
+    assert config.speculative.draft_sources == "suffix" and not config.speculative.uses_drafter
+    scheduler = Scheduler(config)
+    assert scheduler.spec.drafter is None and scheduler.spec.suffix is not None

@@ -1,0 +1,60 @@
+"""Start-up memory sizing: the step workspace and the KV pool from the configuration and the model's facts.
+
+One function, ``size_startup_memory``, serves both callers, so they print the same line:
+- the scheduler (server/scheduler.py), with the facts of the loaded target and drafter and the device's
+  memory probe, once the weights are resident; it logs ``StartupSizing.log_line()``;
+- ``ddtree-serve plan`` (server/plan.py), with the same facts read from the model classes built on the meta
+  device, and a probe that reports the planned GPU and the weights it would hold.
+The arithmetic itself is model_executor/memory.py (``verify_workspace``, ``size_kv_pool``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from model_executor.memory import KVSizing, MemoryProbe, Workspace, size_kv_pool, verify_workspace
+from server.config import ServerConfig
+from server.machines import machine_memory_mismatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What sizing reads from the target and drafter of one TP rank."""
+
+    vocab_size: int
+    max_context_len: int  # the configured context length, or the model's
+    kv_bytes_per_token: int  # target + drafter caches, this rank
+    budget: int | None  # tree nodes per request of one verify step at most (None: no speculation)
+    block_size: int | None  # drafter block (1: no drafter; None: no speculation)
+
+
+@dataclass(frozen=True)
+class StartupSizing:
+    workspace: Workspace
+    kv: KVSizing
+
+    def log_line(self) -> str:
+        """The scheduler's start-up log line for memory (``ddtree-serve plan`` prints it verbatim)."""
+        return f"{self.kv.describe()}; max verify tokens per step {self.workspace.max_verify_tokens}"
+
+
+def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp: Any,
+                        probe: MemoryProbe) -> StartupSizing:
+    """Reserve the step workspace for ``max_running_requests`` at ``facts.budget``, then size the KV pool
+    (precedence: ``max_total_tokens`` > ``kv_memory_gb`` > the probed device), at most ``(max_running_requests
+    + 1) x max_context_len`` tokens; ``tp``: a TPGroup (the pool is the minimum over ranks) or None. On CUDA a
+    device whose memory is not the configured ``machine`` class's is logged as a warning."""
+    cache, max_reqs = config.cache, config.scheduler.max_running_requests + 1
+    workspace = verify_workspace(facts.vocab_size, config.scheduler.max_running_requests, facts.budget,
+                                 facts.block_size, cache.verify_workspace_gb)
+    kv = size_kv_pool(device, facts.kv_bytes_per_token, workspace.bytes, max_reqs * facts.max_context_len,
+                      max_total_tokens=cache.max_total_tokens, kv_memory_gb=cache.kv_memory_gb,
+                      mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe)
+    warning = machine_memory_mismatch(cache.machine, kv.total_bytes) if str(device).startswith("cuda") else None
+    if warning:
+        logger.warning(warning)
+    return StartupSizing(workspace, kv)
