@@ -3,15 +3,17 @@
 Validation is as strict as the OpenAI models (server/protocol.py): a wrong type or an out-of-range value is a
 400, here in Anthropic's error shape ``{"type": "error", "error": {"type", "message"}}``. Unknown extra fields
 are ignored; the known fields this server cannot honour are declared here and refused by the handler
-(server/serving_messages.py ``REFUSED``), never silently ignored. ``cache_control`` on a block or tool is
-accepted: prefix caching is automatic here (every prompt prefix is cached), which is what it asks for.
+(server/serving_messages.py ``REFUSED``), never silently ignored. ``cache_control`` (top level, on a block
+or a tool) is accepted: prefix caching is automatic here (every prompt prefix is cached), which is what it
+asks for. ``temperature``/``top_p``/``top_k`` are not in newer Anthropic SDKs' signatures (send them in
+``extra_body``); they are served as the Messages API defines them.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.protocol_tools import REQUEST_CONFIG as _REQ
 
@@ -52,6 +54,7 @@ class ThinkingBlock(BaseModel):
     signature: str | None = None
 
 
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
 ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
@@ -59,6 +62,19 @@ class InputMessage(BaseModel):
     model_config = _REQ
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_blocks(cls, data: Any) -> Any:
+        """A clear 400 for the block types this server does not take (images, documents, server tool blocks)."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for block in content if isinstance(content, list) else []:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in BLOCK_TYPES:
+                what = " (this server serves the language model only)" if kind in ("image", "document") else ""
+                raise ValueError(f"content block type {kind!r} is not supported{what}; send one of "
+                                 f"{', '.join(BLOCK_TYPES)}")
+        return data
 
     @model_validator(mode="after")
     def _blocks_of_role(self) -> InputMessage:
@@ -98,8 +114,23 @@ class AnthropicToolChoice(BaseModel):
 
 class ThinkingConfig(BaseModel):
     model_config = _REQ
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class JsonOutputFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """``format``: the reply is JSON following the schema (grammar-constrained); ``effort`` is refused."""
+
+    model_config = _REQ
+    format: JsonOutputFormat | None = None
+    effort: Any = None
 
 
 class Metadata(BaseModel):
@@ -124,13 +155,19 @@ class MessagesRequest(BaseModel):
     tool_choice: AnthropicToolChoice | None = None
     metadata: Metadata | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None
     # known, refused (server/serving_messages.py REFUSED)
     service_tier: Any = None
     container: Any = None
     mcp_servers: Any = None
     context_management: Any = None
     output_format: Any = None
-    output_config: Any = None
+    inference_geo: Any = None
+    speed: Any = None
+    diagnostics: Any = None
+    user_profile_id: Any = None
+    workspace_id: Any = None
 
 
 # ---- errors -------------------------------------------------------------------------------------------

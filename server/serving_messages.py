@@ -33,11 +33,16 @@ REFUSED = {
     "container": "no code-execution containers",
     "mcp_servers": "no MCP connector; run MCP tools on the client and send them as tools",
     "context_management": "the context is never edited by the server",
-    "output_format": "use a forced tool (tool_choice type 'tool') for structured output",
-    "output_config": "use a forced tool (tool_choice type 'tool') for structured output",
+    "output_format": "use output_config.format",
+    "inference_geo": "served where this server runs",
+    "speed": "one speed is served",
+    "diagnostics": "no diagnostics are produced",
+    "user_profile_id": "no user profiles",
+    "workspace_id": "no workspaces",
 }
 _STOP_REASON = {"length": "max_tokens", "tool_calls": "tool_use"}
-_PARAMS = {"stop": "stop_sequences", "messages": "messages", "max_tokens": "max_tokens", "tools": "tools"}
+_PARAMS = {"stop": "stop_sequences", "messages": "messages", "max_tokens": "max_tokens", "tools": "tools",
+           "response_format": "output_config", "tool_choice": "tool_choice"}
 
 
 def _user(m: InputMessage) -> list[dict[str, Any]]:
@@ -99,15 +104,24 @@ def to_chat(body: MessagesRequest, config: ServerConfig) -> dict[str, Any]:
             tc.type, {"type": "function", "function": {"name": tc.name}})
         if tc.disable_parallel_tool_use:
             chat["parallel_tool_calls"] = False
+    oc = body.output_config
+    if oc is not None and oc.effort is not None:
+        raise APIError(400, "output_config.effort is not supported: no effort levels", param="output_config",
+                       code="unsupported_parameter")
+    if oc is not None and oc.format is not None:
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": oc.format.schema_}}
     if body.thinking is not None:
         if body.thinking.type == "disabled":
             chat["chat_template_kwargs"] = {"thinking": False, "enable_thinking": False}
         elif config.server.reasoning_parser is None:
             raise APIError(400, "thinking is not supported: this server runs without a reasoning parser",
                            param="thinking", code="unsupported_value")
-        elif body.thinking.type == "enabled":
-            raise APIError(400, "thinking type 'enabled' is not supported: budget_tokens cannot be enforced; a "
-                                "thinking model thinks by default (send type 'adaptive', or omit thinking)",
+        elif body.thinking.type != "adaptive":
+            raise APIError(400, f"thinking type {body.thinking.type!r} is not supported (budget_tokens cannot be "
+                                "enforced); a thinking model thinks by default: send type 'adaptive', or omit "
+                                "thinking", param="thinking", code="unsupported_value")
+        elif body.thinking.display == "omitted":
+            raise APIError(400, "thinking display 'omitted' is not supported: the reasoning is returned",
                            param="thinking", code="unsupported_value")
     return chat
 
