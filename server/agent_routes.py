@@ -9,6 +9,7 @@ Bearer`` or Anthropic's ``x-api-key``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -25,6 +26,8 @@ from server.serving_common import APIError, validation_error
 from server.serving_messages import MessagesHandler, messages_error
 from server.serving_responses import ResponsesHandler
 from server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 
 class AnthropicRoute(APIRoute):
@@ -43,6 +46,9 @@ class AnthropicRoute(APIRoute):
             except RequestValidationError as e:
                 err = validation_error(list(e.errors()))
                 return messages_error(err.status, err.message)
+            except Exception:  # noqa: BLE001 - a stack trace is never a client's answer
+                logger.exception("unhandled error on %s", request.url.path)
+                return messages_error(500, "internal server error")
 
         return handle
 

@@ -136,7 +136,8 @@ def test_messages_tool_use_round_trip_equals_chat(base, ant, oai) -> None:
 
 def test_messages_output_config_format_is_json_schema(ant) -> None:
     m = ant.messages.create(model="default", messages=[{"role": "user", "content": QUESTION}], max_tokens=60,
-                            output_config={"format": {"type": "json_schema", "schema": WEATHER}}, extra_body=GREEDY)
+                            extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema",
+                                                                                 "schema": WEATHER}}})
     assert m.stop_reason == "end_turn" and jsonschema_rs.is_valid(WEATHER, json.loads(m.content[0].text))
 
 
@@ -172,7 +173,7 @@ def test_messages_404_401_and_sdk_errors(base, ant) -> None:
         "type": "authentication_error", "message": "invalid or missing API key"}}
     with pytest.raises(anthropic.BadRequestError) as e:
         ant.messages.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                            speed="fast")
+                            extra_body={"speed": "fast"})
     assert e.value.body["error"]["type"] == "invalid_request_error" and "speed" in e.value.body["error"]["message"]
 
 
