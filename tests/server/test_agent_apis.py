@@ -98,9 +98,9 @@ def test_messages_text_equals_chat_streamed_and_not(base, ant, oai) -> None:
 
 def test_messages_stop_sequence(ant) -> None:
     msgs = [{"role": "user", "content": "Count from one to ten in words."}]
-    full = ant.messages.create(model="default", messages=msgs, max_tokens=40, extra_body=GREEDY).content[0].text
+    full = ant.messages.create(model="default", messages=msgs, max_tokens=24, extra_body=GREEDY).content[0].text
     word = full.split()[len(full.split()) // 2]
-    m = ant.messages.create(model="default", messages=msgs, max_tokens=40, stop_sequences=[word], extra_body=GREEDY)
+    m = ant.messages.create(model="default", messages=msgs, max_tokens=24, stop_sequences=[word], extra_body=GREEDY)
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == word
     assert m.content[0].text == full[:full.index(word)]
 
@@ -124,13 +124,13 @@ def test_messages_tool_use_round_trip_equals_chat(base, ant, oai) -> None:
     assert next(d for n, d in events if n == "message_delta")["delta"]["stop_reason"] == "tool_use"
     # the result goes back; the answer equals chat completions' for the same conversation
     result = "18 degrees and sunny"
-    answer = ant.messages.create(model="default", tools=A_TOOLS, max_tokens=30, extra_body=GREEDY, messages=[
+    answer = ant.messages.create(model="default", tools=A_TOOLS, max_tokens=16, extra_body=GREEDY, messages=[
         *msgs, {"role": "assistant", "content": m.content},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": result}]}])
     chat = _chat(oai, [*msgs, {"role": "assistant", "content": None, "tool_calls": [
         {"id": calls[0].id, "type": "function", "function": {"name": "get_weather",
                                                              "arguments": json.dumps(calls[0].input)}}]},
-        {"role": "tool", "tool_call_id": calls[0].id, "content": result}], 30, tools=C_TOOLS)
+        {"role": "tool", "tool_call_id": calls[0].id, "content": result}], 16, tools=C_TOOLS)
     assert answer.content[0].type == "text" and answer.content[0].text == chat.choices[0].message.content
 
 
@@ -208,13 +208,13 @@ def test_responses_function_call_round_trip_equals_chat(oai) -> None:
         streamed = s.get_final_response().output[0]
     assert streamed.type == "function_call" and deltas == streamed.arguments == call.arguments
     result = "18 degrees and sunny"
-    answer = oai.responses.create(model="default", tools=R_TOOLS, max_output_tokens=30, temperature=0, input=[
+    answer = oai.responses.create(model="default", tools=R_TOOLS, max_output_tokens=16, temperature=0, input=[
         {"role": "user", "content": QUESTION},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": result}])
     chat = _chat(oai, [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": None, "tool_calls": [
         {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": result}], 30, tools=C_TOOLS)
+        {"role": "tool", "tool_call_id": call.call_id, "content": result}], 16, tools=C_TOOLS)
     assert answer.output_text == chat.choices[0].message.content
 
 
