@@ -89,5 +89,9 @@ def test_tool_history_renders_like_chat_on_kimi_template(base) -> None:
     assert resp["usage"]["input_tokens"] == prompt
     msg = chat["choices"][0]["message"]
     assert [b.get("thinking") for b in ant["content"] if b["type"] == "thinking"] == [msg["reasoning_content"]]
+    assert "".join(b["text"] for b in ant["content"] if b["type"] == "text") == (msg["content"] or "")
+    assert "".join(c["text"] for o in resp["output"] if o["type"] == "message" for c in o["content"]) == (
+        msg["content"] or "")
     assert [o["content"][0]["text"] for o in resp["output"] if o["type"] == "reasoning"] == [
         msg["reasoning_content"]]
+
