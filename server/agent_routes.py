@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from server.config import ServerConfig
@@ -46,6 +47,8 @@ class AnthropicRoute(APIRoute):
             except RequestValidationError as e:
                 err = validation_error(list(e.errors()))
                 return messages_error(err.status, err.message)
+            except StarletteHTTPException as e:  # e.g. a body that is not UTF-8
+                return messages_error(e.status_code, str(e.detail))
             except Exception:  # noqa: BLE001 - a stack trace is never a client's answer
                 logger.exception("unhandled error on %s", request.url.path)
                 return messages_error(500, "internal server error")
