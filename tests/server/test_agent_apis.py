@@ -96,6 +96,7 @@ def test_messages_text_equals_chat_streamed_and_not(base, ant, oai) -> None:
     assert set(names[3:-3]) == {"content_block_delta"}
 
 
+@pytest.mark.slow  # keeps the default suite's share of this module near a minute
 def test_messages_stop_sequence(ant) -> None:
     msgs = [{"role": "user", "content": "Count from one to ten in words."}]
     full = ant.messages.create(model="default", messages=msgs, max_tokens=24, extra_body=GREEDY).content[0].text
@@ -134,6 +135,7 @@ def test_messages_tool_use_round_trip_equals_chat(base, ant, oai) -> None:
     assert answer.content[0].type == "text" and answer.content[0].text == chat.choices[0].message.content
 
 
+@pytest.mark.slow  # keeps the default suite's share of this module near a minute
 def test_messages_output_config_format_is_json_schema(ant) -> None:
     m = ant.messages.create(model="default", messages=[{"role": "user", "content": QUESTION}], max_tokens=60,
                             extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema",

@@ -16,6 +16,8 @@ import pytest
 from tests.server.conftest import running_server
 from tests.server.kimi_tokenizer_files import write_tiny_kimi
 
+pytestmark = pytest.mark.slow  # a second server (~20 s); the default-model module covers the same paths
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CALL = {"id": "functions.get_weather:0", "name": "get_weather", "input": {"city": "Paris"}}
 QUESTION = "What is the weather in Paris?"
