@@ -1,6 +1,8 @@
 """The HTTP front end: a FastAPI app built by ``create_app`` (no module-level app or state).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic Messages) and
+POST /v1/responses (OpenAI Responses; server/agent_routes.py), POST /tokenize and /detokenize
+(server/tokenize_routes.py), GET /v1/models, GET /health, GET /metrics,
 GET /server_info and /get_server_info (every setting, the API key withheld), GET /model_info and
 /get_model_info, GET /version (server/info_routes.py: SGLang's shapes, for SGLang routers), and the
 OpenAPI spec at GET /openapi.json (browsable at /docs), whose request bodies are the pydantic models of
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.agent_routes import add_agent_routes
 from server.body_limit import BodyGuard
 from server.config import ServerConfig
 from server.info_routes import add_info_routes
@@ -37,9 +40,11 @@ from server.protocol import (
     ModelList,
     error_body,
 )
+from server.protocol_messages import anthropic_error
 from server.serving_chat import ChatHandler
 from server.serving_common import APIError, check_serving, validation_error
 from server.serving_completion import CompletionHandler
+from server.tokenize_routes import add_tokenize_routes
 from server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -82,8 +87,9 @@ def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
             header = request.headers.get("authorization", "")
             token = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
             if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return JSONResponse(error_body(401, "invalid or missing API key", code="invalid_api_key"),
-                                    status_code=401)
+                body = (anthropic_error(401, "invalid or missing API key") if request.url.path == "/v1/messages"
+                        else error_body(401, "invalid or missing API key", code="invalid_api_key"))
+                return JSONResponse(body, status_code=401)
         return await call_next(request)
 
     @app.exception_handler(APIError)
@@ -130,4 +136,6 @@ def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
         """OpenAI (legacy) completions over text or token-id prompts."""
         return await completion.handle(request, body)
 
+    add_agent_routes(app, config, tm, served)  # /v1/messages (Anthropic), /v1/responses (OpenAI Responses)
+    add_tokenize_routes(app, tm, served)  # /tokenize, /detokenize
     return app

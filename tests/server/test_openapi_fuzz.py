@@ -46,7 +46,7 @@ def _fuzz(op, mode, base: str, log, seen: dict[str, set[int]]) -> None:
             case.body.pop("logit_bias", None)
             if "prompt" in case.body and not (isinstance(case.body["prompt"], str) and case.body["prompt"].strip()):
                 case.body["prompt"] = "Hello"  # empty prompts and random token ids are 400s the schema cannot express
-            for key in ("max_tokens", "max_completion_tokens"):
+            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                 if isinstance(case.body.get(key), int):
                     case.body[key] = min(case.body[key], 4)
         response = case.call(base_url=base, timeout=300)
@@ -71,7 +71,8 @@ def test_schemathesis_finds_no_server_error(server) -> None:
     for result in schema.get_all_operations():
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
             _fuzz(result.ok(), mode, base, log, seen)
-    assert {"POST /v1/chat/completions", "POST /v1/completions"} <= set(seen)
+    assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages", "POST /v1/responses",
+            "POST /tokenize", "POST /detokenize"} <= set(seen)
     assert 400 in seen["POST /v1/chat/completions"]  # the negative examples were rejected, not crashed on
     assert 200 in seen["POST /v1/completions"]  # and valid ones generated
     print({k: sorted(v) for k, v in seen.items()})
