@@ -35,6 +35,19 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 DEFAULT_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
 
+class CollectiveError(RuntimeError):
+    """A collective of a ``TPGroup`` failed (a rank died, the network failed, or a rank was late past the
+    timeout). Distinguishes a broken TP world, which nothing can recover, from an error in a step's own
+    computation (server/step_recovery.py): gloo and NCCL raise plain RuntimeErrors."""
+
+
+def _collective(what: str, fn, *args, **kw) -> None:  # noqa: ANN001
+    try:
+        fn(*args, **kw)
+    except RuntimeError as e:
+        raise CollectiveError(f"{what} failed: {e}") from e
+
+
 class ParallelLike(Protocol):
     """The fields of ``server.config.ParallelArgs`` that ``init_tp`` reads."""
 
@@ -55,7 +68,7 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            _collective("all_reduce", dist.all_reduce, x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +76,7 @@ class TPGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        _collective("all_gather", dist.all_gather, parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
     def shard(self, n: int, what: str = "dimension") -> int:
@@ -88,7 +101,7 @@ class TPGroup:
         if self.size == 1:
             return obj
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=_global_rank(self, 0), group=self.control_group)
+        _collective("broadcast", dist.broadcast_object_list, box, src=_global_rank(self, 0), group=self.control_group)
         return box[0]
 
     def all_gather_int(self, x: int) -> list[int]:
@@ -97,7 +110,7 @@ class TPGroup:
             return [x]
         t = torch.tensor([x], dtype=torch.int64)
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t, group=self.control_group)
+        _collective("all_gather_int", dist.all_gather, parts, t, group=self.control_group)
         return [int(p.item()) for p in parts]
 
     def min_int(self, x: int) -> int:

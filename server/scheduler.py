@@ -181,6 +181,12 @@ class Scheduler:
         out, self.outbox = self.outbox, []
         return out
 
+    def fail_step(self) -> list[str]:
+        """After ``step`` raised: fail that step's requests, free their KV (server/step_recovery.py)."""
+        from server.step_recovery import fail_step
+
+        return fail_step(self)
+
     def schedule(self) -> Batch | None:
         prefill = self._schedule_prefill()
         if prefill is not None:

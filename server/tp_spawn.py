@@ -39,12 +39,13 @@ def run_follower(config: ServerConfig, rank: int, init_addr: str, parent_pid: in
         if os.getppid() != parent_pid:
             os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 orchestrates shutdown
+    from server.fault_injection import install_test_faults
     from server.scheduler import Scheduler
     from server.tp_protocol import follower_loop
 
     tp = init_tp(config.parallel, rank, config.model.device, init_addr)
     try:
-        follower_loop(Scheduler(config, tp=tp), tp)
+        follower_loop(install_test_faults(Scheduler(config, tp=tp)), tp)  # the hook: tests only
     except Exception:
         logger.exception("TP rank %d failed", rank)
         os._exit(1)
