@@ -73,6 +73,9 @@ class ModelRunner:
         self.max_reqs, self.max_context = max_reqs, max_context
         self.model = load_model(config, tp, self.device)
         self.kv_layout = self.model.kv_cache_layout()
+        # the O(Q x K) attention mask only for a model whose attention reads it (forward_batch.py); MHA
+        # models (torch, flashinfer) and DFlash drafters do, the Triton MLA path does not
+        self.dense_mask = bool(getattr(self.model, "reads_attn_mask", True))
         self.num_slots = 0
         self.backend = pick_attention_backend(self.device, config.dtype, self.kv_layout, config.attention_backend)
         warm_up_attention(self.backend, self.kv_layout, self.model, config.dtype, self.device)
@@ -125,7 +128,7 @@ class ModelRunner:
         pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)]).to(dev)  # [T]
         return build_forward_batch(ForwardMode.EXTEND, torch.tensor(ids, device=dev), pos, loc, self.slots.table,
                                    rows_t, starts_t, lens_t, logits_indices=logits_indices,
-                                   capture_layer_ids=capture_layer_ids)
+                                   capture_layer_ids=capture_layer_ids, dense_mask=self.dense_mask)
 
     def prepare_decode(self, rows: list[int], cached: list[int], ids: list[int],
                        capture_layer_ids: tuple[int, ...] = ()) -> ForwardBatch | None:
@@ -139,7 +142,8 @@ class ModelRunner:
         if loc is None:
             return None
         return build_forward_batch(ForwardMode.DECODE, torch.tensor(ids, device=dev), cached_t, loc, self.slots.table,
-                                   rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids)
+                                   rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids,
+                                   dense_mask=self.dense_mask)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:

@@ -220,7 +220,6 @@ class Engine:
     def shutdown(self) -> None:
         """Abort what is left and release the scheduler (TP: stop the followers); after a TP failure (the
         world broken, already raised and logged) only the release."""
-
         try:
             self._abort({r.rid for r in list(self.scheduler.running) + list(self.scheduler.waiting)})
         finally:

@@ -383,7 +383,7 @@ class SpecWorker:
         slots[used] = flat
         fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
             ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.slots.table, idx, cached,
-            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids)
+            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask)
         out = r.forward(fb)
         rows = r.logits(out.hidden)  # [T, V]
         logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
