@@ -91,6 +91,15 @@ class ModelRunner:
             self.allocate_kv(max_total_tokens)
 
     @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The padded batch sizes CUDA graphs are captured for (empty: graphs off)."""
+        if self.cuda_graph_max_bs <= 0:
+            return ()
+        from model_executor.cuda_graph_runner import graph_batch_sizes
+
+        return graph_batch_sizes(self.cuda_graph_max_bs)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return self.kv_layout.bytes_per_token(self.config.dtype)
 

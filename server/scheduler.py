@@ -23,7 +23,7 @@ import torch
 from model_executor.forward_batch import ForwardMode
 from model_executor.grammar import GrammarBackend
 from model_executor.grammar.queue import GrammarQueue
-from model_executor.memory import MemoryProbe, device_memory, size_kv_pool, verify_workspace
+from model_executor.memory import MemoryProbe, device_memory, runtime_reserve, size_kv_pool, verify_workspace
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
 from model_executor.parallel_state import TPGroup
@@ -92,10 +92,15 @@ class Scheduler:
                                           spec.budget if spec else None, spec.block_size if spec else None,
                                           cache.verify_workspace_gb)
         per_token = self.runner.kv_bytes_per_token + (spec.draft_kv_bytes_per_token if spec else 0)
+        mc = self.model_config
+        reserve = runtime_reserve(  # NCCL and the CUDA graphs allocate after sizing: left out of the pool
+            torch.device(device).type, tp.size, self.runner.graph_batch_sizes, spec.budget + 1 if spec else 1,
+            self.max_context_len, mc.hidden_size, mc.dtype.itemsize,
+            mc.hidden_size * len(spec.capture_layer_ids) if spec else 0)
         self.kv_sizing = size_kv_pool(
             device, per_token, self.workspace.bytes, self.runner.max_reqs * self.max_context_len,
             max_total_tokens=cache.max_total_tokens, kv_memory_gb=cache.kv_memory_gb,
-            mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe)
+            mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe, reserve=reserve)
         logger.info("%s; max verify tokens per step %d", self.kv_sizing.describe(), self.workspace.max_verify_tokens)
         self.runner.allocate_kv(self.kv_sizing.tokens, table_margin=spec.max_step_tokens if spec else 0)
         self.kv = ReqKVManager(self.runner.slots, not cache.disable_radix_cache, cache.radix_eviction_policy)
