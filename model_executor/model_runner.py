@@ -36,14 +36,16 @@ def pick_attention_backend(device: torch.device, dtype: torch.dtype, layout: KVC
 
 
 def warm_up_attention(backend, layout: KVCacheLayout, model: torch.nn.Module, dtype: torch.dtype,
-                      device: torch.device) -> None:
+                      device: torch.device, kinds: tuple[str, ...] = ("decode", "extend", "tree")) -> None:
     """JIT-compile and run each kernel of a compiling backend (flashinfer) once at start-up, so the first
-    request does not pay for it and the server turns healthy only afterwards. No-op for the reference."""
+    request does not pay for it and the server turns healthy only afterwards. No-op for the reference.
+    ``kinds``: the forwards the model runs (decode, causal extend, tree-masked); a DFlash drafter runs
+    tree-masked forwards only."""
     if not hasattr(backend, "warmup"):
         return
     num_q = model.layers[0].self_attn.local_heads  # llama-style models and DFlash drafters
     t0 = time.time()
-    ran = backend.warmup(num_q, layout.kv_heads, layout.k_dim, layout.v_dim, dtype, device)
+    ran = backend.warmup(num_q, layout.kv_heads, layout.k_dim, layout.v_dim, dtype, device, kinds)
     logger.info("attention kernels warmed up in %.1fs: %s", time.time() - t0, ", ".join(ran))
 
 

@@ -28,6 +28,7 @@ from model_executor.kv_cache import KVCache
 from model_executor.memory import step_budget
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model, pick_attention_backend, warm_up_attention
+from model_executor.models.dflash import drafter_group
 from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, sample_requests
 from model_executor.sampling_params import SamplingParams
@@ -107,7 +108,9 @@ class SpecWorker:
         if drafter is not None:  # the drafter's own attention backend: its head dims may differ from the target's
             layout = drafter.kv_cache_layout()
             self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, layout)
-            warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device)
+            # the drafter runs tree-masked (custom-mask prefill) forwards only, never decode: warming decode
+            # up would compile it for a query/KV group size it never uses (flashinfer's decode has a fixed set)
+            warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device, ("tree",))
         self.timer = StepTimer()
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
@@ -156,7 +159,11 @@ class SpecWorker:
             if cfg.hidden_size != target_config.hidden_size:
                 raise ValueError(f"drafter hidden size {cfg.hidden_size} != target hidden size "
                                  f"{target_config.hidden_size}")
-            drafter = load_model(cfg, runner.tp, runner.device)
+            group = drafter_group(cfg.hf, runner.tp)  # unsharded when its KV heads do not split over the ranks
+            if group.size != runner.tp.size:
+                logger.info("drafter: %s KV heads < tp_size %d: the drafter runs unsharded on every rank",
+                            cfg.hf.get("num_key_value_heads"), runner.tp.size)
+            drafter = load_model(cfg, group, runner.device)
             bsz = settings.block_size or int(drafter.block_size)
             if bsz < 2:
                 raise ValueError(f"speculative_block_size must be >= 2, got {bsz}")

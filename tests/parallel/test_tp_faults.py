@@ -5,6 +5,8 @@
   requests with a clear error; a request streaming meanwhile finishes with its reference tokens, later
   requests too; rank 0 holds no KV afterwards, and the consistency check at shutdown (which hashes the
   KV state of every rank) passes: the follower recovered to the same state.
+- The drafter has one KV head, fewer than the ranks: it loads and runs unsharded on both ranks
+  (``drafter_group``), and speculative greedy output equals plain TP=1 output.
 - A step that fails on rank 0 alone (rank 0's sampler, after the step's last collective) leaves the ranks
   disagreeing: the follower stops at the next step's inputs and rank 0 raises ``TPRankError``.
 - Ranks whose outputs differ (rank 0's tokens altered) are caught by the consistency check: ``TPDivergence``.
@@ -33,7 +35,8 @@ def models(tmp_path_factory):
     from tests.speculative.drafter_utils import write_random_drafter
 
     target = write_tiny_llama_family(tmp_path_factory.mktemp("tiny-llama"), "llama")
-    drafter = write_random_drafter(target, tmp_path_factory.mktemp("drafter"), num_layers=1, block_size=4)
+    drafter = write_random_drafter(target, tmp_path_factory.mktemp("drafter"), num_layers=1, block_size=4,
+                                   num_key_value_heads=1)  # fewer KV heads than TP ranks
     ref = _engine(target)
     try:
         refs = [o.token_ids for o in ref.generate(input_ids=GOOD, sampling_params=GREEDY)]
@@ -60,6 +63,7 @@ def test_tp2_failed_steps_fail_their_requests_and_serving_goes_on(models) -> Non
         eng = _engine(target, tp_size=2, speculative_algorithm="ddtree", draft_model_path=drafter,
                       ddtree_budget=4)
     try:
+        assert eng.scheduler.scheduler.spec.drafter.tp.size == 1  # 1 KV head < 2 ranks: unsharded
         stream = eng.generate_stream(input_ids=[GOOD[0]], sampling_params=GREEDY)
         got = []
         for d in stream:  # the good request is decoding when the bad one fails in its prefill
