@@ -253,6 +253,8 @@ class ParallelArgs(Area):
     dist_init_addr: str | None = setting(None, "host:port of node rank 0 (multi-node).")
     expert_parallel: bool = setting(False, "MoE: give each TP rank whole experts (expert parallelism, EP size = "
                                     "tp_size) instead of a slice of every expert.")
+    startup_timeout_s: float = setting(1800.0, "TP start-up: seconds a rank waits at a collective for a late "
+                                       "rank (weights loading, kernel warm-up); steady state uses 120 s.", low=1.0)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class SchedulerLike(Protocol):
 def make_scheduler(config: ServerConfig) -> SchedulerLike:
     """``Scheduler`` for tp_size 1; otherwise spawn the local followers, join the TP world as rank 0 and
     return a ``TPScheduler``. ``config`` must be resolved; call ``close()`` when done."""
-    from model_executor.parallel_state import free_local_addr, init_tp
+    from model_executor.parallel_state import end_startup, free_local_addr, init_tp
     from server.fault_injection import install_test_faults
     from server.scheduler import Scheduler
     from server.tp_protocol import TPRankError, TPScheduler
@@ -72,8 +72,10 @@ def make_scheduler(config: ServerConfig) -> SchedulerLike:
     addr = par.dist_init_addr or free_local_addr()
     followers = start_followers(config, addr)
     try:
-        tp = init_tp(par, 0, config.model.device, addr)
-        return install_test_faults(TPScheduler(Scheduler(config, tp=tp), tp, followers))
+        tp = init_tp(par, 0, config.model.device, addr)  # start-up timeouts until end_startup
+        scheduler = TPScheduler(Scheduler(config, tp=tp), tp, followers)
+        end_startup(tp)
+        return install_test_faults(scheduler)
     except BaseException as e:
         dead = [f"rank {rank_of(p)} exited with status {p.exitcode}" for p in followers if not p.is_alive()]
         for p in followers:
