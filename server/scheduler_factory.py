@@ -61,12 +61,15 @@ def make_scheduler(config: ServerConfig) -> SchedulerLike:
     from server.scheduler import Scheduler
     from server.tp_protocol import TPRankError, TPScheduler
     from server.tp_spawn import rank_of, start_followers, stop_followers
+    from server.warmup import warm_up
 
     if not is_resolved(config):
         raise ValueError("make_scheduler needs a resolved config (server.startup.resolve_config)")
     par = config.parallel
     if par.tp_size == 1:
-        return install_test_faults(Scheduler(config))
+        scheduler = Scheduler(config)
+        warm_up(scheduler)  # every path compiled before the server reports ready (server/warmup.py)
+        return install_test_faults(scheduler)
     if par.node_rank != 0:
         raise ValueError("only node_rank 0 runs the scheduler; other nodes run run_node_followers")
     addr = par.dist_init_addr or free_local_addr()
@@ -74,6 +77,7 @@ def make_scheduler(config: ServerConfig) -> SchedulerLike:
     try:
         tp = init_tp(par, 0, config.model.device, addr)  # start-up timeouts until end_startup
         scheduler = TPScheduler(Scheduler(config, tp=tp), tp, followers)
+        warm_up(scheduler.scheduler)  # as every follower does, before the steady-state timeouts
         end_startup(tp)
         return install_test_faults(scheduler)
     except BaseException as e:

@@ -42,10 +42,12 @@ def run_follower(config: ServerConfig, rank: int, init_addr: str, parent_pid: in
     from server.fault_injection import install_test_faults
     from server.scheduler import Scheduler
     from server.tp_protocol import follower_loop
+    from server.warmup import warm_up
 
     tp = init_tp(config.parallel, rank, config.model.device, init_addr)  # start-up timeouts until end_startup
     try:
         scheduler = Scheduler(config, tp=tp)
+        warm_up(scheduler)  # as rank 0 does (server/warmup.py)
         end_startup(tp)
         follower_loop(install_test_faults(scheduler), tp)  # the hook: tests only
     except Exception:
