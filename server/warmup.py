@@ -44,16 +44,21 @@ def warm_up(scheduler) -> WarmupReport:  # noqa: ANN001 - a server.scheduler.Sch
     controller = spec.controller if spec is not None else None
     if spec is not None:
         spec.controller = None  # the full budget, and nothing recorded into the auto controller
-    vocab = scheduler.model_config.vocab_size
-    prompt = [(7 * i + 1) % vocab for i in range(8)]
-    params = [SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True, seed=1),
-              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True, seed=2)]
+    vocab, room = scheduler.model_config.vocab_size, scheduler.max_request_tokens
+    prompt = [(7 * i + 1) % vocab for i in range(max(1, min(8, room // 4)))]
+    n = min(WARMUP_MAX_TOKENS, room - len(prompt))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, ignore_eos=True, seed=2)]
     rids = [f"warmup-{i}" for i in range(len(params))]
     try:
         for rid, p in zip(rids, params, strict=True):
-            scheduler.add_request(GenerateReq(rid, prompt, p))
+            try:
+                scheduler.add_request(GenerateReq(rid, prompt, p))
+            except ValueError as e:  # a KV pool or context too small for it: what fits still warms up
+                logger.warning("warm-up request %s skipped: %s", rid, e)
         for _ in range(WARMUP_STEPS):
-            scheduler.step()
+            if scheduler.has_work():
+                scheduler.step()
         for rid in rids:  # aborted, not finished: the output never reaches the suffix index
             scheduler.abort_request(rid)
         scheduler.step()
