@@ -184,3 +184,23 @@ def test_failed_prefill_chunk_frees_the_earlier_chunks(models, where) -> None:
     _assert_accounting(s)
 
 
+
+
+def test_offline_engine_fails_the_call_and_serves_on(models, monkeypatch) -> None:
+    """The offline Engine (one process) recovers too: the call whose step failed raises, the next call works
+    and no KV is held (the test-only hook, server/fault_injection.py, fails steps over token 200)."""
+    from server.engine import Engine
+    from server.fault_injection import TEST_FAULT_ENV
+
+    target, _ = models
+    monkeypatch.setenv(TEST_FAULT_ENV, "forward:200")
+    eng = Engine(target, device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=4)
+    try:
+        with pytest.raises(RuntimeError, match="scheduler step running this request failed"):
+            eng.generate(input_ids=[_prompt(1), [3, 200, 9]], sampling_params=GREEDY)  # one batch: both fail
+        assert [o.token_ids for o in eng.generate(input_ids=[_prompt(1)], sampling_params=GREEDY)] == \
+            [_reference(models, "none", _prompt(1))]
+        s = eng.scheduler
+        assert not s.has_work() and s.runner.slots.num_free + s.kv.cached_tokens == s.runner.slots.num_slots
+    finally:
+        eng.shutdown()
