@@ -67,6 +67,7 @@ class ParallelLike(Protocol):
     node_rank: int
     dist_init_addr: str | None
     expert_parallel: bool
+    startup_timeout_s: float  # collectives until ``end_startup`` (default ``DEFAULT_STARTUP_TIMEOUT_S``)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
     """
     if control_timeout_s is None:
         control_timeout_s = collective_timeout_s if rank == 0 else DEFAULT_CONTROL_TIMEOUT_S
-    startup_s = float(getattr(parallel, "startup_timeout_s", DEFAULT_STARTUP_TIMEOUT_S))
+    startup_s = float(parallel.startup_timeout_s)
     size = parallel.tp_size
     if size == 1:
         return TPGroup()
