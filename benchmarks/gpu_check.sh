@@ -34,6 +34,38 @@ for name in ("triton", "sgl_kernel", "flashinfer"):
         print(f"{name}: does not import ({type(e).__name__}: {e})")
 PYEOF
 
+part "topology and platform: GPU links, peer access, IOMMU/ACS (docs/DEPLOY.md, PCIe hosts)"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi topo -m || fail "nvidia-smi topo -m"
+else
+  fail "nvidia-smi not found: cannot show the GPU topology"
+fi
+echo "kernel command line: $(cat /proc/cmdline 2>/dev/null)"
+if grep -Eq '(^| )(iommu=pt|amd_iommu=off|intel_iommu=off)( |$)' /proc/cmdline 2>/dev/null; then
+  echo "IOMMU: passthrough or off"
+elif [ -n "$(ls -A /sys/class/iommu 2>/dev/null)" ]; then
+  echo "WARNING: an IOMMU is active in translated mode: PCIe P2P between GPUs may hang NCCL (iommu=pt fixes it)"
+else
+  echo "IOMMU: none active"
+fi
+if command -v lspci >/dev/null 2>&1; then
+  acs=$(lspci -vvv 2>/dev/null | grep -c 'ACSCtl:.*\(ReqRedir+\|SrcValid+\)')
+  echo "ACS: $acs PCIe bridge(s) with redirection enabled$([ "$acs" -gt 0 ] && echo ' (WARNING: P2P goes through the root complex)')"
+else
+  echo "NOT CHECKED: lspci missing, ACS state unknown"
+fi
+"$PY" - <<'PYEOF' || fail "GPU peer access"
+import torch
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+if n < 2:
+    print(f"NOT RUN: GPU peer access needs >= 2 GPUs (this machine has {n}); TP's NCCL all-reduce is not checked here")
+else:
+    rows = [" ".join("X" if i == j else ("P2P" if torch.cuda.can_device_access_peer(i, j) else "-") for j in range(n))
+            for i in range(n)]
+    print("peer access matrix (rows: from, columns: to):", *rows, sep="\n  ")
+PYEOF
+echo "NCCL settings in the environment: $(env | grep '^NCCL_' | tr '\n' ' ')"
+
 part "install (offline: --no-deps for the project, missing dependencies from $WHEELS)"
 if [ -d "$WHEELS" ]; then
   "$PY" -m pip install -q --no-index --find-links "$WHEELS" "fastapi>=0.110" "uvicorn>=0.29" "pydantic>=2.5" \

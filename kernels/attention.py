@@ -71,8 +71,13 @@ def masked_paged_attention(
     q_index: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Reference attention for already-written caches. q [T, Hq, d] -> [T, Hq, dv]."""
-    bs, q_max, _ = attn_mask.shape
+    """Reference attention for already-written caches. q [T, Hq, d] -> [T, Hq, dv]. Needs the dense mask: a
+    ``[bs, Q, 1]`` placeholder (model_executor/forward_batch.py, ``dense_mask=False``) would broadcast to
+    "every key visible", so it is refused."""
+    bs, q_max, k_width = attn_mask.shape
+    if k_width != kv_indices.shape[1]:
+        raise ValueError(f"attention needs the dense [bs, Q, K] mask, got {tuple(attn_mask.shape)} for "
+                         f"{kv_indices.shape[1]} keys (a forward batch built with dense_mask=False)")
     t, hq, d = q.shape
     qp = q.new_zeros(bs * q_max, hq, d)  # [bs*Q, Hq, d]
     qp[q_index] = q

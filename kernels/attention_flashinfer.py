@@ -137,17 +137,21 @@ class FlashInferAttentionBackend:
         head_dim_vo: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kinds: tuple[str, ...] = ("decode", "extend", "tree"),
     ) -> list[str]:
         """Compile (JIT) and run every kernel this backend uses once, on two tiny requests: decode,
         causal extend and custom-mask prefill, in that order (the order that crashed Hopper when one
-        wrapper served causal and masked plans). Call at start-up, before the server reports healthy.
-        Returns the kernels run."""
+        wrapper served causal and masked plans); ``kinds``: those the model runs (a DFlash drafter only runs
+        "tree", so its group size never reaches the decode kernel). Call at start-up, before the server
+        reports healthy. Returns the kernels run."""
         dev = torch.device(device)
         k_cache = torch.zeros(8, num_kv_heads, head_dim, dtype=dtype, device=dev)  # [slots, Hkv, d]
         v_cache = torch.zeros(8, num_kv_heads, head_dim_vo, dtype=dtype, device=dev)
         kv_indices = torch.tensor([[1, 2, 3], [4, 5, 6]], device=dev)  # [2, 3]
         done = []
         for kind, ext in (("decode", 1), ("extend", 2), ("tree", 2)):
+            if kind not in kinds:
+                continue
             bs, k_max = 2, 3
             prefix = torch.full((bs,), k_max - ext, dtype=torch.int64, device=dev)
             extend = torch.full((bs,), ext, dtype=torch.int64, device=dev)

@@ -11,6 +11,13 @@ after request into ``T = sum(extend_lens)`` rows. Attention uses a padded per-re
   ancestors of node ``i`` and itself (docs/DESIGN.md 4.1). Padded query rows see key 0 only (their output is
   discarded), so no row is fully masked.
 - ``q_index[t]``: row of flat token ``t`` in the padded ``[bs * Q]`` layout.
+
+The dense ``attn_mask`` (and the ``[bs, Q, K]`` temporaries that build it) is O(Q x K): 4 GiB for one
+16,384-token prefill chunk at a 262k context. It is built only for models whose attention reads it
+(``dense_mask=True``: the torch reference, flashinfer, DFlash drafters); the Triton MLA kernels bound the
+keys by the lengths and read only ``tree_mask``, so their runner passes ``dense_mask=False`` and gets a
+``[bs, Q, 1]`` placeholder (an expanded scalar, no memory) that carries ``Q`` alone
+(``ForwardBatch.has_dense_mask`` tells them apart; ``masked_paged_attention`` refuses a placeholder).
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ class ForwardBatch:
     def max_q(self) -> int:
         return int(self.attn_mask.shape[1])
 
+    @property
+    def has_dense_mask(self) -> bool:
+        """False when ``attn_mask`` is the ``[bs, Q, 1]`` placeholder of a ``dense_mask=False`` build."""
+        return self.attn_mask.shape[2] == self.kv_indices.shape[1]
+
     def attention_meta(self) -> AttentionMeta:
         """The per-forward attention metadata a backend plans from (``begin_forward``): EXTEND and DECODE
         masks are causal by construction, so backends may use causal kernels for them; TARGET_VERIFY
@@ -81,10 +93,12 @@ def build_forward_batch(
     logits_indices: torch.Tensor | None = None,
     capture_layer_ids: tuple[int, ...] = (),
     input_embeds: torch.Tensor | None = None,
+    dense_mask: bool = True,
 ) -> ForwardBatch:
     """Build attention metadata. ``req_to_token[req_pool_indices[b], :prefix+extend]`` must already hold
     the slots of the prefix and of the new tokens. ``tree_mask`` ([bs, Q, Q] bool, node i sees node j) is
-    required for TARGET_VERIFY and ignored otherwise."""
+    required for TARGET_VERIFY and ignored otherwise. ``dense_mask=False``: skip the O(Q x K) ``attn_mask``
+    (a placeholder instead: module docstring)."""
     device = input_ids.device
     bs = int(extend_lens.shape[0])
     prefix_lens = prefix_lens.to(device=device, dtype=torch.int64)
@@ -96,25 +110,17 @@ def build_forward_batch(
     kv_indices = req_to_token[req_pool_indices.to(device)][:, :k_max].to(torch.int64)  # [bs, K]
     kv_indices = torch.where(jj[None, :] < total[:, None], kv_indices, torch.zeros_like(kv_indices))
     ii = torch.arange(q_max, device=device)  # [Q]
-    pre = prefix_lens[:, None, None]  # [bs, 1, 1]
-    in_prefix = jj[None, None, :] < pre  # [bs, 1, K]
-    rel = jj[None, None, :] - pre  # [bs, 1, K] index among the new tokens
-    valid_new = (rel >= 0) & (rel < extend_lens[:, None, None])  # [bs, 1, K]
+    q_valid = ii[None, :] < extend_lens[:, None]  # [bs, Q]
+    q_index = (torch.arange(bs, device=device)[:, None] * q_max + ii[None, :])[q_valid]  # [T]
+    tm = None
     if mode == ForwardMode.TARGET_VERIFY:
         if tree_mask is None:
             raise ValueError("tree_mask is required for TARGET_VERIFY")
         tm = tree_mask.to(device=device, dtype=torch.bool)  # [bs, Q, Q]
-        rel_c = rel.clamp(0, max(q_max - 1, 0)).expand(bs, q_max, k_max)  # [bs, Q, K]
-        new_ok = torch.gather(tm, 2, rel_c) & valid_new
+    if dense_mask:
+        mask = _dense_mask(tm, prefix_lens, extend_lens, q_valid, q_max, k_max)  # [bs, Q, K]
     else:
-        new_ok = valid_new & (rel <= ii[None, :, None])
-    mask = in_prefix | new_ok  # [bs, Q, K]
-    q_valid = ii[None, :] < extend_lens[:, None]  # [bs, Q]
-    pad_row = torch.zeros(k_max, dtype=torch.bool, device=device)
-    if k_max:
-        pad_row[0] = True
-    mask = torch.where(q_valid[:, :, None], mask, pad_row[None, None, :])
-    q_index = (torch.arange(bs, device=device)[:, None] * q_max + ii[None, :])[q_valid]  # [T]
+        mask = torch.ones((), dtype=torch.bool, device=device).expand(bs, q_max, 1)  # [bs, Q, 1] placeholder
     return ForwardBatch(
         mode=mode,
         input_ids=input_ids,
@@ -128,5 +134,28 @@ def build_forward_batch(
         logits_indices=logits_indices,
         capture_layer_ids=capture_layer_ids,
         input_embeds=input_embeds,
-        tree_mask=tm if mode == ForwardMode.TARGET_VERIFY else None,
+        tree_mask=tm,
     )
+
+
+def _dense_mask(tm: torch.Tensor | None, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                q_valid: torch.Tensor, q_max: int, k_max: int) -> torch.Tensor:
+    """``attn_mask`` [bs, Q, K] (module docstring): causal, or the tree mask ``tm`` [bs, Q, Q] over the new
+    tokens; the whole prefix visible; padded query rows see key 0 only."""
+    device, bs = prefix_lens.device, int(prefix_lens.shape[0])
+    jj = torch.arange(k_max, device=device)  # [K]
+    ii = torch.arange(q_max, device=device)  # [Q]
+    pre = prefix_lens[:, None, None]  # [bs, 1, 1]
+    in_prefix = jj[None, None, :] < pre  # [bs, 1, K]
+    rel = jj[None, None, :] - pre  # [bs, 1, K] index among the new tokens
+    valid_new = (rel >= 0) & (rel < extend_lens[:, None, None])  # [bs, 1, K]
+    if tm is not None:
+        rel_c = rel.clamp(0, max(q_max - 1, 0)).expand(bs, q_max, k_max)  # [bs, Q, K]
+        new_ok = torch.gather(tm, 2, rel_c) & valid_new
+    else:
+        new_ok = valid_new & (rel <= ii[None, :, None])
+    mask = in_prefix | new_ok  # [bs, Q, K]
+    pad_row = torch.zeros(k_max, dtype=torch.bool, device=device)
+    if k_max:
+        pad_row[0] = True
+    return torch.where(q_valid[:, :, None], mask, pad_row[None, None, :])

@@ -19,6 +19,14 @@ The server and ``ddtree-serve plan`` compute their numbers with these same funct
   ``min(CPU_KV_CAP_BYTES, CPU_KV_FRACTION x (available - workspace))``. Bytes become tokens at the per-token
   KV bytes of the target and drafter caches together; under tensor parallelism every rank takes the
   minimum over ranks (ranks schedule identically, so they must agree on the capacity).
+- Runtime reserve (``runtime_reserve``), on CUDA only, taken from the pool like the workspace: memory that
+  is allocated *after* the KV pool is sized, so the probe cannot see it. NCCL's communicator buffers under
+  TP (created at the first device collective: ``NCCL_RESERVE_BYTES`` per rank, an estimate that covers the
+  default ``NCCL_BUFFSIZE`` over the channels of an 8-GPU node; NVLS/SHARP buffers on NVSwitch systems can
+  need more: raise ``--mem-fraction-static`` headroom there) and the CUDA graphs (captured at the warm-up):
+  their static inputs, counted exactly (``kv_indices [max_bs, max_context]`` int64 and the small per-request
+  buffers), and their shared memory pool, estimated as ``GRAPH_ACTIVATION_ROWS`` hidden-sized rows per token
+  of the largest captured forward (``max_bs x max_q`` tokens) plus every graph's output rows.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ LOGIT_ROW_BYTES_PER_ENTRY = 16  # 4 float32 copies of a vocabulary row per verif
 CPU_KV_FRACTION = 0.25  # CPU default: a quarter of the available host memory ...
 CPU_KV_CAP_BYTES = 2 * GIB  # ... and at most 2 GiB
 MIN_KV_TOKENS = 16
+
+NCCL_RESERVE_BYTES = 1 * GIB  # per rank, CUDA and tp_size > 1 (module docstring)
+GRAPH_ACTIVATION_ROWS = 32  # hidden-sized rows per token a captured forward keeps in the graph pool
 
 MemoryProbe = Callable[[torch.device], tuple[int, int]]
 
@@ -111,6 +122,37 @@ def step_budget(budget: int, batch: int, max_verify_tokens: int) -> int:
     return max(0, min(budget, max_verify_tokens // max(batch, 1) - 1))
 
 
+# ---------------------------------------------------------------- runtime reserve
+@dataclass(frozen=True)
+class RuntimeReserve:
+    nccl_bytes: int  # NCCL communicator buffers (CUDA, TP)
+    graph_bytes: int  # CUDA graphs: static inputs + memory pool
+
+    @property
+    def bytes(self) -> int:
+        return self.nccl_bytes + self.graph_bytes
+
+
+def runtime_reserve(device_type: str, tp_size: int, graph_batch_sizes: tuple[int, ...], graph_max_q: int,
+                    max_context: int, hidden_size: int, dtype_bytes: int, captured_features: int = 0
+                    ) -> RuntimeReserve:
+    """What the KV pool must leave for NCCL and the CUDA graphs (module docstring). ``graph_batch_sizes``:
+    the padded sizes captured (empty: no graphs); ``graph_max_q``: tokens per request of the widest
+    captured forward (1 for decode, budget + 1 for verify); ``captured_features``: the drafter's captured
+    target-layer width per token (0 without a drafter). Zero off CUDA."""
+    if device_type != "cuda":
+        return RuntimeReserve(0, 0)
+    nccl = NCCL_RESERVE_BYTES if tp_size > 1 else 0
+    graphs = 0
+    if graph_batch_sizes:
+        max_bs, q = max(graph_batch_sizes), max(graph_max_q, 1)
+        static = max_bs * max_context * 8 + max_bs * q * (8 * 4 + q)  # kv_indices; ids, positions, slots; tree mask
+        pool = max_bs * q * hidden_size * dtype_bytes * GRAPH_ACTIVATION_ROWS
+        outputs = 2 * sum(graph_batch_sizes) * q * (hidden_size + captured_features) * dtype_bytes  # decode + verify
+        graphs = static + pool + outputs
+    return RuntimeReserve(nccl, graphs)
+
+
 # ---------------------------------------------------------------- KV pool
 @dataclass(frozen=True)
 class KVSizing:
@@ -121,12 +163,14 @@ class KVSizing:
     total_bytes: int  # device (or host) memory as probed; 0 when not probed
     used_bytes: int
     source: str  # "max_total_tokens" | "kv_memory_gb" | "mem_fraction_static" | "host_memory"
+    reserve: RuntimeReserve = RuntimeReserve(0, 0)  # NCCL and CUDA graphs, left out of the pool
 
     def describe(self) -> str:
         return (
             f"KV pool: {self.tokens} tokens x {self.bytes_per_token} B = {self.tokens * self.bytes_per_token / GIB:.2f}"
             f" GiB (from {self.source}; device {self.total_bytes / GIB:.2f} GiB, in use {self.used_bytes / GIB:.2f}"
-            f" GiB, workspace {self.workspace_bytes / GIB:.2f} GiB)"
+            f" GiB, workspace {self.workspace_bytes / GIB:.2f} GiB, NCCL {self.reserve.nccl_bytes / GIB:.2f} GiB,"
+            f" CUDA graphs {self.reserve.graph_bytes / GIB:.2f} GiB)"
         )
 
 
@@ -149,9 +193,11 @@ def size_kv_pool(
     mem_fraction_static: float = 0.85,
     tp: Any = None,
     probe: MemoryProbe = device_memory,
+    reserve: RuntimeReserve = RuntimeReserve(0, 0),
 ) -> KVSizing:
     """KV slots for this server (precedence in the module docstring), at most ``token_limit`` (no request
-    mix can use more: max requests x context). ``tp``: a TPGroup; the result is the minimum over ranks."""
+    mix can use more: max requests x context). ``tp``: a TPGroup; the result is the minimum over ranks.
+    ``reserve``: memory allocated after sizing (``runtime_reserve``), left out of a measured pool."""
     if bytes_per_token < 1:
         raise ValueError("bytes_per_token must be >= 1")
     if not 0 < mem_fraction_static <= 1:
@@ -166,11 +212,12 @@ def size_kv_pool(
         else:
             total, used = probe(dev)
             source = "mem_fraction_static" if dev.type == "cuda" else "host_memory"
-            pool = kv_pool_bytes(dev.type, total, used, mem_fraction_static, workspace_bytes)
+            pool = kv_pool_bytes(dev.type, total, used, mem_fraction_static, workspace_bytes + reserve.bytes)
             if pool <= 0:
                 raise ValueError(
                     f"no memory left for the KV cache: {used / GIB:.2f} GiB in use of {total / GIB:.2f} GiB after "
-                    f"loading, workspace {workspace_bytes / GIB:.2f} GiB, mem_fraction_static {mem_fraction_static}"
+                    f"loading, workspace {workspace_bytes / GIB:.2f} GiB, NCCL and CUDA graphs "
+                    f"{reserve.bytes / GIB:.2f} GiB, mem_fraction_static {mem_fraction_static}"
                 )
         tokens = min(max(pool, 0) // bytes_per_token, token_limit)
     if tp is not None and tp.size > 1:
@@ -179,4 +226,4 @@ def size_kv_pool(
         raise ValueError(
             f"the KV cache holds {tokens} tokens ({source}); at least {MIN_KV_TOKENS} are needed"
         )
-    return KVSizing(tokens, bytes_per_token, pool, workspace_bytes, total, used, source)
+    return KVSizing(tokens, bytes_per_token, pool, workspace_bytes, total, used, source, reserve)

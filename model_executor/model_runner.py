@@ -36,14 +36,16 @@ def pick_attention_backend(device: torch.device, dtype: torch.dtype, layout: KVC
 
 
 def warm_up_attention(backend, layout: KVCacheLayout, model: torch.nn.Module, dtype: torch.dtype,
-                      device: torch.device) -> None:
+                      device: torch.device, kinds: tuple[str, ...] = ("decode", "extend", "tree")) -> None:
     """JIT-compile and run each kernel of a compiling backend (flashinfer) once at start-up, so the first
-    request does not pay for it and the server turns healthy only afterwards. No-op for the reference."""
+    request does not pay for it and the server turns healthy only afterwards. No-op for the reference.
+    ``kinds``: the forwards the model runs (decode, causal extend, tree-masked); a DFlash drafter runs
+    tree-masked forwards only."""
     if not hasattr(backend, "warmup"):
         return
     num_q = model.layers[0].self_attn.local_heads  # llama-style models and DFlash drafters
     t0 = time.time()
-    ran = backend.warmup(num_q, layout.kv_heads, layout.k_dim, layout.v_dim, dtype, device)
+    ran = backend.warmup(num_q, layout.kv_heads, layout.k_dim, layout.v_dim, dtype, device, kinds)
     logger.info("attention kernels warmed up in %.1fs: %s", time.time() - t0, ", ".join(ran))
 
 
@@ -73,6 +75,9 @@ class ModelRunner:
         self.max_reqs, self.max_context = max_reqs, max_context
         self.model = load_model(config, tp, self.device)
         self.kv_layout = self.model.kv_cache_layout()
+        # the O(Q x K) attention mask only for a model whose attention reads it (forward_batch.py); MHA
+        # models (torch, flashinfer) and DFlash drafters do, the Triton MLA path does not
+        self.dense_mask = bool(getattr(self.model, "reads_attn_mask", True))
         self.num_slots = 0
         self.backend = pick_attention_backend(self.device, config.dtype, self.kv_layout, config.attention_backend)
         warm_up_attention(self.backend, self.kv_layout, self.model, config.dtype, self.device)
@@ -86,6 +91,15 @@ class ModelRunner:
             check_graphable(config)
         if max_total_tokens is not None:
             self.allocate_kv(max_total_tokens)
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The padded batch sizes CUDA graphs are captured for (empty: graphs off)."""
+        if self.cuda_graph_max_bs <= 0:
+            return ()
+        from model_executor.cuda_graph_runner import graph_batch_sizes
+
+        return graph_batch_sizes(self.cuda_graph_max_bs)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -125,7 +139,7 @@ class ModelRunner:
         pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)]).to(dev)  # [T]
         return build_forward_batch(ForwardMode.EXTEND, torch.tensor(ids, device=dev), pos, loc, self.slots.table,
                                    rows_t, starts_t, lens_t, logits_indices=logits_indices,
-                                   capture_layer_ids=capture_layer_ids)
+                                   capture_layer_ids=capture_layer_ids, dense_mask=self.dense_mask)
 
     def prepare_decode(self, rows: list[int], cached: list[int], ids: list[int],
                        capture_layer_ids: tuple[int, ...] = ()) -> ForwardBatch | None:
@@ -139,7 +153,8 @@ class ModelRunner:
         if loc is None:
             return None
         return build_forward_batch(ForwardMode.DECODE, torch.tensor(ids, device=dev), cached_t, loc, self.slots.table,
-                                   rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids)
+                                   rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids,
+                                   dense_mask=self.dense_mask)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:

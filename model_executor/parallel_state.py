@@ -10,6 +10,12 @@ with ``init_tp`` (gloo on CPU, NCCL on CUDA). Two process groups per rank:
   hashes, the KV capacity minimum). Its timeout is long (``control_timeout_s``): a follower legitimately
   waits there while rank 0 is idle.
 
+Start-up vs steady state: ranks load ~600 GB and JIT-compile kernels at their own pace, so the first
+collectives (the KV sizing's ``min_int``, the warm-up forwards) may wait long for a late rank. ``init_tp``
+creates both groups with the start-up timeout (``startup_timeout_s``, default 30 min, logged); once the
+scheduler is built and warmed up, ``end_startup`` sets the steady-state timeouts (``collective_timeout_s``,
+120 s; the followers' control group keeps its long wait) and logs how long start-up took.
+
 Uneven splits: ``partition(n)`` gives rank r a contiguous block of ``n // size`` units plus one of the
 first ``n % size`` leftovers, so a model with 9 heads / 3 KV heads (SmolLM2) still runs at TP=2 (KV heads
 are the unit; query heads follow their KV head).
@@ -23,16 +29,34 @@ with ``ep_size == tp_size``), so the MoE output is combined by the same all-redu
 from __future__ import annotations
 
 import datetime
+import logging
 import pickle
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 DEFAULT_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
+DEFAULT_STARTUP_TIMEOUT_S = 1800.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective of a ``TPGroup`` failed (a rank died, the network failed, or a rank was late past the
+    timeout). Distinguishes a broken TP world, which nothing can recover, from an error in a step's own
+    computation (server/step_recovery.py): gloo and NCCL raise plain RuntimeErrors."""
+
+
+def _collective(what: str, fn, *args, **kw) -> None:  # noqa: ANN001
+    try:
+        fn(*args, **kw)
+    except RuntimeError as e:
+        raise CollectiveError(f"{what} failed: {e}") from e
 
 
 class ParallelLike(Protocol):
@@ -43,6 +67,7 @@ class ParallelLike(Protocol):
     node_rank: int
     dist_init_addr: str | None
     expert_parallel: bool
+    startup_timeout_s: float  # collectives until ``end_startup`` (default ``DEFAULT_STARTUP_TIMEOUT_S``)
 
 
 @dataclass(frozen=True)
@@ -52,10 +77,12 @@ class TPGroup:
     group: Any = None  # torch.distributed ProcessGroup (device collectives), None = default world group
     cpu_group: Any = None  # gloo ProcessGroup for control messages; None = ``group`` (CPU runs)
     expert_parallel: bool = False  # MoE: whole experts per rank instead of a slice of every expert
+    timeouts_s: tuple[float, float] = (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_CONTROL_TIMEOUT_S)  # steady state
+    started_at: float = 0.0  # time.monotonic() at init_tp (start-up length in the log)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            _collective("all_reduce", dist.all_reduce, x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +90,7 @@ class TPGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        _collective("all_gather", dist.all_gather, parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
     def shard(self, n: int, what: str = "dimension") -> int:
@@ -88,7 +115,7 @@ class TPGroup:
         if self.size == 1:
             return obj
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=_global_rank(self, 0), group=self.control_group)
+        _collective("broadcast", dist.broadcast_object_list, box, src=_global_rank(self, 0), group=self.control_group)
         return box[0]
 
     def all_gather_int(self, x: int) -> list[int]:
@@ -97,7 +124,7 @@ class TPGroup:
             return [x]
         t = torch.tensor([x], dtype=torch.int64)
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t, group=self.control_group)
+        _collective("all_gather_int", dist.all_gather, parts, t, group=self.control_group)
         return [int(p.item()) for p in parts]
 
     def min_int(self, x: int) -> int:
@@ -136,6 +163,7 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
     """
     if control_timeout_s is None:
         control_timeout_s = collective_timeout_s if rank == 0 else DEFAULT_CONTROL_TIMEOUT_S
+    startup_s = float(parallel.startup_timeout_s)
     size = parallel.tp_size
     if size == 1:
         return TPGroup()
@@ -147,11 +175,29 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(rank % ranks_per_node(parallel))
+    started = time.monotonic()
+    logger.info("TP rank %d/%d: start-up collectives wait up to %.0f s for a late rank (steady state: %.0f s)",
+                rank, size, startup_s, collective_timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+                            timeout=datetime.timedelta(seconds=max(startup_s, collective_timeout_s)))
     cpu_group = dist.new_group(list(range(size)), backend="gloo",
-                               timeout=datetime.timedelta(seconds=control_timeout_s))
-    return TPGroup(rank, size, None, cpu_group, bool(parallel.expert_parallel))
+                               timeout=datetime.timedelta(seconds=max(startup_s, control_timeout_s)))
+    return TPGroup(rank, size, None, cpu_group, bool(parallel.expert_parallel),
+                   (collective_timeout_s, control_timeout_s), started)
+
+
+def end_startup(tp: TPGroup) -> None:
+    """Switch ``tp``'s groups from the start-up timeout to the steady-state ones (module docstring) and log
+    how long start-up took. Call once, after the scheduler is built and warmed up; no-op for one process."""
+    if tp.size == 1:
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    device_s, control_s = tp.timeouts_s
+    _set_pg_timeout(datetime.timedelta(seconds=device_s), None)  # the default (device) group
+    _set_pg_timeout(datetime.timedelta(seconds=control_s), tp.control_group)
+    logger.info("TP rank %d: start-up took %.1f s; collective timeout now %.0f s (control group %.0f s)",
+                tp.rank, time.monotonic() - tp.started_at, device_s, control_s)
 
 
 def destroy_tp(tp: TPGroup) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from model_executor.model_config import ModelConfig
 from model_executor.model_registry import get_model_class
+from model_executor.models.dflash import drafter_group
 from model_executor.parallel_state import TPGroup
 
 BUDGETS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -55,7 +56,8 @@ def rank_models(target: ModelConfig, drafter: ModelConfig | None, tp_size: int,
     out: list[RankModels] = []
     for rank in range(tp_size):
         tp = _PlanTP(rank=rank, size=tp_size, expert_parallel=expert_parallel)
-        out.append(RankModels(rank, meta_model(target, tp), meta_model(drafter, tp) if drafter else None))
+        draft_tp = drafter_group(drafter.hf, tp) if drafter else tp  # unsharded when its KV heads do not split
+        out.append(RankModels(rank, meta_model(target, tp), meta_model(drafter, draft_tp) if drafter else None))
         if rank == 0 and not tp.uneven:
             break
     return out

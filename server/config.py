@@ -271,6 +271,8 @@ class ParallelArgs(Area):
                                          default_help="none: a local address (one node)")
     expert_parallel: bool = setting(False, "MoE: give each TP rank whole experts (expert parallelism, EP size = "
                                     "tp_size) instead of a slice of every expert.")
+    startup_timeout_s: float = setting(1800.0, "TP start-up: seconds a rank waits at a collective for a late "
+                                       "rank (weights loading, kernel warm-up); steady state uses 120 s.", low=1.0)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,11 @@
     scored[0].prompt_logprobs  # [(token_id, logprob | None, [(alt_id, logprob)] | None) per prompt token]
     engine.shutdown()
 
+A scheduler step that raises (not fatally: server/step_recovery.py) fails only that step's requests, on one
+process and under TP: ``generate`` / ``generate_stream`` raise ``RuntimeError`` for a call whose request
+failed (its other requests are aborted, their KV freed) and the engine serves the next call. A fatal error
+(a dead TP rank, diverged ranks, a sticky device error) propagates; call ``shutdown``.
+
 ``SamplingParams(max_tokens=None)`` generates until the request limit (the context length, or what the KV
 pool can hold for one request if that is smaller) and ends with ``length`` there.
 
@@ -19,6 +24,7 @@ also go by its bare name (``draft_model_path``, ``ddtree_budget``: an int, or "a
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -30,6 +36,8 @@ from server.scheduler_factory import SchedulerLike, make_scheduler
 from server.startup import resolve_config
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta"]
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
@@ -100,9 +108,8 @@ class Engine:
                 self.scheduler.add_request(r)
                 accepted.append(r)
         except ValueError:
-            for r in accepted:
-                self.scheduler.abort_request(r.rid)
-            self.scheduler.step() if accepted else None
+            if accepted:
+                self._abort({r.rid for r in accepted})
             raise
         return reqs
 
@@ -113,11 +120,15 @@ class Engine:
         for r in reqs:
             outs[r.rid] = RequestOutput(r.rid, r.input_ids)
         pending = set(outs)
-        while pending:
-            for d in self._outputs(pending):
-                _apply(outs[d.rid], d)
-                if d.finished:
-                    pending.discard(d.rid)
+        try:
+            while pending:
+                for d in self._outputs(pending):
+                    if d.finished:
+                        pending.discard(d.rid)
+                    _apply(outs[d.rid], d)
+        finally:
+            if pending:  # a request of this call failed: end the others too
+                self._abort(pending)
         for o in outs.values():
             o.text = self._decode(o.token_ids)
         return [outs[r.rid] for r in reqs]
@@ -137,20 +148,32 @@ class Engine:
         try:
             while pending:
                 for d in self._outputs(pending):
-                    text_out = detok.process(d) if detok is not None else None
                     if d.finished:
                         pending.discard(d.rid)
+                    if d.error:
+                        raise RuntimeError(d.error)
+                    text_out = detok.process(d) if detok is not None else None
                     new = text_out.text if text_out is not None else ""
                     yield StreamDelta(index[d.rid], d.token_ids, new, d.finished, d.finish_reason)
         finally:
-            if pending:  # the consumer stopped early: abort and free KV
-                for rid in pending:
-                    self.scheduler.abort_request(rid)
-                for d in self.scheduler.step():
-                    if d.rid not in pending:
-                        self._inbox.setdefault(d.rid, []).append(d)
-                for rid in pending:
-                    self._inbox.pop(rid, None)
+            if pending:  # the consumer stopped early, or a request failed: abort and free KV
+                self._abort(pending)
+
+    def _abort(self, rids: set[str]) -> None:
+        """Abort ``rids`` and drop their outputs (outputs of other consumers' requests are kept). Nothing to
+        do in a broken TP world (the error that broke it was raised already; every later call raises)."""
+        from server.tp_protocol import TPRankError
+
+        for rid in rids:
+            self.scheduler.abort_request(rid)
+            self._inbox.pop(rid, None)
+        try:
+            outs = self._step()
+        except TPRankError:
+            return
+        for d in outs:
+            if d.rid not in rids:
+                self._inbox.setdefault(d.rid, []).append(d)
 
     def _outputs(self, rids: set[str]) -> list[TokenOut]:
         """This consumer's outputs: buffered ones first, else one scheduler step. Outputs of requests that
@@ -160,12 +183,28 @@ class Engine:
             return mine
         if not self.scheduler.has_work():
             raise RuntimeError(f"requests {sorted(rids)} are unknown to the scheduler")
-        for d in self.scheduler.step():
+        for d in self._step(rids):
             if d.rid in rids:
                 mine.append(d)
             else:
                 self._inbox.setdefault(d.rid, []).append(d)
         return mine
+
+    def _step(self, inflight: set[str] = frozenset()) -> list[TokenOut]:
+        """One scheduler step. A step that raises (not fatally) fails its requests: each gets a finished
+        output with ``error``, as a server's client gets an HTTP 500 (server/step_recovery.py)."""
+        from server.step_recovery import is_fatal, orphaned_rids
+
+        try:
+            return self.scheduler.step()
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            logger.exception("scheduler step failed")
+            failed = self.scheduler.fail_step()
+            failed += [rid for rid in orphaned_rids(self.scheduler, set(inflight)) if rid not in failed]
+            message = f"internal error: the scheduler step running this request failed ({type(e).__name__}: {e})"
+            return [TokenOut(rid, [], finished=True, finish_reason="error", error=message) for rid in failed]
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -179,10 +218,10 @@ class Engine:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
-        for r in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.abort_request(r.rid)
+        """Abort what is left and release the scheduler (TP: stop the followers); after a TP failure (the
+        world broken, already raised and logged) only the release."""
         try:
-            self.scheduler.step()
+            self._abort({r.rid for r in list(self.scheduler.running) + list(self.scheduler.waiting)})
         finally:
             self.scheduler.close()  # TP: stops the follower ranks
 

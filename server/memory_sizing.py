@@ -14,7 +14,17 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from model_executor.memory import KVSizing, MemoryProbe, Workspace, size_kv_pool, verify_workspace
+import torch
+
+from model_executor.cuda_graph_runner import graph_batch_sizes
+from model_executor.memory import (
+    KVSizing,
+    MemoryProbe,
+    Workspace,
+    runtime_reserve,
+    size_kv_pool,
+    verify_workspace,
+)
 from server.config import ServerConfig
 from server.machines import machine_memory_mismatch
 
@@ -30,6 +40,9 @@ class ModelFacts:
     kv_bytes_per_token: int  # target + drafter caches, this rank
     budget: int | None  # tree nodes per request of one verify step at most (None: no speculation)
     block_size: int | None  # drafter block (1: no drafter; None: no speculation)
+    hidden_size: int = 0  # the target's (CUDA-graph outputs)
+    dtype_bytes: int = 2  # the target's activation dtype
+    captured_features: int = 0  # the drafter's captured target-layer width per token (0: no drafter)
 
 
 @dataclass(frozen=True)
@@ -45,15 +58,20 @@ class StartupSizing:
 def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp: Any,
                         probe: MemoryProbe) -> StartupSizing:
     """Reserve the step workspace for ``max_running_requests`` at ``facts.budget``, then size the KV pool
-    (precedence: ``max_total_tokens`` > ``kv_memory_gb`` > the probed device), at most ``(max_running_requests
+    (precedence: ``max_total_tokens`` > ``kv_memory_gb`` > the probed device, less ``runtime_reserve``'s NCCL
+    buffers and CUDA graphs on CUDA), at most ``(max_running_requests
     + 1) x max_context_len`` tokens; ``tp``: a TPGroup (the pool is the minimum over ranks) or None. On CUDA a
     device whose memory is not the configured ``machine`` class's is logged as a warning."""
     cache, max_reqs = config.cache, config.scheduler.max_running_requests + 1
     workspace = verify_workspace(facts.vocab_size, config.scheduler.max_running_requests, facts.budget,
                                  facts.block_size, cache.verify_workspace_gb)
+    graphs = graph_batch_sizes(config.model.cuda_graph_max_bs) if config.model.cuda_graph_max_bs > 0 else ()
+    reserve = runtime_reserve(  # NCCL and the CUDA graphs allocate after sizing: left out of the pool
+        torch.device(device).type, config.parallel.tp_size, graphs, (facts.budget or 0) + 1,
+        facts.max_context_len, facts.hidden_size, facts.dtype_bytes, facts.captured_features)
     kv = size_kv_pool(device, facts.kv_bytes_per_token, workspace.bytes, max_reqs * facts.max_context_len,
                       max_total_tokens=cache.max_total_tokens, kv_memory_gb=cache.kv_memory_gb,
-                      mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe)
+                      mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe, reserve=reserve)
     warning = machine_memory_mismatch(cache.machine, kv.total_bytes) if str(device).startswith("cuda") else None
     if warning:
         logger.warning(warning)

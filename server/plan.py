@@ -4,7 +4,7 @@
 (server/startup.py: default paths, draft sources, the drafter check), builds the target and drafter of every
 distinct TP rank on the meta device (model_executor/plan.py), and sizes the step workspace and KV pool with
 the server's own start-up function (server/memory_sizing.py) against a device of the planned memory in
-which the rank's weights, drafter and ``overhead_gb`` (CUDA context, NCCL, kernels' workspaces) are in use.
+which the rank's weights, drafter and ``overhead_gb`` (CUDA context, kernels' workspaces; NCCL buffers and CUDA graphs are reserved by the sizing itself) are in use.
 ``Plan.log_line`` is then the line the scheduler logs at start-up on such a device.
 
 Device memory per GPU, in order: ``gpu_memory_gb``; the configuration's ``machine`` class
@@ -67,7 +67,7 @@ class Plan:
         lines += [f"    {k:<19} {g(v)}" for k, v in r0.weight_breakdown.items()]
         if r0.draft_bytes:
             lines.append(f"  drafter per rank      {g(r0.draft_bytes)}")
-        lines.append(f"  overhead assumed      {g(self.overhead_bytes)} (CUDA context, NCCL, kernel workspaces)")
+        lines.append(f"  overhead assumed      {g(self.overhead_bytes)} (CUDA context, kernel workspaces)")
         for r in self.ranks[1:]:
             lines.append(f"  rank {r.rank}: weights {r.weight_bytes / GIB:.2f} GiB, {r.facts.kv_bytes_per_token} B "
                          f"per token, {r.kv_tokens} KV tokens alone")
@@ -91,6 +91,7 @@ class Plan:
                 "draft_bytes_per_rank": r0.draft_bytes, "overhead_bytes": self.overhead_bytes,
                 "kv_bytes_per_token": kv.bytes_per_token, "kv_tokens": kv.tokens, "kv_source": kv.source,
                 "workspace_bytes": ws.bytes, "max_verify_tokens": ws.max_verify_tokens,
+                "nccl_reserve_bytes": kv.reserve.nccl_bytes, "graph_reserve_bytes": kv.reserve.graph_bytes,
                 "context_length": r0.facts.max_context_len, "log_line": self.log_line,
                 "rows": [dict(budget=r.budget, max_batch=r.max_batch, kv_bound=r.kv_bound,
                               workspace_bound=r.workspace_bound) for r in self.rows],
@@ -147,7 +148,9 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
         kv_bytes = models.target.kv_cache_layout().bytes_per_token(target.dtype)
         if models.drafter is not None:
             kv_bytes += models.drafter.kv_cache_layout().bytes_per_token(target.dtype)
-        facts = ModelFacts(target.vocab_size, max_context, kv_bytes, budget, block)
+        layers = len(getattr(models.drafter, "target_layer_ids", ())) if models.drafter is not None else 0
+        facts = ModelFacts(target.vocab_size, max_context, kv_bytes, budget, block, target.hidden_size,
+                           target.dtype.itemsize, target.hidden_size * layers)
         weights, draft = module_bytes(models.target), module_bytes(models.drafter)
         in_use = weights + draft + overhead
 

@@ -89,9 +89,12 @@ class Scheduler:
         """With the target and drafter weights resident: reserve the step workspace, size the KV pool from
         what is left (model_executor/memory.py), allocate it, and hand the verify cap to the worker."""
         spec, cache = self.spec, config.cache
-        facts = ModelFacts(self.model_config.vocab_size, self.max_context_len,
+        mc = self.model_config
+        facts = ModelFacts(mc.vocab_size, self.max_context_len,
                            self.runner.kv_bytes_per_token + (spec.draft_kv_bytes_per_token if spec else 0),
-                           spec.budget if spec else None, spec.block_size if spec else None)
+                           spec.budget if spec else None, spec.block_size if spec else None,
+                           mc.hidden_size, mc.dtype.itemsize,
+                           mc.hidden_size * len(spec.capture_layer_ids) if spec else 0)
         sizing = size_startup_memory(config, facts, device, tp, probe)
         self.workspace, self.kv_sizing = sizing.workspace, sizing.kv
         logger.info("%s", sizing.log_line())
@@ -178,6 +181,12 @@ class Scheduler:
             self.process(batch, results)
         out, self.outbox = self.outbox, []
         return out
+
+    def fail_step(self) -> list[str]:
+        """After ``step`` raised: fail that step's requests, free their KV (server/step_recovery.py)."""
+        from server.step_recovery import fail_step
+
+        return fail_step(self)
 
     def schedule(self) -> Batch | None:
         prefill = self._schedule_prefill()

@@ -21,7 +21,9 @@ class SchedulerLike(Protocol):
     """What the Engine and the scheduler process drive. ``Scheduler`` and ``TPScheduler`` satisfy it.
 
     ``add_request`` raises ValueError for a request it refuses (nothing is queued then); ``step`` runs one
-    scheduler step and returns its outputs; ``close`` releases what the scheduler started (TP: the
+    scheduler step and returns its outputs; after ``step`` raised an error that is not fatal
+    (server/step_recovery.py ``is_fatal``), ``fail_step`` fails that step's requests (their KV freed, ids
+    returned) and the scheduler serves on; ``close`` releases what the scheduler started (TP: the
     follower processes) and is safe to call twice."""
 
     @property
@@ -44,6 +46,8 @@ class SchedulerLike(Protocol):
 
     def step(self) -> list[TokenOut]: ...
 
+    def fail_step(self) -> list[str]: ...  # after ``step`` raised a non-fatal error: fail its requests
+
     def stats(self) -> SchedulerStats: ...
 
     def close(self) -> None: ...
@@ -52,23 +56,30 @@ class SchedulerLike(Protocol):
 def make_scheduler(config: ServerConfig) -> SchedulerLike:
     """``Scheduler`` for tp_size 1; otherwise spawn the local followers, join the TP world as rank 0 and
     return a ``TPScheduler``. ``config`` must be resolved; call ``close()`` when done."""
-    from model_executor.parallel_state import free_local_addr, init_tp
+    from model_executor.parallel_state import end_startup, free_local_addr, init_tp
+    from server.fault_injection import install_test_faults
     from server.scheduler import Scheduler
     from server.tp_protocol import TPRankError, TPScheduler
     from server.tp_spawn import rank_of, start_followers, stop_followers
+    from server.warmup import warm_up
 
     if not is_resolved(config):
         raise ValueError("make_scheduler needs a resolved config (server.startup.resolve_config)")
     par = config.parallel
     if par.tp_size == 1:
-        return Scheduler(config)
+        scheduler = Scheduler(config)
+        warm_up(scheduler)  # every path compiled before the server reports ready (server/warmup.py)
+        return install_test_faults(scheduler)
     if par.node_rank != 0:
         raise ValueError("only node_rank 0 runs the scheduler; other nodes run run_node_followers")
     addr = par.dist_init_addr or free_local_addr()
     followers = start_followers(config, addr)
     try:
-        tp = init_tp(par, 0, config.model.device, addr)
-        return TPScheduler(Scheduler(config, tp=tp), tp, followers)
+        tp = init_tp(par, 0, config.model.device, addr)  # start-up timeouts until end_startup
+        scheduler = TPScheduler(Scheduler(config, tp=tp), tp, followers)
+        warm_up(scheduler.scheduler)  # as every follower does, before the steady-state timeouts
+        end_startup(tp)
+        return install_test_faults(scheduler)
     except BaseException as e:
         dead = [f"rank {rank_of(p)} exited with status {p.exitcode}" for p in followers if not p.is_alive()]
         for p in followers:

@@ -4,9 +4,10 @@ While there is work it polls its input without blocking, runs one scheduler step
 outputs to the detokenizer; when idle it blocks on the input (briefly, to notice shutdown). A bad request
 becomes a TokenOut with ``error`` (or a RequestError for failures inside the server); it never stops the
 loop. A step that raises fails only its batch's requests (HTTP 500 to their clients, their KV freed:
-server/step_recovery.py) and the loop goes on; only a sticky device error, any step failure under tensor
-parallelism (the ranks would disagree on the state), or a failure of the recovery itself ends the
-process, and with it the server. Scheduler stats go out at most every ``STATS_INTERVAL`` seconds while busy and once on going idle.
+server/step_recovery.py) and the loop goes on, on one process and under tensor parallelism (every rank
+fails the same step: server/tp_protocol.py); only a sticky device error, a broken TP world (a dead rank,
+a failed collective, ranks that diverged or disagree on a step's outcome) or a failure of the recovery
+itself ends the process, and with it the server. Scheduler stats go out at most every ``STATS_INTERVAL`` seconds while busy and once on going idle.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 import time
 import traceback
 
-import torch
 import zmq
 
 from server.config import ServerConfig
@@ -37,11 +37,6 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL = 0.25
 IDLE_POLL_MS = 200
-TEST_FAULT_ENV = "DDTREE_TEST_FAIL_ON_TOKEN"  # tests only: see _install_test_fault
-
-# Errors after which the process cannot go on: a sticky device error (CUDA's illegal address, a
-# device-side assert) fails every later kernel, so the server exits and its supervisor restarts it.
-FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError,)
 
 
 class SchedulerLoop:
@@ -101,16 +96,14 @@ class SchedulerLoop:
             logger.exception("abort_request(%s) failed", rid)
 
     def _step(self) -> None:
-        from server.tp_protocol import TPRankError, TPScheduler
+        from server.step_recovery import is_fatal
 
         try:
             outs = self.scheduler.step()
-        except TPRankError:
-            raise  # a dead TP rank is fatal: the process exits and the server answers 503 then exits
         except Exception as e:  # noqa: BLE001
+            if is_fatal(e):
+                raise  # the device or the TP world cannot be trusted any more: the server answers 503 and exits
             logger.error("scheduler step failed:\n%s", traceback.format_exc())
-            if isinstance(e, FATAL_STEP_ERRORS) or isinstance(self.scheduler, TPScheduler):
-                raise  # the device (or, under TP, the other ranks' state) cannot be trusted any more
             self._fail_step(e)
             return
         if outs:
@@ -122,9 +115,9 @@ class SchedulerLoop:
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests of the step's batch (their KV freed; server/step_recovery.py); every other
         request keeps running. Outputs the step produced for other requests go out with the next step."""
-        from server.step_recovery import fail_step, orphaned_rids
+        from server.step_recovery import orphaned_rids
 
-        failed = fail_step(self.scheduler)
+        failed = self.scheduler.fail_step()
         failed += [rid for rid in orphaned_rids(self.scheduler, self.inflight) if rid not in failed]
         message = f"internal error: the scheduler step running this request failed ({type(error).__name__})"
         for rid in failed:
@@ -144,24 +137,6 @@ class SchedulerLoop:
         self._last_stats, self._last_stats_time = stats, now
 
 
-def _install_test_fault(scheduler) -> None:
-    """Test hook (tests/server/test_step_failure.py), inert unless ``TEST_FAULT_ENV`` names a token id: then
-    every target forward whose input holds that token raises, as a broken kernel would, mid-step."""
-    token = os.environ.get(TEST_FAULT_ENV)
-    if not token:
-        return
-    bad, runner = int(token), scheduler.runner
-    inner = runner.forward
-    logger.warning("%s=%d: forwards over token %d will fail (tests only)", TEST_FAULT_ENV, bad, bad)
-
-    def forward(fb):  # noqa: ANN001, ANN202 - ModelRunner.forward's signature
-        if bool((fb.input_ids == bad).any()):
-            raise RuntimeError(f"injected step failure (token {bad})")
-        return inner(fb)
-
-    runner.forward = forward
-
-
 def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_pid: int) -> None:
     """Entry point of the scheduler process; ``config`` is resolved (server/startup.py)."""
     guard = ChildGuard("scheduler", parent_pid, config.server.log_level)
@@ -174,7 +149,6 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
         from server.scheduler_factory import make_scheduler
 
         scheduler = make_scheduler(config)  # tp_size > 1: rank 0 of the TP world, followers spawned here
-        _install_test_fault(scheduler)
         send.send_pyobj(SchedulerReady(int(scheduler.max_context_len), tuple(scheduler.eos_token_ids),
                                        config.model.model_path))
     except Exception as e:  # noqa: BLE001

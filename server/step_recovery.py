@@ -15,13 +15,46 @@ joined the running list. ``Scheduler.step`` records the step's batch (``step_bat
 
 Requests outside the batch are untouched and keep being served. A failure in ``schedule`` itself (no batch
 recorded: it, or the grammar queue's poll before it, raised) fails every request the scheduler holds.
+
+Under tensor parallelism every rank runs the same step over the same state, so a fault in the step's own
+computation (a kernel refusing a shape, a bug in the drafter or the commit) raises at the same place on
+every rank, and every rank's ``fail_step`` leaves the same state: the ranks recover independently, with no
+extra collective. ``failure_fingerprint`` names where a step failed; rank 0 sends its fingerprint of the
+previous step with the next step's inputs and a follower whose own outcome differs stops with a clear log
+(server/tp_protocol.py), which ends the server. Fatal (``is_fatal``): a broken collective (a dead or late
+rank, ``CollectiveError``/``TPRankError``) and a sticky device error.
 """
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import torch
+
+from model_executor.parallel_state import CollectiveError
+
+# Errors after which the process cannot go on: a sticky device error (CUDA's illegal address, a device-side
+# assert) fails every later kernel; a failed collective leaves the TP world unusable.
+FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError, CollectiveError)
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Whether a step failure ends the process (and the server) instead of failing the step's requests."""
+    from server.tp_protocol import TPRankError
+
+    return isinstance(error, (*FATAL_STEP_ERRORS, TPRankError)) or not isinstance(error, Exception)
+
+
+def failure_fingerprint(error: BaseException) -> str:
+    """Where a step failed, equal on every rank for the same fault: the exception type, the innermost frame
+    and a digest of the frames below the catching one (not the message: it may name rank-local sizes)."""
+    from model_executor.parallel_state import stable_hash
+
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0]: the frame that caught it (differs per rank)
+    where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+    digest = stable_hash([(f.name, f.lineno) for f in frames]) & 0xFFFFFFFF
+    return f"{type(error).__name__} at {where} [{digest:08x}]"
 
 
 def fail_step(scheduler: Any) -> list[str]:

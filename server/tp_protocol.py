@@ -10,8 +10,16 @@ Invariant ("every rank samples identically: shared seeds broadcast"): the logits
 every rank computes the same logits; every request carries a concrete seed (rank 0 draws one for
 unseeded requests before broadcasting), so every rank's per-request generator draws the same coins; the
 scheduler is deterministic, so every rank makes the same scheduling decisions and emits the same tokens.
-No token is broadcast. ``ConsistencyCheck`` verifies it cheaply: a running hash of each step's outputs is
-all-gathered every ``CHECK_EVERY`` steps and a mismatch raises ``TPDivergence`` on every rank.
+No token is broadcast. ``ConsistencyCheck`` verifies it cheaply: a running hash of each step's outputs and
+of the state that scheduling reads (free and cached KV slots, queue lengths) is all-gathered every
+``CHECK_EVERY`` steps and a mismatch raises ``TPDivergence`` on every rank.
+
+A failed step (server/step_recovery.py): a fault in the step's own computation raises at the same place on
+every rank; each rank fails that step's requests itself (``fail_step``) and serving goes on. Rank 0 sends
+the fingerprint of its previous step's failure (None: it succeeded) with the next ``StepInputs``; a
+follower whose own outcome differs raises ``TPDivergence`` and exits, which ends the server with both
+outcomes in the log. A fault that strikes one rank before a collective leaves the others waiting in it
+until the collective timeout, then ends the server the same way.
 
 Failure: a rank that dies breaks the next collective (gloo reports the closed connection; otherwise the
 collective timeout fires); rank 0 raises ``TPRankError`` naming the dead local rank(s). ``has_work()``
@@ -29,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model_executor.parallel_state import TPGroup, destroy_tp, stable_hash
+from model_executor.parallel_state import CollectiveError, TPGroup, destroy_tp, stable_hash
 from server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from server.tp_spawn import rank_of, stop_followers
 
@@ -59,6 +67,7 @@ class StepInputs:
     ops: tuple[Op, ...] = ()
     step: bool = True
     shutdown: bool = False
+    prev_failure: str | None = None  # rank 0's previous step: None (ran) or its failure fingerprint
 
 
 class ConsistencyCheck:
@@ -68,9 +77,11 @@ class ConsistencyCheck:
         self.tp, self.every = tp, every
         self.steps, self.acc = 0, 0
 
-    def update(self, outs: list[TokenOut]) -> None:
+    def update(self, outs: list[TokenOut], scheduler: Scheduler) -> None:
         summary = [(o.rid, tuple(o.token_ids), o.finished, o.finish_reason) for o in outs]
-        self.acc = stable_hash((self.acc, summary))
+        kv = scheduler.kv  # what the next steps' scheduling reads: equal on every rank, or shapes would differ
+        state = (kv.num_free, kv.cached_tokens, len(scheduler.waiting), len(scheduler.running))
+        self.acc = stable_hash((self.acc, summary, state))
         self.steps += 1
         if self.steps % self.every == 0:
             self.compare()
@@ -81,6 +92,13 @@ class ConsistencyCheck:
             bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
             raise TPDivergence(f"TP ranks diverged after {self.steps} steps: ranks {bad} differ from rank 0 "
                                "(outputs must be identical on every rank)")
+
+
+def check_outcome(rank: int, rank0: str | None, mine: str | None) -> None:
+    """A follower's check that its previous step ended as rank 0's did (both ran, or both failed alike)."""
+    if rank0 != mine:
+        raise TPDivergence(f"TP rank {rank} and rank 0 disagree on the last step's outcome (rank 0: "
+                           f"{rank0 or 'ran'}; rank {rank}: {mine or 'ran'}): their states differ, this rank stops")
 
 
 def _apply(scheduler: Scheduler, ops: tuple[Op, ...]) -> None:
@@ -103,6 +121,7 @@ class TPScheduler:
         self._seed_rng = random.Random(0x5EED)  # same stream as a TP=1 scheduler's unseeded requests
         self._check = ConsistencyCheck(tp)
         self._broken: str | None = None
+        self._failure: str | None = None  # the last step's failure fingerprint, sent with the next step
         self._reported = False
         self._closed = False
 
@@ -121,6 +140,10 @@ class TPScheduler:
     @property
     def waiting(self) -> deque[Req]:
         return self.scheduler.waiting
+
+    @property
+    def outbox(self) -> list[TokenOut]:
+        return self.scheduler.outbox
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -141,21 +164,33 @@ class TPScheduler:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenOut]:
+        """One step on every rank. Raises ``TPRankError`` when the TP world broke; any other error is the
+        step's own failure, on every rank alike: the caller then calls ``fail_step``."""
+        from server.step_recovery import failure_fingerprint
+
         self._ensure_ok()
         ops, self._ops = tuple(self._ops), []
+        failure, self._failure = self._failure, None
         try:
-            self.tp.broadcast_object(StepInputs(ops))
+            self.tp.broadcast_object(StepInputs(ops, prev_failure=failure))
             outs = self.scheduler.step()
-            self._check.update(outs)
+            self._check.update(outs, self.scheduler)
         except TPDivergence as e:
             self._broken = str(e)
             self._report()
             raise
-        except RuntimeError as e:
+        except CollectiveError as e:
             self._broken = f"a TP collective failed ({type(e).__name__}: {e}); {self.describe_followers()}"
             self._report()
             raise TPRankError(self._broken) from e
+        except Exception as e:
+            self._failure = failure_fingerprint(e)
+            raise
         return outs
+
+    def fail_step(self) -> list[str]:
+        """Fail the last step's requests on rank 0; every follower failed the same step and does the same."""
+        return self.scheduler.fail_step()
 
     def describe_followers(self) -> str:
         dead = [f"rank {rank_of(p)} (pid {p.pid}) exited with status {p.exitcode}" for p in self.followers
@@ -184,7 +219,7 @@ class TPScheduler:
         self._closed = True
         if self._broken is None:
             try:
-                self.tp.broadcast_object(StepInputs(step=False, shutdown=True))
+                self.tp.broadcast_object(StepInputs(step=False, shutdown=True, prev_failure=self._failure))
                 self._check.compare()  # a last consistency check over the steps since the previous one
             except TPDivergence:
                 stop_followers(self.followers)
@@ -197,13 +232,29 @@ class TPScheduler:
 
 
 def follower_loop(scheduler: Scheduler, tp: TPGroup) -> None:
-    """Apply rank 0's broadcast inputs and step, until shutdown. Outputs are only hashed (rank 0 reports)."""
+    """Apply rank 0's broadcast inputs and step, until shutdown. Outputs are only hashed (rank 0 reports).
+    A step that fails here fails its requests as on rank 0 (``fail_step``); the next inputs tell whether
+    rank 0's step failed alike (``check_outcome``)."""
+    from server.step_recovery import failure_fingerprint, is_fatal
+
     check = ConsistencyCheck(tp)
+    failure: str | None = None
     while True:
         msg: StepInputs = tp.broadcast_object()
+        check_outcome(tp.rank, msg.prev_failure, failure)
         if msg.shutdown:
             check.compare()
             return
         _apply(scheduler, msg.ops)
         if msg.step:
-            check.update(scheduler.step())
+            failure = None
+            try:
+                outs = scheduler.step()
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                failure = failure_fingerprint(e)
+                logger.error("TP rank %d: scheduler step failed (%s); failing its requests", tp.rank, failure)
+                scheduler.fail_step()
+                continue
+            check.update(outs, scheduler)

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from model_executor.parallel_state import destroy_tp, init_tp, ranks_per_node
+from model_executor.parallel_state import destroy_tp, end_startup, init_tp, ranks_per_node
 from server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -39,12 +39,17 @@ def run_follower(config: ServerConfig, rank: int, init_addr: str, parent_pid: in
         if os.getppid() != parent_pid:
             os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 orchestrates shutdown
+    from server.fault_injection import install_test_faults
     from server.scheduler import Scheduler
     from server.tp_protocol import follower_loop
+    from server.warmup import warm_up
 
-    tp = init_tp(config.parallel, rank, config.model.device, init_addr)
+    tp = init_tp(config.parallel, rank, config.model.device, init_addr)  # start-up timeouts until end_startup
     try:
-        follower_loop(Scheduler(config, tp=tp), tp)
+        scheduler = Scheduler(config, tp=tp)
+        warm_up(scheduler)  # as rank 0 does (server/warmup.py)
+        end_startup(tp)
+        follower_loop(install_test_faults(scheduler), tp)  # the hook: tests only
     except Exception:
         logger.exception("TP rank %d failed", rank)
         os._exit(1)

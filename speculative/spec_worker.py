@@ -28,6 +28,7 @@ from model_executor.kv_cache import KVCache
 from model_executor.memory import step_budget
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model, pick_attention_backend, warm_up_attention
+from model_executor.models.dflash import drafter_group
 from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, sample_requests
 from model_executor.sampling_params import SamplingParams
@@ -108,7 +109,9 @@ class SpecWorker:
         if drafter is not None:  # the drafter's own attention backend: its head dims may differ from the target's
             layout = drafter.kv_cache_layout()
             self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, layout)
-            warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device)
+            # the drafter runs tree-masked (custom-mask prefill) forwards only, never decode: warming decode
+            # up would compile it for a query/KV group size it never uses (flashinfer's decode has a fixed set)
+            warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device, ("tree",))
         self.timer = StepTimer()
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
@@ -152,8 +155,12 @@ class SpecWorker:
         if "dflash" in sources:
             if path is None:
                 raise ValueError("speculative_draft_model_path is unset (server/startup.py resolves 'default')")
-            drafter = load_model(drafter_model_config(path, target_config, str(runner.device)), runner.tp,
-                                 runner.device)
+            cfg = drafter_model_config(path, target_config, str(runner.device))
+            group = drafter_group(cfg.hf, runner.tp)  # unsharded when its KV heads do not split over the ranks
+            if group.size != runner.tp.size:
+                logger.info("drafter: %s KV heads < tp_size %d: the drafter runs unsharded on every rank",
+                            cfg.hf.get("num_key_value_heads"), runner.tp.size)
+            drafter = load_model(cfg, group, runner.device)
             bsz = resolve_block(settings.block_size, drafter)
         suffix = None
         if "suffix" in sources:
@@ -378,7 +385,7 @@ class SpecWorker:
         slots[used] = flat
         fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
             ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.slots.table, idx, cached,
-            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids)
+            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask)
         out = r.forward(fb)
         rows = r.logits(out.hidden)  # [T, V]
         logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]

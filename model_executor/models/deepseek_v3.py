@@ -79,6 +79,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.tie = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp, dtype)
 
+    @property
+    def reads_attn_mask(self) -> bool:
+        """Whether forwards need ``ForwardBatch.attn_mask`` dense: the torch MLA reference reads it; the
+        Triton kernels bound keys by the lengths and read only ``tree_mask`` (model_executor/forward_batch.py)."""
+        return self.config.attention_backend != "triton"
+
     def kv_cache_layout(self) -> KVCacheLayout:
         """One latent "head" of kv_lora_rank + qk_rope_head_dim per token and layer, no V buffer."""
         return KVCacheLayout(self.num_layers, 1, self.layers[0].self_attn.latent_dim, 0)

@@ -50,6 +50,16 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
 
 
+def drafter_group(hf: dict, tp: TPGroup) -> TPGroup:
+    """The TP group a DFlash drafter with config ``hf`` runs in: the target's, when its KV heads split over the
+    ranks (each rank needs one; query heads follow their KV head); otherwise a single-rank group, so the whole
+    drafter runs unsharded on every rank (a K2.6 drafter at TP=8 whatever its head count). Unsharded ranks
+    draft alike: the drafter's inputs (the target's all-reduced captured features and embeddings) and its
+    weights are equal on every rank, and the target's vocab-parallel lm_head projects its states."""
+    n_kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+    return tp if n_kv >= tp.size else TPGroup()
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: dict, tp: TPGroup, dtype: torch.dtype):
         super().__init__()

@@ -168,3 +168,27 @@ def test_scheduler_sizes_target_plus_drafter_from_the_probe(tiny_llama_factory, 
     expect = min(int(0.25 * (total - used - s.workspace.bytes)) // per_token, 5 * 256)
     assert calls and s.runner.num_slots == s.kv_sizing.tokens == expect
     assert s.spec.draft_kv.k[0].shape[0] == expect + 1  # the drafter's cache has one slot per target slot
+
+
+def test_nccl_and_cuda_graphs_are_reserved_before_the_pool() -> None:
+    """NCCL buffers (CUDA, TP) and the CUDA graphs (static inputs counted exactly, pool estimated) come out of
+    the measured pool; nothing is reserved off CUDA, and explicit sizes are not touched."""
+    from model_executor.cuda_graph_runner import graph_batch_sizes
+    from model_executor.memory import NCCL_RESERVE_BYTES, runtime_reserve
+
+    sizes = graph_batch_sizes(64)
+    assert runtime_reserve("cpu", 8, sizes, 9, 262144, 7168, 2).bytes == 0
+    assert runtime_reserve("cuda", 1, (), 9, 262144, 7168, 2).bytes == 0
+    tp8 = runtime_reserve("cuda", 8, (), 9, 262144, 7168, 2)
+    assert tp8.nccl_bytes == NCCL_RESERVE_BYTES and tp8.graph_bytes == 0
+    graphs = runtime_reserve("cuda", 8, sizes, 9, 262144, 7168, 2, captured_features=3 * 7168)
+    assert graphs.graph_bytes > 64 * 262144 * 8  # at least the graphs' kv_indices [max_bs, max_context]
+    wider = runtime_reserve("cuda", 8, sizes, 17, 262144, 7168, 2, captured_features=3 * 7168)
+    assert wider.graph_bytes > graphs.graph_bytes  # a larger verify budget captures more tokens
+    base = size_kv_pool("cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.9, probe=_probe(96 * GIB, 75 * GIB))
+    held = size_kv_pool("cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.9, probe=_probe(96 * GIB, 75 * GIB),
+                        reserve=graphs)
+    assert held.pool_bytes == base.pool_bytes - graphs.bytes and held.tokens == held.pool_bytes // 70272
+    assert "NCCL 1.00 GiB" in held.describe() and "CUDA graphs" in held.describe()
+    fixed = size_kv_pool("cuda", 1000, GIB, 10**9, max_total_tokens=4096, probe=_no_probe, reserve=graphs)
+    assert fixed.tokens == 4096

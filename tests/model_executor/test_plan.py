@@ -39,7 +39,8 @@ def _short_kimi(tmp_path: Path, layers: int = 3, heads: int = 64, **changes) -> 
 def test_b300_preset_plan_kimi_weights_kv_and_pool(kimi_dir, capsys) -> None:
     """The B300 preset with suffix drafts alone: ~69 GiB per GPU at TP 8 (published; we also count the
     replicated q_a/kv_a projections and the float32 router), MLA latent KV 61 x 576 x 2 B per token, and the
-    server's rule: 0.90 x 288 GiB - in use (weights + 2 GiB) - the workspace of 128 x 129 verify tokens."""
+    server's rule: 0.90 x 288 GiB - in use (weights + 2 GiB) - the workspace of 128 x 129 verify tokens - NCCL's
+    1 GiB reserve."""
     assert main(["plan", "--config", str(CONFIGS / "kimi-k2.6-8x-b300.yaml"), "--model-path", str(kimi_dir),
                  *NO_DRAFTER, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -50,7 +51,8 @@ def test_b300_preset_plan_kimi_weights_kv_and_pool(kimi_dir, capsys) -> None:
     assert plan["device_memory_bytes"] == 288 * GIB and plan["memory"].endswith("(machine b300)")
     workspace = 128 * 129 * 163840 * 16
     assert plan["workspace_bytes"] == workspace and plan["max_verify_tokens"] == 128 * 129
-    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace) // (61 * 576 * 2)
+    assert plan["nccl_reserve_bytes"] == GIB and plan["graph_reserve_bytes"] == 0  # TP 8 (NCCL), no graphs
+    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace - GIB) // (61 * 576 * 2)
     assert plan["kv_tokens"] == expect and plan["kv_source"] == "mem_fraction_static"
     assert plan["log_line"].startswith(f"KV pool: {expect} tokens x 70272 B")
     # The B300 preset on 96 GiB GPUs: serve's start-up error (weights + the 128 x 128 workspace leave no pool).

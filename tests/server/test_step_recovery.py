@@ -1,8 +1,9 @@
 """A scheduler step that raises fails only its batch's requests and leaks no KV (server/step_recovery.py).
 
 A real ``Scheduler`` over a tiny random Llama (plain decoding, and DDTree with a random drafter) is
-stepped by hand; the step's target forward, or the logits projection right after it (KV written, counts
-advanced), is made to raise once. After the recovery every KV slot is free or counted by a live request,
+stepped by hand; the step's target forward, the logits projection right after it (KV written, counts
+advanced), the drafter's forward (the draft block's slots placed) or the speculative commit (right after it
+moved the accepted path's slots and freed the rest) is made to raise once. After the recovery every KV slot is free or counted by a live request,
 the survivors finish with exactly the tokens they produce without any failure, and new requests run.
 """
 
@@ -21,19 +22,27 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 class Fault:
     """Arms a one-shot exception in the scheduler's target forward (``where="forward"``: no KV written
-    yet) or in the logits projection after it (``where="logits"``: KV written, ``num_cached`` advanced)."""
+    yet), in the logits projection after it (``"logits"``: KV written, ``num_cached`` advanced), in the
+    drafter's forward (``"drafter"``: the draft block's slots placed) or in the speculative commit
+    (``"commit"``: raised right after ``keep_path`` moved the kept slots and freed the others)."""
 
     def __init__(self, s: Scheduler, where: str) -> None:
         self.armed = False
-        inner = getattr(s.runner, where)
+        self.fired = 0
+        obj, name = {"forward": (s.runner, "forward"), "logits": (s.runner, "logits"),
+                     "drafter": (s.spec.drafter if s.spec else None, "forward"),
+                     "commit": (s.runner.slots, "keep_path")}[where]
+        inner = getattr(obj, name)
 
         def call(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            out = inner(*args, **kw) if where == "commit" else None
             if self.armed:
                 self.armed = False
+                self.fired += 1
                 raise RuntimeError("injected step failure")
-            return inner(*args, **kw)
+            return out if where == "commit" else inner(*args, **kw)
 
-        setattr(s.runner, where, call)
+        setattr(obj, name, call)
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +139,8 @@ def test_failed_prefill_spares_the_running_request(models, algorithm, where) -> 
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "nocache"])
-@pytest.mark.parametrize("where", ["forward", "logits"])
-@pytest.mark.parametrize("algorithm", ["none", "ddtree"])
+@pytest.mark.parametrize("algorithm,where", [("none", "forward"), ("none", "logits"), ("ddtree", "forward"),
+                                             ("ddtree", "logits"), ("ddtree", "drafter"), ("ddtree", "commit")])
 def test_failed_decode_fails_its_batch_and_the_server_goes_on(models, algorithm, where, cache) -> None:
     s = _scheduler(models, algorithm, cache=cache)
     fault = Fault(s, where)
@@ -140,9 +149,13 @@ def test_failed_decode_fails_its_batch_and_the_server_goes_on(models, algorithm,
         s.add_request(GenerateReq(rid, _prompt(seed), GREEDY))
     _step(s, outs)  # both prefilled in one batch
     fault.armed = True
+    allocated = s.runner.slots.num_slots - s.runner.slots.num_free
     with pytest.raises(RuntimeError, match="injected"):
         s.step()  # the decode batch of a and b
-    assert sorted(fail_step(s)) == ["a", "b"] and not s.has_work()
+    assert fault.fired == 1
+    if where in ("drafter", "commit"):  # the step had taken slots (draft block; kept path) when it failed
+        assert s.runner.slots.num_slots - s.runner.slots.num_free > allocated
+    assert sorted(s.fail_step()) == ["a", "b"] and not s.has_work()
     _assert_accounting(s)
     assert _all_free(s)
     s.add_request(GenerateReq("c", _prompt(4), GREEDY))
@@ -171,3 +184,23 @@ def test_failed_prefill_chunk_frees_the_earlier_chunks(models, where) -> None:
     _assert_accounting(s)
 
 
+
+
+def test_offline_engine_fails_the_call_and_serves_on(models, monkeypatch) -> None:
+    """The offline Engine (one process) recovers too: the call whose step failed raises, the next call works
+    and no KV is held (the test-only hook, server/fault_injection.py, fails steps over token 200)."""
+    from server.engine import Engine
+    from server.fault_injection import TEST_FAULT_ENV
+
+    target, _ = models
+    monkeypatch.setenv(TEST_FAULT_ENV, "forward:200")
+    eng = Engine(target, device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=4)
+    try:
+        with pytest.raises(RuntimeError, match="scheduler step running this request failed"):
+            eng.generate(input_ids=[_prompt(1), [3, 200, 9]], sampling_params=GREEDY)  # one batch: both fail
+        assert [o.token_ids for o in eng.generate(input_ids=[_prompt(1)], sampling_params=GREEDY)] == \
+            [_reference(models, "none", _prompt(1))]
+        s = eng.scheduler
+        assert not s.has_work() and s.runner.slots.num_free + s.kv.cached_tokens == s.runner.slots.num_slots
+    finally:
+        eng.shutdown()

@@ -1,0 +1,128 @@
+"""Faults under TP=2 (gloo, 2 processes), through the offline Engine (server/step_recovery.py, tp_protocol.py).
+
+- A step that raises on every rank (the test-only fault hook, server/fault_injection.py, armed in rank 0
+  and in the follower: the target forward, the drafter forward, the speculative commit) fails that step's
+  requests with a clear error; a request streaming meanwhile finishes with its reference tokens, later
+  requests too; rank 0 holds no KV afterwards, and the consistency check at shutdown (which hashes the
+  KV state of every rank) passes: the follower recovered to the same state.
+- The drafter has one KV head, fewer than the ranks: it loads and runs unsharded on both ranks
+  (``drafter_group``), and speculative greedy output equals plain TP=1 output.
+- A step that fails on rank 0 alone (rank 0's sampler, after the step's last collective) leaves the ranks
+  disagreeing: the follower stops at the next step's inputs and rank 0 raises ``TPRankError``.
+- Ranks whose outputs differ (rank 0's tokens altered) are caught by the consistency check: ``TPDivergence``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from model_executor.sampling_params import SamplingParams
+from server.engine import Engine
+from server.fault_injection import TEST_FAULT_ENV
+from server.tp_protocol import TPDivergence, TPRankError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+GOOD = [[5, 17, 42, 99, 7, 3], [11, 23, 31, 47, 59]]
+
+
+def _engine(model: str, **kw) -> Engine:
+    return Engine(model, device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tests.conftest import write_tiny_llama_family
+    from tests.speculative.drafter_utils import write_random_drafter
+
+    target = write_tiny_llama_family(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    drafter = write_random_drafter(target, tmp_path_factory.mktemp("drafter"), num_layers=1, block_size=4,
+                                   num_key_value_heads=1)  # fewer KV heads than TP ranks
+    ref = _engine(target)
+    try:
+        refs = [o.token_ids for o in ref.generate(input_ids=GOOD, sampling_params=GREEDY)]
+    finally:
+        ref.shutdown()
+    seen = {t for ids in GOOD + refs for t in ids}
+    bad = [t for t in range(100, 250) if t not in seen][:3]  # fault tokens no good request ever holds
+    return target, drafter, refs, bad
+
+
+def _no_kv_held(eng: Engine) -> None:
+    s = eng.scheduler.scheduler  # rank 0's Scheduler
+    slots = s.runner.slots
+    assert not s.running and not s.waiting
+    assert slots.num_free + s.kv.cached_tokens == slots.num_slots  # every slot free or a cached prefix
+    assert set(slots.allocated().tolist()) == set(s.kv.tree.held_slots().tolist())
+    assert slots.num_free_rows == slots.max_rows
+
+
+def test_tp2_failed_steps_fail_their_requests_and_serving_goes_on(models) -> None:
+    target, drafter, refs, (t_fwd, t_draft, t_commit) = models
+    with pytest.MonkeyPatch.context() as mp:  # the follower inherits the environment
+        mp.setenv(TEST_FAULT_ENV, f"forward:{t_fwd},drafter:{t_draft},commit:{t_commit}")
+        eng = _engine(target, tp_size=2, speculative_algorithm="ddtree", draft_model_path=drafter,
+                      ddtree_budget=4)
+    try:
+        assert eng.scheduler.scheduler.spec.drafter.tp.size == 1  # 1 KV head < 2 ranks: unsharded
+        stream = eng.generate_stream(input_ids=[GOOD[0]], sampling_params=GREEDY)
+        got = []
+        for d in stream:  # the good request is decoding when the bad one fails in its prefill
+            got += d.token_ids
+            if len(got) >= 2:
+                break
+        with pytest.raises(RuntimeError, match="scheduler step running this request failed") as e:
+            eng.generate(input_ids=[[3, t_fwd, 9]], sampling_params=GREEDY)
+        assert "injected step failure (forward" in str(e.value)
+        for d in stream:
+            got += d.token_ids
+        assert got == refs[0]
+        for site, tok in (("drafter", t_draft), ("commit", t_commit)):  # both fail in the first verify step
+            with pytest.raises(RuntimeError, match=f"injected step failure \\({site}"):
+                eng.generate(input_ids=[[4, tok, 8, 2]], sampling_params=GREEDY)
+            _no_kv_held(eng)
+        outs = eng.generate(input_ids=GOOD, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == refs
+        assert sum(o.spec_verify_steps for o in outs) > 0  # the verify path ran after the failures
+        _no_kv_held(eng)
+    finally:
+        eng.shutdown()  # the last consistency check: raises TPDivergence if the follower's state differs
+    assert [p.exitcode for p in eng.scheduler.followers] == [0]
+
+
+def test_tp2_ranks_that_disagree_end_the_engine(models) -> None:
+    target, _, refs, _ = models
+    eng = _engine(target, tp_size=2)
+    rank0 = eng.scheduler.scheduler
+    sample = rank0._sample
+    calls = []
+
+    def fail_once(reqs, logits):  # noqa: ANN001, ANN202 - after the step's last collective, on rank 0 only
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("rank 0 alone fails")
+        return sample(reqs, logits)
+
+    rank0._sample = fail_once
+    try:
+        with pytest.raises(RuntimeError, match="rank 0 alone fails"):
+            eng.generate(input_ids=[GOOD[0]], sampling_params=GREEDY)
+        with pytest.raises(TPRankError):  # the follower saw rank 0's failure differ from its own outcome
+            eng.generate(input_ids=[GOOD[1]], sampling_params=GREEDY)
+    finally:
+        eng.shutdown()
+    assert [p.exitcode for p in eng.scheduler.followers] == [1]
+
+
+@pytest.mark.slow
+def test_tp2_diverged_outputs_are_detected(models) -> None:
+    target, _, _, _ = models
+    eng = _engine(target, tp_size=2)
+    rank0 = eng.scheduler.scheduler
+    sample = rank0._sample
+    rank0._sample = lambda reqs, logits: [(t + 1) % 200 for t in sample(reqs, logits)]  # rank 0's tokens differ
+    try:
+        with pytest.raises(TPDivergence, match="diverged"):
+            eng.generate(input_ids=GOOD, sampling_params=SamplingParams(temperature=0, max_tokens=40,
+                                                                        ignore_eos=True))
+    finally:
+        eng.shutdown()
