@@ -180,7 +180,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("functions", "function_call", mode="before")
     @classmethod
     def _legacy_functions(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is not None:
+        if v is not None and v != []:  # an empty list asks for nothing
             other = "tools" if info.field_name == "functions" else "tool_choice"
             raise ValueError(f"the legacy '{info.field_name}' field is not supported: use '{other}'")
         return v
