@@ -30,6 +30,7 @@ from server.agent_routes import add_agent_routes
 from server.body_limit import BodyGuard
 from server.config import ServerConfig
 from server.info_routes import add_info_routes
+from server.openapi import openapi_spec
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -79,6 +80,7 @@ def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
     app = FastAPI(title="ddtree-serve", summary="OpenAI-compatible server with DFlash + DDTree speculative decoding",
                   lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.tokenizer_manager = tm
+    app.openapi = lambda: openapi_spec(app)  # type: ignore[method-assign] - no 422 (server/openapi.py)
     app.add_middleware(BodyGuard, max_bytes=config.server.max_request_body_bytes)
 
     @app.middleware("http")

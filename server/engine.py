@@ -46,7 +46,8 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    spec_verify_steps: int = 0
+    spec_verify_steps: int = 0  # decode steps that verified a draft tree
+    spec_plain_steps: int = 0  # decode steps without a draft tree (plain decode)
     spec_accepted_tokens: int = 0
     spec_accepted_suffix: int = 0  # of spec_accepted_tokens, proposed by the suffix draft source
     spec_budget_sum: int = 0
@@ -57,13 +58,14 @@ class RequestOutput:
     @property
     def acceptance_length(self) -> float:
         """Mean tokens emitted per verify step, tau = (accepted drafts + bonus tokens) / verify steps (the same
-        definition as the API's ``spec_stats.acceptance_length``); 0 without speculation."""
+        definition as the API's ``spec_stats.acceptance_length``; plain decode steps do not count); 0 when no
+        step verified a draft tree."""
         steps = self.spec_verify_steps
         return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
 
     @property
     def mean_budget(self) -> float:
-        """Draft tree nodes offered per verify step (``spec_stats.mean_budget``); 0 without speculation."""
+        """Draft tree nodes offered per verify step (``spec_stats.mean_budget``); 0 when no step verified a tree."""
         return self.spec_budget_sum / self.spec_verify_steps if self.spec_verify_steps else 0.0
 
 
@@ -241,6 +243,7 @@ def _apply(out: RequestOutput, d: TokenOut) -> None:
     out.token_ids.extend(d.token_ids)
     out.spec_verify_steps, out.spec_accepted_tokens = d.spec_verify_steps, d.spec_accepted_tokens
     out.spec_budget_sum, out.spec_accepted_suffix = d.spec_budget_sum, d.spec_accepted_suffix
+    out.spec_plain_steps = d.spec_plain_steps
     out.cached_tokens = d.cached_tokens
     if d.logprobs is not None:
         out.logprobs = (out.logprobs or []) + d.logprobs

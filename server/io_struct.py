@@ -37,7 +37,8 @@ class TokenOut:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    spec_verify_steps: int = 0
+    spec_verify_steps: int = 0  # decode steps that verified a draft tree
+    spec_plain_steps: int = 0  # decode steps without a draft tree
     spec_accepted_tokens: int = 0
     spec_accepted_suffix: int = 0  # of spec_accepted_tokens, proposed by the suffix draft source
     spec_budget_sum: int = 0
@@ -118,7 +119,8 @@ class TextOut:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    spec_verify_steps: int = 0
+    spec_verify_steps: int = 0  # decode steps that verified a draft tree
+    spec_plain_steps: int = 0  # decode steps without a draft tree
     spec_accepted_tokens: int = 0
     spec_accepted_suffix: int = 0  # of spec_accepted_tokens, proposed by the suffix draft source
     spec_budget_sum: int = 0
@@ -150,6 +152,7 @@ class SchedulerReady:
     max_context_len: int
     eos_token_ids: tuple[int, ...]
     model_path: str
+    vocab_size: int = 0  # the model's (logit_bias ids are checked against it before a request is sent)
 
 
 @dataclass

@@ -9,6 +9,9 @@ from server.io_struct import SchedulerStats
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                     5.0, 10.0, 20.0, 40.0, 80.0)
 _BUDGET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# ``ddtree_requests_total{finish_reason}``: the engine's reasons, and "error" for a request that failed
+# (rejected at admission, or failed by a scheduler step: docs/API.md Errors)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
 
 
@@ -60,6 +63,23 @@ class ServerMetrics:
         self._cached_seen = 0
         self.inflight = Gauge(f"{p}_num_inflight_http_reqs", "Requests held by the HTTP front end", labels,
                               registry=reg)
+        self._export_zeros()
+
+    def _export_zeros(self) -> None:
+        """Create every series up front, so /metrics lists each one at 0 before its first increment (a
+        Prometheus rate() over a series that appears late misses its first increments)."""
+        m = self._model
+        for reason in FINISH_REASONS:
+            self.requests.labels(m, reason)
+        for counter in (self.accept_pred, self.accept_obs):
+            for mode in ("greedy", "sampled"):
+                counter.labels(m, mode)
+        for source in ("dflash", "suffix"):
+            self.accepted.labels(m, source)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.accept_len,
+                       self.budget, self.running, self.queued, self.kv_used, self.kv_total, self.kv_usage,
+                       self.cached_prompt, self.cache_hit_rate, self.cache_held, self.inflight):
+            metric.labels(m)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self._model).observe(seconds)

@@ -9,11 +9,12 @@ server/protocol_tools.py; structured output (``response_format``, ``regex``, ``e
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from server.protocol_tools import REQUEST_CONFIG as _REQ
 from server.protocol_tools import (  # noqa: F401 - re-exported: the request models' public home
@@ -40,8 +41,28 @@ class TextPart(BaseModel):
     text: str
 
 
+def _needs(*fields: str) -> dict:
+    """JSON Schema: ``fields`` present and not null."""
+    return {"required": list(fields), "properties": {f: {"not": {"type": "null"}} for f in fields}}
+
+
+def _if_role(roles: list[str], then: dict) -> dict:
+    return {"if": {"properties": {"role": {"enum": roles}}, "required": ["role"]}, "then": then}
+
+
+# the role rules of ChatMessage._role_rules, published in the OpenAPI spec (JSON Schema if/then)
+_ROLE_RULES = [
+    _if_role(["tool"], _needs("content", "tool_call_id")),
+    _if_role(["system", "developer", "user"], _needs("content")),
+    _if_role(["assistant"], {"anyOf": [_needs("content"), {"required": ["tool_calls"],
+                                                            "properties": {"tool_calls": {"type": "array",
+                                                                                          "minItems": 1}}}]}),
+    _if_role(["system", "developer", "user", "tool"], {"properties": {"tool_calls": {"type": "null"}}}),
+]
+
+
 class ChatMessage(BaseModel):
-    model_config = _REQ
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": _ROLE_RULES})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -72,16 +93,17 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints. ``best_of`` (completions) is accepted only where it means nothing
+    more than ``n``: no candidates are ranked server-side."""
 
     model_config = _REQ
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1, json_schema_extra={"not": {"const": 0}})  # -1 (off) or >= 1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
@@ -90,7 +112,10 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: 0 (off)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: 0 (off)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # None: 1 (off)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id (digits) -> [-100, 100]
+        "anyOf": [{"type": "object", "additionalProperties": False,
+                   "patternProperties": {"^[0-9]+$": {"type": "number", "minimum": -100, "maximum": 100}}},
+                  {"type": "null"}]})
     user: str | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = Field(None, min_length=1)  # SGLang extension: the output matches this regex
@@ -107,7 +132,7 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.strip().isdigit():
+            if not re.fullmatch(r"[0-9]+", key):
                 raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {bias!r} for token {key}")
@@ -135,16 +160,37 @@ class _SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # only with logprobs: true (as OpenAI)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call; honoured with a forced tool_choice
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
+    # OpenAI's deprecated forms of tools / tool_choice: refused (400), never ignored; send tools instead
+    functions: list[dict[str, Any]] | None = Field(None, max_length=0, json_schema_extra={"deprecated": True})
+    function_call: None = Field(None, json_schema_extra={"deprecated": True})
+
+    @field_validator("functions", "function_call", mode="before")
+    @classmethod
+    def _legacy_functions(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and v != []:  # an empty list asks for nothing
+            other = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"the legacy '{info.field_name}' field is not supported: use '{other}'")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -171,10 +217,32 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        {"if": {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}},  # max_tokens 0: echo only
+         "then": {"properties": {"max_tokens": {"minimum": 1}}}}]})
+    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt alone (checked by the handler)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=64)  # only equal to n: candidates are not ranked server-side
+    suffix: str | None = Field(None, max_length=0)  # insertion (text after the completion) is not supported
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"best_of ({v}) must equal n ({n}): this server does not rank candidates "
+                             "server-side; send n and choose among the choices")
+        return v
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _no_suffix(cls, v: Any) -> Any:
+        if isinstance(v, str) and v:
+            raise ValueError("suffix (text after the completion, insertion) is not supported")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -211,22 +279,27 @@ class UsageInfo(BaseModel):
 
 class SpecStats(BaseModel):
     """Speculative decoding statistics of one request (summed over its ``n`` choices).
-    ``acceptance_length``: tokens emitted per target verify step (accepted drafts + the bonus token).
-    ``mean_budget``: draft tree nodes offered per verify step (fixed with an integer budget; chosen per step
-    with ``auto``, 0 for plain decode steps). ``accepted_by_source``: accepted draft tokens by the draft source
-    that proposed them (``dflash``, ``suffix``; they add up to ``accepted_tokens``)."""
+    ``verify_steps``: decode steps that verified a draft tree of at least one node; ``plain_steps``: decode
+    steps without one (a plain decode forward: no speculation, an ``auto`` budget of 0, or no node fit).
+    ``acceptance_length``: tokens emitted per verify step (accepted drafts + the bonus token), over verify
+    steps only (0 without any). ``mean_budget``: draft tree nodes offered per verify step (fixed with an
+    integer budget, fewer near ``max_tokens``; chosen per step with ``auto``). ``accepted_by_source``:
+    accepted draft tokens by the draft source that proposed them (``dflash``, ``suffix``; they add up to
+    ``accepted_tokens``)."""
 
     verify_steps: int = 0
+    plain_steps: int = 0
     accepted_tokens: int = 0
     acceptance_length: float = 0.0
     mean_budget: float = 0.0
     accepted_by_source: dict[str, int] = Field(default_factory=dict)
 
     @classmethod
-    def of(cls, verify_steps: int, accepted_tokens: int, budget_sum: int = 0, accepted_suffix: int = 0) -> SpecStats:
+    def of(cls, verify_steps: int, accepted_tokens: int, budget_sum: int = 0, accepted_suffix: int = 0,
+           plain_steps: int = 0) -> SpecStats:
         tau = (accepted_tokens + verify_steps) / verify_steps if verify_steps else 0.0
         mean = budget_sum / verify_steps if verify_steps else 0.0
-        return cls(verify_steps=verify_steps, accepted_tokens=accepted_tokens, acceptance_length=round(tau, 4),
+        return cls(verify_steps=verify_steps, plain_steps=plain_steps, accepted_tokens=accepted_tokens, acceptance_length=round(tau, 4),
                    mean_budget=round(mean, 4),
                    accepted_by_source={"dflash": accepted_tokens - accepted_suffix, "suffix": accepted_suffix})
 

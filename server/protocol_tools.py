@@ -79,7 +79,10 @@ class ResponseFormat(BaseModel):
     """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON object) or
     ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``."""
 
-    model_config = _REQ
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [  # _schema_iff_json_schema
+        {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+         "then": {"required": ["json_schema"], "properties": {"json_schema": {"not": {"type": "null"}}}},
+         "else": {"properties": {"json_schema": {"type": "null"}}}}]})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 

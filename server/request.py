@@ -27,7 +27,8 @@ class Req:
     cache_node: RadixNode | None = None  # the prefix cache node locked for this request
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission (usage report)
     finish_reason: str | None = None
-    spec_verify_steps: int = 0
+    spec_verify_steps: int = 0  # decode steps that verified a draft tree (of at least one node)
+    spec_plain_steps: int = 0  # decode steps without a draft tree (a plain decode forward)
     spec_accepted_tokens: int = 0
     spec_accepted_suffix: int = 0  # of spec_accepted_tokens, proposed by the suffix draft source
     spec_budget_sum: int = 0  # tree nodes offered over all verify steps (auto budget: mean = sum / steps)
@@ -64,7 +65,8 @@ class Req:
             lps, self.pending_logprobs = self.pending_logprobs[:len(new)], self.pending_logprobs[len(new):]
         return TokenOut(self.rid, list(new), prompt_tokens=len(self.prompt_ids),
                         completion_tokens=len(self.output_ids), cached_tokens=self.cached_tokens,
-                        spec_verify_steps=self.spec_verify_steps, spec_accepted_tokens=self.spec_accepted_tokens,
+                        spec_verify_steps=self.spec_verify_steps, spec_plain_steps=self.spec_plain_steps,
+                        spec_accepted_tokens=self.spec_accepted_tokens,
                         spec_accepted_suffix=self.spec_accepted_suffix,
                         spec_budget_sum=self.spec_budget_sum, logprobs=lps, prompt_logprobs=self._take_prompt_logprobs())
 

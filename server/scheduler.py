@@ -64,6 +64,7 @@ class Scheduler:
                                              moe_backend=config.model.moe_backend)
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
+        self.vocab_size = self.model_config.vocab_size  # token ids (prompt, logit_bias) are below it
         sc = config.scheduler
         tp = tp or TPGroup()
         self.runner = ModelRunner(self.model_config, sc.max_running_requests + 1, self.max_context_len, tp, device,
@@ -322,6 +323,7 @@ class Scheduler:
         out = r.forward(fb)
         for q in reqs:
             q.num_cached += 1
+            q.spec_plain_steps += 1
         tokens = self._sample(reqs, r.logits(out.hidden))
         return [[t] for t in tokens]
 
@@ -335,11 +337,14 @@ class Scheduler:
                 self._retract_one(batch)
         out = []
         for req, res in zip(batch.reqs, results, strict=True):
-            req.spec_verify_steps += 1
-            req.spec_accepted_tokens += res.accepted
-            req.spec_accepted_suffix += res.accepted_suffix
-            req.spec_budget_sum += res.budget
-            self.total_verify_steps += 1
+            if res.budget > 0:  # the request's tree had nodes: a verify step (docs/API.md spec_stats)
+                req.spec_verify_steps += 1
+                req.spec_accepted_tokens += res.accepted
+                req.spec_accepted_suffix += res.accepted_suffix
+                req.spec_budget_sum += res.budget
+                self.total_verify_steps += 1
+            else:  # its root alone (a plain step, or no node fit): one plain decode token
+                req.spec_plain_steps += 1
             self.total_spec_tokens += len(res.tokens)
             if req.params.logprobs is not None and res.logprobs is not None:
                 req.pending_logprobs.extend(res.logprobs)

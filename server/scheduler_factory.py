@@ -33,6 +33,9 @@ class SchedulerLike(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
     @property
+    def vocab_size(self) -> int: ...  # the model's: token ids below it
+
+    @property
     def running(self) -> Sequence: ...  # the requests being decoded (server.request.Req)
 
     @property

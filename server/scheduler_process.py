@@ -150,7 +150,7 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
 
         scheduler = make_scheduler(config)  # tp_size > 1: rank 0 of the TP world, followers spawned here
         send.send_pyobj(SchedulerReady(int(scheduler.max_context_len), tuple(scheduler.eos_token_ids),
-                                       config.model.model_path))
+                                       config.model.model_path, int(scheduler.vocab_size)))
     except Exception as e:  # noqa: BLE001
         logger.error("cannot start the scheduler:\n%s", traceback.format_exc())
         send.send_pyobj(ProcessFailed("scheduler", f"cannot start: {type(e).__name__}: {e}"))

@@ -65,6 +65,12 @@ def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> Choi
         for t, lp, top in entries])
 
 
+def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
+    """``tool_calls`` for a reply that ended by itself (``stop``) with tool calls; a reply cut by ``max_tokens``
+    or the context stays ``length`` (its unfinished call is not a call: docs/API.md), an aborted one ``abort``."""
+    return "tool_calls" if has_calls and engine_reason == "stop" else engine_reason
+
+
 class ChatHandler:
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
         self.config, self.tm, self.served = config, tm, served_model
@@ -82,19 +88,23 @@ class ChatHandler:
         """``req``: the body, validated by the route (server/api.py)."""
         check_admission(self.tm, req.model, self.served, req.n)
         constraint = constraint_of(req, self.config.server.tool_call_parser)
+        if req.tools and req.tool_choice != "none" and self.config.server.tool_call_parser is None:
+            raise APIError(400, "tools need a tool-call format to parse the reply's calls: start the server with "
+                                "--tool-call-parser (kimi_k2 or hermes), or send tool_choice 'none'",
+                           param="tools", code="unsupported_value")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
         try:
             ids = self.tm.encode_chat(_messages(req), tools, req.chat_template_kwargs)
             max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
             self.tm.check_length(len(ids), max_tokens)
-        except InputError as e:
-            raise APIError(400, str(e)) from None
+        except InputError as e:  # the template's or the prompt's length: both come from 'messages'
+            raise APIError(400, str(e), param="messages") from None
         reasoning, tool_parser, thinking = self._parsers(req, constraint)
         base = uuid.uuid4().hex
         det_common = dict(stop=tuple(req.stop_list()), stop_token_ids=tuple(req.stop_token_ids or ()),
                           skip_special_tokens=not (reasoning or tool_parser), logprobs=req.logprobs)
         group = [(GenerateReq(f"{base}-{i}", ids, make_params(req, max_tokens, i, req.num_logprobs,
-                                                              constraint=constraint)),
+                                                              constraint=constraint, vocab_size=self.tm.vocab_size)),
                   DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
         run = await start_generation(request, self.tm, group)
         parsers = (reasoning, tool_parser, thinking)
@@ -113,7 +123,7 @@ class ChatHandler:
             calls = []
             if tool_parser:
                 text, calls = parse_tool_calls(tool_parser, text)
-            finish = "tool_calls" if calls else c.finish_reason
+            finish = _finish_reason(c.finish_reason, bool(calls))
             msg = ChatResponseMessage(
                 content=text if (text or not calls) else None, reasoning_content=reasoning_text or None,
                 tool_calls=[ToolCallOut(id=tc.id, type="function", function=FunctionCallOut(
@@ -135,6 +145,7 @@ class ChatHandler:
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=cid, model=self.served, choices=[choice]))
 
+        failed = False  # an error event ends the stream: [DONE] follows it directly
         async with run:
             for i in range(req.n):
                 yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
@@ -142,6 +153,7 @@ class ChatHandler:
                 acc[idx].add(out)
                 if out.error is not None:
                     yield sse(APIError(out.error_status, out.error).body())
+                    failed = True
                     break
                 r_delta, c_delta = rps[idx].feed(out.text) if rps[idx] else ("", out.text)
                 if out.finished and rps[idx]:
@@ -161,7 +173,7 @@ class ChatHandler:
                 lp = _logprobs(out.logprobs) if (req.logprobs and out.logprobs) else None
                 finish = None
                 if out.finished:
-                    finish = "tool_calls" if tps[idx] and tps[idx].num_calls else out.finish_reason
+                    finish = _finish_reason(out.finish_reason, bool(tps[idx] and tps[idx].num_calls))
                 if delta.content or delta.reasoning_content or delta.tool_calls or lp or finish:
                     body = ChatCompletionChunk(id=cid, model=self.served, choices=[ChatCompletionStreamChoice(
                         index=idx, delta=delta, logprobs=lp)]).model_dump(exclude_none=True)
@@ -169,7 +181,7 @@ class ChatHandler:
                     if finish:
                         body["spec_stats"] = spec_of([acc[idx]]).model_dump()
                     yield sse(body)
-            if req.include_usage:
+            if req.include_usage and not failed:  # OpenAI: usage comes last, on success only
                 yield sse(ChatCompletionChunk(id=cid, model=self.served, choices=[], usage=usage_of(acc, prompt_len),
                                               spec_stats=spec_of(acc)))
             yield SSE_DONE

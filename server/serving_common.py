@@ -100,7 +100,10 @@ def check_admission(tm: TokenizerManager, requested_model: str | None, served: s
 
 
 def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | None,
-                prompt_logprobs: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None, constraint: Constraint | None = None,
+                vocab_size: int | None = None) -> SamplingParams:
+    """The engine's parameters of choice ``choice``; a value they refuse (``vocab_size``: the model's, for
+    ``logit_bias`` ids) is a 400 naming the field."""
     params = SamplingParams(
         temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
         seed=None if req.seed is None else req.seed + choice, max_tokens=None if max_tokens is None else int(max_tokens),
@@ -112,7 +115,7 @@ def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | N
         **(constraint.fields() if constraint is not None else {}),
     )
     try:
-        params.validate()
+        params.validate(vocab_size or None)
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
     return params
@@ -138,6 +141,7 @@ class ChoiceAccum:
     completion_tokens: int = 0
     cached_tokens: int = 0
     verify_steps: int = 0
+    plain_steps: int = 0
     accepted_tokens: int = 0
     accepted_suffix: int = 0
     budget_sum: int = 0
@@ -154,6 +158,7 @@ class ChoiceAccum:
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         self.verify_steps = max(self.verify_steps, out.spec_verify_steps)
+        self.plain_steps = max(self.plain_steps, out.spec_plain_steps)
         self.accepted_tokens = max(self.accepted_tokens, out.spec_accepted_tokens)
         self.accepted_suffix = max(self.accepted_suffix, out.spec_accepted_suffix)
         self.budget_sum = max(self.budget_sum, out.spec_budget_sum)
@@ -178,7 +183,8 @@ def usage_of(choices: list[ChoiceAccum], prompt_tokens: int, choices_per_prompt:
 
 def spec_of(choices: list[ChoiceAccum]) -> SpecStats:
     return SpecStats.of(sum(c.verify_steps for c in choices), sum(c.accepted_tokens for c in choices),
-                        sum(c.budget_sum for c in choices), sum(c.accepted_suffix for c in choices))
+                        sum(c.budget_sum for c in choices), sum(c.accepted_suffix for c in choices),
+                        sum(c.plain_steps for c in choices))
 
 
 def raise_choice_error(choices: list[ChoiceAccum]) -> None:

@@ -15,6 +15,7 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    SpecStats,
     UsageInfo,
     new_id,
 )
@@ -88,7 +89,8 @@ class CompletionHandler:
         for pi, ids in enumerate(prompts):
             for j in range(req.n):
                 rid = f"{base}-{pi * req.n + j}"
-                params = make_params(req, req.max_tokens, j, req.logprobs, prompt_logprobs, constraint)
+                params = make_params(req, req.max_tokens, j, req.logprobs, prompt_logprobs, constraint,
+                                     self.tm.vocab_size)
                 group.append((GenerateReq(rid, ids, params),
                               DetokenizeReq(rid, stop=tuple(req.stop_list()),
                                             stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -114,6 +116,7 @@ class CompletionHandler:
         offsets = [len(e) for e in echo]
         # with logprobs, a choice's echo waits for its first output, which carries the prompt's logprobs
         held = [bool(e) and req.logprobs is not None for e in echo]
+        failed = False  # an error event ends the stream: [DONE] follows it directly
         async with run:
             for i, e in enumerate(echo):
                 if e and not held[i]:
@@ -123,6 +126,7 @@ class CompletionHandler:
                 acc[idx].add(out)
                 if out.error is not None:
                     yield sse(APIError(out.error_status, out.error).body())
+                    failed = True
                     break
                 if held[idx]:
                     held[idx] = False
@@ -140,7 +144,7 @@ class CompletionHandler:
                     if out.finished:
                         body["spec_stats"] = spec_of([acc[idx]]).model_dump()
                     yield sse(body)
-            if req.include_usage:
+            if req.include_usage and not failed:  # OpenAI: usage comes last, on success only
                 yield sse(CompletionResponse(id=cid, model=self.served, choices=[],
                                              usage=usage_of(acc, prompt_tokens, req.n), spec_stats=spec_of(acc)))
             yield SSE_DONE
@@ -151,15 +155,16 @@ class CompletionHandler:
         choices = [CompletionChoice(index=i, text=texts[i // req.n], finish_reason="length")
                    for i in range(len(texts) * req.n)]
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
-        resp = CompletionResponse(id=new_id("cmpl"), model=self.served, choices=choices, usage=usage)
+        none = SpecStats.of(0, 0)  # no decode step ran: every count 0, as any response reports them
+        resp = CompletionResponse(id=new_id("cmpl"), model=self.served, choices=choices, usage=usage, spec_stats=none)
         if not req.stream:
             return JSONResponse(resp.model_dump())
 
         async def events() -> AsyncIterator[str]:
             for c in choices:
-                yield sse(CompletionResponse(id=resp.id, model=self.served, choices=[c]))
+                yield sse(CompletionResponse(id=resp.id, model=self.served, choices=[c], spec_stats=none))
             if req.include_usage:
-                yield sse(CompletionResponse(id=resp.id, model=self.served, choices=[], usage=usage))
+                yield sse(CompletionResponse(id=resp.id, model=self.served, choices=[], usage=usage, spec_stats=none))
             yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -61,6 +61,7 @@ class TokenizerManager:
         self.ready = False
         self.dead: str | None = None
         self.max_context_len = config.model.context_length or 0
+        self.vocab_size = 0  # the model's, from SchedulerReady (0: not known yet)
         self.eos_token_ids: tuple[int, ...] = ()
         self.last_stats = SchedulerStats()
         self.states: dict[str, ReqState] = {}
@@ -219,6 +220,7 @@ class TokenizerManager:
         elif isinstance(msg, SchedulerReady):
             self.max_context_len = msg.max_context_len
             self.eos_token_ids = tuple(msg.eos_token_ids)
+            self.vocab_size = msg.vocab_size
             self.ready = True
             logger.info("scheduler ready: context %d tokens", msg.max_context_len)
         elif isinstance(msg, ProcessFailed):

@@ -134,6 +134,10 @@ class TPScheduler:
         return self.scheduler.eos_token_ids
 
     @property
+    def vocab_size(self) -> int:
+        return self.scheduler.vocab_size
+
+    @property
     def running(self) -> list[Req]:
         return self.scheduler.running
 

@@ -99,7 +99,8 @@ class ToolCallParser:
             if self._state == "header":
                 i, _ = find_first(self._buf, (KIMI_ARG_BEGIN,))
                 if i < 0:
-                    if final:
+                    if final:  # a header cut short (max_tokens): not a call, its text stays content
+                        text.append(KIMI_CALL_BEGIN + self._buf)
                         self._buf = ""
                     break
                 header = self._buf[:i].strip()

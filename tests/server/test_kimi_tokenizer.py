@@ -237,3 +237,21 @@ def test_http_chat_stream(kimi_server) -> None:
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
     assert reasons and reasons[-1] in ("stop", "length")
+
+
+def test_http_forced_call_cut_by_max_tokens_is_length(kimi_server) -> None:
+    """A named forced call (kimi_k2 format) cut by a small max_tokens finishes ``length``, never ``tool_calls``,
+    streamed and not, with the partial call's text kept (content or the cut arguments)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for max_tokens in (3, 8):
+        resp = _chat(kimi_server, tools=TOOLS, tool_choice=named, max_tokens=max_tokens,
+                     chat_template_kwargs={"thinking": False})
+        choice = resp["choices"][0]
+        assert choice["finish_reason"] == "length" and resp["usage"]["completion_tokens"] == max_tokens, resp
+        msg = choice["message"]
+        assert msg.get("content") or msg.get("tool_calls"), msg
+        body = {"model": resp["model"], "messages": MESSAGES, "tools": TOOLS, "tool_choice": named, "temperature": 0,
+                "max_tokens": max_tokens, "stream": True, "chat_template_kwargs": {"thinking": False}}
+        with httpx.stream("POST", f"{kimi_server}/v1/chat/completions", json=body, timeout=120) as r:
+            chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert [c["finish_reason"] for ch in chunks for c in ch["choices"] if c.get("finish_reason")] == ["length"]

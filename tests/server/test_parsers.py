@@ -143,3 +143,20 @@ def test_unknown_parser_names() -> None:
         ToolCallParser("nope")
     with pytest.raises(ValueError):
         ReasoningParser("nope")
+
+
+def test_cut_calls_keep_their_text_and_finish_length() -> None:
+    """A reply cut by max_tokens (issue 38): a Kimi call cut inside its header is content, not a call; one cut
+    inside its arguments keeps them (already streamed); a cut hermes call is content; the finish reason is
+    the engine's ``length`` whatever was parsed, ``tool_calls`` only for a reply that ended by itself."""
+    from server.serving_chat import _finish_reason
+
+    text, calls = parse_tool_calls("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_w")
+    assert calls == [] and text == "<|tool_call_begin|>functions.get_w"
+    text, calls = parse_tool_calls("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+                                              "<|tool_call_argument_begin|>{\"city\": \"Par")
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"city": "Par')] and text == ""
+    text, calls = parse_tool_calls("hermes", '<tool_call>\n{"name": "f", "arguments": {"city": "Par')
+    assert calls == [] and text == '<tool_call>\n{"name": "f", "arguments": {"city": "Par'
+    assert _finish_reason("length", True) == "length" and _finish_reason("abort", True) == "abort"
+    assert _finish_reason("stop", True) == "tool_calls" and _finish_reason("stop", False) == "stop"

@@ -71,7 +71,8 @@ def test_chat_sync_stream_and_not(client, model_name) -> None:
     assert c.finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 8 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     stats = r.model_extra["spec_stats"]
-    assert stats.keys() == {"verify_steps", "accepted_tokens", "acceptance_length", "mean_budget", "accepted_by_source"}
+    assert stats.keys() == {"verify_steps", "plain_steps", "accepted_tokens", "acceptance_length", "mean_budget",
+                            "accepted_by_source"}
     assert sum(stats["accepted_by_source"].values()) == stats["accepted_tokens"]
     text, usage, finish = "", None, None
     for ch in client.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
@@ -321,6 +322,12 @@ def test_default_server_copies_with_suffix_drafts(server, client, model_name) ->
                                        max_tokens=48, temperature=0)
     stats = r.model_extra["spec_stats"]
     assert stats["accepted_by_source"]["suffix"] > 0, stats
+    # it drafted: acceptance over the steps that verified a tree (each offered at least one node)
+    v = stats["verify_steps"]
+    assert v > 0 and stats["mean_budget"] >= 1, stats
+    assert stats["acceptance_length"] == round((stats["accepted_tokens"] + v) / v, 4), stats
+    decode_tokens = r.usage.completion_tokens - 1  # the first token comes from the prefill
+    assert decode_tokens - stats["plain_steps"] in (stats["accepted_tokens"] + v, stats["accepted_tokens"] + v - 1)
     assert sum(stats["accepted_by_source"].values()) == stats["accepted_tokens"]
     by_source = {src: v for (name, src), v in read_metrics(server["base"], "source").items()
                  if name == "ddtree_spec_accepted_tokens_total"}

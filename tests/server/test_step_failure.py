@@ -100,12 +100,15 @@ def test_failed_steps_fail_their_requests_and_the_server_goes_on(server) -> None
     with httpx.stream("POST", base + "/v1/chat/completions", timeout=300,
                       json={"model": "default", "messages": [{"role": "user", "content": "Name an animal."}],
                             "max_tokens": 8, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True},
                             "logit_bias": {str(server["bad"]): 100}}) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln]
     events = _events(lines)
     assert any(BAD_WORD.strip() in (e["choices"][0]["delta"].get("content") or "") for e in events if e.get("choices"))
-    assert "scheduler step" in events[-1]["error"]["message"]
+    # the error event is last, then [DONE]: no usage chunk after a failure (OpenAI sends usage on success only)
+    assert "scheduler step" in events[-1]["error"]["message"] and lines[-1] == "data: [DONE]"
+    assert not any("usage" in e for e in events), events
 
     ok = _chat(base, "Say hello.")
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")

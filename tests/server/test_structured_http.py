@@ -256,3 +256,30 @@ def test_named_tool_choice_calls_that_tool(base) -> None:
         calls = choice["message"]["tool_calls"]
         assert len(calls) == 1
         _check_calls(calls, {"get_time"})
+
+
+def test_forced_tool_call_cut_by_max_tokens_is_length(base) -> None:
+    """A forced call that max_tokens cuts short is not a call: finish_reason ``length`` (never ``tool_calls``),
+    its partial text returned as content (hermes sends a call whole, at its closing tag), streamed and not."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": named, "temperature": 0, "max_tokens": 80}
+    whole = _post(base, "/v1/chat/completions", body).json()
+    assert whole["choices"][0]["finish_reason"] == "tool_calls", whole
+    n = whole["usage"]["completion_tokens"]
+    cut = _post(base, "/v1/chat/completions", {**body, "max_tokens": n - 3}).json()
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == n - 3, cut
+    assert not choice["message"].get("tool_calls"), choice
+    assert choice["message"]["content"].startswith("<tool_call>") and "get_weather" in choice["message"]["content"]
+    events = _stream(base, "/v1/chat/completions", {**body, "max_tokens": n - 3})
+    finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    content = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+    assert finish == ["length"] and content == choice["message"]["content"], events
+    assert not any(c["delta"].get("tool_calls") for e in events for c in e.get("choices", []))
+    # cut after the call closed, before the reply's end (its EOS): the call is returned, the reason stays length
+    late = _post(base, "/v1/chat/completions", {**body, "max_tokens": n - 1}).json()["choices"][0]
+    assert late["finish_reason"] == "length", late
+    def fns(msg: dict) -> list:
+        return [c["function"] for c in msg.get("tool_calls") or []]
+
+    assert fns(late["message"]) in (fns(whole["choices"][0]["message"]), []), late

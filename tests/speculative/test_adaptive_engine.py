@@ -57,7 +57,8 @@ def test_auto_greedy_lossless_shipped_drafter(default_model_path):
     got = e.generate(input_ids=ids, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     counts = e.scheduler.spec.controller.stats()["budget_counts"]
-    assert sum(counts.values()) == sum(o.spec_verify_steps for o in got)
+    assert sum(counts.values()) == sum(o.spec_verify_steps + o.spec_plain_steps for o in got)  # 0 = plain
+    assert sum(n for b, n in counts.items() if b > 0) == sum(o.spec_verify_steps for o in got)
     assert all(0 <= b <= 64 for b in counts)
     _assert_pool_full(e)
 

@@ -52,7 +52,9 @@ def test_capped_steps_are_lossless_and_bounded(tiny) -> None:
     root_only, e = _run(target, drafter, verify_workspace_gb=_workspace_gb(BATCH))
     assert e.scheduler.spec.max_verify_tokens == BATCH
     assert [o.token_ids for o in root_only] == [o.token_ids for o in ref]
-    assert all(o.spec_verify_steps == 11 and o.spec_accepted_tokens == 0 for o in root_only)  # + prefill's
+    # no tree was verified: 11 plain steps (+ the prefill's token), no verify step, acceptance 0
+    assert all(o.spec_plain_steps == 11 and o.spec_verify_steps == 0 and o.spec_accepted_tokens == 0
+               and o.acceptance_length == 0.0 for o in root_only)
     # 6 verify tokens for 2 requests: budget 2, so at most 2 accepted drafts per step
     capped, _ = _run(target, drafter, verify_workspace_gb=_workspace_gb(6))
     assert [o.token_ids for o in capped] == [o.token_ids for o in ref]
