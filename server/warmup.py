@@ -91,4 +91,7 @@ def _forget(scheduler) -> None:  # noqa: ANN001
         kv.tree.evict(kv.tree.evictable_size)
     kv.hit_tokens = kv.query_tokens = 0
     scheduler.total_verify_steps = scheduler.total_spec_tokens = 0
+    if scheduler.spec is not None:  # the per-phase step timings (benchmarks, tests) start empty
+        scheduler.spec.timer.totals.clear()
+        scheduler.spec.timer.steps = 0
     scheduler.outbox.clear()

@@ -1,6 +1,6 @@
 """Start-up collectives wait longer than steady-state ones (model_executor/parallel_state.py).
 
-Two real gloo ranks with small timeouts (steady 1 s, start-up 30 s). At start-up rank 1 arrives 3 s late to
+Two real gloo ranks with small timeouts (steady 1 s, start-up 30 s). At start-up rank 1 arrives 5 s late to
 the first control collective (the KV sizing's ``min_int``) and to a device all-reduce: rank 0 waits for it.
 After ``end_startup`` the same lateness breaks the collective on rank 0 within the 1 s steady timeout
 (a ``CollectiveError``, not a hang).
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-LATE_S = 3.0
+LATE_S = 5.0
 
 
 def _rank(rank: int, addr: str, out) -> None:
@@ -31,12 +31,11 @@ def _rank(rank: int, addr: str, out) -> None:
         end_startup(tp)
         if rank == 1:
             time.sleep(LATE_S)  # past the steady timeout: rank 0 gives up, then rank 1's peer is gone
-        t0 = time.monotonic()
-        try:
+        try:  # no timing asserted: with the start-up timeout still on, rank 0 would wait and succeed
             tp.all_reduce(torch.ones(2))
             out.put((rank, "steady", "ok"))
         except CollectiveError:
-            out.put((rank, "steady", "timeout" if time.monotonic() - t0 < LATE_S else "late error"))
+            out.put((rank, "steady", "error"))
     finally:
         if rank == 0:
             destroy_tp(tp)
@@ -62,4 +61,4 @@ def test_startup_waits_for_a_late_rank_and_steady_state_does_not() -> None:
             if p.is_alive():
                 p.kill()
     assert got[(0, "startup min_int")] == 10 and got[(0, "startup all_reduce")] == 2.0
-    assert got[(0, "steady")] == "timeout"
+    assert got[(0, "steady")] == "error"
