@@ -9,6 +9,7 @@ import torch
 from server.engine import Engine, SamplingParams
 from server.io_struct import GenerateReq
 from tests.speculative.drafter_utils import write_random_drafter
+from tests.speculative.scripted_drafts import greedy_script, install, plain_refs
 
 VOCAB = 24
 
@@ -70,9 +71,14 @@ def test_greedy_lossless_default_model_random_drafter(default_model_path, tmp_pa
                "List three prime numbers:", "In 1969, the first humans", "Photosynthesis is",
                "The quick brown fox jumps over", "SELECT * FROM"]  # 8 prompts of mixed lengths, one batch
     sp = SamplingParams(temperature=0, max_tokens=6)
-    ref = _engine(default_model_path, None).generate(prompts, sp)
-    got = _engine(default_model_path, drafter, "ddtree", 4).generate(prompts, sp)
+    base = _engine(default_model_path, None)
+    ref = base.generate(prompts, sp)
+    ids = [base.tokenizer.encode(p) for p in prompts]  # as the engine tokenizes them
+    spec = _engine(default_model_path, drafter, "ddtree", 8)
+    log = install(spec, greedy_script(plain_refs(base, ids, 6), base.tokenizer.vocab_size))
+    got = spec.generate(prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    log.assert_accepted()
 
 
 def _joint_counts(outs) -> torch.Tensor:
@@ -178,9 +184,13 @@ def test_tiny_kimi_ddtree_greedy_lossless(tmp_path):
     drafter = write_random_drafter(target, tmp_path / "kd", num_layers=1, block_size=4)
     prompts = [[11, 42, 7], [300, 2, 99, 15, 8]]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    ref = _engine(target, None).generate(input_ids=prompts, sampling_params=sp)
-    got = _engine(target, drafter, "ddtree", 6).generate(input_ids=prompts, sampling_params=sp)
+    base = _engine(target, None)
+    ref = base.generate(input_ids=prompts, sampling_params=sp)
+    spec = _engine(target, drafter, "ddtree", 8)
+    log = install(spec, greedy_script(plain_refs(base, prompts, 10), 512))
+    got = spec.generate(input_ids=prompts, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    log.assert_accepted()
 
 
 def test_shipped_drafter_lossless_and_accepts(default_model_path):
