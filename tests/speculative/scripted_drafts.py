@@ -124,29 +124,32 @@ def fixed_script(nodes: list[tuple[int, int]]) -> Script:
 class StepLog:
     """Every speculative step's results of one engine (``install``)."""
 
-    proposer: ScriptedProposer
+    proposer: ScriptedProposer | None  # None: the engine's own draft sources (``install(engine, None)``)
     accepted: list[int] = field(default_factory=list)  # per request-step: accepted draft nodes
     budgets: list[int] = field(default_factory=list)  # per request-step: tree nodes offered
 
     def assert_accepted(self, min_depth: int = 2) -> None:
         """Speculation ran and accepted: tokens accepted, a path of ``min_depth`` accepted in one step, a
         proposed tree at least that deep, and some offered node rejected."""
-        assert self.proposer.proposals > 0, "the scripted source proposed nothing"
-        assert self.proposer.proposed_depth >= min_depth, self.proposer.proposed_depth
+        if self.proposer is not None:
+            assert self.proposer.proposals > 0, "the scripted source proposed nothing"
+            assert self.proposer.proposed_depth >= min_depth, self.proposer.proposed_depth
         assert sum(self.accepted) > 0, "no draft token accepted"
         assert max(self.accepted) >= min_depth, f"no depth-{min_depth} path accepted: {self.accepted}"
         assert any(b > a for a, b in zip(self.accepted, self.budgets, strict=True)), "no node rejected"
 
 
-def install(engine, script: Script) -> StepLog:
+def install(engine, script: Script | None) -> StepLog:
     """Replace rank 0's suffix proposer of ``engine`` (an ``Engine`` or a scheduler) by ``script``'s and log
-    every step's results. The engine must run ddtree; under TP it must have suffix drafts configured."""
+    every step's results (``script`` None: log only, the engine's own sources draft). The engine must run
+    ddtree; under TP it must have suffix drafts configured."""
     sch = getattr(engine, "scheduler", engine)
     sch = getattr(sch, "scheduler", sch)  # TPScheduler: rank 0's own scheduler
     spec = sch.spec
     assert spec is not None and not spec.chain, "the scripted source needs a ddtree engine"
-    log = StepLog(ScriptedProposer(script))
-    spec.suffix = log.proposer
+    log = StepLog(ScriptedProposer(script) if script is not None else None)
+    if log.proposer is not None:
+        spec.suffix = log.proposer
     real = spec.decode
 
     def decode(reqs: Sequence, eos_ids: tuple[int, ...]):

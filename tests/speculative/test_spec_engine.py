@@ -9,6 +9,7 @@ import torch
 from server.engine import Engine, SamplingParams
 from server.io_struct import GenerateReq
 from tests.speculative.drafter_utils import write_random_drafter
+from tests.speculative.law import joint_counts, law_check, rejection_rate, shifted
 from tests.speculative.scripted_drafts import greedy_script, install, plain_refs
 
 VOCAB = 24
@@ -81,36 +82,22 @@ def test_greedy_lossless_default_model_random_drafter(default_model_path, tmp_pa
     log.assert_accepted()
 
 
-def _joint_counts(outs) -> torch.Tensor:
-    """Counts of (t2, t3): the first token comes from the prefill, t2 and t3 from one speculative step."""
-    counts = torch.zeros(VOCAB, VOCAB)
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    return counts
-
-
 def assert_follows_law(outs, plain, exact: torch.Tensor) -> float:
-    """The empirical joint law of ``outs`` (n samples) matches ``exact`` (chi-square p > 1e-3 over cells with
-    >= 5 expected counts), its total variation is within 0.05 of what plain decoding's ``plain`` samples
-    reach, and no sample falls where ``exact`` is 0 (outside top-k/top-p). Returns the total variation."""
-    from scipy.stats import chisquare
-
-    n = len(outs)
-    emp = _joint_counts(outs) / n
-    tv = 0.5 * (emp - exact).abs().sum().item()
-    tv_plain = 0.5 * (_joint_counts(plain) / n - exact).abs().sum().item()
-    cells = exact.flatten() * n >= 5
-    obs = (emp.flatten() * n)[cells]
-    exp = exact.flatten()[cells] * n
-    exp = exp * obs.sum() / exp.sum()
-    p = chisquare(obs.numpy(), exp.numpy()).pvalue
-    assert p > 1e-3 and tv < tv_plain + 0.05, (p, tv, tv_plain)
-    assert emp.flatten()[exact.flatten() == 0].sum() == 0
+    """The empirical joint law of (t2, t3) in ``outs`` matches ``exact`` and is as close to it as plain
+    decoding's ``plain`` samples (``tests.speculative.law.law_check``). Returns the total variation."""
+    ok, p, tv = law_check(joint_counts(outs, VOCAB), joint_counts(plain, VOCAB), exact)
+    assert ok, (p, tv)
     return tv
 
 
 def _exact_joint(target: str, prompt: list[int], temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """p(t2, t3) (t1 marginalised) of the processed target distribution, computed with transformers."""
+    return _exact_law(target, prompt, temperature, top_k, top_p)[0]
+
+
+def _exact_law(target: str, prompt: list[int], temperature: float, top_k: int, top_p: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(p(t2, t3) [V, V], p(t2 | t1) [V, V], p(t3 | t1, t2) [V, V, V]) of the processed target distribution."""
     from transformers import AutoModelForCausalLM
 
     from kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
@@ -126,7 +113,24 @@ def _exact_joint(target: str, prompt: list[int], temperature: float, top_k: int,
     p1 = dist(torch.tensor([prompt]))[0]  # [V]
     p2 = dist(torch.tensor([prompt + [t] for t in range(VOCAB)]))  # [V, V]
     p3 = dist(torch.tensor([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)])).view(VOCAB, VOCAB, VOCAB)
-    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0), p2, p3
+
+
+def _law_script(p2: torch.Tensor, p3: torch.Tensor):
+    """Scripted trees for the law test: after t1, the 3 likeliest t2 under the target, each with its 2
+    likeliest t3 (9 nodes, depth 2), so the sampled walk goes through depth-2 paths and rejects siblings."""
+
+    def script(prompt: list[int], output: list[int], max_depth: int) -> list[tuple[int, int]]:
+        if len(output) != 1:
+            return []
+        nodes: list[tuple[int, int]] = []
+        for a in torch.topk(p2[output[0]], 3).indices.tolist():
+            nodes.append((0, a))
+            parent = len(nodes)
+            nodes.extend((parent, c) for c in torch.topk(p3[output[0], a], 2).indices.tolist())
+        return nodes
+
+    return script
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.8, 6, 0.9)])
@@ -138,16 +142,29 @@ def test_sampled_ddtree_matches_target_distribution(tiny, temperature, top_k, to
 
     target, drafter = tiny
     prompt = [3, 7, 1, 9]
-    exact = _exact_joint(target, prompt, temperature, top_k, top_p)  # [V, V]
+    exact, p2, p3 = _exact_law(target, prompt, temperature, top_k, top_p)  # [V, V]
     n = 3000
-    e = _engine(target, drafter, "ddtree", 8, max_running_requests=512)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s, max_tokens=3,
-                             ignore_eos=True) for s in range(n)]
+    e = _engine(target, drafter, "ddtree", 12, max_running_requests=512)
+    log = install(e, _law_script(p2, p3))  # depth-2 trees merged with the drafter's pops
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s, max_tokens=4,
+                             ignore_eos=True) for s in range(n)]  # max_tokens 4: t2 and t3 can be tree nodes
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
-    assert sum(o.spec_accepted_tokens for o in outs) > n // 4, "acceptance too low to exercise the sampled walk"
+    depth2 = sum(a >= 2 for a in log.accepted)
+    assert depth2 > n // 5, f"{depth2} of {n} requests sampled through a depth-2 path"
+    log.assert_accepted()
     plain = _engine(target, None, max_running_requests=512).generate(input_ids=[prompt] * n, sampling_params=params)
     assert_follows_law(outs, plain, exact)
     _assert_pool_full(e)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.8, 6, 0.9)])
+def test_law_check_has_power(tiny, temperature, top_k, top_p):
+    """The law check above, at its N = 3000, rejects a 5-point shift of probability mass (the likeliest cell
+    to the second) in >= 90% of 200 simulated runs (seed 0), and passes draws from the exact law in >= 95%."""
+    target, _ = tiny
+    exact = _exact_law(target, [3, 7, 1, 9], temperature, top_k, top_p)[0]
+    assert rejection_rate(exact, shifted(exact, 0.05), 3000, 200, seed=0) >= 0.9
+    assert rejection_rate(exact, exact, 3000, 200, seed=1) <= 0.05
 
 
 def test_commit_keeps_exact_kv(tiny):
