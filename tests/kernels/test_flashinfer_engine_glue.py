@@ -75,7 +75,7 @@ def test_ddtree_uses_the_custom_mask_only_for_trees_and_blocks(tiny_llama_factor
     drafter = write_random_drafter(path, tmp_path / "d", num_layers=1, block_size=4)
     spec = dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=8)
     ref, _ = _generate(path, standin=False)
-    got, (target, draft) = _generate(path, standin=True, ref, **spec)
+    got, (target, draft) = _generate(path, standin=True, refs=ref, **spec)
     assert got == ref
     # prefill causal, tree verification masked; a step whose trees are all root-only (a request's last
     # token) is a plain decode step on the decode kernel
