@@ -117,17 +117,18 @@ def _exact_law(target: str, prompt: list[int], temperature: float, top_k: int, t
 
 
 def _law_script(p2: torch.Tensor, p3: torch.Tensor):
-    """Scripted trees for the law test: after t1, the 3 likeliest t2 under the target, each with its 2
-    likeliest t3 (9 nodes, depth 2), so the sampled walk goes through depth-2 paths and rejects siblings."""
+    """Scripted trees for the law test: after t1, the 6 likeliest t2 under the target, each with its 3
+    likeliest t3 (24 nodes, depth 2), so the sampled walk goes through depth-2 paths (with probability 0.12 at
+    T=1 and 0.64 under top-k/top-p on this target, averaged over t1) and rejects siblings."""
 
     def script(prompt: list[int], output: list[int], max_depth: int) -> list[tuple[int, int]]:
         if len(output) != 1:
             return []
         nodes: list[tuple[int, int]] = []
-        for a in torch.topk(p2[output[0]], 3).indices.tolist():
+        for a in torch.topk(p2[output[0]], 6).indices.tolist():
             nodes.append((0, a))
             parent = len(nodes)
-            nodes.extend((parent, c) for c in torch.topk(p3[output[0], a], 2).indices.tolist())
+            nodes.extend((parent, c) for c in torch.topk(p3[output[0], a], 3).indices.tolist())
         return nodes
 
     return script
@@ -135,22 +136,23 @@ def _law_script(p2: torch.Tensor, p3: torch.Tensor):
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.8, 6, 0.9)])
 def test_sampled_ddtree_matches_target_distribution(tiny, temperature, top_k, top_p):
-    """Joint distribution of tokens 2-3 (one speculative step of depth <= 2) under ddtree sampling vs the
-    exact target joint. N = 3000 seeded requests; chi-square over cells with expected count >= 5 must give
-    p > 1e-3, and the total variation to the exact joint must be within 0.05 of the total variation that
-    non-speculative sampling reaches with the same N (the sampling noise floor over ~V^2 cells)."""
+    """Joint distribution of tokens 2-3 (the first speculative step, scripted depth-2 trees merged with the
+    drafter's pops) under ddtree sampling vs the exact target joint. N = 3000 seeded requests (seeds 0..N-1);
+    ``tests.speculative.law.law_check``: chi-square p > 1e-3 over cells with expected count >= 5 and over
+    coarse bins, total variation within 0.05 of non-speculative sampling's with the same N. Its power:
+    ``test_law_check_has_power``."""
 
     target, drafter = tiny
     prompt = [3, 7, 1, 9]
     exact, p2, p3 = _exact_law(target, prompt, temperature, top_k, top_p)  # [V, V]
     n = 3000
-    e = _engine(target, drafter, "ddtree", 12, max_running_requests=512)
+    e = _engine(target, drafter, "ddtree", 28, max_running_requests=512)
     log = install(e, _law_script(p2, p3))  # depth-2 trees merged with the drafter's pops
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s, max_tokens=4,
                              ignore_eos=True) for s in range(n)]  # max_tokens 4: t2 and t3 can be tree nodes
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
-    depth2 = sum(a >= 2 for a in log.accepted)
-    assert depth2 > n // 5, f"{depth2} of {n} requests sampled through a depth-2 path"
+    depth2 = sum(a >= 2 for a in log.accepted)  # expected >= 0.1 n (_law_script)
+    assert depth2 > n // 20, f"{depth2} of {n} requests sampled through a depth-2 path"
     log.assert_accepted()
     plain = _engine(target, None, max_running_requests=512).generate(input_ids=[prompt] * n, sampling_params=params)
     assert_follows_law(outs, plain, exact)
