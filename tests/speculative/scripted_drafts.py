@@ -81,8 +81,9 @@ def _limit(nodes: list[tuple[int, int]], max_depth: int) -> list[tuple[int, int]
 def greedy_script(refs: dict[tuple[int, ...], list[int]], vocab: int, depth: int = 4) -> Script:
     """Trees around the plain greedy continuation ``refs[prompt]`` (a request whose output left it gets none).
     With k tokens out and the reference continuation c_1..c_depth: the chain c_1 .. c_{j-1}, x_j, c_{j+1}..
-    where x_j != c_j is a corruption at depth j = 1 + k % (depth + 1) (j = depth + 1: none), then c_j as x_j's
-    sibling (a lower-ranked true token) with its own child c_{j+1}, and a wrong sibling of c_1 and of c_2."""
+    where x_j != c_j is a corruption at depth j = 1 + k % (depth + 1) (j = depth + 1: none), then for even k c_j
+    as x_j's sibling (a lower-ranked true token) with its own child c_{j+1}, and a wrong sibling of c_1 and of
+    c_2. Odd k leave the true token out, so verification must stop at a rejected node that has children."""
 
     def wrong(t: int, s: int) -> int:
         return (t + s) % vocab
@@ -103,7 +104,8 @@ def greedy_script(refs: dict[tuple[int, ...], list[int]], vocab: int, depth: int
             parent = len(nodes)
             if d != j:
                 true_at[d] = parent
-        if j <= len(c):  # the true token as the corrupted node's lower-ranked sibling, with one more level
+        if j <= len(c) and k % 2 == 0:  # the true token as the corrupted node's lower-ranked sibling, with one
+            # more level (every other step: otherwise the walk ends at the corrupted node and its siblings)
             nodes.append((true_at.get(j - 1, 0), c[j - 1]))
             if j < len(c):
                 nodes.append((len(nodes), c[j]))

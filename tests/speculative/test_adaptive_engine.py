@@ -54,7 +54,7 @@ def test_auto_greedy_lossless_shipped_drafter(default_model_path):
     sp = SamplingParams(temperature=0, max_tokens=40)
     ref = base.generate(input_ids=ids, sampling_params=sp)
     base.shutdown()
-    e = _auto(default_model_path, "default")
+    e = _auto(default_model_path, "default", ddtree_max_budget=8)  # small trees: CPU time
     # decisions forced (costs frozen, a verified token nearly free): the test is about exactness, so every
     # step must draft, whatever the machine's load; the shipped drafter's own trees must accept depth-2 paths
     _set_costs(e, 1e-7)
