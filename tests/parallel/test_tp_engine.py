@@ -14,6 +14,7 @@ from server.engine import Engine
 from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
 from tests.speculative.scripted_drafts import greedy_script, install
+from tests.speculative.test_adaptive_engine import _set_costs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 SAMPLED = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=7),
@@ -28,6 +29,8 @@ def _run(model_path: str, prompts: list[list[int]], ref: list[list[int]] | None 
     eng = Engine(model_path, device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=8, **kw)
     log = install(eng, greedy_script({tuple(p): t for p, t in zip(prompts, ref, strict=True)}, vocab)) \
         if ref is not None else None
+    if kw.get("ddtree_budget") == "auto":  # rank 0 decides: its costs frozen, a verified token nearly free
+        _set_costs(eng, 1e-7)
     try:
         outs = eng.generate(input_ids=prompts, sampling_params=[GREEDY] * len(prompts))
         if kw.get("tp_size", 1) > 1:  # mixed greedy + sampled batch, seeds broadcast by rank 0
@@ -73,15 +76,17 @@ def test_tiny_kimi_tp2_expert_parallel_equals_tp1(tmp_path) -> None:
 
 
 def test_tiny_kimi_tp2_auto_budget(tmp_path) -> None:
-    """The adaptive budget under TP: rank 0 decides (its probe and step timings) and broadcasts, so every
-    rank builds the same trees; greedy equals TP=1 and the sampled requests agree across ranks (close())."""
+    """The adaptive budget under TP: rank 0 decides and broadcasts, so every rank builds the same trees; greedy
+    equals TP=1 and the sampled requests agree across ranks (close()). Rank 0's costs are frozen so that it
+    drafts (the scripted source's trees), whatever the machine's load."""
     ckpt = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True)
     path = str(ckpt.path)
     drafter = write_random_drafter(path, tmp_path / "drafter", num_layers=1, block_size=4)
     prompts = [[3, 17, 42, 99, 7], [5, 6, 7]]
-    spec = _run(path, prompts, tp_size=2, speculative_algorithm="ddtree", draft_model_path=drafter,
+    ref = _run(path, prompts)
+    spec = _run(path, prompts, ref, VOCAB, tp_size=2, speculative_algorithm="ddtree", draft_model_path=drafter,
                 ddtree_budget="auto", ddtree_max_budget=8)
-    assert spec == _run(path, prompts)
+    assert spec == ref
 
 
 def test_dead_follower_fails_clearly() -> None:
