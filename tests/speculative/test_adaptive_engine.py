@@ -10,7 +10,8 @@ from tests.speculative.scripted_drafts import install
 from tests.speculative.test_spec_engine import (
     VOCAB,
     _assert_pool_full,
-    _exact_joint,
+    _exact_law,
+    _law_script,
     _prompts,
     assert_follows_law,
     tiny,
@@ -144,15 +145,15 @@ def test_all_plain_fast_path_is_the_plain_decode_step(tiny):
 def test_sampled_auto_matches_target_distribution(tiny):
     """As ``test_sampled_ddtree_matches_target_distribution`` (same N, tolerances and prompt), with the
     budget chosen per step: the joint of tokens 2-3 matches the exact target joint; some samples go through
-    accepted depth-2 paths (the drafter's own trees)."""
+    accepted depth-2 paths (scripted trees, ``_law_script``, merged with the drafter's)."""
 
     target, drafter = tiny
     prompt = [3, 7, 1, 9]
-    exact = _exact_joint(target, prompt, 1.0, -1, 1.0)  # [V, V]
+    exact, p2, p3 = _exact_law(target, prompt, 1.0, -1, 1.0)  # [V, V]
     n = 3000
     e = _auto(target, drafter, max_running_requests=512)
     _set_costs(e, 5e-7)  # a price at which batch 512 mixes plain steps and trees of many sizes (deterministic)
-    log = install(e, None)
+    log = install(e, _law_script(p2, p3))  # scripted depth-2 trees merged with the drafter's pops
     # max_tokens 4: t2 and t3 can both be tree nodes (a depth-2 path) of the first speculative step
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True) for s in range(n)]
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
