@@ -41,8 +41,8 @@ def _start(tmp_path_factory, algorithm: str):
         "--speculative-algorithm",
         algorithm,
     ]
-    if algorithm != "none":  # a fixed budget: every step drafts (the auto budget may step aside on a busy CPU)
-        args += ["--speculative-draft-model-path", "default", "--speculative-ddtree-budget", "8"]
+    if algorithm != "none":
+        args += ["--speculative-draft-model-path", "default"]
     return start_server(args, log), f"http://127.0.0.1:{port}", log
 
 
@@ -123,20 +123,14 @@ def test_echo_layout_and_prompt_logprobs_equal_transformers(servers, hf):
 
 def test_ddtree_server_scores_like_plain(servers, hf):
     """The prompt part comes from the same prefill forward on both servers: equal to float32 rounding. The
-    completion part comes from tree verification vs plain decode forwards: equal within TOL. Each prompt goes
-    to the DDTree server twice: the second request's suffix drafts copy the first one's output from the
-    shared index of finished outputs, so its three decoded tokens come from one verify step that accepted a
-    depth-2 path (its logprobs are tree-verified ones)."""
+    completion part comes from tree verification vs plain decode forwards: equal within TOL."""
     tok, _ = hf
     for prompt in PROMPTS[:2]:
         n = len(tok.encode(prompt))
-        a = _ok(servers["plain"], prompt=prompt, echo=True, logprobs=3, max_tokens=4)["choices"][0]
-        first = _ok(servers["ddtree"], prompt=prompt, echo=True, logprobs=3, max_tokens=4)
-        res = _ok(servers["ddtree"], prompt=prompt, echo=True, logprobs=3, max_tokens=4)
-        b = res["choices"][0]
-        assert first["choices"][0]["logprobs"]["tokens"] == b["logprobs"]["tokens"]
-        stats = res["spec_stats"]
-        assert stats["verify_steps"] == 1 and stats["accepted_tokens"] == 2, stats
+        a, b = (
+            _ok(servers[s], prompt=prompt, echo=True, logprobs=3, max_tokens=4)["choices"][0]
+            for s in ("plain", "ddtree")
+        )
         assert a["text"] == b["text"]  # lossless greedy
         la, lb = a["logprobs"], b["logprobs"]
         assert la["tokens"] == lb["tokens"] and la["text_offset"] == lb["text_offset"]
