@@ -9,8 +9,9 @@ import torch
 
 from model_executor.sampling_params import SamplingParams
 from server.engine import Engine
-from tests.model_executor.tiny_deepseek import write_tiny_deepseek
+from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
+from tests.speculative.scripted_drafts import greedy_script, install
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -86,9 +87,9 @@ def test_engine_with_cuda_graphs_keeps_greedy_tokens(tmp_path):
     drafter = write_random_drafter(path, tmp_path / "d", num_layers=1, block_size=4)
     prompts = [[3, 17, 42, 99, 7], [11, 200, 300, 12], [5, 6, 7]]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = []
+    outs: list[list[list[int]]] = []
     for graphs in (0, 4):
-        for spec in ({}, dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=6)):
+        for spec in ({}, dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=8)):
             eng = Engine(
                 path,
                 device="cuda",
@@ -99,8 +100,13 @@ def test_engine_with_cuda_graphs_keeps_greedy_tokens(tmp_path):
                 cuda_graph_max_bs=graphs,
                 **spec,
             )
+            # the scripted draft source around the first (eager, plain) run's tokens: accepted depth-2 paths
+            log = install(eng, greedy_script({tuple(p): t for p, t in zip(prompts, outs[0], strict=True)},
+                                             VOCAB)) if spec else None
             try:
                 outs.append([o.token_ids for o in eng.generate(input_ids=prompts, sampling_params=sp)])
             finally:
                 eng.shutdown()
+            if log is not None:
+                log.assert_accepted()
     assert all(o == outs[0] for o in outs)

@@ -13,8 +13,9 @@ import torch
 from kernels.attention import TorchAttentionBackend
 from model_executor.sampling_params import SamplingParams
 from server.engine import Engine
-from tests.model_executor.tiny_deepseek import write_tiny_deepseek
+from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
+from tests.speculative.scripted_drafts import greedy_script, install
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,11 +23,20 @@ pytestmark = [
 ]
 
 
-def _greedy(path: str, device: str, **kw) -> list[list[int]]:
+PROMPTS = [[3, 17, 42, 99, 7], [11, 200, 300, 12]]
+
+
+def _greedy(path: str, device: str, ref: list[list[int]] | None = None, **kw) -> list[list[int]]:
+    """Greedy tokens; ``ref`` (plain greedy tokens): the scripted draft source drafts around them
+    (tests/speculative/scripted_drafts.py) and the engine must accept depth >= 2 paths."""
     eng = Engine(path, device=device, dtype="float32", max_total_tokens=256, **kw)
+    log = install(eng, greedy_script({tuple(p): t for p, t in zip(PROMPTS, ref, strict=True)}, VOCAB)) \
+        if ref is not None else None
     try:
         sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        outs = eng.generate(input_ids=[[3, 17, 42, 99, 7], [11, 200, 300, 12]], sampling_params=sp)
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=sp)
+        if log is not None:
+            log.assert_accepted()
         assert kw.get("int4_experts") or eng.scheduler.model_config.int4_experts == (
             "packed" if device == "cuda" else "dequant"
         )
@@ -43,7 +53,7 @@ def test_tiny_kimi_packed_int4_on_cuda_matches_cpu(tmp_path, backend_report):
     ref = _greedy(path, "cpu")
     assert _greedy(path, "cuda") == ref
     assert (
-        _greedy(path, "cuda", speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=6)
+        _greedy(path, "cuda", ref, speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=8)
         == ref
     )
     backend_report.append(

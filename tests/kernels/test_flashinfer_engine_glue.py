@@ -15,13 +15,21 @@ from model_executor.sampling_params import SamplingParams
 from server.engine import Engine
 from tests.kernels.flashinfer_standin import make_flashinfer_standin
 from tests.speculative.drafter_utils import write_random_drafter
+from tests.speculative.scripted_drafts import greedy_script, install
 
 PROMPTS = [[3, 17, 42, 99, 7, 8], [11, 200, 31, 12]]
 
 
-def _generate(path: str, standin: bool, **kw) -> tuple[list[list[int]], list[FlashInferAttentionBackend]]:
+def _generate(path: str, standin: bool, refs: list[list[int]] | None = None, **kw
+              ) -> tuple[list[list[int]], list[FlashInferAttentionBackend]]:
+    """Greedy tokens of PROMPTS; ``refs`` (plain greedy tokens): the scripted draft source drafts around them
+    (tests/speculative/scripted_drafts.py) and the engine must accept depth >= 2 paths."""
     eng = Engine(path, device="cpu", dtype="float32", max_total_tokens=512, **kw)
     backends = []
+    log = None
+    if refs is not None:
+        vocab = eng.scheduler.runner.config.vocab_size
+        log = install(eng, greedy_script({tuple(p): t for p, t in zip(PROMPTS, refs, strict=True)}, vocab))
     try:
         if standin:
             eng.scheduler.runner.backend = FlashInferAttentionBackend(
@@ -34,7 +42,10 @@ def _generate(path: str, standin: bool, **kw) -> tuple[list[list[int]], list[Fla
                 )
                 backends.append(eng.scheduler.spec.draft_backend)
         sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-        return [o.token_ids for o in eng.generate(input_ids=PROMPTS, sampling_params=sp)], backends
+        got = [o.token_ids for o in eng.generate(input_ids=PROMPTS, sampling_params=sp)]
+        if log is not None:
+            log.assert_accepted()
+        return got, backends
     finally:
         eng.shutdown()
 
@@ -62,9 +73,9 @@ def test_plain_decoding_uses_causal_and_decode_kernels(tiny_llama_factory):
 def test_ddtree_uses_the_custom_mask_only_for_trees_and_blocks(tiny_llama_factory, tmp_path):
     path = tiny_llama_factory("llama")
     drafter = write_random_drafter(path, tmp_path / "d", num_layers=1, block_size=4)
-    spec = dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=6)
-    ref, _ = _generate(path, standin=False, **spec)
-    got, (target, draft) = _generate(path, standin=True, **spec)
+    spec = dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=8)
+    ref, _ = _generate(path, standin=False)
+    got, (target, draft) = _generate(path, standin=True, refs=ref, **spec)
     assert got == ref
     # prefill causal, tree verification masked; a step whose trees are all root-only (a request's last
     # token) is a plain decode step on the decode kernel

@@ -74,7 +74,9 @@ def test_triton_backends_match_reference_and_transformers(kimi, int4_experts):
 
 def test_engine_greedy_triton_equals_transformers_with_and_without_ddtree(kimi, tmp_path):
     from server.engine import Engine
+    from tests.model_executor.tiny_deepseek import VOCAB
     from tests.speculative.drafter_utils import write_random_drafter
+    from tests.speculative.scripted_drafts import greedy_script, install
 
     tiny, ref_path = kimi
     prompts = [_ids(7, 11), _ids(4, 12)]
@@ -88,7 +90,8 @@ def test_engine_greedy_triton_equals_transformers_with_and_without_ddtree(kimi, 
         expected.append(out[0, len(p) :].tolist())
     drafter = write_random_drafter(tiny.path, tmp_path / "d", num_layers=1, block_size=4)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    ddtree = dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=5)
+    ddtree = dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=8)
+    refs = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
     for spec in (
         {},
         ddtree,
@@ -102,11 +105,15 @@ def test_engine_greedy_triton_equals_transformers_with_and_without_ddtree(kimi, 
             **TRITON,
             **spec,
         )
+        # the scripted draft source (tests/speculative/scripted_drafts.py): accepted depth >= 2 paths
+        log = install(eng, greedy_script(refs, VOCAB)) if spec else None
         try:
             got = [o.token_ids for o in eng.generate(input_ids=prompts, sampling_params=sp)]
         finally:
             eng.shutdown()
         assert got == expected, spec
+        if log is not None:
+            log.assert_accepted()
 
 
 def test_backend_resolution_and_errors(kimi, default_model_path):

@@ -86,17 +86,22 @@ def test_engine_ddtree_on_packed_experts_equals_dequantized(kimi, tmp_path):
     """Through the Engine: greedy DDTree over INT4-resident experts emits the dequantized path's tokens."""
     from model_executor.sampling_params import SamplingParams
     from server.engine import Engine
+    from tests.model_executor.tiny_deepseek import VOCAB
     from tests.speculative.drafter_utils import write_random_drafter
+    from tests.speculative.scripted_drafts import greedy_script, install
 
     drafter = write_random_drafter(kimi, tmp_path / "d", num_layers=1, block_size=4)
     prompts = [[3, 17, 42, 99, 7], [11, 200, 300, 12]]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = []
+    outs, log = [], None
     for mode, spec in (("dequant", {}), ("packed", dict(speculative_algorithm="ddtree", draft_model_path=drafter,
-                                                       ddtree_budget=6))):
+                                                       ddtree_budget=8))):
         eng = Engine(kimi, device="cpu", dtype="float32", max_total_tokens=256, int4_experts=mode, **spec)
+        if spec:  # the scripted draft source: trees around the dequantized path's greedy tokens
+            log = install(eng, greedy_script({tuple(p): t for p, t in zip(prompts, outs[0], strict=True)}, VOCAB))
         try:
             outs.append([o.token_ids for o in eng.generate(input_ids=prompts, sampling_params=sp)])
         finally:
             eng.shutdown()
     assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0])
+    log.assert_accepted()

@@ -1,9 +1,10 @@
 """A scheduler step that raises fails only its batch's requests and leaks no KV (server/step_recovery.py).
 
-A real ``Scheduler`` over a tiny random Llama (plain decoding, and DDTree with a random drafter) is
-stepped by hand; the step's target forward, the logits projection right after it (KV written, counts
-advanced), the drafter's forward (the draft block's slots placed) or the speculative commit (right after it
-moved the accepted path's slots and freed the rest) is made to raise once. After the recovery every KV slot is free or counted by a live request,
+A real ``Scheduler`` over a tiny random Llama (plain decoding, and DDTree with a random drafter whose trees
+are merged with the scripted draft source's, so accepted paths are exercised) is stepped by hand; the step's
+target forward, the logits projection right after it (KV written, counts advanced), the drafter's forward (the
+draft block's slots placed) or the speculative commit (right after it moved the accepted path's slots and
+freed the rest) is made to raise once. After the recovery every KV slot is free or counted by a live request,
 the survivors finish with exactly the tokens they produce without any failure, and new requests run.
 """
 
@@ -16,6 +17,7 @@ from server.config import ServerConfig
 from server.io_struct import GenerateReq
 from server.scheduler import Scheduler
 from server.step_recovery import fail_step, orphaned_rids
+from tests.speculative.scripted_drafts import greedy_script, install
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -55,13 +57,18 @@ def models(tmp_path_factory):
 
 
 def _scheduler(models, algorithm: str, chunk: int = 512, cache: bool = True) -> Scheduler:
+    """DDTree drafts with the scripted source around plain greedy tokens (tests/speculative/scripted_drafts.py),
+    so its steps accept depth-2 paths and reject nodes; the step log is ``s.step_log``."""
     target, drafter = models
     spec = dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter,
-                speculative_ddtree_budget=6) if algorithm == "ddtree" else {}
-    return Scheduler(ServerConfig.from_flat(dict(model_path=target, dtype="float32", device="cpu", context_length=256,
-                                                 max_running_requests=4, max_total_tokens=2048,
-                                                 chunked_prefill_size=chunk, disable_radix_cache=not cache,
-                                                 **spec)))
+                speculative_ddtree_budget=8) if algorithm == "ddtree" else {}
+    s = Scheduler(ServerConfig.from_flat(dict(model_path=target, dtype="float32", device="cpu", context_length=256,
+                                              max_running_requests=4, max_total_tokens=2048,
+                                              chunked_prefill_size=chunk, disable_radix_cache=not cache, **spec)))
+    if algorithm == "ddtree":
+        refs = {tuple(p): _reference(models, "none", p) for p in (_prompt(1), _prompt(2, 14), _prompt(4))}
+        s.step_log = install(s, greedy_script(refs, 256))
+    return s
 
 
 def _prompt(seed: int, n: int = 10) -> list[int]:
@@ -133,9 +140,11 @@ def test_failed_prefill_spares_the_running_request(models, algorithm, where) -> 
     assert orphaned_rids(s, {"a", "b"}) == ["b"]  # the loop errors b; a is still held
     _assert_accounting(s)
     _drain(s, outs)
-    assert outs["a"] == _reference(models, algorithm, _prompt(1)) and "b" not in outs
+    assert outs["a"] == _reference(models, "none", _prompt(1)) and "b" not in outs
     _assert_accounting(s)
     assert _all_free(s)
+    if algorithm == "ddtree":
+        s.step_log.assert_accepted()
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "nocache"])
@@ -160,8 +169,10 @@ def test_failed_decode_fails_its_batch_and_the_server_goes_on(models, algorithm,
     assert _all_free(s)
     s.add_request(GenerateReq("c", _prompt(4), GREEDY))
     _drain(s, outs)
-    assert outs["c"] == _reference(models, algorithm, _prompt(4))
+    assert outs["c"] == _reference(models, "none", _prompt(4))
     assert _all_free(s)
+    if algorithm == "ddtree":
+        s.step_log.assert_accepted()
 
 
 @pytest.mark.parametrize("where", ["forward", "logits"])

@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from server.engine import Engine, SamplingParams
+from tests.speculative.scripted_drafts import install
 from tests.speculative.test_spec_engine import (
     VOCAB,
     _assert_pool_full,
-    _exact_joint,
+    _exact_law,
+    _law_script,
     _prompts,
     assert_follows_law,
     tiny,
@@ -53,9 +55,14 @@ def test_auto_greedy_lossless_shipped_drafter(default_model_path):
     sp = SamplingParams(temperature=0, max_tokens=40)
     ref = base.generate(input_ids=ids, sampling_params=sp)
     base.shutdown()
-    e = _auto(default_model_path, "default")
+    e = _auto(default_model_path, "default", ddtree_max_budget=8)  # small trees: CPU time
+    # decisions forced (costs frozen, a verified token nearly free): the test is about exactness, so every
+    # step must draft, whatever the machine's load; the shipped drafter's own trees must accept depth-2 paths
+    _set_costs(e, 1e-7)
+    log = install(e, None)
     got = e.generate(input_ids=ids, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    log.assert_accepted()
     counts = e.scheduler.spec.controller.stats()["budget_counts"]
     assert sum(counts.values()) == sum(o.spec_verify_steps + o.spec_plain_steps for o in got)  # 0 = plain
     assert sum(n for b, n in counts.items() if b > 0) == sum(o.spec_verify_steps for o in got)
@@ -66,7 +73,8 @@ def test_auto_greedy_lossless_shipped_drafter(default_model_path):
 def _set_costs(engine: Engine, verify_per_token: float) -> None:
     """Freeze the cost model at hand-set values: draft 1 ms, a step 10 ms + ``verify_per_token`` per verified
     token (a plain step of bs requests verifies bs tokens, a tree step bs + its nodes)."""
-    ctl = engine.scheduler.spec.controller
+    sch = getattr(engine, "scheduler", engine)  # an Engine, a TPScheduler or a Scheduler
+    ctl = getattr(sch, "scheduler", sch).spec.controller
     cost = ctl.cost
     cost.lr = 0.0
     cost.draft.y[:] = 1e-3
@@ -137,19 +145,23 @@ def test_all_plain_fast_path_is_the_plain_decode_step(tiny):
 
 def test_sampled_auto_matches_target_distribution(tiny):
     """As ``test_sampled_ddtree_matches_target_distribution`` (same N, tolerances and prompt), with the
-    budget chosen per step: the joint of tokens 2-3 matches the exact target joint."""
+    budget chosen per step: the joint of tokens 2-3 matches the exact target joint; some samples go through
+    accepted depth-2 paths (scripted trees, ``_law_script``, merged with the drafter's)."""
 
     target, drafter = tiny
     prompt = [3, 7, 1, 9]
-    exact = _exact_joint(target, prompt, 1.0, -1, 1.0)  # [V, V]
+    exact, p2, p3 = _exact_law(target, prompt, 1.0, -1, 1.0)  # [V, V]
     n = 3000
     e = _auto(target, drafter, max_running_requests=512)
     _set_costs(e, 5e-7)  # a price at which batch 512 mixes plain steps and trees of many sizes (deterministic)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    log = install(e, _law_script(p2, p3))  # scripted depth-2 trees merged with the drafter's pops
+    # max_tokens 4: t2 and t3 can both be tree nodes (a depth-2 path) of the first speculative step
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True) for s in range(n)]
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
     assert sum(o.spec_accepted_tokens for o in outs) > n // 10, (
         "acceptance too low to exercise the sampled walk"
     )
+    assert sum(a >= 2 for a in log.accepted) > 0, "no sample went through a depth-2 path"
     chosen = e.scheduler.spec.controller.stats()["budget_counts"]
     assert chosen.get(0, 0) > 0 and len([b for b in chosen if b > 0]) >= 2, chosen  # plain steps and trees
     plain = Engine(target, dtype="float32", max_total_tokens=16384, max_running_requests=512).generate(

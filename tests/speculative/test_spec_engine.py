@@ -9,6 +9,8 @@ import torch
 from server.engine import Engine, SamplingParams
 from server.io_struct import GenerateReq
 from tests.speculative.drafter_utils import write_random_drafter
+from tests.speculative.law import joint_counts, law_check, rejection_rate, shifted
+from tests.speculative.scripted_drafts import greedy_script, install, plain_refs
 
 VOCAB = 24
 
@@ -70,41 +72,32 @@ def test_greedy_lossless_default_model_random_drafter(default_model_path, tmp_pa
                "List three prime numbers:", "In 1969, the first humans", "Photosynthesis is",
                "The quick brown fox jumps over", "SELECT * FROM"]  # 8 prompts of mixed lengths, one batch
     sp = SamplingParams(temperature=0, max_tokens=6)
-    ref = _engine(default_model_path, None).generate(prompts, sp)
-    got = _engine(default_model_path, drafter, "ddtree", 4).generate(prompts, sp)
+    base = _engine(default_model_path, None)
+    ref = base.generate(prompts, sp)
+    ids = [base.tokenizer.encode(p) for p in prompts]  # as the engine tokenizes them
+    spec = _engine(default_model_path, drafter, "ddtree", 8)
+    log = install(spec, greedy_script(plain_refs(base, ids, 6), base.tokenizer.vocab_size))
+    got = spec.generate(prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-
-
-def _joint_counts(outs) -> torch.Tensor:
-    """Counts of (t2, t3): the first token comes from the prefill, t2 and t3 from one speculative step."""
-    counts = torch.zeros(VOCAB, VOCAB)
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    return counts
+    log.assert_accepted()
 
 
 def assert_follows_law(outs, plain, exact: torch.Tensor) -> float:
-    """The empirical joint law of ``outs`` (n samples) matches ``exact`` (chi-square p > 1e-3 over cells with
-    >= 5 expected counts), its total variation is within 0.05 of what plain decoding's ``plain`` samples
-    reach, and no sample falls where ``exact`` is 0 (outside top-k/top-p). Returns the total variation."""
-    from scipy.stats import chisquare
-
-    n = len(outs)
-    emp = _joint_counts(outs) / n
-    tv = 0.5 * (emp - exact).abs().sum().item()
-    tv_plain = 0.5 * (_joint_counts(plain) / n - exact).abs().sum().item()
-    cells = exact.flatten() * n >= 5
-    obs = (emp.flatten() * n)[cells]
-    exp = exact.flatten()[cells] * n
-    exp = exp * obs.sum() / exp.sum()
-    p = chisquare(obs.numpy(), exp.numpy()).pvalue
-    assert p > 1e-3 and tv < tv_plain + 0.05, (p, tv, tv_plain)
-    assert emp.flatten()[exact.flatten() == 0].sum() == 0
+    """The empirical joint law of (t2, t3) in ``outs`` matches ``exact`` and is as close to it as plain
+    decoding's ``plain`` samples (``tests.speculative.law.law_check``). Returns the total variation."""
+    ok, p, tv = law_check(joint_counts(outs, VOCAB), joint_counts(plain, VOCAB), exact)
+    assert ok, (p, tv)
     return tv
 
 
 def _exact_joint(target: str, prompt: list[int], temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """p(t2, t3) (t1 marginalised) of the processed target distribution, computed with transformers."""
+    return _exact_law(target, prompt, temperature, top_k, top_p)[0]
+
+
+def _exact_law(target: str, prompt: list[int], temperature: float, top_k: int, top_p: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(p(t2, t3) [V, V], p(t2 | t1) [V, V], p(t3 | t1, t2) [V, V, V]) of the processed target distribution."""
     from transformers import AutoModelForCausalLM
 
     from kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
@@ -120,28 +113,62 @@ def _exact_joint(target: str, prompt: list[int], temperature: float, top_k: int,
     p1 = dist(torch.tensor([prompt]))[0]  # [V]
     p2 = dist(torch.tensor([prompt + [t] for t in range(VOCAB)]))  # [V, V]
     p3 = dist(torch.tensor([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)])).view(VOCAB, VOCAB, VOCAB)
-    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0), p2, p3
+
+
+def _law_script(p2: torch.Tensor, p3: torch.Tensor):
+    """Scripted trees for the law test: after t1, the 6 likeliest t2 under the target, each with its 3
+    likeliest t3 (24 nodes, depth 2), so the sampled walk goes through depth-2 paths (with probability 0.12 at
+    T=1 and 0.64 under top-k/top-p on this target, averaged over t1) and rejects siblings."""
+
+    def script(prompt: list[int], output: list[int], max_depth: int) -> list[tuple[int, int]]:
+        if len(output) != 1:
+            return []
+        nodes: list[tuple[int, int]] = []
+        for a in torch.topk(p2[output[0]], 6).indices.tolist():
+            nodes.append((0, a))
+            parent = len(nodes)
+            nodes.extend((parent, c) for c in torch.topk(p3[output[0], a], 3).indices.tolist())
+        return nodes
+
+    return script
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.8, 6, 0.9)])
 def test_sampled_ddtree_matches_target_distribution(tiny, temperature, top_k, top_p):
-    """Joint distribution of tokens 2-3 (one speculative step of depth <= 2) under ddtree sampling vs the
-    exact target joint. N = 3000 seeded requests; chi-square over cells with expected count >= 5 must give
-    p > 1e-3, and the total variation to the exact joint must be within 0.05 of the total variation that
-    non-speculative sampling reaches with the same N (the sampling noise floor over ~V^2 cells)."""
+    """Joint distribution of tokens 2-3 (the first speculative step, scripted depth-2 trees merged with the
+    drafter's pops) under ddtree sampling vs the exact target joint. N = 3000 seeded requests (seeds 0..N-1);
+    ``tests.speculative.law.law_check``: chi-square p > 1e-3 over cells with expected count >= 5 and over
+    coarse bins, total variation within 0.05 of non-speculative sampling's with the same N. Its power:
+    ``test_law_check_has_power``."""
 
     target, drafter = tiny
     prompt = [3, 7, 1, 9]
-    exact = _exact_joint(target, prompt, temperature, top_k, top_p)  # [V, V]
+    exact, p2, p3 = _exact_law(target, prompt, temperature, top_k, top_p)  # [V, V]
     n = 3000
-    e = _engine(target, drafter, "ddtree", 8, max_running_requests=512)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s, max_tokens=3,
-                             ignore_eos=True) for s in range(n)]
+    e = _engine(target, drafter, "ddtree", 28, max_running_requests=512)
+    log = install(e, _law_script(p2, p3))  # depth-2 trees merged with the drafter's pops
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s, max_tokens=4,
+                             ignore_eos=True) for s in range(n)]  # max_tokens 4: t2 and t3 can be tree nodes
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
-    assert sum(o.spec_accepted_tokens for o in outs) > n // 4, "acceptance too low to exercise the sampled walk"
+    depth2 = sum(a >= 2 for a in log.accepted)  # expected >= 0.1 n (_law_script)
+    assert depth2 > n // 20, f"{depth2} of {n} requests sampled through a depth-2 path"
+    log.assert_accepted()
     plain = _engine(target, None, max_running_requests=512).generate(input_ids=[prompt] * n, sampling_params=params)
     assert_follows_law(outs, plain, exact)
     _assert_pool_full(e)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "mass"), [(1.0, -1, 1.0, 0.03), (0.8, 6, 0.9, 0.08)])
+def test_law_check_has_power(tiny, temperature, top_k, top_p, mass):
+    """The law check above, at its N = 3000, rejects a law with ``mass`` of probability moved onto the 3
+    likeliest cells (3 points at T=1, where the likeliest cell holds 1%; 8 points under top-k/top-p, where it
+    holds 6.5%) in >= 90% of 100 simulated runs (seed 0; measured 100% and 100% over 200), and rejects draws from the
+    exact law in <= 5% (measured 0%)."""
+    target, _ = tiny
+    exact = _exact_law(target, [3, 7, 1, 9], temperature, top_k, top_p)[0]
+    assert rejection_rate(exact, shifted(exact, mass), 3000, 100, seed=0) >= 0.9
+    assert rejection_rate(exact, exact, 3000, 100, seed=1) <= 0.05
 
 
 def test_commit_keeps_exact_kv(tiny):
@@ -178,9 +205,13 @@ def test_tiny_kimi_ddtree_greedy_lossless(tmp_path):
     drafter = write_random_drafter(target, tmp_path / "kd", num_layers=1, block_size=4)
     prompts = [[11, 42, 7], [300, 2, 99, 15, 8]]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    ref = _engine(target, None).generate(input_ids=prompts, sampling_params=sp)
-    got = _engine(target, drafter, "ddtree", 6).generate(input_ids=prompts, sampling_params=sp)
+    base = _engine(target, None)
+    ref = base.generate(input_ids=prompts, sampling_params=sp)
+    spec = _engine(target, drafter, "ddtree", 8)
+    log = install(spec, greedy_script(plain_refs(base, prompts, 10), 512))
+    got = spec.generate(input_ids=prompts, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    log.assert_accepted()
 
 
 def test_shipped_drafter_lossless_and_accepts(default_model_path):
