@@ -85,10 +85,8 @@ class ModelConfig:
             if e is not None:
                 eos.extend(e if isinstance(e, list) else [e])
                 break
-        from model_executor.kernel_backends import resolve_kernel_backends
-
         from kernels.kv_quant import is_fp8, resolve_kv_cache_dtype
-        from model_executor.kernel_backends import is_mla
+        from model_executor.kernel_backends import is_mla, resolve_kernel_backends
 
         dt = resolve_dtype(dtype, device)
         kv_dt = resolve_kv_cache_dtype(kv_cache_dtype, dt)
