@@ -19,6 +19,12 @@ float32     32       16       112,768     112,768
 float32     64       16       188,672     188,672
 ==========  =======  =======  ==========  ==========
 
+Over an fp8 cache (``--kv-cache-dtype fp8_e4m3``) the bfloat16 kernel also holds the fp8 key tile as loaded
+and float32 scratch of the dequantization: cubins add 904 B per key row at L 512 / R 64 to the bfloat16
+query and key tiles (sm120: 16 x 16 51,328 B, 32 x 16 69,760, 64 x 16 106,624, 64 x 32 139,520; 16 x 32
+84,224 on sm90 and sm120); the estimate adds ``BLOCK_N x ((L + R) + 4 R + 128)`` (960 B per row), so at 64
+heads on sm120 an fp8 cache takes 32 x 16 tiles.
+
 (sm100 adds a second key tile for 16-bit tiles of 64 heads: 143,384 B at 64 x 32; the estimate adds it
 for arch 100/103 or unknown). So float32 at ``BLOCK_H 16 / BLOCK_N 32`` (Kimi K2.6 at TP 8: 8 local heads)
 needs 112,704 B, more than sm120's 101,376 (RTX PRO 6000), and bfloat16 at 64 heads 114,688.
@@ -82,7 +88,8 @@ def mla_smem_bytes(
     cache_dtype: torch.dtype | None = None,
 ) -> int:
     """Estimated shared memory of one MLA program (module docstring): the query and key tiles in the cache
-    dtype, plus the scratch tile (float32 ``[BLOCK_H, BLOCK_N]`` and a row; at least 4 KiB for 16-bit). On
+    dtype (``dtype``; with an fp8 ``cache_dtype`` the tiles are dequantized to ``dtype`` and the raw fp8 tile
+    and its scratch are added), plus the scratch tile (float32 ``[BLOCK_H, BLOCK_N]`` and a row; at least 4 KiB for 16-bit). On
     datacenter Blackwell (``arch`` 100/103, or unknown) 16-bit tiles of 64 heads take a second key tile
     (sm100 cubin: 143,384 B at 64 x 32 where sm90 and sm120 take 110,592)."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -90,9 +97,9 @@ def mla_smem_bytes(
     if elem < 4:
         scratch = max(scratch, 4096)
     second_key = elem < 4 and block_h >= 64 and arch in (None, 100, 103)
-    raw = 0  # an fp8 cache: its key tile as loaded (1 byte per value), before the dequantized copy
+    raw = 0  # an fp8 cache: its key tile as loaded, float32 rope scratch and the scales, per key row
     if cache_dtype is not None and cache_dtype != dtype:
-        raw = block_n * (block_l + block_r) * torch.empty((), dtype=cache_dtype).element_size()
+        raw = block_n * ((block_l + block_r) * torch.empty((), dtype=cache_dtype).element_size() + 4 * block_r + 128)
     return (block_h + block_n + (block_n if second_key else 0)) * (block_l + block_r) * elem + raw + scratch
 
 

@@ -13,7 +13,9 @@ Model of the memory of one rank (GiB = 2^30 bytes; ``--gpu-memory-gb`` is read a
   ``mem_fraction x total - in use - workspace`` (``size_kv_pool``), at most ``(max_running_requests + 1) x
   context`` tokens, exactly as ``ddtree-serve serve`` sizes it on that device.
 - KV per token: MLA caches only the latent, ``layers * (kv_lora_rank + qk_rope_head_dim)`` values, the
-  same on every rank; otherwise ``2 * layers * kv_heads_per_rank * head_dim``. BF16 unless told. An
+  same on every rank; otherwise ``2 * layers * kv_heads_per_rank * head_dim``. BF16 unless told;
+  ``kv_cache_dtype="fp8_e4m3"`` (MLA): 1 byte per value plus 8 bytes of scales per layer (Kimi K2.6: 61 x 584
+  = 35,624 B against 70,272 B in BF16), from the server's ``KVCacheLayout.bytes_per_token``. An
   optional drafter (z-lab DFlash config) is counted replicated on every rank, its KV per token included.
 - budget table: a DDTree request at context ``C`` and budget ``B`` holds ``C + B + 1`` KV slots during
   verify; the workspace verifies ``max_verify_tokens // (B + 1)`` requests per step uncapped; batch = the
@@ -27,6 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kernels.kv_quant import is_fp8, resolve_kv_cache_dtype
+from model_executor.kv_cache import KVCacheLayout
 from model_executor.memory import GIB, size_kv_pool, verify_workspace
 from model_executor.quantization import Int4Config, packed_nbytes
 
@@ -63,6 +69,7 @@ class Plan:
     max_running_requests: int
     budget: int  # the configured DDTree budget the workspace is sized for
     rows: tuple[BudgetRow, ...] = field(default_factory=tuple)
+    kv_cache_dtype: str = "bfloat16"  # the target cache's dtype (--kv-cache-dtype; auto = bfloat16 on CUDA)
 
     @property
     def best(self) -> BudgetRow | None:
@@ -78,7 +85,8 @@ class Plan:
         lines += [f"    {k:<19} {g(v)}" for k, v in self.weight_breakdown.items()]
         if self.draft_bytes_per_rank:
             lines.append(f"  drafter per rank      {g(self.draft_bytes_per_rank)}")
-        lines += [f"  KV bytes per token    {self.kv_bytes_per_token:>8} B ({self.kv_bytes_per_token / 1024:.1f} KiB)",
+        lines += [f"  KV bytes per token    {self.kv_bytes_per_token:>8} B ({self.kv_bytes_per_token / 1024:.1f} KiB, "
+                  f"{self.kv_cache_dtype})",
                   f"  KV token capacity     {self.kv_tokens:>8}",
                   f"  verify workspace      {g(self.workspace_bytes)} (budget {self.budget} x "
                   f"{self.max_running_requests} requests)",
@@ -145,14 +153,27 @@ def weight_bytes(full: dict[str, Any], tp: int, dtype_bytes: int = 2, expert_par
     return out
 
 
-def kv_bytes_per_token(full: dict[str, Any], tp: int, kv_dtype_bytes: int = 2) -> int:
+def kv_bytes_per_token(full: dict[str, Any], tp: int, kv_dtype_bytes: int = 2, kv_cache_dtype: str | None = None
+                       ) -> int:
+    """Target KV bytes per token on one rank. ``kv_cache_dtype`` (``--kv-cache-dtype``: auto = bfloat16 on
+    CUDA, bfloat16, fp8_e4m3) sizes it with the server's own ``KVCacheLayout.bytes_per_token`` (fp8: 1 byte
+    per value plus two float32 scales per layer); None: ``kv_dtype_bytes`` per value."""
     cfg = full.get("text_config") or full
-    if "kv_lora_rank" in cfg:
-        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * kv_dtype_bytes
-    heads = cfg["num_attention_heads"]
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kvh = max(1, cfg.get("num_key_value_heads", heads) // tp)
-    return 2 * cfg["num_hidden_layers"] * kvh * hd * kv_dtype_bytes
+    mla = "kv_lora_rank" in cfg
+    if kv_cache_dtype is not None:
+        dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.bfloat16)
+        if is_fp8(dtype) and not mla:
+            raise ValueError("--kv-cache-dtype fp8_e4m3 is wired for MLA models (DeepSeek-V3, Kimi K2.x) only")
+    if mla:
+        layout = KVCacheLayout(cfg["num_hidden_layers"], 1, cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], 0)
+    else:
+        heads = cfg["num_attention_heads"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        kvh = max(1, cfg.get("num_key_value_heads", heads) // tp)
+        layout = KVCacheLayout(cfg["num_hidden_layers"], kvh, hd, hd)
+    if kv_cache_dtype is not None:
+        return layout.bytes_per_token(dtype)
+    return layout.num_layers * layout.kv_heads * (layout.k_dim + layout.v_dim) * kv_dtype_bytes
 
 
 def _drafter(draft: dict[str, Any] | None) -> tuple[int, int]:
@@ -170,11 +191,13 @@ def _drafter(draft: dict[str, Any] | None) -> tuple[int, int]:
 
 def make_plan(model_path: str | Path, tp_size: int = 8, gpu_memory_gb: float = 96.0, mem_fraction: float = 0.88,
               context_len: int = 8192, overhead_gib: float = 2.0, kv_dtype_bytes: int = 2,
+              kv_cache_dtype: str | None = None,
               draft_model_path: str | Path | None = None, budgets: tuple[int, ...] = BUDGETS,
               expert_parallel: bool = False, max_running_requests: int = 64, budget: int = 16,
               block_size: int | None = None, verify_workspace_gb: float | None = None) -> Plan:
     """Plan one TP rank of ``model_path`` (a directory with config.json, or the file itself).
-    ``block_size``: the drafter block (default: the drafter config's, else 8)."""
+    ``block_size``: the drafter block (default: the drafter config's, else 8). ``kv_cache_dtype``: auto |
+    bfloat16 | fp8_e4m3 (``--kv-cache-dtype``; None: ``kv_dtype_bytes`` per value)."""
     if tp_size < 1 or not 0 < mem_fraction < 1 or gpu_memory_gb <= 0 or context_len < 1:
         raise ValueError("need tp_size >= 1, 0 < mem_fraction < 1, gpu_memory_gb > 0, context_len >= 1")
     full = _load(model_path)
@@ -184,7 +207,7 @@ def make_plan(model_path: str | Path, tp_size: int = 8, gpu_memory_gb: float = 9
     draft = _load(draft_model_path) if draft_model_path else None
     d_w, d_kv = _drafter(draft)
     block = block_size or int((draft or {}).get("block_size") or 8)
-    kv_tok = kv_bytes_per_token(full, tp_size, kv_dtype_bytes) + d_kv
+    kv_tok = kv_bytes_per_token(full, tp_size, kv_dtype_bytes, kv_cache_dtype) + d_kv
     total = int(gpu_memory_gb * GIB)
     used = weights + d_w + int(overhead_gib * GIB)
     ws = verify_workspace(cfg["vocab_size"], max_running_requests, budget, block, verify_workspace_gb)
@@ -202,4 +225,5 @@ def make_plan(model_path: str | Path, tp_size: int = 8, gpu_memory_gb: float = 9
                 mem_fraction=mem_fraction, context_len=context_len, weight_bytes_per_rank=weights,
                 weight_breakdown=parts, draft_bytes_per_rank=d_w, kv_bytes_per_token=kv_tok, kv_tokens=kv_tokens,
                 workspace_bytes=ws.bytes, max_verify_tokens=ws.max_verify_tokens,
-                max_running_requests=max_running_requests, budget=budget, rows=tuple(rows))
+                max_running_requests=max_running_requests, budget=budget, rows=tuple(rows),
+                kv_cache_dtype="fp8_e4m3" if kv_cache_dtype == "fp8_e4m3" else "bfloat16")

@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-block-size", type=int, default=None, help="drafter block (default: its config's, else 8)")
     parser.add_argument("--verify-workspace-gb", type=float, default=None,
                         help="step workspace per GPU, GiB (default: the full batch x budget)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
+                        help="KV cache dtype (auto = bfloat16 on CUDA; fp8_e4m3: MLA models, ~half the bytes)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                      overhead_gib=args.overhead_gb, draft_model_path=args.speculative_draft_model_path,
                      expert_parallel=args.expert_parallel, max_running_requests=args.max_running_requests,
                      budget=args.speculative_ddtree_budget, block_size=args.speculative_block_size,
-                     verify_workspace_gb=args.verify_workspace_gb)
+                     verify_workspace_gb=args.verify_workspace_gb, kv_cache_dtype=args.kv_cache_dtype)
     if args.json:
         d = dataclasses.asdict(plan)
         best = plan.best
