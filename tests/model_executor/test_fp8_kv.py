@@ -144,3 +144,24 @@ def test_bad_inputs(dense_ds, default_model_path):
         resolve_kernel_backends(hf, "triton", "torch", "cuda", *fp8, arch=80)
     assert resolve_kernel_backends(hf, "auto", "torch", "cuda", *fp8, arch=80)[0] == "torch"
     assert resolve_kernel_backends(hf, "triton", "torch", "cuda", *fp8, arch=120)[0] == "triton"
+
+
+def test_plan_reports_fp8_capacity(capsys):
+    import argparse
+
+    from model_executor.plan import make_plan
+    from server import cli_plan
+
+    cfg = "tests/data/kimi-k2.6-config.json"
+    bf16, fp8 = make_plan(cfg, kv_cache_dtype="bfloat16"), make_plan(cfg, kv_cache_dtype="fp8_e4m3")
+    assert (bf16.kv_bytes_per_token, fp8.kv_bytes_per_token) == (70272, 35624)
+    assert fp8.kv_tokens > 1.9 * bf16.kv_tokens and fp8.kv_cache_dtype == "fp8_e4m3"
+    p = argparse.ArgumentParser()
+    cli_plan.add_arguments(p)
+    assert cli_plan.run(p.parse_args(["--model-path", cfg, "--kv-cache-dtype", "fp8_e4m3"])) == 0
+    assert "35624 B (34.8 KiB, fp8_e4m3)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model-path", cfg, "--kv-cache-dtype", "fp8"])
+    with pytest.raises(ValueError, match="wired for MLA models"):
+        kv_bytes_per_token({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, 1,
+                           kv_cache_dtype="fp8_e4m3")
