@@ -134,6 +134,12 @@ def test_engine_greedy_fp8_plain_equals_ddtree_and_agrees_with_float32(dense_ds,
 def test_bad_inputs(dense_ds, default_model_path):
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is wired for MLA models"):
         ModelConfig.load(default_model_path, "float32", "cpu", kv_cache_dtype="fp8_e4m3")
+    from server.engine import Engine
+
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is wired for MLA models"):  # start-up
+        Engine(default_model_path, device="cpu", dtype="float32", kv_cache_dtype="fp8_e4m3", max_total_tokens=64)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):  # the config's choices
+        Engine(default_model_path, device="cpu", dtype="float32", kv_cache_dtype="fp8", max_total_tokens=64)
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
         ModelConfig.load(dense_ds.path, "float32", "cpu", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="MLA latent caches only"):
