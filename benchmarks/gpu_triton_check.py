@@ -1,7 +1,9 @@
 """GPU check (one device, nothing fetched, < 3 minutes): the Triton kernels (kernels/triton_moe.py,
 kernels/triton_mla.py, the split-K kernels/triton_mla_split.py at batch 1 and 32k context) against the torch
-reference on CUDA at Kimi K2.6 per-rank shapes (TP 8), with their times, then the tiny Kimi INT4 model through the Engine with each backend: greedy tokens must agree between
-backends (and DDTree must equal plain greedy); prints tokens/s of each.
+reference on CUDA at Kimi K2.6 per-rank shapes (TP 8), with their times, the same kernels over an fp8 KV cache
+(``--kv-cache-dtype fp8_e4m3``) against the reference over the dequantized cache, then the tiny Kimi INT4 model through the Engine with each backend: greedy tokens must agree between
+backends (and DDTree must equal plain greedy; fp8 KV runs compare with the fp8 torch/torch run); prints
+tokens/s of each.
 
     python benchmarks/gpu_triton_check.py [--out bench_out/gpu_triton.json] [--experts 64]
 
@@ -158,6 +160,55 @@ def check_mla(results: dict, dev: str, tiny: bool) -> bool:
     return ok
 
 
+def check_mla_fp8(results: dict, dev: str, tiny: bool) -> bool:
+    """The MLA kernels over an fp8 latent cache (``--kv-cache-dtype fp8_e4m3``, kernels/kv_quant.py) at Kimi
+    K2.6 TP 8 shapes: decode, extend, a verify tree and split-K decode at 32k keys, against the reference over
+    the same cache dequantized to bfloat16 (both read identical values)."""
+    from kernels.attention import masked_paged_attention
+    from kernels.kv_quant import dequantize_latent, quantize_latent
+    from kernels.triton_mla import MLA_KERNELS
+    from model_executor.forward_batch import ForwardMode, build_forward_batch
+
+    heads, lat, rope = (4, 32, 8) if tiny else (8, 512, 64)
+    g = torch.Generator(device=dev).manual_seed(5)
+    n_slots = 2000 if tiny else 40000
+    cache = torch.randn(n_slots, 1, lat + rope, device=dev, generator=g) * 3  # [slots, 1, L + R]
+    cache8, scales = quantize_latent(cache, lat)
+    deq = dequantize_latent(cache8, scales, lat, torch.bfloat16)
+    ok = True
+    base = 10 if tiny else 1000
+    cases = ((ForwardMode.DECODE, 1, 8, base, None), (ForwardMode.EXTEND, 64, 4, base, None),
+             (ForwardMode.TARGET_VERIFY, 17, 4, base, None),
+             (ForwardMode.DECODE, 1, 1, 100 if tiny else 32000, 8))  # fmt: skip
+    for mode, q_len, bs, pre, splits in cases:
+        prefix = torch.tensor([pre + 31 * b for b in range(bs)])
+        total = prefix + q_len
+        table = torch.randperm(n_slots - 1, device=dev, generator=g)[: bs * int(total.max())].view(bs, -1) + 1
+        new = torch.cat([table[b, int(prefix[b]) : int(total[b])] for b in range(bs)])
+        tree = None
+        if mode == ForwardMode.TARGET_VERIFY:
+            tree = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=dev))
+            tree[1:, 1:] &= torch.eye(q_len - 1, dtype=torch.bool, device=dev) | (
+                torch.rand(q_len - 1, q_len - 1, device=dev, generator=g) < 0.3).tril()
+            tree = tree.expand(bs, q_len, q_len)
+        t = bs * q_len
+        zeros = torch.zeros(t, dtype=torch.long, device=dev)
+        fb = build_forward_batch(mode, zeros, zeros, new, table, torch.arange(bs, device=dev), prefix,
+                                 torch.full((bs,), q_len), tree_mask=tree)
+        q = torch.randn(t, heads, lat + rope, device=dev, generator=g, dtype=torch.bfloat16)
+        ref = masked_paged_attention(q, deq, deq[..., :lat], fb.kv_indices, fb.attn_mask, fb.q_index, 0.1)
+        args = (q, cache8, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens, fb.extend_lens, lat, 0.1)
+        got = MLA_KERNELS[mode.value](*args, tree_mask=fb.tree_mask, num_splits=splits, k_scale=scales)
+        good, err = _close(got, ref)
+        ms_tri = _time(partial(MLA_KERNELS[mode.value], *args, tree_mask=fb.tree_mask, num_splits=splits,
+                               k_scale=scales))
+        name = f"mla_fp8_{mode.value}" + (f"_split{splits}" if splits else "")
+        results[name] = {"ok": good, "max_abs_err": err, "triton_ms": ms_tri}
+        print(f"{name:<26} ok={good} err={err:.2e} triton {ms_tri:8.2f} ms")
+        ok &= good
+    return ok
+
+
 def check_mla_split(results: dict, dev: str, tiny: bool) -> bool:
     """Split-K MLA (kernels/triton_mla_split.py) at batch 1 and long context (Kimi TP 8 shapes, 32k keys;
     tiny: 300): decode and a 17-node verify, the launch's own choice (on CUDA it must split: fails loudly
@@ -232,7 +283,10 @@ def check_engine(results: dict, max_tokens: int, dev: str) -> bool:
     prompts = [[3, 17, 42, 99, 7], [11, 200, 300, 12], [5, 6, 7], [400, 401, 402, 403, 404, 405]]
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs, ok = {}, True
-    for attn, moe in (("torch", "torch"), ("triton", "torch"), ("torch", "triton"), ("triton", "triton")):
+    combos = [(a, m, "auto") for a, m in (("torch", "torch"), ("triton", "torch"), ("torch", "triton"),
+                                          ("triton", "triton"))] + [("torch", "torch", "fp8_e4m3"),
+                                                                     ("triton", "triton", "fp8_e4m3")]
+    for attn, moe, kv in combos:  # fp8 KV: tokens compared with the fp8 reference (another cache, other tokens)
         for spec in ("none", "ddtree"):
             kw = (
                 dict(speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=6)
@@ -247,6 +301,7 @@ def check_engine(results: dict, max_tokens: int, dev: str) -> bool:
                 int4_experts="packed",
                 attention_backend=attn,
                 moe_backend=moe,
+                kv_cache_dtype=kv,
                 **kw,
             )
             try:
@@ -256,11 +311,12 @@ def check_engine(results: dict, max_tokens: int, dev: str) -> bool:
                 tps = sum(map(len, got)) / (time.perf_counter() - t0)
             finally:
                 eng.shutdown()
-            key = f"engine_attn-{attn}_moe-{moe}_{spec}"
+            kv_tag = "_kv-fp8" if kv != "auto" else ""
+            key = f"engine_attn-{attn}_moe-{moe}{kv_tag}_{spec}"
             outs[key] = got
-            same = got == outs["engine_attn-torch_moe-torch_none"]
+            same = got == outs[f"engine_attn-torch_moe-torch{kv_tag}_none"]
             results[key] = {"tok_s": tps, "same_tokens_as_reference": same}
-            print(f"{key:<38} {tps:8.1f} tok/s  same tokens as torch/torch/none: {same}")
+            print(f"{key:<46} {tps:8.1f} tok/s  same tokens as torch/torch{kv_tag}/none: {same}")
             ok &= same
     return ok
 
@@ -282,6 +338,7 @@ def main() -> int:
     ok = check_moe(args.experts, results, args.device, args.tiny)
     ok &= check_mla(results, args.device, args.tiny)
     ok &= check_mla_split(results, args.device, args.tiny)
+    ok &= check_mla_fp8(results, args.device, args.tiny)
     ok &= check_engine(results, args.max_tokens, args.device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

@@ -5,7 +5,7 @@ the device's limit and with the plan's estimate.
 
     python benchmarks/triton_smem_check.py [--archs 90,100,120] [--heads 8,64]
 
-Kimi K2.6 latent (512 + rope 64), float32 / bfloat16. Exits 1 when a chosen configuration does not fit or
+Kimi K2.6 latent (512 + rope 64), float32 / bfloat16, and bfloat16 over an fp8 KV cache. Exits 1 when a chosen configuration does not fit or
 the estimate lies below the cubin. Run without ``TRITON_INTERPRET`` (the interpreter compiles nothing).
 """
 
@@ -18,8 +18,10 @@ import sys
 import torch
 
 
-def _signature(kernel, ptr: str, const: dict) -> dict[str, str]:
+def _signature(kernel, ptr: str, const: dict, cache_ptr: str | None = None) -> dict[str, str]:
     typed = {
+        "cache_ptr": cache_ptr or ptr,
+        "scale_ptr": "*fp32" if cache_ptr else cache_ptr or ptr,
         "kv_idx_ptr": "*i64",
         "mask_ptr": "*u8",
         "tok_req_ptr": "*i64",
@@ -40,8 +42,9 @@ def _signature(kernel, ptr: str, const: dict) -> dict[str, str]:
     return sig
 
 
-def cubin_shared_bytes(kernel, dtype: torch.dtype, arch: int, tiles, lat: int, rope: int) -> int:
-    """``metadata.shared`` of ``kernel`` compiled for ``sm<arch>`` at ``tiles`` (num_warps 4)."""
+def cubin_shared_bytes(kernel, dtype: torch.dtype, arch: int, tiles, lat: int, rope: int, fp8: bool = False) -> int:
+    """``metadata.shared`` of ``kernel`` compiled for ``sm<arch>`` at ``tiles`` (num_warps 4); ``fp8``: over
+    an fp8 cache (float8e4nv rows and float32 scales) read into ``dtype`` tiles."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,6 +53,7 @@ def cubin_shared_bytes(kernel, dtype: torch.dtype, arch: int, tiles, lat: int, r
         L=lat,
         R=rope,
         TREE=False,
+        FP8=fp8,
         PRECISION="ieee" if dtype == torch.float32 else "tf32",
         UPCAST_DOT=False,
         BLOCK_H=tiles.block_h,
@@ -58,7 +62,7 @@ def cubin_shared_bytes(kernel, dtype: torch.dtype, arch: int, tiles, lat: int, r
         BLOCK_R=tiles.block_r,
     )
     ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    src = ASTSource(kernel, _signature(kernel, ptr, const), constexprs=const)
+    src = ASTSource(kernel, _signature(kernel, ptr, const, "*fp8e4nv" if fp8 else None), constexprs=const)
     opts = dict(num_warps=4, num_stages=tiles.num_stages)
     return int(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).metadata.shared)
 
@@ -78,15 +82,17 @@ def main() -> int:
     ok = True
     for arch in (int(a) for a in args.archs.split(",")):
         limit = SMEM_OPTIN_BYTES[(arch // 10, arch % 10)]
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, fp8 in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+            cache = torch.float8_e4m3fn if fp8 else None
             for heads in (int(h) for h in args.heads.split(",")):
-                tiles = choose_mla_tiles(heads, 512, 64, dtype, limit, arch)
+                tiles = choose_mla_tiles(heads, 512, 64, dtype, limit, arch, cache)
                 for kernel in (_mla_kernel, _mla_split_kernel):
-                    shared = cubin_shared_bytes(kernel, dtype, arch, tiles, 512, 64)
+                    shared = cubin_shared_bytes(kernel, dtype, arch, tiles, 512, 64, fp8)
                     good = shared <= limit and shared <= tiles.smem_bytes
                     ok &= good
+                    name = f"{dtype}{'/fp8 KV' if fp8 else ''}"
                     print(
-                        f"sm{arch} {str(dtype):15} heads {heads:3} {kernel.__name__:18} tiles "
+                        f"sm{arch} {name:22} heads {heads:3} {kernel.__name__:18} tiles "
                         f"{tiles.block_h}x{tiles.block_n}: cubin {shared:7,} B, estimate "
                         f"{tiles.smem_bytes:7,} B, limit {limit:7,} B {'ok' if good else 'FAIL'}"
                     )

@@ -82,8 +82,8 @@ def masked_paged_attention(
     qp = q.new_zeros(bs * q_max, hq, d)  # [bs*Q, Hq, d]
     qp[q_index] = q
     qp = qp.view(bs, q_max, hq, d).transpose(1, 2)  # [bs, Hq, Q, d]
-    kp = k_cache[kv_indices].transpose(1, 2)  # [bs, Hkv, K, d]
-    vp = v_cache[kv_indices].transpose(1, 2)  # [bs, Hkv, K, dv]
+    kp = k_cache[kv_indices].to(q.dtype).transpose(1, 2)  # [bs, Hkv, K, d] (a bfloat16 cache under float32)
+    vp = v_cache[kv_indices].to(q.dtype).transpose(1, 2)  # [bs, Hkv, K, dv]
     out = F.scaled_dot_product_attention(
         qp, kp, vp, attn_mask=attn_mask[:, None], scale=scale, enable_gqa=kp.shape[1] != hq
     )  # [bs, Hq, Q, dv]

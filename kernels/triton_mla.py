@@ -20,7 +20,9 @@ and the context is long (small-batch decode or verify), the split-K variant (ker
 splits the keys over more programs and merges them by log-sum-exp. Tiles (``BLOCK_H``, ``BLOCK_N``) and the
 split count: kernels/triton_mla_plan.py (within the device's shared memory, e.g. float32 on sm120 takes
 16-key tiles). Numerics:
-products in the cache dtype, float32 scores, softmax and accumulation; output in the query's dtype. Runs on
+products in the cache dtype, float32 scores, softmax and accumulation; output in the query's dtype. An fp8
+cache (``--kv-cache-dtype fp8_e4m3``, format in kernels/kv_quant.py) passes its per-token scales; each key tile
+is dequantized to the query's (model) dtype after its load, so products run as for a 16/32-bit cache. Runs on
 CUDA, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import is_fp8
 from kernels.triton_mla_plan import (
     MlaTiles,
     choose_kv_splits,
@@ -54,12 +57,14 @@ def _mla_kernel(
     tok_pos_ptr,
     kv_len_ptr,
     prefix_ptr,
+    scale_ptr,
     out_ptr,
     sm_scale_log2,
     num_heads,
     stride_qt,
     stride_qh,
     stride_slot,
+    stride_scale,
     stride_kb,
     stride_mb,
     stride_mq,
@@ -68,6 +73,7 @@ def _mla_kernel(
     L: tl.constexpr,
     R: tl.constexpr,
     TREE: tl.constexpr,
+    FP8: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -107,6 +113,12 @@ def _mla_kernel(
         k_pe = tl.load(
             k_row + L + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
         )  # [BN, BR]
+        if FP8:  # dequantize the tile to the query's dtype: per-token (latent, rope) scales (kernels/kv_quant.py)
+            sc_row = scale_ptr + slot * stride_scale  # [BN]
+            sc_lat = tl.load(sc_row, mask=n_mask, other=0.0)  # [BN]
+            sc_pe = tl.load(sc_row + 1, mask=n_mask, other=0.0)  # [BN]
+            k_lat = (k_lat.to(tl.float32) * sc_lat[:, None]).to(q_ptr.dtype.element_ty)
+            k_pe = (k_pe.to(tl.float32) * sc_pe[:, None]).to(q_ptr.dtype.element_ty)
         if UPCAST_DOT:
             k_lat = k_lat.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -145,8 +157,11 @@ def _launch(
     tree_mask: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: MlaTiles | None = None,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hr, L + R] (absorbed, in the cache dtype); k_cache [slots, 1, L + R] -> o_lat [T, Hr, L].
+    """q [T, Hr, L + R] (absorbed, in the cache dtype; with an fp8 cache in the model's dtype); k_cache
+    [slots, 1, L + R] -> o_lat [T, Hr, L] in q's dtype. ``k_scale`` [slots, 2] float32: the per-token
+    (latent, rope) scales of an fp8 cache (kernels/kv_quant.py), None for a 16/32-bit cache.
 
     ``tiles``: default ``tiles_for`` the device's shared memory. ``num_splits``: key splits
     (kernels/triton_mla_split.py); default ``choose_kv_splits`` from the launch's programs, the key columns
@@ -172,14 +187,21 @@ def _launch(
     mask = tree_mask if tree else attn_mask  # unread unless tree
     mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     dev = (q.device.type, q.device.index)
+    fp8 = k_scale is not None
+    if fp8 and not is_fp8(k_cache.dtype):
+        raise ValueError(f"k_scale is given but the cache is {k_cache.dtype}, not float8_e4m3fn")
+    if is_fp8(k_cache.dtype) and not fp8:
+        raise ValueError("an fp8 KV cache needs its k_scale")
+    scales = k_scale if fp8 else cache  # unread unless fp8
     if tiles is None:
-        tiles = tiles_for(heads, lat, rope, k_cache.dtype, device_smem_limit(*dev), device_arch(*dev))
+        tiles = tiles_for(heads, lat, rope, q.dtype, device_smem_limit(*dev), device_arch(*dev),
+                          k_cache.dtype if fp8 else None)
     head_blocks = triton.cdiv(heads, tiles.block_h)
     if num_splits is None:
         num_splits = choose_kv_splits(t * head_blocks, kv_indices.shape[1], device_sm_count(*dev))
     if num_splits > 1:
         return launch_split(q, cache, kv_indices, mask, tok_req, tok_pos, kv_len.to(torch.int32), prefix_lens,
-                            out, scale * LOG2E, lat, tree, tiles, num_splits)  # fmt: skip
+                            out, scale * LOG2E, lat, tree, tiles, num_splits, k_scale=k_scale)  # fmt: skip
     _mla_kernel[(t, head_blocks)](
         q,
         cache,
@@ -189,12 +211,14 @@ def _launch(
         tok_pos,
         kv_len.to(torch.int32),
         prefix_lens,
+        scales,
         out,
         scale * LOG2E,
         heads,
         q.stride(0),
         q.stride(1),
         cache.stride(0),
+        scales.stride(0),
         kv_indices.stride(0),
         mask.stride(0),
         mask.stride(1),
@@ -203,50 +227,51 @@ def _launch(
         L=lat,
         R=rope,
         TREE=tree,
+        FP8=fp8,
         BLOCK_H=tiles.block_h,
         BLOCK_N=tiles.block_n,
         BLOCK_L=tiles.block_l,
         BLOCK_R=tiles.block_r,
         num_warps=4,
         num_stages=tiles.num_stages,  # tiles_for keeps the stages' tiles within the device's shared memory
-        **dot_args(k_cache.dtype),
+        **dot_args(q.dtype),
     )
     return out
 
 
 def mla_decode(
     q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
-    num_splits=None, tiles=None,
+    num_splits=None, tiles=None, k_scale=None,
 ):  # fmt: skip
     """DECODE: one new token per request (``extend_lens`` all 1). Shapes as ``_launch``; split-K when
     ``choose_kv_splits`` says so (long context, few programs) or ``num_splits`` > 1. ``tiles``: as
-    ``_launch`` (tests force small ones)."""
+    ``_launch`` (tests force small ones). ``k_scale``: an fp8 cache's scales (``_launch``)."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False,
-        num_splits=num_splits, tiles=tiles,
+        num_splits=num_splits, tiles=tiles, k_scale=k_scale,
     )  # fmt: skip
 
 
 def mla_extend(
     q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
-    num_splits=None, tiles=None,
+    num_splits=None, tiles=None, k_scale=None,
 ):  # fmt: skip
     """EXTEND: causal prefill of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False,
-        num_splits=num_splits, tiles=tiles,
+        num_splits=num_splits, tiles=tiles, k_scale=k_scale,
     )  # fmt: skip
 
 
 def mla_verify(
     q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
-    num_splits=None, tiles=None,
+    num_splits=None, tiles=None, k_scale=None,
 ):  # fmt: skip
     """TARGET_VERIFY: tree nodes see the prefix and their ancestors (``tree_mask [bs, Q, Q]``, or
     ``attn_mask``'s new-token block); split-K like decode at small batch and long context."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, True,
-        tree_mask, num_splits, tiles,
+        tree_mask, num_splits, tiles, k_scale,
     )  # fmt: skip
 
 

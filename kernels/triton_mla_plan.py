@@ -19,6 +19,12 @@ float32     32       16       112,768     112,768
 float32     64       16       188,672     188,672
 ==========  =======  =======  ==========  ==========
 
+Over an fp8 cache (``--kv-cache-dtype fp8_e4m3``) the bfloat16 kernel also holds the fp8 key tile as loaded
+and float32 scratch of the dequantization: cubins add 904 B per key row at L 512 / R 64 to the bfloat16
+query and key tiles (sm120: 16 x 16 51,328 B, 32 x 16 69,760, 64 x 16 106,624, 64 x 32 139,520; 16 x 32
+84,224 on sm90 and sm120); the estimate adds ``BLOCK_N x ((L + R) + 4 R + 128)`` (960 B per row), so at 64
+heads on sm120 an fp8 cache takes 32 x 16 tiles.
+
 (sm100 adds a second key tile for 16-bit tiles of 64 heads: 143,384 B at 64 x 32; the estimate adds it
 for arch 100/103 or unknown). So float32 at ``BLOCK_H 16 / BLOCK_N 32`` (Kimi K2.6 at TP 8: 8 local heads)
 needs 112,704 B, more than sm120's 101,376 (RTX PRO 6000), and bfloat16 at 64 heads 114,688.
@@ -78,10 +84,12 @@ def _pow2(n: int) -> int:
 
 
 def mla_smem_bytes(
-    block_h: int, block_n: int, block_l: int, block_r: int, dtype: torch.dtype, arch: int | None = None
+    block_h: int, block_n: int, block_l: int, block_r: int, dtype: torch.dtype, arch: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> int:
     """Estimated shared memory of one MLA program (module docstring): the query and key tiles in the cache
-    dtype, plus the scratch tile (float32 ``[BLOCK_H, BLOCK_N]`` and a row; at least 4 KiB for 16-bit). On
+    dtype (``dtype``; with an fp8 ``cache_dtype`` the tiles are dequantized to ``dtype`` and the raw fp8 tile
+    and its scratch are added), plus the scratch tile (float32 ``[BLOCK_H, BLOCK_N]`` and a row; at least 4 KiB for 16-bit). On
     datacenter Blackwell (``arch`` 100/103, or unknown) 16-bit tiles of 64 heads take a second key tile
     (sm100 cubin: 143,384 B at 64 x 32 where sm90 and sm120 take 110,592)."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -89,7 +97,10 @@ def mla_smem_bytes(
     if elem < 4:
         scratch = max(scratch, 4096)
     second_key = elem < 4 and block_h >= 64 and arch in (None, 100, 103)
-    return (block_h + block_n + (block_n if second_key else 0)) * (block_l + block_r) * elem + scratch
+    raw = 0  # an fp8 cache: its key tile as loaded, float32 rope scratch and the scales, per key row
+    if cache_dtype is not None and cache_dtype != dtype:
+        raw = block_n * ((block_l + block_r) * torch.empty((), dtype=cache_dtype).element_size() + 4 * block_r + 128)
+    return (block_h + block_n + (block_n if second_key else 0)) * (block_l + block_r) * elem + raw + scratch
 
 
 def preferred_block_h(heads: int) -> int:
@@ -97,16 +108,18 @@ def preferred_block_h(heads: int) -> int:
 
 
 def choose_mla_tiles(
-    heads: int, lat: int, rope: int, dtype: torch.dtype, smem_limit: int | None, arch: int | None = None
+    heads: int, lat: int, rope: int, dtype: torch.dtype, smem_limit: int | None, arch: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> MlaTiles | None:
     """Tiles for ``heads`` local heads, latent ``lat``, rope ``rope`` in ``dtype`` under ``smem_limit``
-    bytes (None: no limit) on compute capability ``arch`` (major * 10 + minor; None: not known). Order:
+    bytes (None: no limit) on compute capability ``arch`` (major * 10 + minor; None: not known);
+    ``cache_dtype``: an fp8 cache read into ``dtype`` tiles (None: the cache is ``dtype``). Order:
     preferred BLOCK_H with BLOCK_N 32 then 16, then half the heads per program; None when nothing fits."""
     block_l, block_r = max(16, _pow2(lat)), max(16, _pow2(rope))
     block_h = preferred_block_h(heads)
     while block_h >= 16:
         for block_n in (32, 16):
-            smem = mla_smem_bytes(block_h, block_n, block_l, block_r, dtype, arch)
+            smem = mla_smem_bytes(block_h, block_n, block_l, block_r, dtype, arch, cache_dtype)
             if smem_limit is None or smem <= smem_limit:
                 return MlaTiles(block_h, block_n, block_l, block_r, smem)
         block_h //= 2
@@ -115,17 +128,18 @@ def choose_mla_tiles(
 
 @functools.cache
 def tiles_for(
-    heads: int, lat: int, rope: int, dtype: torch.dtype, smem_limit: int | None, arch: int | None = None
+    heads: int, lat: int, rope: int, dtype: torch.dtype, smem_limit: int | None, arch: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> MlaTiles:
     """``choose_mla_tiles``, memoised, logging once per shape when the preferred tiles do not fit;
     RuntimeError when nothing fits (the backend resolution keeps such models on the reference)."""
-    tiles = choose_mla_tiles(heads, lat, rope, dtype, smem_limit, arch)
+    tiles = choose_mla_tiles(heads, lat, rope, dtype, smem_limit, arch, cache_dtype)
     if tiles is None:
         raise RuntimeError(
             f"the Triton MLA kernel does not fit {smem_limit} B of shared memory at latent {lat} + rope {rope} "
             f"in {dtype}; use --attention-backend torch"
         )
-    preferred = choose_mla_tiles(heads, lat, rope, dtype, None, arch)
+    preferred = choose_mla_tiles(heads, lat, rope, dtype, None, arch, cache_dtype)
     if tiles != preferred:
         logger.info(
             "triton MLA: %d heads, %s: tiles BLOCK_H %d x BLOCK_N %d (~%d B of shared memory); the "
@@ -136,9 +150,16 @@ def tiles_for(
     return tiles
 
 
-def smallest_tiles_fit(lat: int, rope: int, dtype: torch.dtype, smem_limit: int | None) -> bool:
-    """Whether the Triton MLA kernel fits at all (one head block of 16, 16 keys per tile)."""
-    return choose_mla_tiles(1, lat, rope, dtype, smem_limit) is not None
+def smallest_tiles_fit(lat: int, rope: int, dtype: torch.dtype, smem_limit: int | None,
+                       kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the Triton MLA kernel fits at all (one head block of 16, 16 keys per tile) for a model of
+    ``dtype`` over a cache of ``kv_dtype`` (default ``dtype``; a 16/32-bit cache sets the tiles' dtype, an
+    fp8 cache is dequantized into ``dtype`` tiles)."""
+    if kv_dtype is None or kv_dtype == dtype:
+        return choose_mla_tiles(1, lat, rope, dtype, smem_limit) is not None
+    if kv_dtype.itemsize == 1:
+        return choose_mla_tiles(1, lat, rope, dtype, smem_limit, cache_dtype=kv_dtype) is not None
+    return choose_mla_tiles(1, lat, rope, kv_dtype, smem_limit) is not None
 
 
 @functools.cache

@@ -8,7 +8,8 @@ that leaves all but one SM idle. Here the grid is (token, head block, split): sp
 ``BLOCK_N``, and stores its normalised partial output ``o_s = acc_s / l_s`` ``[Hr, L]`` and
 ``lse_s = m_s + log2(l_s)`` (base 2, as the kernel's scores; ``-inf`` for a split with no visible key).
 The merge computes ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``, which
-is the softmax over all keys. Masks and lengths are the main kernel's (decode, causal extend, tree verify).
+is the softmax over all keys. Masks and lengths are the main kernel's (decode, causal extend, tree verify), and so is the fp8 cache's
+per-tile dequantization.
 The split count comes from ``kernels/triton_mla_plan.choose_kv_splits``; the tiles from
 ``choose_mla_tiles`` (same shared memory as the main kernel).
 """
@@ -33,6 +34,7 @@ def _mla_split_kernel(
     tok_pos_ptr,
     kv_len_ptr,
     prefix_ptr,
+    scale_ptr,
     o_part_ptr,
     lse_ptr,
     sm_scale_log2,
@@ -41,6 +43,7 @@ def _mla_split_kernel(
     stride_qt,
     stride_qh,
     stride_slot,
+    stride_scale,
     stride_kb,
     stride_mb,
     stride_mq,
@@ -52,6 +55,7 @@ def _mla_split_kernel(
     L: tl.constexpr,
     R: tl.constexpr,
     TREE: tl.constexpr,
+    FP8: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -95,6 +99,12 @@ def _mla_split_kernel(
         k_pe = tl.load(
             k_row + L + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
         )  # [BN, BR]
+        if FP8:  # dequantize the tile to the query's dtype: per-token (latent, rope) scales (kernels/kv_quant.py)
+            sc_row = scale_ptr + slot * stride_scale  # [BN]
+            sc_lat = tl.load(sc_row, mask=n_mask, other=0.0)  # [BN]
+            sc_pe = tl.load(sc_row + 1, mask=n_mask, other=0.0)  # [BN]
+            k_lat = (k_lat.to(tl.float32) * sc_lat[:, None]).to(q_ptr.dtype.element_ty)
+            k_pe = (k_pe.to(tl.float32) * sc_pe[:, None]).to(q_ptr.dtype.element_ty)
         if UPCAST_DOT:
             k_lat = k_lat.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -179,9 +189,11 @@ def launch_split(
     tree: bool,
     tiles: MlaTiles,
     num_splits: int,
+    k_scale: torch.Tensor | None = None,  # [slots, 2] float32 scales of an fp8 cache
 ) -> torch.Tensor:
     """Stage 1 (``num_splits`` chunks per token and head block) into float32 partials, stage 2 merges them
     into ``out``. Returns ``out``."""
+    scales = k_scale if k_scale is not None else cache  # unread unless fp8
     t, heads, width = q.shape
     o_part = torch.empty(t, num_splits, heads, lat, dtype=torch.float32, device=q.device)  # [T, S, Hr, L]
     lse = torch.empty(t, num_splits, heads, dtype=torch.float32, device=q.device)  # [T, S, Hr]
@@ -195,6 +207,7 @@ def launch_split(
         tok_pos,
         kv_len,
         prefix_lens,
+        scales,
         o_part,
         lse,
         scale_log2,
@@ -203,6 +216,7 @@ def launch_split(
         q.stride(0),
         q.stride(1),
         cache.stride(0),
+        scales.stride(0),
         kv_indices.stride(0),
         mask.stride(0),
         mask.stride(1),
@@ -214,13 +228,14 @@ def launch_split(
         L=lat,
         R=width - lat,
         TREE=tree,
+        FP8=k_scale is not None,
         BLOCK_H=tiles.block_h,
         BLOCK_N=tiles.block_n,
         BLOCK_L=tiles.block_l,
         BLOCK_R=tiles.block_r,
         num_warps=4,
         num_stages=tiles.num_stages,
-        **dot_args(cache.dtype),
+        **dot_args(q.dtype),
     )
     _mla_merge_kernel[(t, head_blocks)](
         o_part,

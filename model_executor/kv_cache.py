@@ -1,7 +1,8 @@
 """Token-granular paged KV cache: one slot per token, slot 0 reserved as the padding slot.
 
 - ``KVCache``: per-layer K and V buffers ``[num_slots + 1, kv_heads, dim]`` (MLA stores its latent as
-  K with ``v_dim = 0``).
+  K with ``v_dim = 0``). An fp8 cache (``--kv-cache-dtype fp8_e4m3``, MLA only) also holds per-layer scales
+  ``k_scale [num_slots + 1, 2]`` float32 (kernels/kv_quant.py: the format and its error bound).
 - ``TokenSlotAllocator``: the free list. Allocation failure returns None (the scheduler queues or
   retracts); freeing is exact and double frees are detected.
 - ``ReqToTokenPool``: request -> token-slot table ``[max_reqs, max_context]``.
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import SCALE_BYTES_PER_ROW, SCALES_PER_ROW, is_fp8, kv_elem_bytes
+
 
 @dataclass(frozen=True)
 class KVCacheLayout:
@@ -22,8 +25,10 @@ class KVCacheLayout:
     v_dim: int  # 0: no separate V buffer (MLA latent)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * self.kv_heads * (self.k_dim + self.v_dim) * elem
+        """KV bytes one token takes on this rank in a cache of ``dtype`` (fp8: plus its two float32 scales
+        per layer)."""
+        scales = SCALE_BYTES_PER_ROW if is_fp8(dtype) else 0
+        return self.num_layers * self.kv_heads * ((self.k_dim + self.v_dim) * kv_elem_bytes(dtype) + scales)
 
 
 class KVCache:
@@ -36,6 +41,12 @@ class KVCache:
                   for _ in range(layout.num_layers)]
         self.v = [torch.zeros(n, layout.kv_heads, layout.v_dim, dtype=dtype, device=device)
                   for _ in range(layout.num_layers)] if layout.v_dim else []
+        if is_fp8(dtype) and (layout.v_dim or layout.kv_heads != 1):
+            raise ValueError("an fp8 KV cache (--kv-cache-dtype fp8_e4m3) is wired for MLA latent caches only")
+        # fp8: per-layer (latent, rope) scales of each row; None otherwise (readers test ``k_scale is None``)
+        self.k_scale: list[torch.Tensor] | list[None] = (
+            [torch.zeros(n, SCALES_PER_ROW, dtype=torch.float32, device=device) for _ in range(layout.num_layers)]
+            if is_fp8(dtype) else [None] * layout.num_layers)
 
 
 class TokenSlotAllocator:

@@ -34,6 +34,12 @@ class ModelConfig:
     int4_experts: str = "dequant"  # INT4 routed experts: "dequant" at load | "packed" (INT4-resident)
     attention_backend: str = "auto"  # resolved by kernel_backends.py: MLA torch | triton; MHA auto | torch | flashinfer
     moe_backend: str = "torch"  # routed experts' kernels: "torch" | "triton"
+    kv_cache_dtype: torch.dtype | None = None  # the KV cache's dtype (--kv-cache-dtype); None = ``dtype``
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The target's KV cache dtype: ``dtype`` unless ``--kv-cache-dtype`` chose bfloat16 or fp8_e4m3."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def num_layers(self) -> int:
@@ -53,10 +59,12 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: str, dtype: str = "auto", device: str = "cpu", int4_experts: str = "auto",
-             attention_backend: str = "auto", moe_backend: str = "auto") -> ModelConfig:
+             attention_backend: str = "auto", moe_backend: str = "auto", kv_cache_dtype: str = "auto"
+             ) -> ModelConfig:
         """``int4_experts``: "auto" keeps INT4 experts packed on CUDA (a dense copy would not fit) and
         dequantizes them at load on CPU (dense GEMMs are faster there). ``attention_backend`` /
-        ``moe_backend``: see model_executor/kernel_backends.py."""
+        ``moe_backend``: see model_executor/kernel_backends.py. ``kv_cache_dtype``: auto | bfloat16 |
+        fp8_e4m3 (kernels/kv_quant.py; fp8 is wired for MLA models only, a ValueError otherwise)."""
         if int4_experts not in ("auto", "packed", "dequant"):
             raise ValueError(f"int4_experts must be auto, packed or dequant, got {int4_experts!r}")
         if int4_experts == "auto":
@@ -77,13 +85,20 @@ class ModelConfig:
             if e is not None:
                 eos.extend(e if isinstance(e, list) else [e])
                 break
-        from model_executor.kernel_backends import resolve_kernel_backends
+        from kernels.kv_quant import is_fp8, resolve_kv_cache_dtype
+        from model_executor.kernel_backends import is_mla, resolve_kernel_backends
 
         dt = resolve_dtype(dtype, device)
-        attention_backend, moe_backend = resolve_kernel_backends(hf, attention_backend, moe_backend, device, dt)
+        kv_dt = resolve_kv_cache_dtype(kv_cache_dtype, dt)
+        if is_fp8(kv_dt) and not is_mla(hf):
+            raise ValueError(f"--kv-cache-dtype fp8_e4m3 is wired for MLA models (DeepSeek-V3, Kimi K2.x) only; "
+                             f"{archs[0]} has an MHA cache: use auto or bfloat16")
+        attention_backend, moe_backend = resolve_kernel_backends(hf, attention_backend, moe_backend, device, dt,
+                                                                 kv_dtype=kv_dt)
         return cls(path=str(p), hf=hf, architecture=archs[0], eos_token_ids=tuple(dict.fromkeys(eos)),
                    dtype=dt, int4_experts=int4_experts,
-                   attention_backend=attention_backend, moe_backend=moe_backend)
+                   attention_backend=attention_backend, moe_backend=moe_backend,
+                   kv_cache_dtype=kv_dt if kv_dt != dt else None)
 
 
 def cpu_has_native_bf16() -> bool:

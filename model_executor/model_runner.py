@@ -103,7 +103,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.kv_layout.bytes_per_token(self.config.dtype)
+        return self.kv_layout.bytes_per_token(self.config.kv_dtype)
 
     def allocate_kv(self, num_slots: int, table_margin: int = 0) -> None:
         """Allocate the KV cache, slot allocator and request->token table (once), and the CUDA graph runner
@@ -115,14 +115,14 @@ class ModelRunner:
         if num_slots < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {num_slots}")
         self.num_slots = num_slots
-        self.kv = KVCache(self.kv_layout, num_slots, self.config.dtype, self.device)
+        self.kv = KVCache(self.kv_layout, num_slots, self.config.kv_dtype, self.device)
         self.slots = KVSlots(num_slots, self.max_reqs, self.max_context + table_margin, self.device)
         if self.cuda_graph_max_bs > 0:
             from model_executor.cuda_graph_runner import CudaGraphRunner, graph_batch_sizes
 
             self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, graph_batch_sizes(self.cuda_graph_max_bs),
                                           self.max_context, self.device)
-        logger.info("KV cache: %d tokens x %d bytes", num_slots, self.kv_bytes_per_token)
+        logger.info("KV cache: %d tokens x %d bytes (%s)", num_slots, self.kv_bytes_per_token, self.config.kv_dtype)
 
     def prepare_prefill(self, rows: list[int], starts: list[int], lens: list[int], ids: list[int],
                         capture_layer_ids: tuple[int, ...] = (), logits_indices: torch.Tensor | None = None

@@ -151,6 +151,9 @@ class ModelArgs(Area):
                                      choices=_BACKENDS)
     moe_backend: str = setting("auto", "Routed-expert kernels: torch (reference) or triton (grouped GEMM, dense "
                                "or INT4); auto = triton on CUDA, torch on CPU.", choices=_BACKENDS)
+    kv_cache_dtype: str = setting("auto", "KV cache dtype: auto (the model's dtype), bfloat16, or fp8_e4m3 (MLA "
+                                  "models: the latent stored in float8 e4m3 with per-token scales, about half "
+                                  "the bytes of bfloat16).", choices=("auto", "bfloat16", "fp8_e4m3"))
     cuda_graph_max_bs: int = setting(0, "Replay decode and verify forwards of up to this many requests from CUDA "
                                      "graphs (MLA models with the triton backends, CUDA only); 0 = off.", low=0)
     served_model_name: str | None = setting(None, "Model name in the API.", default_help="the --model-path value")

@@ -130,7 +130,7 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
     config = resolve_config(config)
     m, spec = config.model, config.speculative
     target = ModelConfig.load(m.model_path, m.dtype, m.device, m.int4_experts, attention_backend=m.attention_backend,
-                              moe_backend=m.moe_backend)
+                              moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype)
     drafter = drafter_model_config(spec.draft_model_path, target, m.device) if spec.uses_drafter else None
     max_context = m.context_length or target.max_context_len
     total, source = _device_total(config, gpu_memory_gb)
@@ -145,7 +145,7 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
         if spec.enabled:
             block, budget = step_shape(spec.algorithm, spec.ddtree_budget, spec.ddtree_max_budget,
                                        resolve_block(spec.block_size, models.drafter) if models.drafter else None)
-        kv_bytes = models.target.kv_cache_layout().bytes_per_token(target.dtype)
+        kv_bytes = models.target.kv_cache_layout().bytes_per_token(target.kv_dtype)  # fp8 with --kv-cache-dtype
         if models.drafter is not None:
             kv_bytes += models.drafter.kv_cache_layout().bytes_per_token(target.dtype)
         layers = len(getattr(models.drafter, "target_layer_ids", ())) if models.drafter is not None else 0

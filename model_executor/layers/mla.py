@@ -10,7 +10,8 @@ ForwardBatch metadata (kv_indices / attn_mask / q_index):
   o_lat    = softmax(score) @ c_kv            [T, Hr, kv_lora]
   o[h]     = o_lat[h] @ W_UV[h]^T             [T, Hr, v_head_dim]
 which equals the expanded form (k = [c_kv W_UK^T ; k_pe], v = c_kv W_UV^T) in exact arithmetic
-(``forward_expanded`` is kept as the check). Backends: "torch" runs ``masked_paged_attention``; "triton"
+(``forward_expanded`` is kept as the check). The cache is the model's dtype, bfloat16, or float8_e4m3fn with
+per-token scales (``--kv-cache-dtype``, kernels/kv_quant.py: written quantized, read dequantized). Backends: "torch" runs ``masked_paged_attention``; "triton"
 runs kernels/triton_mla.py (decode / extend / target-verify kernels over the same metadata). Prefill uses the absorbed form too: on the reference path it
 costs more FLOPs than expanding but needs no second code path; a CUDA prefill may switch to the expanded
 form (ragged FA over k/v built from the same latent) without changing the cache.
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from kernels.attention import masked_paged_attention
+from kernels.kv_quant import read_latent, write_latent
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from model_executor.layers.norm import RMSNorm
@@ -107,33 +109,44 @@ class MLAAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Absorbed MLA. h [T, H]; k_cache [slots, 1, kv_lora + rope] (written at fb.out_cache_loc) -> [T, H]."""
+                cos_sin: tuple[torch.Tensor, torch.Tensor], k_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Absorbed MLA. h [T, H]; k_cache [slots, 1, kv_lora + rope] (written at fb.out_cache_loc) -> [T, H].
+        ``k_scale`` [slots, 2]: the per-token scales of an fp8 cache (kernels/kv_quant.py), else None; an fp8
+        cache is written quantized and read dequantized into the model's dtype."""
         q_nope, q_pe, latent = self._project(h, cos_sin)
-        k_cache[fb.out_cache_loc] = latent.to(k_cache.dtype)
+        write_latent(k_cache, k_scale, fb.out_cache_loc, latent, self.kv_lora_rank)
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, Hr, kv_lora]
-        q_full = torch.cat([q_lat, q_pe], dim=-1).to(k_cache.dtype)  # [T, Hr, kv_lora + rope]
+        cdt = h.dtype if k_scale is not None else k_cache.dtype  # dtype of the products
+        q_full = torch.cat([q_lat, q_pe], dim=-1).to(cdt)  # [T, Hr, kv_lora + rope]
         if self.backend == "triton":
             from kernels.triton_mla import MLA_KERNELS
 
             o_lat = MLA_KERNELS[fb.mode.value](q_full, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index,
                                                fb.prefix_lens, fb.extend_lens, self.kv_lora_rank, self.scale,
-                                               fb.tree_mask)  # [T, Hr, kv_lora]
-        else:
+                                               fb.tree_mask, k_scale=k_scale)  # [T, Hr, kv_lora]
+        elif k_scale is None:
             v_view = k_cache[..., : self.kv_lora_rank]  # [slots, 1, kv_lora]: the latent doubles as V
             o_lat = masked_paged_attention(q_full, k_cache, v_view, fb.kv_indices, fb.attn_mask, fb.q_index,
                                            self.scale)  # [T, Hr, kv_lora]
+        else:  # fp8: dequantize each request's gathered rows, then the same reference over them
+            bs, kmax = fb.kv_indices.shape
+            lat = read_latent(k_cache, k_scale, fb.kv_indices.reshape(-1), self.kv_lora_rank, cdt)  # [bs*K, 1, W]
+            idx = torch.arange(bs * kmax, device=h.device).view(bs, kmax)  # rows of the gathered copy
+            o_lat = masked_paged_attention(q_full, lat, lat[..., : self.kv_lora_rank], idx, fb.attn_mask,
+                                           fb.q_index, self.scale)  # [T, Hr, kv_lora]
         o = torch.einsum("thl,hvl->thv", o_lat.to(w_uv.dtype), w_uv)  # [T, Hr, v]
         return self.o_proj(o.reshape(o.shape[0], -1))
 
     def forward_expanded(self, h: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor,
-                         cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                         cos_sin: tuple[torch.Tensor, torch.Tensor], k_scale: torch.Tensor | None = None
+                         ) -> torch.Tensor:
         """Reference: same cache write, then per-head K/V expanded from each request's gathered latent."""
         q_nope, q_pe, latent = self._project(h, cos_sin)
-        k_cache[fb.out_cache_loc] = latent.to(k_cache.dtype)
+        write_latent(k_cache, k_scale, fb.out_cache_loc, latent, self.kv_lora_rank)
         bs, kmax = fb.kv_indices.shape
-        lat = k_cache[fb.kv_indices.reshape(-1), 0].to(h.dtype)  # [bs*K, kv_lora + rope]
+        lat = read_latent(k_cache, k_scale, fb.kv_indices.reshape(-1), self.kv_lora_rank, h.dtype)[:, 0]
+        # lat [bs*K, kv_lora + rope]
         c_kv, k_pe = lat.split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(c_kv).view(-1, self.local_heads, self.nope + self.v_dim)  # [bs*K, Hr, nope + v]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)

@@ -54,8 +54,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), fb, k_cache, cos_sin)  # [T, H]
+                cos_sin: tuple[torch.Tensor, torch.Tensor], k_scale: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), fb, k_cache, cos_sin, k_scale)  # [T, H]
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -102,7 +102,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(fb.positions)
         captured = []
         for i, layer in enumerate(self.layers):
-            h = layer(h, fb, kv.k[i], cos_sin)
+            h = layer(h, fb, kv.k[i], cos_sin, kv.k_scale[i])
             if i in fb.capture_layer_ids:
                 captured.append(h)
         return ModelOutput(self.norm(h), capture_hidden(captured, fb.capture_layer_ids))

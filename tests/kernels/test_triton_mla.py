@@ -144,7 +144,7 @@ def test_long_context_decode_takes_the_split_path(monkeypatch):
 
     calls = []
     real = tm.launch_split
-    monkeypatch.setattr(tm, "launch_split", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(tm, "launch_split", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
     fb, cache, q = _case(ForwardMode.DECODE, [1100], [1], 4, 32, 8, torch.float32, seed=3)
     args = (q, cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens, fb.extend_lens, 32, 0.3)
     ref = masked_paged_attention(q, cache, cache[..., :32], fb.kv_indices, fb.attn_mask, fb.q_index, 0.3)
