@@ -57,6 +57,18 @@ class Req:
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 
+    def record_spec_step(self, accepted: int, accepted_suffix: int, budget: int) -> bool:
+        """Count one speculative decode step; True when it verified a tree (``budget`` > 0 nodes), else its root
+        alone ran: a plain decode token (docs/API.md spec_stats)."""
+        if budget <= 0:
+            self.spec_plain_steps += 1
+            return False
+        self.spec_verify_steps += 1
+        self.spec_accepted_tokens += accepted
+        self.spec_accepted_suffix += accepted_suffix
+        self.spec_budget_sum += budget
+        return True
+
     def take_output(self, new: list[int]) -> TokenOut:
         """The scheduler's report of ``new`` tokens, with the logprobs pending for them and, once the whole
         prompt is scored, the prompt's logprobs (once)."""

@@ -338,14 +338,7 @@ class Scheduler:
                 self._retract_one(batch)
         out = []
         for req, res in zip(batch.reqs, results, strict=True):
-            if res.budget > 0:  # the request's tree had nodes: a verify step (docs/API.md spec_stats)
-                req.spec_verify_steps += 1
-                req.spec_accepted_tokens += res.accepted
-                req.spec_accepted_suffix += res.accepted_suffix
-                req.spec_budget_sum += res.budget
-                self.total_verify_steps += 1
-            else:  # its root alone (a plain step, or no node fit): one plain decode token
-                req.spec_plain_steps += 1
+            self.total_verify_steps += req.record_spec_step(res.accepted, res.accepted_suffix, res.budget)
             self.total_spec_tokens += len(res.tokens)
             if req.params.logprobs is not None and res.logprobs is not None:
                 req.pending_logprobs.extend(res.logprobs)
