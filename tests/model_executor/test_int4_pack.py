@@ -4,6 +4,7 @@ and (when the package is installed) bit-exact agreement with compressed-tensors 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,6 @@ from model_executor.quantization.int4_pack import (
     quantize_int4,
     unpack_int4,
 )
-from tests.model_executor.test_plan import KIMI
 
 
 def test_bit_layout_is_offset_binary_lsb_first():
@@ -88,7 +88,7 @@ def test_assembler_any_order_and_incomplete():
 
 
 def test_kimi_quantization_config_targets_routed_experts_only():
-    qc = Int4Config.from_hf(json.loads(KIMI.read_text())["quantization_config"])
+    qc = Int4Config.from_hf(json.loads((Path(__file__).resolve().parents[1] / "data" / "kimi-k2.6-config.json").read_text())["quantization_config"])
     assert (qc.group_size, qc.num_bits, qc.symmetric) == (32, 4, True)
     p = "language_model.model.layers.3."
     assert qc.is_quantized(p + "mlp.experts.17.down_proj")
