@@ -107,9 +107,13 @@ def _subtrahend(count: torch.Tensor, pres: torch.Tensor, freq: torch.Tensor) -> 
 def _penalise_(x: torch.Tensor, seen: torch.Tensor, rep: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     """Steps 2 and 3 in place on ``x`` (biased logits, owned by the caller): seen tokens are scaled by
     ``1 / rep`` when positive and by ``rep`` otherwise, then ``sub`` is subtracted. One elementwise formula
-    for the dense rows and the path corrections, so both round identically."""
+    for the dense rows and the path corrections, so both round identically. The result is clamped to float32's
+    finite range: a ``rep`` below float32's range (5e-324 is valid input) is 0 here and ``1 / rep`` infinite,
+    which would turn softmax into NaN (found by the schemathesis fuzz); clamped, the seen positive logits tie at
+    the top instead."""
     scale = torch.where(seen & (x > 0), 1.0 / rep, torch.where(seen, rep, torch.ones_like(rep)))
-    return x.mul_(scale).sub_(sub)
+    big = torch.finfo(torch.float32).max
+    return x.mul_(scale).sub_(sub).clamp_(-big, big)
 
 
 def _biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

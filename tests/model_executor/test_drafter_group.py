@@ -41,4 +41,4 @@ def test_drafter_warm_up_skips_decode() -> None:
     from tests.kernels.flashinfer_standin import make_flashinfer_standin
 
     backend = FlashInferAttentionBackend("cpu", flashinfer=make_flashinfer_standin())
-    assert backend.warmup(32, 1, 16, 16, torch.float32, "cpu", ("tree",)) == ["tree:prefill"]
+    assert backend.warmup(32, 1, 16, 16, torch.float32, "cpu", ("tree",)) == ["tree:masked_prefill"]

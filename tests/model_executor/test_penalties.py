@@ -102,6 +102,18 @@ def test_tree_rows_equal_dense_penalties_with_the_path_tokens(seed: int) -> None
     assert deep >= 3
 
 
+def test_a_vanishing_repetition_penalty_keeps_logits_finite() -> None:
+    """repetition_penalty 5e-324 passes validation ((0, 2]) but is 0 in float32: the processed logits stay
+    finite (a server fuzz got NaN probabilities and a failed step before), the seen positive ones on top."""
+    vocab = 8
+    params = [SamplingParams(repetition_penalty=5e-324)]
+    counts = [TokenCounts([1, 2], vocab, torch.device("cpu"))]
+    logits = torch.tensor([[0.5, 2.0, -1.0, 0.1, 0.0, 1.0, -3.0, 0.2]])
+    got = apply_penalties(logits, BatchPenalties.build(params, counts, vocab, torch.device("cpu")))
+    assert torch.isfinite(got).all() and got[0].argmax().item() == 1
+    assert torch.isfinite(torch.softmax(got, -1)).all()
+
+
 def test_no_penalties_is_identity() -> None:
     logits = torch.randn(2, 3, 5)
     tree_cands = torch.zeros(2, 3, dtype=torch.int64)

@@ -22,8 +22,11 @@ def server(tmp_path_factory):
         yield srv.base, srv.log
 
 
-def _fuzz(op, mode, base: str, log, seen: dict[str, set[int]]) -> None:
-    """Run EXAMPLES generated requests of one operation in one generation mode; none may get a 5xx."""
+def _fuzz(op, mode, base: str, log, seen: dict[str, set[int]], valid: dict[str, list[int]],
+          rejected: dict[str, list[str]]) -> None:
+    """Run EXAMPLES generated requests of one operation in one generation mode; none may get a 5xx. The statuses
+    of schema-valid (positive) bodies are kept in ``valid``: the spec publishes what validation enforces, so
+    they should be accepted."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
@@ -51,6 +54,10 @@ def _fuzz(op, mode, base: str, log, seen: dict[str, set[int]]) -> None:
                     case.body[key] = min(case.body[key], 4)
         response = case.call(base_url=base, timeout=300)
         seen.setdefault(op.label, set()).add(response.status_code)
+        if positive:
+            valid.setdefault(op.label, []).append(response.status_code)
+            if response.status_code == 400:
+                rejected.setdefault(op.label, []).append(response.text[:160])
         assert response.status_code < 500, (
             f"{op.label} -> {response.status_code}: {response.text[:500]}\n"
             f"body: {case.body!r}\nserver log tail:\n{log.read_text()[-2000:]}"
@@ -68,11 +75,19 @@ def test_schemathesis_finds_no_server_error(server) -> None:
     base, log = server
     schema = schemathesis.openapi.from_url(base + "/openapi.json")
     seen: dict[str, set[int]] = {}
+    valid: dict[str, list[int]] = {}
+    rejected: dict[str, list[str]] = {}  # the 400 bodies of schema-valid requests
     for result in schema.get_all_operations():
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            _fuzz(result.ok(), mode, base, log, seen)
+            _fuzz(result.ok(), mode, base, log, seen, valid, rejected)
     assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages", "POST /v1/responses",
             "POST /tokenize", "POST /detokenize"} <= set(seen)
     assert 400 in seen["POST /v1/chat/completions"]  # the negative examples were rejected, not crashed on
     assert 200 in seen["POST /v1/completions"]  # and valid ones generated
     print({k: sorted(v) for k, v in seen.items()})
+    accepted = {k: sum(c < 400 for c in v) / len(v) for k, v in valid.items() if v}
+    print("schema-valid bodies accepted:", accepted)
+    for route, texts in rejected.items():
+        print(route, "schema-valid but rejected:", *texts, sep="\n  ")
+    # Not yet asserted (issue 38, left open): on 2026-12-03 only 25-30% of the schema-valid chat / completions
+    # bodies were accepted; the published schema is still looser than validation in places.
