@@ -49,7 +49,7 @@ DEFAULT_STARTUP_TIMEOUT_S = 1800.0
 class CollectiveError(RuntimeError):
     """A collective of a ``TPGroup`` failed (a rank died, the network failed, or a rank was late past the
     timeout). Distinguishes a broken TP world, which nothing can recover, from an error in a step's own
-    computation (server/step_recovery.py): gloo and NCCL raise plain RuntimeErrors."""
+    computation (server/scheduling/step_recovery.py): gloo and NCCL raise plain RuntimeErrors."""
 
 
 def _collective(what: str, fn, *args, **kw) -> None:  # noqa: ANN001

@@ -4,7 +4,7 @@ One definition per field (docs/DESIGN.md section 5): the dataclass field holds i
 its default, and in ``setting(...)`` its help text, allowed values and range. Each area checks its values
 in ``__post_init__`` (``Area``), so a CLI flag, a YAML preset key and an Engine keyword are validated by
 the same code. Flat names (CLI dest names, preset keys, Engine kwargs, ``/get_server_info`` keys) follow
-one rule, ``flat_name``: the area's ``PREFIX`` + the field name. server/args.py builds the CLI from this
+one rule, ``flat_name``: the area's ``PREFIX`` + the field name. server/cli/args.py builds the CLI from this
 metadata; derived values are properties. No module-level mutable configuration anywhere.
 """
 

@@ -8,7 +8,7 @@
     scored[0].prompt_logprobs  # [(token_id, logprob | None, [(alt_id, logprob)] | None) per prompt token]
     engine.shutdown()
 
-A scheduler step that raises (not fatally: server/step_recovery.py) fails only that step's requests, on one
+A scheduler step that raises (not fatally: server/scheduling/step_recovery.py) fails only that step's requests, on one
 process and under TP: ``generate`` / ``generate_stream`` raise ``RuntimeError`` for a call whose request
 failed (its other requests are aborted, their KV freed) and the engine serves the next call. A fatal error
 (a dead TP rank, diverged ranks, a sticky device error) propagates; call ``shutdown``.
@@ -32,7 +32,7 @@ from model_executor.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.detokenizer import IncrementalDetokenizer
 from server.io_struct import DetokenizeReq, GenerateReq, TokenOut
-from server.scheduler_factory import SchedulerLike, make_scheduler
+from server.scheduling.scheduler_factory import SchedulerLike, make_scheduler
 from server.startup import resolve_config
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "StreamDelta"]
@@ -164,7 +164,7 @@ class Engine:
     def _abort(self, rids: set[str]) -> None:
         """Abort ``rids`` and drop their outputs (outputs of other consumers' requests are kept). Nothing to
         do in a broken TP world (the error that broke it was raised already; every later call raises)."""
-        from server.tp_protocol import TPRankError
+        from server.tp.protocol import TPRankError
 
         for rid in rids:
             self.scheduler.abort_request(rid)
@@ -194,8 +194,8 @@ class Engine:
 
     def _step(self, inflight: set[str] = frozenset()) -> list[TokenOut]:
         """One scheduler step. A step that raises (not fatally) fails its requests: each gets a finished
-        output with ``error``, as a server's client gets an HTTP 500 (server/step_recovery.py)."""
-        from server.step_recovery import is_fatal, orphaned_rids
+        output with ``error``, as a server's client gets an HTTP 500 (server/scheduling/step_recovery.py)."""
+        from server.scheduling.step_recovery import is_fatal, orphaned_rids
 
         try:
             return self.scheduler.step()

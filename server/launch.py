@@ -38,11 +38,11 @@ def launch_server(config: ServerConfig) -> int:
     """Run until stopped; return the process exit status (0 after a signal, 1 if a child died)."""
     import uvicorn
 
-    from server.api import create_app
     from server.detokenizer import run_detokenizer_process
-    from server.metrics import ServerMetrics
+    from server.http.api import create_app
+    from server.http.metrics import ServerMetrics
     from server.process_utils import load_tokenizer
-    from server.scheduler_process import run_scheduler_process
+    from server.scheduling.scheduler_process import run_scheduler_process
     from server.startup import resolve_config
     from server.tokenizer_manager import TokenizerManager
 
@@ -50,7 +50,7 @@ def launch_server(config: ServerConfig) -> int:
     served = config.model.served_model_name or config.model.model_path
     config = resolve_config(config)  # paths and device, once, before any process starts (server/startup.py)
     if config.parallel.node_rank > 0:  # multi-node TP: this node only runs its ranks (docs/PARALLEL.md)
-        from server.tp_spawn import run_node_followers
+        from server.tp.spawn import run_node_followers
 
         return run_node_followers(config)
     config = config.replace("model", served_model_name=served)

@@ -1,7 +1,7 @@
 """Start-up memory sizing: the step workspace and the KV pool from the configuration and the model's facts.
 
 One function, ``size_startup_memory``, serves both callers, so they print the same line:
-- the scheduler (server/scheduler.py), with the facts of the loaded target and drafter and the device's
+- the scheduler (server/scheduling/scheduler.py), with the facts of the loaded target and drafter and the device's
   memory probe, once the weights are resident; it logs ``StartupSizing.log_line()``;
 - ``ddtree-serve plan`` (server/plan.py), with the same facts read from the model classes built on the meta
   device, and a probe that reports the planned GPU and the weights it would hold.

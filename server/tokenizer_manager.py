@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from server.config import ServerConfig
+from server.http.metrics import ServerMetrics
 from server.io_struct import (
     AbortReq,
     BatchTextOut,
@@ -31,7 +32,6 @@ from server.io_struct import (
     TextOut,
     TokenizedGenerateReq,
 )
-from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

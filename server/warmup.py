@@ -33,7 +33,7 @@ class WarmupReport:
     seconds: float
 
 
-def warm_up(scheduler) -> WarmupReport:  # noqa: ANN001 - a server.scheduler.Scheduler
+def warm_up(scheduler) -> WarmupReport:  # noqa: ANN001 - a server.scheduling.scheduler.Scheduler
     """Run the warm-up requests through ``scheduler`` (module docstring) and return what ran."""
     t0 = time.perf_counter()
     seen: list[str] = []

@@ -27,7 +27,7 @@ class GrammarQueue:
         self._make_backend = make_backend
         self.backend: GrammarBackend | None = None
         self.blocking = blocking
-        self.pending: list[Any] = []  # server.request.Req with grammar_future set
+        self.pending: list[Any] = []  # server.scheduling.request.Req with grammar_future set
 
     def __len__(self) -> int:
         return len(self.pending)

@@ -144,7 +144,7 @@ def test_triton_on_cpu_needs_the_interpreter(kimi, monkeypatch):
 def test_cli_flags_reach_the_config():
     import argparse
 
-    from server.args import add_server_arguments, config_from_args
+    from server.cli.args import add_server_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_server_arguments(parser)

@@ -153,7 +153,7 @@ def test_plan_reports_fp8_capacity(tmp_path, capsys):
     KV on an MHA model is serve's start-up error."""
     import json
 
-    from server.cli import main
+    from server.cli.main import main
 
     (tmp_path / "config.json").write_text(open("tests/data/kimi-k2.6-config.json").read())
     base = ["plan", "--config", "configs/kimi-k2.6-8x-b300.yaml", "--model-path", str(tmp_path),

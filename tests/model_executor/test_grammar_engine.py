@@ -89,7 +89,7 @@ def test_retraction_keeps_the_matcher(engine, default_model_path, caplog):
     ref = engine.generate(prompts, params)
     small = Engine(default_model_path, dtype="float32", max_total_tokens=48)
     try:
-        with caplog.at_level("INFO", logger="server.scheduler"):
+        with caplog.at_level("INFO", logger="server.scheduling.scheduler"):
             got = small.generate(prompts, params)
         assert "retracted" in caplog.text, "the pool must force a retraction"
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]

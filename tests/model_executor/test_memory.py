@@ -142,7 +142,7 @@ def test_min_over_two_gloo_ranks() -> None:
 
 def test_scheduler_sizes_target_plus_drafter_from_the_probe(tiny_llama_factory, tmp_path) -> None:
     from server.config import ServerConfig
-    from server.scheduler import Scheduler
+    from server.scheduling.scheduler import Scheduler
     from tests.speculative.drafter_utils import write_random_drafter
 
     target = tiny_llama_factory("llama")

@@ -12,7 +12,7 @@ import pytest
 import tomllib
 from packaging.requirements import Requirement
 
-from server.args import load_yaml
+from server.cli.args import load_yaml
 from server.config import ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def test_every_config_field_is_read_by_the_code() -> None:
     outside the files that only declare and parse the configuration."""
     import dataclasses
 
-    declaring = {REPO / "server/config.py", REPO / "server/args.py"}
+    declaring = {REPO / "server/config.py", REPO / "server/cli/args.py"}
     sources = [
         p
         for d in ("server", "model_executor", "speculative", "kernels")

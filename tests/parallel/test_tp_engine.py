@@ -91,11 +91,11 @@ def test_tiny_kimi_tp2_auto_budget(tmp_path) -> None:
 
 def test_dead_follower_fails_clearly() -> None:
     """Killing rank 1 makes rank 0 raise an error naming it (never a hang)."""
-    from server.tp_protocol import TPRankError
+    from server.tp.protocol import TPRankError
 
     eng = Engine("default", device="cpu", dtype="float32", max_total_tokens=256, tp_size=2)
     try:
-        from server.scheduler_factory import SchedulerLike
+        from server.scheduling.scheduler_factory import SchedulerLike
 
         assert isinstance(eng.scheduler, SchedulerLike)
         follower = eng.scheduler.followers[0]

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from server.chat_bridge import chat_request
 from server.config import ServerConfig
-from server.protocol_messages import MessagesRequest
-from server.protocol_responses import ResponsesRequest
-from server.serving_common import APIError, parse_body
-from server.serving_messages import REFUSED as MESSAGES_REFUSED
-from server.serving_messages import to_chat as messages_to_chat
-from server.serving_responses import REFUSED as RESPONSES_REFUSED
-from server.serving_responses import to_chat as responses_to_chat
+from server.http.chat_bridge import chat_request
+from server.http.protocol_messages import MessagesRequest
+from server.http.protocol_responses import ResponsesRequest
+from server.http.serving_common import APIError, parse_body
+from server.http.serving_messages import REFUSED as MESSAGES_REFUSED
+from server.http.serving_messages import to_chat as messages_to_chat
+from server.http.serving_responses import REFUSED as RESPONSES_REFUSED
+from server.http.serving_responses import to_chat as responses_to_chat
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from server.args import add_server_arguments
+from server.cli.args import add_server_arguments
 from server.config import (
     SETTING,
     CacheArgs,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.args import config_from_args
-from server.cli import build_parser
+from server.cli.args import config_from_args
+from server.cli.main import build_parser
 
 
 def _config(*argv: str):

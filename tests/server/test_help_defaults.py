@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from server.args import config_from_args
-from server.cli import build_parser
+from server.cli.args import config_from_args
+from server.cli.main import build_parser
 from server.config import SETTING, config_fields, is_default_path
 from server.startup import resolve_config
 
@@ -70,7 +70,7 @@ def test_budget_help_matches_what_the_flag_accepts() -> None:
     budget = re.search(r"--speculative-ddtree-budget BUDGET (.*?)\(default", shown).group(1)
     assert "integer >= 1" in budget and "0 =" not in budget
     parser = argparse.ArgumentParser()
-    from server.args import add_server_arguments
+    from server.cli.args import add_server_arguments
 
     add_server_arguments(parser)
     for bad in ("0", "-1"):

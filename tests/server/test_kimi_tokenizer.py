@@ -19,8 +19,8 @@ import pytest
 
 from server.config import ServerConfig
 from server.detokenizer import IncrementalDetokenizer
+from server.http.metrics import ServerMetrics
 from server.io_struct import DetokenizeReq, IpcEndpoints, TokenOut
-from server.metrics import ServerMetrics
 from server.process_utils import load_tokenizer
 from server.tokenizer_manager import TokenizerManager
 from tests.server.conftest import REPO, free_port, running_server
@@ -166,7 +166,7 @@ def test_untrusted_remote_code_fails_clearly(kimi_dir) -> None:
     with pytest.raises(ValueError, match="trust_remote_code"):
         Engine(str(kimi_dir), device="cpu", trust_remote_code=False)
     assert time.perf_counter() - t0 < 5  # refused before the weights load
-    res = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model-path", str(kimi_dir),
+    res = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", "--model-path", str(kimi_dir),
                           "--device", "cpu", "--no-trust-remote-code", "--port", str(free_port())],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]

@@ -17,10 +17,11 @@ from model_executor.model_config import ModelConfig
 from model_executor.model_runner import load_model
 from model_executor.parallel_state import TPGroup
 from model_executor.plan import module_bytes
-from server import cli_plan, cli_serve
-from server.args import config_from_args
+from server.cli import plan as cli_plan
+from server.cli import serve as cli_serve
+from server.cli.args import config_from_args
 from server.machines import GPU_MEMORY_GIB
-from server.scheduler import Scheduler
+from server.scheduling.scheduler import Scheduler
 from server.startup import resolve_config
 from speculative.worker_shape import drafter_model_config
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek

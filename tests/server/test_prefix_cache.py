@@ -156,7 +156,7 @@ def test_eviction_aborts_and_retractions_leak_nothing(tiny):
 def test_eviction_policy_and_disable_flag(tiny, capsys):
     import argparse
 
-    from server.args import add_server_arguments, config_from_args
+    from server.cli.args import add_server_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_server_arguments(parser)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from server.protocol import ChatCompletionRequest, CompletionRequest, SpecStats, error_body
-from server.serving_common import APIError, make_params, parse_body
+from server.http.protocol import ChatCompletionRequest, CompletionRequest, SpecStats, error_body
+from server.http.serving_common import APIError, make_params, parse_body
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -93,8 +93,8 @@ def test_spec_stats_and_error_shape() -> None:
 
 
 def test_image_parts_rejected_clearly() -> None:
-    from server.protocol import ChatCompletionRequest
-    from server.serving_common import APIError, parse_body
+    from server.http.protocol import ChatCompletionRequest
+    from server.http.serving_common import APIError, parse_body
 
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}

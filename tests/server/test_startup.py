@@ -9,10 +9,10 @@ import pytest
 
 from model_executor.default_drafter import default_drafter_path
 from server.config import ServerConfig
-from server.scheduler import Scheduler
-from server.scheduler_factory import SchedulerLike, make_scheduler
+from server.scheduling.scheduler import Scheduler
+from server.scheduling.scheduler_factory import SchedulerLike, make_scheduler
 from server.startup import is_resolved, resolve_config, resolve_device
-from server.tp_protocol import TPScheduler
+from server.tp.protocol import TPScheduler
 
 
 def test_resolve_config_once_and_idempotent(default_model_path) -> None:
@@ -56,7 +56,7 @@ KIMI_PRESET = "configs/kimi-k2.6-8x-b300.yaml"
 
 
 def _serve(argv: list[str], capsys) -> tuple[int, str]:
-    from server.cli import main
+    from server.cli.main import main
 
     rc = main(["serve", *argv])
     return rc, capsys.readouterr().err
@@ -90,8 +90,8 @@ def test_kimi_preset_serves_without_a_drafter_on_suffix_drafts(tmp_path) -> None
     """The documented command for the presets without the drafter: suffix drafts alone, no drafter loaded."""
     import argparse
 
-    from server import cli_serve
-    from server.args import config_from_args
+    from server.cli import serve as cli_serve
+    from server.cli.args import config_from_args
     from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 
     kimi = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True).path

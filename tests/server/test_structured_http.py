@@ -13,10 +13,10 @@ import httpx
 import jsonschema_rs
 import pytest
 
+from server.http.protocol import ChatCompletionRequest, CompletionRequest
+from server.http.serving_common import APIError, make_params, parse_body
+from server.http.serving_structured import JSON_OBJECT_SCHEMA, constraint_of
 from server.parsers.tool_grammar import tool_call_ebnf
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.serving_common import APIError, make_params, parse_body
-from server.serving_structured import JSON_OBJECT_SCHEMA, constraint_of
 from tests.server.conftest import running_server
 
 PERSON = {"type": "object", "properties": {

@@ -16,7 +16,7 @@ import pytest
 from model_executor.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.io_struct import GenerateReq
-from server.scheduler import Scheduler
+from server.scheduling.scheduler import Scheduler
 from server.warmup import warm_up
 
 
@@ -63,7 +63,7 @@ def test_warm_up_runs_the_serving_paths_and_leaves_no_trace(models, spec, paths)
 
 
 def test_make_scheduler_warms_up_before_it_returns(models, caplog) -> None:
-    from server.scheduler_factory import make_scheduler
+    from server.scheduling.scheduler_factory import make_scheduler
     from server.startup import resolve_config
 
     with caplog.at_level(logging.INFO, logger="server.warmup"):

@@ -212,7 +212,7 @@ def test_auto_drafts_within_the_free_slots(tiny, caplog):
     room = []
     decode = spec.decode
     spec.decode = lambda reqs, eos: (room.append((len(reqs), e.scheduler.runner.slots.num_free)), decode(reqs, eos))[1]
-    with caplog.at_level("INFO", logger="server.scheduler"):
+    with caplog.at_level("INFO", logger="server.scheduling.scheduler"):
         got = e.generate(input_ids=prompts, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert "retracted" not in caplog.text

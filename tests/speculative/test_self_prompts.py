@@ -8,7 +8,7 @@ import json
 import torch
 from transformers import AutoTokenizer
 
-from server.cli import main
+from server.cli.main import main
 from speculative.train.datagen import make_runner
 from speculative.train.self_prompts import acceptable, self_written_prompts, user_turn_prefix
 

@@ -129,7 +129,7 @@ def test_auto_batch_size_scales_with_memory():
 
 
 def test_cli_registers_train_drafter():
-    from server.cli import build_parser
+    from server.cli.main import build_parser
 
     parser, commands = build_parser()
     assert "train-drafter" in commands

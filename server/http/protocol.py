@@ -1,0 +1,284 @@
+"""OpenAI-compatible request/response models (chat completions, completions, models, errors).
+
+Requests are validated strictly from the JSON body: a wrong type (``"temperature": "hot"``) or a value out
+of range is a 400 naming the parameter. Unknown extra fields are ignored, as OpenAI clients send several
+that this server does not use (``user`` ...). Tool and ``response_format`` models live in
+server/http/protocol_tools.py; structured output (``response_format``, ``regex``, ``ebnf``, a forced
+``tool_choice``) maps to grammar constraints in server/http/serving_structured.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from server.http.protocol_outputs import (  # noqa: F401 - re-exported: the OpenAI models' public home
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    FunctionCallOut,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SpecStats,
+    TokenLogprob,
+    ToolCallOut,
+    TopLogprob,
+    UsageInfo,
+    error_body,
+    new_id,
+)
+from server.http.protocol_tools import REQUEST_CONFIG as _REQ
+from server.http.protocol_tools import (  # noqa: F401 - re-exported: the request models' public home
+    FunctionCallMsg,
+    FunctionDef,
+    JsonSchemaFormat,
+    ResponseFormat,
+    Tool,
+    ToolCallMsg,
+    ToolChoice,
+    ToolChoiceFunction,
+)
+
+
+# ---- requests -----------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = _REQ
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = _REQ
+    type: Literal["text"]
+    text: str
+
+
+def _needs(*fields: str) -> dict:
+    """JSON Schema: ``fields`` present and not null."""
+    return {"required": list(fields), "properties": {f: {"not": {"type": "null"}} for f in fields}}
+
+
+def _if_role(roles: list[str], then: dict) -> dict:
+    return {"if": {"properties": {"role": {"enum": roles}}, "required": ["role"]}, "then": then}
+
+
+# the role rules of ChatMessage._role_rules, published in the OpenAPI spec (JSON Schema if/then)
+_ROLE_RULES = [
+    _if_role(["tool"], _needs("content", "tool_call_id")),
+    _if_role(["system", "developer", "user"], _needs("content")),
+    _if_role(["assistant"], {"anyOf": [_needs("content"), {"required": ["tool_calls"],
+                                                            "properties": {"tool_calls": {"type": "array",
+                                                                                          "minItems": 1}}}]}),
+    _if_role(["system", "developer", "user", "tool"], {"properties": {"tool_calls": {"type": "null"}}}),
+]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": _ROLE_RULES})
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMsg] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> ChatMessage:
+        """OpenAI's per-role rules: a tool message answers a call (content and tool_call_id); an assistant
+        message has content or tool_calls; other roles have content; only assistants make tool calls."""
+        if self.role == "tool":
+            if self.content is None or self.tool_call_id is None:
+                raise ValueError("a 'tool' message needs 'content' and 'tool_call_id'")
+        elif self.role == "assistant":
+            if self.content is None and not self.tool_calls:
+                raise ValueError("an 'assistant' message needs 'content' or 'tool_calls'")
+        elif self.content is None:
+            raise ValueError(f"a {self.role!r} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only 'assistant' messages carry 'tool_calls' (got role {self.role!r})")
+        return self
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints. ``best_of`` (completions) is accepted only where it means nothing
+    more than ``n``: no candidates are ranked server-side."""
+
+    model_config = _REQ
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, json_schema_extra={"not": {"const": 0}})  # -1 (off) or >= 1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: 0 (off)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: 0 (off)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # None: 1 (off)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id (digits) -> [-100, 100]
+        "anyOf": [{"type": "object", "additionalProperties": False,
+                   "patternProperties": {"^[0-9]+$": {"type": "number", "minimum": -100, "maximum": 100}}},
+                  {"type": "null"}]})
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, min_length=1)  # SGLang extension: the output matches this regex
+    ebnf: str | None = Field(None, min_length=1)  # SGLang extension: the output matches this EBNF grammar
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not re.fullmatch(r"[0-9]+", key):
+                raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"values must be in [-100, 100], got {bias!r} for token {key}")
+        return v
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids (the JSON object's keys are strings)."""
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # only with logprobs: true (as OpenAI)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call; honoured with a forced tool_choice
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    # OpenAI's deprecated forms of tools / tool_choice: refused (400), never ignored; send tools instead
+    functions: list[dict[str, Any]] | None = Field(None, max_length=0, json_schema_extra={"deprecated": True})
+    function_call: None = Field(None, json_schema_extra={"deprecated": True})
+
+    @field_validator("functions", "function_call", mode="before")
+    @classmethod
+    def _legacy_functions(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and v != []:  # an empty list asks for nothing
+            other = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"the legacy '{info.field_name}' field is not supported: use '{other}'")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_answers_a_call(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        """As OpenAI: a 'tool' message must follow an assistant message with 'tool_calls' (or another tool
+        message answering the same turn)."""
+        for i, m in enumerate(v):
+            if m.role == "tool":
+                j = i - 1
+                while j >= 0 and v[j].role == "tool":
+                    j -= 1
+                if j < 0 or v[j].role != "assistant" or not v[j].tool_calls:
+                    raise ValueError(f"messages[{i}]: a 'tool' message must answer a preceding assistant "
+                                     "message with 'tool_calls'")
+        return v
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        {"if": {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}},  # max_tokens 0: echo only
+         "then": {"properties": {"max_tokens": {"minimum": 1}}}}]})
+    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt alone (checked by the handler)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=64)  # only equal to n: candidates are not ranked server-side
+    suffix: str | None = Field(None, max_length=0)  # insertion (text after the completion) is not supported
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"best_of ({v}) must equal n ({n}): this server does not rank candidates "
+                             "server-side; send n and choose among the choices")
+        return v
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _no_suffix(cls, v: Any) -> Any:
+        if isinstance(v, str) and v:
+            raise ValueError("suffix (text after the completion, insertion) is not supported")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of independent prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]

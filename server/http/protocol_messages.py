@@ -1,0 +1,181 @@
+"""Anthropic Messages API request models (POST /v1/messages) and their error shape.
+
+Validation is as strict as the OpenAI models (server/http/protocol.py): a wrong type or an out-of-range value is a
+400, here in Anthropic's error shape ``{"type": "error", "error": {"type", "message"}}``. Unknown extra fields
+are ignored; the known fields this server cannot honour are declared here and refused by the handler
+(server/http/serving_messages.py ``REFUSED``), never silently ignored. ``cache_control`` (top level, on a block
+or a tool) is accepted: prefix caching is automatic here (every prompt prefix is cached), which is what it
+asks for. ``temperature``/``top_p``/``top_k`` are not in newer Anthropic SDKs' signatures (send them in
+``extra_body``); they are served as the Messages API defines them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from server.http.protocol_tools import REQUEST_CONFIG as _REQ
+
+
+class TextBlock(BaseModel):
+    model_config = _REQ
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolUseBlock(BaseModel):
+    model_config = _REQ
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(BaseModel):
+    model_config = _REQ
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+
+    def text(self) -> str:
+        body = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return f"Error: {body}" if self.is_error else body
+
+
+class ThinkingBlock(BaseModel):
+    model_config = _REQ
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class InputMessage(BaseModel):
+    model_config = _REQ
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_blocks(cls, data: Any) -> Any:
+        """A clear 400 for the block types this server does not take (images, documents, server tool blocks)."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for block in content if isinstance(content, list) else []:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in BLOCK_TYPES:
+                what = " (this server serves the language model only)" if kind in ("image", "document") else ""
+                raise ValueError(f"content block type {kind!r} is not supported{what}; send one of "
+                                 f"{', '.join(BLOCK_TYPES)}")
+        return data
+
+    @model_validator(mode="after")
+    def _blocks_of_role(self) -> InputMessage:
+        """tool_use and thinking blocks are the assistant's; tool_result blocks the user's."""
+        for block in self.content if isinstance(self.content, list) else []:
+            if block.type in ("tool_use", "thinking") and self.role != "assistant":
+                raise ValueError(f"a {block.type!r} block belongs in an 'assistant' message")
+            if block.type == "tool_result" and self.role != "user":
+                raise ValueError("a 'tool_result' block belongs in a 'user' message")
+        return self
+
+
+class AnthropicTool(BaseModel):
+    """A client tool. Anthropic's server tools (web search, code execution, ...) have no ``input_schema``
+    and are refused by validation."""
+
+    model_config = _REQ
+    type: Literal["custom"] | None = None
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolChoice(BaseModel):
+    model_config = _REQ
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_iff_tool(self) -> AnthropicToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("'name' is required with type 'tool', and allowed only with it")
+        return self
+
+
+class ThinkingConfig(BaseModel):
+    model_config = _REQ
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class JsonOutputFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """``format``: the reply is JSON following the schema (grammar-constrained); ``effort`` is refused."""
+
+    model_config = _REQ
+    format: JsonOutputFormat | None = None
+    effort: Any = None
+
+
+class Metadata(BaseModel):
+    model_config = _REQ
+    user_id: str | None = None
+
+
+class MessagesRequest(BaseModel):
+    """POST /v1/messages. ``model`` may be omitted (the served model); a different name is a 404."""
+
+    model_config = _REQ
+    model: str | None = None
+    messages: list[InputMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[TextBlock] | None = None
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    stop_sequences: list[str] | None = Field(None, max_length=16)
+    stream: bool = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    metadata: Metadata | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None
+    # known, refused (server/http/serving_messages.py REFUSED)
+    service_tier: Any = None
+    container: Any = None
+    mcp_servers: Any = None
+    context_management: Any = None
+    output_format: Any = None
+    inference_geo: Any = None
+    speed: Any = None
+    diagnostics: Any = None
+    user_profile_id: Any = None
+    workspace_id: Any = None
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body for an HTTP status."""
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}

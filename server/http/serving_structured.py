@@ -1,0 +1,96 @@
+"""Structured output: the request fields that constrain generation, mapped to one grammar constraint
+(``SamplingParams.json_schema`` / ``regex`` / ``ebnf``) that the engine enforces with token masks.
+
+- ``response_format``: ``{"type": "text"}`` is no constraint; ``{"type": "json_object"}`` is the JSON
+  Schema ``{"type": "object"}``; ``{"type": "json_schema", "json_schema": {"schema": S, ...}}`` is
+  ``json.dumps(S)``.
+- ``regex`` and ``ebnf`` (SGLang's request extensions) pass through.
+- ``tool_choice`` "required" or ``{"type": "function", "function": {"name": N}}`` (chat only) is the EBNF of
+  server/parsers/tool_grammar.py, in the format of the server's ``--tool-call-parser``.
+
+At most one constraint per request (400 otherwise). A grammar the engine cannot compile is a 400 from the
+engine at admission (ValueError at add_request).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from server.http.protocol import ChatCompletionRequest, CompletionRequest, ToolChoice
+from server.http.serving_common import APIError
+from server.parsers.tool_grammar import ToolGrammarError, tool_call_ebnf
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format {"type": "json_object"}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One grammar constraint (at most one field set); ``forces_tools`` when it is a forced tool call."""
+
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    forces_tools: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+
+    def fields(self) -> dict[str, str | None]:
+        """The SamplingParams fields."""
+        return {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
+
+
+NO_CONSTRAINT = Constraint()
+
+
+def forced_tool_choice(req: ChatCompletionRequest) -> bool:
+    """``tool_choice`` is "required" or names a function."""
+    return req.tool_choice == "required" or isinstance(req.tool_choice, ToolChoice)
+
+
+def constraint_of(req: ChatCompletionRequest | CompletionRequest, tool_parser: str | None = None) -> Constraint:
+    """The request's grammar constraint. ``tool_parser``: the server's ``--tool-call-parser`` (chat only).
+    Raises APIError 400 for conflicting constraints, a forced ``tool_choice`` without tools, without a tool
+    parser, naming an unknown function, or whose tools' schemas cannot be turned into a grammar."""
+    found: list[tuple[str, Constraint]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", Constraint(json_schema=JSON_OBJECT_SCHEMA)))
+    elif rf is not None and rf.type == "json_schema":
+        assert rf.json_schema is not None and rf.json_schema.schema_ is not None  # checked by the model
+        found.append(("response_format", Constraint(json_schema=json.dumps(rf.json_schema.schema_))))
+    if req.regex is not None:
+        found.append(("regex", Constraint(regex=req.regex)))
+    if req.ebnf is not None:
+        found.append(("ebnf", Constraint(ebnf=req.ebnf)))
+    if isinstance(req, ChatCompletionRequest) and forced_tool_choice(req):
+        found.append(("tool_choice", _tool_constraint(req, tool_parser)))
+    elif isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False and req.tools:
+        raise APIError(400, "parallel_tool_calls: false is supported only with a forced tool_choice ('required' "
+                            "or a named function), where the grammar allows exactly one call",
+                       param="parallel_tool_calls", code="unsupported_value")
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(400, f"at most one output constraint per request, got {names}", param=found[1][0],
+                       code="conflicting_constraints")
+    return found[0][1] if found else NO_CONSTRAINT
+
+
+def _tool_constraint(req: ChatCompletionRequest, tool_parser: str | None) -> Constraint:
+    what = "'required'" if req.tool_choice == "required" else "a named function"
+    if not req.tools:
+        raise APIError(400, f"tool_choice {what} needs 'tools'", param="tool_choice", code="invalid_value")
+    if tool_parser is None:
+        raise APIError(400, f"tool_choice {what} needs a tool-call format: start the server with "
+                            "--tool-call-parser (kimi_k2 or hermes)", param="tool_choice",
+                       code="unsupported_value")
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, ToolChoice) else None
+    tools: list[tuple[str, dict[str, Any] | None]] = [(t.function.name, t.function.parameters) for t in req.tools]
+    try:
+        ebnf = tool_call_ebnf(tool_parser, tools, named, parallel=req.parallel_tool_calls is not False)
+    except ToolGrammarError as e:
+        raise APIError(400, str(e), param="tool_choice" if e.index < 0 else "tools", code="invalid_value") from None
+    return Constraint(ebnf=ebnf, forces_tools=True)
