@@ -1,9 +1,10 @@
 """Offline check (no GPU needed; Triton's bundled ptxas): compile the Triton MLA kernels
 (kernels/triton_mla.py, kernels/triton_mla_split.py) for each GPU architecture at the tiles
 ``kernels/triton_mla_plan.choose_mla_tiles`` picks there, and compare the shared memory of the cubin with
-the device's limit and with the plan's estimate.
+the device's limit and with the plan's estimate; ptxas's registers per thread and spilled bytes are printed
+beside it (a refactor of the kernels must leave all three unchanged).
 
-    python benchmarks/triton_smem_check.py [--archs 90,100,120] [--heads 8,64]
+    python benchmarks/triton_smem_check.py [--archs 90,100,103,120] [--heads 8,64]
 
 Kimi K2.6 latent (512 + rope 64), float32 / bfloat16, and bfloat16 over an fp8 KV cache. Exits 1 when a chosen configuration does not fit or
 the estimate lies below the cubin. Run without ``TRITON_INTERPRET`` (the interpreter compiles nothing).
@@ -12,10 +13,21 @@ the estimate lies below the cubin. Run without ``TRITON_INTERPRET`` (the interpr
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
+import re
 import sys
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class CubinStats:
+    shared: int  # bytes of shared memory (static + dynamic) the launch needs
+    registers: int  # per thread
+    spill_bytes: int  # ptxas's spill stores + spill loads
 
 
 def _signature(kernel, ptr: str, const: dict, cache_ptr: str | None = None) -> dict[str, str]:
@@ -42,9 +54,12 @@ def _signature(kernel, ptr: str, const: dict, cache_ptr: str | None = None) -> d
     return sig
 
 
-def cubin_shared_bytes(kernel, dtype: torch.dtype, arch: int, tiles, lat: int, rope: int, fp8: bool = False) -> int:
-    """``metadata.shared`` of ``kernel`` compiled for ``sm<arch>`` at ``tiles`` (num_warps 4); ``fp8``: over
-    an fp8 cache (float8e4nv rows and float32 scales) read into ``dtype`` tiles."""
+def cubin_stats(
+    kernel, dtype: torch.dtype, arch: int, tiles, lat: int, rope: int, fp8: bool = False
+) -> CubinStats:
+    """Compile ``kernel`` for ``sm<arch>`` at ``tiles`` (num_warps 4) and read its shared memory
+    (``metadata.shared``) and ptxas's register and spill counts; ``fp8``: over an fp8 cache (float8e4nv rows
+    and float32 scales) read into ``dtype`` tiles. Always compiles (Triton's cache would skip ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -64,12 +79,28 @@ def cubin_shared_bytes(kernel, dtype: torch.dtype, arch: int, tiles, lat: int, r
     ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     src = ASTSource(kernel, _signature(kernel, ptr, const, "*fp8e4nv" if fp8 else None), constexprs=const)
     opts = dict(num_warps=4, num_stages=tiles.num_stages)
-    return int(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).metadata.shared)
+    knobs = triton.knobs
+    saved = (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log)
+    knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = True, True
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):  # ptxas -v's log, printed by Triton's CUDA backend
+            shared = int(
+                triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).metadata.shared
+            )
+    finally:
+        knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = saved
+    text = log.getvalue()
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
+    if regs is None or not spills:
+        raise RuntimeError(f"no register / spill counts in ptxas's log:\n{text}")
+    return CubinStats(shared, int(regs.group(1)), sum(spills))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--archs", default="90,100,120")
+    ap.add_argument("--archs", default="90,100,103,120")
     ap.add_argument("--heads", default="8,64")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -87,14 +118,16 @@ def main() -> int:
             for heads in (int(h) for h in args.heads.split(",")):
                 tiles = choose_mla_tiles(heads, 512, 64, dtype, limit, arch, cache)
                 for kernel in (_mla_kernel, _mla_split_kernel):
-                    shared = cubin_shared_bytes(kernel, dtype, arch, tiles, 512, 64, fp8)
+                    st = cubin_stats(kernel, dtype, arch, tiles, 512, 64, fp8)
+                    shared = st.shared
                     good = shared <= limit and shared <= tiles.smem_bytes
                     ok &= good
                     name = f"{dtype}{'/fp8 KV' if fp8 else ''}"
                     print(
                         f"sm{arch} {name:22} heads {heads:3} {kernel.__name__:18} tiles "
                         f"{tiles.block_h}x{tiles.block_n}: cubin {shared:7,} B, estimate "
-                        f"{tiles.smem_bytes:7,} B, limit {limit:7,} B {'ok' if good else 'FAIL'}"
+                        f"{tiles.smem_bytes:7,} B, limit {limit:7,} B, {st.registers:3} registers, "
+                        f"{st.spill_bytes:,} B spilled {'ok' if good else 'FAIL'}"
                     )
     print("ALL OK" if ok else "FAILED")
     return 0 if ok else 1

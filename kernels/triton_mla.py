@@ -5,7 +5,8 @@ Per layer the cache holds one latent row per token, ``c = [c_kv (kv_lora_rank L)
 ``o_lat = softmax(scale * (q_lat . c_kv + q_pe . k_pe)) @ c_kv`` with ``q = [q_lat ; q_pe]`` already
 absorbed (``q_lat = q_nope W_UK``), reading the cache rows in place through ``kv_indices`` (no gathered
 copy) with an online softmax over ``BLOCK_N`` keys at a time (FlashAttention, Dao et al. 2022); the latent
-serves as both K and V.
+serves as both K and V. That key loop is one ``@triton.jit`` helper shared with the split-K kernel
+(kernels/triton_mla_keys.py).
 
 Modes, all over the ``ForwardBatch`` metadata (model_executor/forward_batch.py):
 - ``mla_decode``: one new token per request; it sees its request's ``prefix + 1`` keys.
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_quant import is_fp8
+from kernels.triton_mla_keys import mla_key_loop
 from kernels.triton_mla_plan import (
     MlaTiles,
     choose_kv_splits,
@@ -102,42 +104,11 @@ def _mla_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
-    for start in range(0, n_kv, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_kv
-        slot = tl.load(kv_idx_ptr + b * stride_kb + offs_n, mask=n_mask, other=0).to(tl.int64)  # [BN]
-        k_row = cache_ptr + slot[:, None] * stride_slot  # [BN, 1]
-        k_lat = tl.load(
-            k_row + offs_l[None, :], mask=n_mask[:, None] & l_mask[None, :], other=0.0
-        )  # [BN, BL]
-        k_pe = tl.load(
-            k_row + L + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
-        )  # [BN, BR]
-        if FP8:  # dequantize the tile to the query's dtype: per-token (latent, rope) scales (kernels/kv_quant.py)
-            sc_row = scale_ptr + slot * stride_scale  # [BN]
-            sc_lat = tl.load(sc_row, mask=n_mask, other=0.0)  # [BN]
-            sc_pe = tl.load(sc_row + 1, mask=n_mask, other=0.0)  # [BN]
-            k_lat = (k_lat.to(tl.float32) * sc_lat[:, None]).to(q_ptr.dtype.element_ty)
-            k_pe = (k_pe.to(tl.float32) * sc_pe[:, None]).to(q_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            k_lat = k_lat.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)  # [BH, BN]
-        s = s * sm_scale_log2
-        visible = n_mask
-        if TREE:  # prefix keys always visible; new key j: tree_mask[b, i, j - prefix]
-            rel = offs_n - pre
-            m = tl.load(mask_ptr + b * stride_mb + i * stride_mq + rel, mask=n_mask & (rel >= 0), other=1)
-            visible = visible & (m != 0)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BH]
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block adds nothing
-        p = tl.exp2(s - m_safe[:, None])  # [BH, BN]
-        alpha = tl.exp2(m_i - m_safe)  # [BH]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None], input_precision=PRECISION)  # [BH, BL]
-        m_i = m_new
+    m_i, l_i, acc = mla_key_loop(
+        q_ptr, q_lat, q_pe, m_i, l_i, acc, cache_ptr, kv_idx_ptr, mask_ptr, scale_ptr, b, i, pre, 0, n_kv,
+        offs_l, l_mask, offs_r, r_mask, sm_scale_log2, stride_slot, stride_scale, stride_kb, stride_mb,
+        stride_mq, L, TREE, FP8, PRECISION, UPCAST_DOT, BLOCK_N,
+    )  # fmt: skip
     out = acc / l_i[:, None]
     o = out_ptr + pid_t * stride_ot + offs_h[:, None] * stride_oh + offs_l[None, :]
     tl.store(o, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & l_mask[None, :])
