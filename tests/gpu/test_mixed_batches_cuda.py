@@ -14,6 +14,7 @@ from kernels.dispatch import SGL_KERNEL
 from tests.gpu.spy import spy
 from tests.gpu.test_kernels_cuda import compare, cuda, need, random_batch
 from tests.kernels.tree_helpers import run_greedy, run_sampling
+from tests.speculative.scripted_drafts import install
 
 pytestmark = [
     pytest.mark.gpu,
@@ -90,12 +91,14 @@ def test_engine_mixed_batch_greedy_rows_equal_plain_greedy(monkeypatch, backend_
         base.shutdown()
     calls = spy(monkeypatch, SGL_KERNEL, "tree_speculative_sampling_target_only")
     spec = Engine(model, speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=16, **common)
+    log = install(spec, None)  # the engine's own drafts (the shipped drafter, suffix), every step logged
     try:
         sampled = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=3)
         outs = spec.generate(prompts + prompts, [greedy] * 4 + [sampled] * 4)
     finally:
         spec.shutdown()
     assert [o.token_ids for o in outs[:4]] == want
+    log.assert_accepted()  # the equality covers accepted depth >= 2 paths, not the trees' roots alone
     assert len(calls) > 0
     backend_report.append(
         f"engine mixed batch (default pair, float32): greedy rows == plain greedy; "
