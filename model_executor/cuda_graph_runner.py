@@ -3,15 +3,20 @@
 A decode step (one token per request) or a verify step (``q`` tree nodes per request, ``q`` = DDTree
 budget + 1) launches hundreds of small kernels; replaying a captured graph removes their launch overhead
 (the idea of SGLang's CudaGraphRunner, written here for our ForwardBatch). One graph per
-``(mode, q, capture_layer_ids, padded batch size)``, captured lazily at its first use (warm-up forwards on a
-side stream compile the Triton kernels first), all sharing one memory pool.
+``(mode, q, capture_layer_ids, padded batch size)``, all sharing one memory pool. The server captures every
+graph it will replay before it reports ready (server/warmup.py: ``serving_graph_keys`` -> ``capture``, then
+``freeze``); after ``freeze`` a batch without its graph runs eagerly (``eager_fallbacks`` counts them) and
+the runner never captures at first use (``forward`` raises instead). Unfrozen (tests, offline use), a graph
+is captured at its first use.
 
-Order at a first use: fill the static buffers with THIS step's batch, then warm up, then capture, then
-replay. The warm-up forwards really run, and every forward writes its tokens' KV at ``out_cache_loc``: run
-on stale buffers (the previous step's batch, as before issue 33) they wrote the previous step's tokens into
-slots that by now may hold another request's committed KV (it happened whenever a new padded batch size
-was first captured for a query length used before). Filled first, they write this step's own KV into this
-step's own slots (and padding into slot 0), which the replay then writes again.
+A capture ahead of use (``capture``) fills the static buffers with padding only: every request padded,
+writing slot 0 and seeing key 0. Order at a first use: fill the static buffers with THIS step's batch, then
+warm up, then capture, then replay. The warm-up forwards really run, and every forward writes its tokens' KV
+at ``out_cache_loc``: run on stale buffers (the previous step's batch, as before issue 33) they wrote the
+previous step's tokens into slots that by now may hold another request's committed KV (it happened
+whenever a new padded batch size was first captured for a query length used before). Filled first, they
+write this step's own KV into this step's own slots (and padding into slot 0), which the replay then
+writes again.
 
 Static inputs: every ForwardBatch tensor at the padded size, as views of buffers shared by all graphs
 (``kv_indices [max_bs, max_context]``, as wide as a request can grow, so one graph serves every step;
@@ -31,6 +36,7 @@ how the CPU tests check the padding contract (padded forward == plain forward) w
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,6 +52,30 @@ def graph_batch_sizes(max_bs: int) -> tuple[int, ...]:
     """Padded batch sizes captured for ``--cuda-graph-max-bs``: 1, 2, 4, 8, then every 8 up to max_bs."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 8)) + [max_bs]
     return tuple(sorted(set(sizes)))
+
+
+GraphKey = tuple[ForwardMode, int, tuple[int, ...], int]  # (mode, q, capture_layer_ids, padded batch size)
+
+
+def serving_graph_keys(batch_sizes: tuple[int, ...], layer_ids: tuple[int, ...], budget: int | None,
+                       max_verify_tokens: int | None = None) -> list[GraphKey]:
+    """The graphs a server replays: DECODE (q 1) at every padded size, and with speculation (``budget``: the
+    worker's tree budget, the maximum for ``auto``) TARGET_VERIFY at ``q = step budget + 1`` of every batch
+    that pads to each size: a full tree per request, the budget lowered by ``memory.step_budget`` where
+    ``bs x (budget + 1)`` would pass ``max_verify_tokens``. Trees of other sizes (ragged, or cut short near
+    ``max_tokens``) run eagerly. ``layer_ids``: the target layers the drafter reads (``()`` without one)."""
+    from model_executor.memory import step_budget
+
+    keys: list[GraphKey] = [(ForwardMode.DECODE, 1, layer_ids, b) for b in batch_sizes]
+    if budget is None or budget < 1:
+        return keys
+    lo = 0
+    for pad in batch_sizes:
+        qs = {(budget if max_verify_tokens is None else step_budget(budget, b, max_verify_tokens)) + 1
+              for b in range(lo + 1, pad + 1)}
+        keys += [(ForwardMode.TARGET_VERIFY, q, layer_ids, pad) for q in sorted(qs) if q >= 2]
+        lo = pad
+    return keys
 
 
 def check_graphable(config: ModelConfig) -> None:
@@ -127,31 +157,64 @@ class CudaGraphRunner:
         self.kv_indices = torch.zeros(self.max_bs, max_context, dtype=torch.int64, device=self.device)
         self.prefix_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)
         self.tokens: dict[int, dict[str, torch.Tensor]] = {}  # per q: [max_bs * q] token-level buffers
+        self.frozen = False  # set by ``freeze``: no capture at first use from then on
+        self.captures = 0  # graphs captured (ahead of use or at first use)
+        self.replays: Counter[GraphKey] = Counter()  # forwards served from each graph
+        self.eager_fallbacks = 0  # after ``freeze``: graphable batches whose graph was not captured
+
+    def _key(self, fb: ForwardBatch) -> GraphKey:
+        bs_pad = next(b for b in self.batch_sizes if b >= fb.batch_size)
+        return fb.mode, fb.max_q, fb.capture_layer_ids, bs_pad
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        """Decode or verify, every request with the same number of new tokens, a captured size fits."""
+        """Decode or verify, every request with the same number of new tokens, a captured size fits; after
+        ``freeze``, its graph was captured."""
         if fb.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) or fb.input_embeds is not None:
             return False
         if fb.mode == ForwardMode.TARGET_VERIFY and fb.tree_mask is None:
             return False
         bs, q = fb.batch_size, fb.max_q
-        return (
-            0 < bs <= self.max_bs
-            and fb.input_ids.numel() == bs * q
-            and fb.kv_indices.shape[1] <= self.max_context
-        )
+        fits = 0 < bs <= self.max_bs and fb.input_ids.numel() == bs * q and fb.kv_indices.shape[1] <= self.max_context
+        if fits and self.frozen and self._key(fb) not in self.graphs:
+            self.eager_fallbacks += 1
+            return False
+        return fits
+
+    def capture(self, keys: list[GraphKey]) -> int:
+        """Capture the graphs of ``keys`` not captured yet, ahead of use (server warm-up), on static buffers
+        holding padding only (module docstring): their forwards write slot 0 alone. Returns how many."""
+        if self.frozen:
+            raise RuntimeError("CudaGraphRunner is frozen: graphs are captured before freeze()")
+        n = 0
+        for mode, q, layer_ids, bs in keys:
+            key = (mode, q, tuple(layer_ids), bs)
+            if bs not in self.batch_sizes:
+                raise ValueError(f"batch size {bs} is not one of the padded sizes {self.batch_sizes}")
+            if key in self.graphs:
+                continue
+            static = self._static(mode, q, key[2], bs)
+            self._pad(static)
+            self.graphs[key] = self._make(static)
+            n += 1
+        return n
+
+    def freeze(self) -> None:
+        """From now on never capture: a graphable batch without its graph runs eagerly (``can_run`` False)."""
+        self.frozen = True
 
     def forward(self, fb: ForwardBatch) -> ModelOutput:
         bs, q = fb.batch_size, fb.max_q
-        bs_pad = next(b for b in self.batch_sizes if b >= bs)
-        key = (fb.mode, q, fb.capture_layer_ids, bs_pad)
+        key = self._key(fb)
         g = self.graphs.get(key)
         if g is None:  # fill first: the warm-up forwards write KV at the static out_cache_loc (module doc)
-            static = self._static(fb.mode, q, fb.capture_layer_ids, bs_pad)
+            if self.frozen:
+                raise RuntimeError(f"no CUDA graph for {key} after freeze(): can_run() is False for this batch")
+            static = self._static(fb.mode, q, fb.capture_layer_ids, key[3])
             self._fill(static, fb)
             g = self.graphs[key] = self._make(static)
         else:
             self._fill(g.fb, fb)
+        self.replays[key] += 1
         out = g.replay()
         t = bs * q
         captured = out.captured[:t].clone() if out.captured is not None else None
@@ -194,11 +257,23 @@ class CudaGraphRunner:
         def run() -> ModelOutput:
             return self.model(fb, self.kv, self.backend)
 
+        self.captures += 1
         if self.capturer is None:
             return _Graph(fb, run)
         for _ in range(2):  # compiles the Triton kernels and settles the allocator outside the capture
             self.capturer.warm_up(run)
         return _Graph(fb, self.capturer.capture(run))
+
+    @staticmethod
+    def _pad(st: ForwardBatch) -> None:
+        """Every request of the static batch padding: prefix 0, token 0 at position 0 into slot 0, key 0 only."""
+        for name in ("input_ids", "positions", "out_cache_loc"):
+            getattr(st, name).zero_()
+        st.kv_indices.zero_()
+        st.prefix_lens.zero_()
+        if st.tree_mask is not None:
+            st.tree_mask.zero_()
+            st.tree_mask[:, :, 0] = True
 
     @staticmethod
     def _fill(st: ForwardBatch, fb: ForwardBatch) -> None:
