@@ -1,7 +1,9 @@
 """/v1/completions with ``echo`` + ``logprobs`` over real HTTP: OpenAI's legacy layout over prompt +
 completion, for text, token-id and list prompts, ``max_tokens`` 0, streaming; prompt logprobs equal
-transformers' (both float32) and a DDTree server returns the same as a plain one. Both servers prefill in
-16-token chunks, so the long prompt is scored across several chunks."""
+transformers' (both float32) and a DDTree server returns the same as a plain one, its completion logprobs
+taken from tree verification with accepted drafts (a fixed budget of 8, so every step drafts; a copy-heavy
+prompt, so the suffix drafts are accepted; asserted from ``spec_stats``). Both servers prefill in 16-token
+chunks, so the long prompt is scored across several chunks."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ LONG = (
     "for i in range(10):\n    print(i, fibonacci(i))  # the first ten Fibonacci numbers, one per line"
 )
 PROMPTS = ["The capital of France is", LONG, "Question: What is 2 + 2?\nAnswer: 4"]
+# greedy continues the list, which the suffix index holds from the prompt: drafts that verification accepts
+COPY = "one, two, three, four, five, six, seven, eight.\n" * 3 + "one, two, three,"
+DDTREE_BUDGET = "8"  # fixed: every decode step verifies a tree (the auto budget may decode plainly)
 
 
 def _start(tmp_path_factory, algorithm: str):
@@ -42,7 +47,7 @@ def _start(tmp_path_factory, algorithm: str):
         algorithm,
     ]
     if algorithm != "none":
-        args += ["--speculative-draft-model-path", "default"]
+        args += ["--speculative-draft-model-path", "default", "--speculative-ddtree-budget", DDTREE_BUDGET]
     return start_server(args, log), f"http://127.0.0.1:{port}", log
 
 
@@ -123,22 +128,26 @@ def test_echo_layout_and_prompt_logprobs_equal_transformers(servers, hf):
 
 def test_ddtree_server_scores_like_plain(servers, hf):
     """The prompt part comes from the same prefill forward on both servers: equal to float32 rounding. The
-    completion part comes from tree verification vs plain decode forwards: equal within TOL."""
+    completion part comes from tree verification (drafts accepted: the copy prompt) vs plain decode forwards:
+    equal within TOL."""
     tok, _ = hf
-    for prompt in PROMPTS[:2]:
+    accepted = {}
+    for prompt, max_tokens in ((PROMPTS[0], 4), (PROMPTS[1], 4), (COPY, 12)):
         n = len(tok.encode(prompt))
-        a, b = (
-            _ok(servers[s], prompt=prompt, echo=True, logprobs=3, max_tokens=4)["choices"][0]
-            for s in ("plain", "ddtree")
-        )
+        res = [_ok(servers[s], prompt=prompt, echo=True, logprobs=3, max_tokens=max_tokens) for s in ("plain", "ddtree")]
+        a, b = (r["choices"][0] for r in res)
+        stats = res[1]["spec_stats"]
+        assert stats["verify_steps"] > 0 and stats["plain_steps"] <= 1, stats  # a fixed budget drafts every step
+        accepted[prompt] = stats["accepted_tokens"]
         assert a["text"] == b["text"]  # lossless greedy
         la, lb = a["logprobs"], b["logprobs"]
         assert la["tokens"] == lb["tokens"] and la["text_offset"] == lb["text_offset"]
         assert la["token_logprobs"][0] is None and lb["token_logprobs"][0] is None
-        for lo, hi, tol in ((1, n, 1e-6), (n, n + 4, TOL)):
+        for lo, hi, tol in ((1, n, 1e-6), (n, n + max_tokens, TOL)):
             assert la["token_logprobs"][lo:hi] == pytest.approx(lb["token_logprobs"][lo:hi], abs=tol)
             for x, y in zip(la["top_logprobs"][lo:hi], lb["top_logprobs"][lo:hi], strict=True):
                 assert sorted(x.values()) == pytest.approx(sorted(y.values()), abs=tol)
+    assert accepted[COPY] >= 2, accepted  # the compared logprobs include tokens of accepted drafts
 
 
 def test_token_id_prompts_and_lists(servers, hf):
