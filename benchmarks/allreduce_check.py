@@ -20,8 +20,8 @@ Per size, on every rank:
   the conventions of NVIDIA's nccl-tests), as rank 0 measures them.
 
 Exit status 0 only when every size was exact on every rank; 1 on a wrong result; 2 when a rank failed (it did
-not start, raised, or timed out); 3 when it cannot run here (fewer than 2 ranks: one GPU has no all-reduce to
-check; no CUDA for ``--device cuda``). Prints one row per size and writes ``--out`` (JSON).
+not start, raised, or timed out) or ``--device cuda`` finds no CUDA; 3 when there are fewer than 2 ranks to
+run (one GPU has no all-reduce to check). Prints one row per size and writes ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         print("NOT RUN: --device cuda but CUDA is not available")
-        return 3
+        return 2
     world = args.world_size or (torch.cuda.device_count() if device == "cuda" else 2)
     if world < 2:
         print(f"NOT RUN: the TP all-reduce check needs >= 2 ranks ({device}: {world}); one GPU has no "
