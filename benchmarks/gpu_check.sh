@@ -92,7 +92,7 @@ PIP_FIND_LINKS="$PWD/$WHEELS" timeout 120 "$PY" -c \
   "from model_executor.default_model import ensure_default_model as e; print(e())" || fail "default model"
 
 part "TP collectives: NCCL all-reduce / logits all-gather over every local GPU at Kimi K2.6's sizes, exact and timed"
-timeout 300 "$PY" benchmarks/allreduce_check.py --device cuda --out bench_out/allreduce.json
+timeout 300 "$PY" benchmarks/allreduce_check.py --device cuda --timeout 240 --out bench_out/allreduce.json
 rc=$?
 if [ "$rc" -eq 3 ]; then multi_gpu_not_run "NCCL all-reduce check (benchmarks/allreduce_check.py needs >= 2 GPUs)"
 elif [ "$rc" -ne 0 ]; then fail "allreduce_check (exit $rc)"; fi
