@@ -52,7 +52,11 @@ def test_b300_preset_plan_kimi_weights_kv_and_pool(kimi_dir, capsys) -> None:
     workspace = 128 * 129 * 163840 * 16
     assert plan["workspace_bytes"] == workspace and plan["max_verify_tokens"] == 128 * 129
     assert plan["nccl_reserve_bytes"] == GIB and plan["graph_reserve_bytes"] == 0  # TP 8 (NCCL), no graphs
-    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace - GIB) // (61 * 576 * 2)
+    # the MoonViT tower (replicated, BF16) and its activation peak for the largest image
+    assert 0.85e9 < plan["weight_breakdown"]["vision tower+proj"] < 1.0e9
+    encoder = plan["encoder_reserve_bytes"]
+    assert encoder == (16384 + 2048) * ((6 * 1152 + 4304) * 2 + 2 * 1152 * 4)
+    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace - GIB - encoder) // (61 * 576 * 2)
     assert plan["kv_tokens"] == expect and plan["kv_source"] == "mem_fraction_static"
     assert plan["log_line"].startswith(f"KV pool: {expect} tokens x 70272 B")
     # The B300 preset on 96 GiB GPUs: serve's start-up error (weights + the 128 x 128 workspace leave no pool).

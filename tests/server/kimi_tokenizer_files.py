@@ -112,7 +112,7 @@ def special_token_ids(vocab_size: int) -> dict[str, int]:
 
 
 def write_kimi_tokenizer(path: Path, vocab_size: int) -> None:
-    """Write the stand-in tokenizer (``vocab_size`` tokens including the 14 special ones) into ``path``,
+    """Write the stand-in tokenizer (``vocab_size`` tokens including the special ones) into ``path``,
     replacing any other tokenizer files there."""
     path = Path(path)
     n_regular = vocab_size - len(SPECIAL_TOKENS)
@@ -133,16 +133,18 @@ def write_kimi_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_tiny_kimi(path: Path, vocab_size: int = 512, **overrides: Any) -> Any:
+def write_tiny_kimi(path: Path, vocab_size: int = 512, vision: bool = False, **overrides: Any) -> Any:
     """A tiny random Kimi K2.6 checkpoint (``tests/model_executor/tiny_deepseek.py``, INT4 experts) whose
     model vocabulary is ``vocab_size``, with the stand-in tokenizer and eos ``<|im_end|>`` in config.json
-    and generation_config.json. Returns the ``TinyCheckpoint``."""
+    and generation_config.json; ``vision``: with a tiny MoonViT tower whose placeholder is ``<|media_pad|>``.
+    Returns the ``TinyCheckpoint``."""
     from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 
     ids = special_token_ids(vocab_size)
     bos, eos = ids["[BOS]"], ids["<|im_end|>"]
     tiny = write_tiny_deepseek(path, int4=True, kimi=True, vocab_size=vocab_size, bos_token_id=bos,
-                               eos_token_id=eos, **overrides)
+                               eos_token_id=eos, vision=vision,
+                               media_token_id=ids["<|media_pad|>"] if vision else None, **overrides)
     write_kimi_tokenizer(Path(path), vocab_size)
     (Path(path) / "generation_config.json").write_text(
         json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))

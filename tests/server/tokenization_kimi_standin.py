@@ -31,6 +31,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
     "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
     "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+    "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
 )
 
 
