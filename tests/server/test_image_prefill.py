@@ -19,7 +19,7 @@ from tests.server.kimi_tokenizer_files import special_token_ids, write_tiny_kimi
 from tests.speculative.scripted_drafts import greedy_script, install
 
 VOCAB = 512
-PAD = special_token_ids(VOCAB)["<|media_pad|>"]
+PAD = special_token_ids(VOCAB, media=True)["<|media_pad|>"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
