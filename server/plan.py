@@ -131,7 +131,8 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
     config = resolve_config(config)
     m, spec = config.model, config.speculative
     target = ModelConfig.load(m.model_path, m.dtype, m.device, m.int4_experts, attention_backend=m.attention_backend,
-                              moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype)
+                              moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype,
+                              vision=config.server.max_images_per_request > 0)
     drafter = drafter_model_config(spec.draft_model_path, target, m.device) if spec.uses_drafter else None
     max_context = m.context_length or target.max_context_len
     total, source = _device_total(config, gpu_memory_gb)

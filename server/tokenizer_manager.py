@@ -232,6 +232,8 @@ class TokenizerManager:
     def _vision_of(self, model_dir: str) -> VisionFrontend | None:
         s = self.config.server
         limits = ImageLimits(s.max_images_per_request, s.max_image_bytes, s.max_image_pixels)
+        if limits.max_images == 0:  # text only: the scheduler loaded no vision tower
+            return None
         try:
             vision = VisionFrontend.for_model(model_dir, self.tokenizer, limits)
         except Exception:  # noqa: BLE001 - the server serves text without it

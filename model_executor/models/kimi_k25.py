@@ -2,8 +2,9 @@
 config ``text_config``) plus, when the checkpoint's ``vision_config`` describes one, the MoonViT vision tower
 and its projector (models/moonvit.py, ``vision_tower.*`` / ``mm_projector.*``), replicated on every TP rank.
 
-``vision`` is None for a checkpoint without a complete ``vision_config`` (no ``vt_hidden_size``): its vision
-tensors are skipped and the server refuses image inputs, as for any text-only model. ``embed_images`` turns
+``vision`` is None for a checkpoint without a complete ``vision_config`` (no ``vt_hidden_size``), or when
+``ModelConfig.vision`` is off (``--max-images-per-request 0``: no tower memory): its vision tensors are
+skipped and the server refuses image inputs, as for any text-only model. ``embed_images`` turns
 preprocessed images (server/multimodal/image_processor.py) into rows of the text model's embedding space;
 the scheduler writes them over the placeholder tokens' embeddings at prefill (docs/DESIGN.md, "Images").
 """
@@ -35,7 +36,7 @@ class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
         super().__init__(config, tp)
         vision_cfg, self.media_placeholder_token_id = read_vision_config(config.path)
         self.vision: KimiVision | None = None
-        if vision_cfg is not None:
+        if vision_cfg is not None and config.vision:
             if vision_cfg.text_hidden_size != self.config.hidden_size:
                 raise ValueError(f"vision_config.text_hidden_size {vision_cfg.text_hidden_size} != the text "
                                  f"model's hidden_size {self.config.hidden_size}")
@@ -79,5 +80,5 @@ class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
 
     def _after_load(self, skipped: int) -> None:
         if self.vision is None:
-            logger.info("KimiK25ForConditionalGeneration: serving the text model only (no complete vision_config); "
-                        "%d tensors skipped", skipped)
+            logger.info("KimiK25ForConditionalGeneration: serving the text model only (no complete vision_config, or "
+                        "--max-images-per-request 0); %d tensors skipped", skipped)

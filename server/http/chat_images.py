@@ -41,7 +41,8 @@ async def chat_images(tm: TokenizerManager, urls: list[str]) -> ChatImages:
         return ChatImages()
     vision = getattr(tm, "vision", None)
     if vision is None:
-        raise APIError(400, "image inputs are not supported by this model (it has no vision tower); send text parts",
+        raise APIError(400, "image inputs are not supported by this model (it has no vision tower, or the server "
+                            "runs with --max-images-per-request 0); send text parts",
                        param="messages", code="unsupported_content")
     try:
         images = await asyncio.to_thread(vision.load, urls)

@@ -36,11 +36,12 @@ def plain(kimi) -> Scheduler:
     return _scheduler(kimi, cache=False)
 
 
-def _scheduler(path: str, algorithm: str = "none", chunk: int = 512, cache: bool = True) -> Scheduler:
+def _scheduler(path: str, algorithm: str = "none", chunk: int = 512, cache: bool = True, **kw) -> Scheduler:
     spec = dict(speculative_algorithm="ddtree", speculative_ddtree_budget=8) if algorithm == "ddtree" else {}
     return Scheduler(ServerConfig.from_flat(dict(model_path=path, dtype="float32", device="cpu", context_length=512,
                                                  max_running_requests=4, max_total_tokens=4096,
-                                                 chunked_prefill_size=chunk, disable_radix_cache=not cache, **spec)))
+                                                 chunked_prefill_size=chunk, disable_radix_cache=not cache, **spec,
+                                                 **kw)))
 
 
 def _prompt(text: list[int], seeds: list[int], tail: list[int]) -> tuple[list[int], tuple[ImageInput, ...]]:
@@ -101,3 +102,12 @@ def test_ddtree_equals_plain_greedy_with_images(kimi):
     spec = _run(s, [(rid, *p) for rid, p in prompts.items()], params)
     assert {r: o for r, (o, _) in spec.items()} == {r: o for r, (o, _) in plain.items()}
     log.assert_accepted()
+
+
+def test_text_only_mode_loads_no_tower_and_refuses_images(kimi, plain):
+    """--max-images-per-request 0: the tower's weights are skipped; an image request is refused at admission."""
+    s = _scheduler(kimi, cache=False, max_images_per_request=0)
+    assert s.runner.model.vision is None and plain.runner.model.vision is not None
+    ids, images = _prompt([5], [1], [6])
+    with pytest.raises(ValueError, match="no vision tower"):
+        s.add_request(GenerateReq("x", ids, GREEDY, images))
