@@ -127,10 +127,11 @@ def step_budget(budget: int, batch: int, max_verify_tokens: int) -> int:
 class RuntimeReserve:
     nccl_bytes: int  # NCCL communicator buffers (CUDA, TP)
     graph_bytes: int  # CUDA graphs: static inputs + memory pool
+    encoder_bytes: int = 0  # a vision tower's activation peak for one image (CUDA; models/kimi_k25.py)
 
     @property
     def bytes(self) -> int:
-        return self.nccl_bytes + self.graph_bytes
+        return self.nccl_bytes + self.graph_bytes + self.encoder_bytes
 
 
 def runtime_reserve(device_type: str, tp_size: int, graph_batch_sizes: tuple[int, ...], graph_max_q: int,
@@ -170,7 +171,8 @@ class KVSizing:
             f"KV pool: {self.tokens} tokens x {self.bytes_per_token} B = {self.tokens * self.bytes_per_token / GIB:.2f}"
             f" GiB (from {self.source}; device {self.total_bytes / GIB:.2f} GiB, in use {self.used_bytes / GIB:.2f}"
             f" GiB, workspace {self.workspace_bytes / GIB:.2f} GiB, NCCL {self.reserve.nccl_bytes / GIB:.2f} GiB,"
-            f" CUDA graphs {self.reserve.graph_bytes / GIB:.2f} GiB)"
+            f" CUDA graphs {self.reserve.graph_bytes / GIB:.2f} GiB"
+            + (f", vision encoder {self.reserve.encoder_bytes / GIB:.2f} GiB)" if self.reserve.encoder_bytes else ")")
         )
 
 

@@ -35,6 +35,7 @@ class ModelConfig:
     attention_backend: str = "auto"  # resolved by kernel_backends.py: MLA torch | triton; MHA auto | torch | flashinfer
     moe_backend: str = "torch"  # routed experts' kernels: "torch" | "triton"
     kv_cache_dtype: torch.dtype | None = None  # the KV cache's dtype (--kv-cache-dtype); None = ``dtype``
+    vision: bool = True  # load a vision tower the checkpoint has (False: --max-images-per-request 0, text only)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -59,8 +60,8 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: str, dtype: str = "auto", device: str = "cpu", int4_experts: str = "auto",
-             attention_backend: str = "auto", moe_backend: str = "auto", kv_cache_dtype: str = "auto"
-             ) -> ModelConfig:
+             attention_backend: str = "auto", moe_backend: str = "auto", kv_cache_dtype: str = "auto",
+             vision: bool = True) -> ModelConfig:
         """``int4_experts``: "auto" keeps INT4 experts packed on CUDA (a dense copy would not fit) and
         dequantizes them at load on CPU (dense GEMMs are faster there). ``attention_backend`` /
         ``moe_backend``: see model_executor/kernel_backends.py. ``kv_cache_dtype``: auto | bfloat16 |
@@ -98,7 +99,7 @@ class ModelConfig:
         return cls(path=str(p), hf=hf, architecture=archs[0], eos_token_ids=tuple(dict.fromkeys(eos)),
                    dtype=dt, int4_experts=int4_experts,
                    attention_backend=attention_backend, moe_backend=moe_backend,
-                   kv_cache_dtype=kv_dt if kv_dt != dt else None)
+                   kv_cache_dtype=kv_dt if kv_dt != dt else None, vision=vision)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -10,7 +10,7 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "model_executor.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "model_executor.models.llama:Qwen3ForCausalLM",
     "DeepseekV3ForCausalLM": "model_executor.models.deepseek_v3:DeepseekV3ForCausalLM",
-    "KimiK25ForConditionalGeneration": "model_executor.models.deepseek_v3:KimiK25ForConditionalGeneration",
+    "KimiK25ForConditionalGeneration": "model_executor.models.kimi_k25:KimiK25ForConditionalGeneration",
     "DFlashDraftModel": "model_executor.models.dflash:DFlashDraftModel",
 }
 

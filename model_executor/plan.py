@@ -70,7 +70,7 @@ def module_bytes(module: torch.nn.Module | None) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
-_PARTS = (("embed+lm_head", r"(^|\.)(embed_tokens|lm_head)\."), ("routed experts", r"\.mlp\.experts\."),
+_PARTS = (("vision tower+proj", r"^vision\."), ("embed+lm_head", r"(^|\.)(embed_tokens|lm_head)\."), ("routed experts", r"\.mlp\.experts\."),
           ("shared experts", r"\.mlp\.shared_experts\."), ("router (fp32)", r"\.mlp\.gate\."),
           ("dense mlp", r"\.mlp\."))
 

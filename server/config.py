@@ -296,6 +296,12 @@ class ServerArgs(Area):
                                             default_help="the context length")
     max_waiting_requests: int = setting(1024, "Requests that may wait beyond --max-running-requests (503 with "
                                         "Retry-After beyond).", low=0)
+    max_images_per_request: int = setting(8, "Most images one request may carry, models with a vision tower "
+                                          "(400 beyond); 0: text only, the vision tower is not loaded.", low=0)
+    max_image_bytes: int = setting(10 << 20, "Largest accepted image in bytes, decoded from its base64 data: URL "
+                                   "(400 beyond).", low=1)
+    max_image_pixels: int = setting(40_000_000, "Largest accepted image in pixels, width x height, checked before "
+                                    "decoding (400 beyond).", low=1)
 
 
 @dataclass(frozen=True)

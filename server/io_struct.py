@@ -3,17 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from model_executor.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One preprocessed image of a request (server/multimodal/image_processor.py). Its ``num_tokens``
+    placeholder tokens sit at ``input_ids[offset : offset + num_tokens]``; prefill writes the image's
+    embeddings over theirs. ``content_hash`` keys those tokens in the prefix cache."""
+
+    offset: int
+    num_tokens: int
+    grid: tuple[int, int, int]  # (t, h, w) patches
+    pixel_values: Any  # torch.Tensor [t * h * w, 3, patch, patch] float32, normalised
+    content_hash: int  # 63-bit, of pixels and grid
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
 @dataclass
 class GenerateReq:
-    """A tokenized request. ``rid`` is unique per server."""
+    """A tokenized request. ``rid`` is unique per server. ``images``: in prompt order, non-overlapping."""
 
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass

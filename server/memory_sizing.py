@@ -10,6 +10,7 @@ The arithmetic itself is model_executor/memory.py (``verify_workspace``, ``size_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ class ModelFacts:
     hidden_size: int = 0  # the target's (CUDA-graph outputs)
     dtype_bytes: int = 2  # the target's activation dtype
     captured_features: int = 0  # the drafter's captured target-layer width per token (0: no drafter)
+    encoder_peak_bytes: int = 0  # the vision tower's activation peak for one image (0: no tower)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp
     """Reserve the step workspace for ``max_running_requests`` at ``facts.budget``, then size the KV pool
     (precedence: ``max_total_tokens`` > ``kv_memory_gb`` > the probed device, less ``runtime_reserve``'s NCCL
     buffers and CUDA graphs on CUDA), at most ``(max_running_requests
-    + 1) x max_context_len`` tokens; ``tp``: a TPGroup (the pool is the minimum over ranks) or None. On CUDA a
+    + 1) x max_context_len`` tokens (on CUDA the vision encoder's peak, ``facts.encoder_peak_bytes``, is reserved
+    too); ``tp``: a TPGroup (the pool is the minimum over ranks) or None. On CUDA a
     device whose memory is not the configured ``machine`` class's is logged as a warning."""
     cache, max_reqs = config.cache, config.scheduler.max_running_requests + 1
     workspace = verify_workspace(facts.vocab_size, config.scheduler.max_running_requests, facts.budget,
@@ -69,6 +72,8 @@ def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp
     reserve = runtime_reserve(  # NCCL and the CUDA graphs allocate after sizing: left out of the pool
         torch.device(device).type, config.parallel.tp_size, graphs, (facts.budget or 0) + 1,
         facts.max_context_len, facts.hidden_size, facts.dtype_bytes, facts.captured_features)
+    if torch.device(device).type == "cuda":  # an image's encoder activations at prefill, as the others: CUDA only
+        reserve = dataclasses.replace(reserve, encoder_bytes=facts.encoder_peak_bytes)
     kv = size_kv_pool(device, facts.kv_bytes_per_token, workspace.bytes, max_reqs * facts.max_context_len,
                       max_total_tokens=cache.max_total_tokens, kv_memory_gb=cache.kv_memory_gb,
                       mem_fraction_static=cache.mem_fraction_static, tp=tp, probe=probe, reserve=reserve)

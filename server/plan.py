@@ -92,6 +92,7 @@ class Plan:
                 "kv_bytes_per_token": kv.bytes_per_token, "kv_tokens": kv.tokens, "kv_source": kv.source,
                 "workspace_bytes": ws.bytes, "max_verify_tokens": ws.max_verify_tokens,
                 "nccl_reserve_bytes": kv.reserve.nccl_bytes, "graph_reserve_bytes": kv.reserve.graph_bytes,
+                "encoder_reserve_bytes": kv.reserve.encoder_bytes,
                 "context_length": r0.facts.max_context_len, "log_line": self.log_line,
                 "rows": [dict(budget=r.budget, max_batch=r.max_batch, kv_bound=r.kv_bound,
                               workspace_bound=r.workspace_bound) for r in self.rows],
@@ -130,7 +131,8 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
     config = resolve_config(config)
     m, spec = config.model, config.speculative
     target = ModelConfig.load(m.model_path, m.dtype, m.device, m.int4_experts, attention_backend=m.attention_backend,
-                              moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype)
+                              moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype,
+                              vision=config.server.max_images_per_request > 0)
     drafter = drafter_model_config(spec.draft_model_path, target, m.device) if spec.uses_drafter else None
     max_context = m.context_length or target.max_context_len
     total, source = _device_total(config, gpu_memory_gb)
@@ -150,7 +152,8 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
             kv_bytes += models.drafter.kv_cache_layout().bytes_per_token(target.dtype)
         layers = len(getattr(models.drafter, "target_layer_ids", ())) if models.drafter is not None else 0
         facts = ModelFacts(target.vocab_size, max_context, kv_bytes, budget, block, target.hidden_size,
-                           target.dtype.itemsize, target.hidden_size * layers)
+                           target.dtype.itemsize, target.hidden_size * layers,
+                           getattr(models.target, "encoder_peak_bytes", lambda: 0)())
         weights, draft = module_bytes(models.target), module_bytes(models.drafter)
         in_use = weights + draft + overhead
 

@@ -32,6 +32,7 @@ from server.io_struct import (
     TextOut,
     TokenizedGenerateReq,
 )
+from server.multimodal.frontend import ImageLimits, VisionFrontend
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class TokenizerManager:
         self.vocab_size = 0  # the model's, from SchedulerReady (0: not known yet)
         self.eos_token_ids: tuple[int, ...] = ()
         self.last_stats = SchedulerStats()
+        self.vision: VisionFrontend | None = None  # image inputs, for a model with a vision tower (at ready)
         self.states: dict[str, ReqState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -221,10 +223,25 @@ class TokenizerManager:
             self.max_context_len = msg.max_context_len
             self.eos_token_ids = tuple(msg.eos_token_ids)
             self.vocab_size = msg.vocab_size
+            self.vision = self._vision_of(msg.model_path)
             self.ready = True
             logger.info("scheduler ready: context %d tokens", msg.max_context_len)
         elif isinstance(msg, ProcessFailed):
             self.mark_dead(f"{msg.process} failed: {msg.message}")
+
+    def _vision_of(self, model_dir: str) -> VisionFrontend | None:
+        s = self.config.server
+        limits = ImageLimits(s.max_images_per_request, s.max_image_bytes, s.max_image_pixels)
+        if limits.max_images == 0:  # text only: the scheduler loaded no vision tower
+            return None
+        try:
+            vision = VisionFrontend.for_model(model_dir, self.tokenizer, limits)
+        except Exception:  # noqa: BLE001 - the server serves text without it
+            logger.exception("image inputs off: the vision frontend could not be set up")
+            return None
+        if vision is not None:
+            logger.info("image inputs on: data: URLs, at most %d per request", limits.max_images)
+        return vision
 
     def _deliver(self, out: TextOut) -> None:
         st = self.states.get(out.rid)

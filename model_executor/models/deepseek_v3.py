@@ -1,4 +1,4 @@
-"""DeepSeek-V3 decoder (Kimi K2 / K2-Thinking) and Kimi K2.5/K2.6's text model, on our layers.
+"""DeepSeek-V3 decoder (Kimi K2 / K2-Thinking; Kimi K2.5/K2.6's text model: models/kimi_k25.py), on our layers.
 
 MLA attention (model_executor/layers/mla.py, latent-only KV cache), dense MLP in the first
 ``first_k_dense_replace`` layers, DeepSeek MoE (layers/moe.py) after. Same model interface as
@@ -139,7 +139,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+        params = self.text_parameters()
         loaded: set[str] = set()
         assembler = PackedWeightAssembler(self.config.dtype)
         skipped = 0
@@ -171,6 +171,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
 
+    def text_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters ``load_weights`` fills from the text model's tensors (a wrapper's own modules aside)."""
+        return dict(self.named_parameters())
+
     def _after_load(self, skipped: int) -> None:
         if skipped:
             logger.info("%s: skipped %d checkpoint tensors (MTP layers / rotary buffers)", type(self).__name__,
@@ -186,15 +190,3 @@ def _resident_int4_group(config: ModelConfig) -> int | None:
     if quant is None or not quant.is_quantized("model.layers.1.mlp.experts.0.gate_proj"):
         return None
     return quant.group_size
-
-
-class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
-    """Kimi K2.5 / K2.6: serves the ``language_model.*`` DeepSeek-V3 text model (config ``text_config``).
-    The MoonViT vision tower and its projector are not loaded; image inputs are rejected upstream."""
-
-    weight_prefix = "language_model."
-    skip_weight_prefixes = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "vision_model.")
-
-    def _after_load(self, skipped: int) -> None:
-        logger.info("KimiK25ForConditionalGeneration: serving the text model only; vision tower and projector "
-                    "weights are skipped (%d tensors skipped here)", skipped)

@@ -47,7 +47,9 @@ def model_info(config: ServerConfig) -> dict[str, Any]:
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
-        "has_image_understanding": False,
+        "has_image_understanding": isinstance(hf.get("vision_config"), dict)  # a MoonViT tower (kimi_k25.py)
+        and "vt_hidden_size" in hf["vision_config"] and "media_placeholder_token_id" in hf
+        and config.server.max_images_per_request > 0,
         "has_audio_understanding": False,
         "model_type": hf.get("model_type") or text.get("model_type"),
         "architectures": hf.get("architectures") or text.get("architectures"),

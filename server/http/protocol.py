@@ -64,6 +64,20 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = _REQ
+    url: str  # a data: URL (server/multimodal/frontend.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's own resize rule applies
+
+
+class ImagePart(BaseModel):
+    """An image (models with a vision tower; a 400 otherwise), in 'user' messages."""
+
+    model_config = _REQ
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 def _needs(*fields: str) -> dict:
     """JSON Schema: ``fields`` present and not null."""
     return {"required": list(fields), "properties": {f: {"not": {"type": "null"}} for f in fields}}
@@ -87,7 +101,7 @@ _ROLE_RULES = [
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": _ROLE_RULES})
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMsg] | None = None
     tool_call_id: str | None = None
@@ -107,12 +121,20 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role!r} message needs 'content'")
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"only 'assistant' messages carry 'tool_calls' (got role {self.role!r})")
+        if self.role != "user" and self.image_urls():
+            raise ValueError(f"image_url parts belong in 'user' messages (got role {self.role!r})")
         return self
 
-    def text(self) -> str | None:
+    def text(self, image_marker: str = "") -> str | None:
+        """The content as one string; each image part becomes ``image_marker`` where it stands."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text if isinstance(p, TextPart) else image_marker for p in self.content)
         return self.content
+
+    def image_urls(self) -> list[str]:
+        if isinstance(self.content, list):
+            return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+        return []
 
 
 class _SamplingFields(BaseModel):

@@ -25,6 +25,33 @@ class TextBlock(BaseModel):
     cache_control: dict[str, Any] | None = None
 
 
+class Base64ImageSource(BaseModel):
+    model_config = _REQ
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLImageSource(BaseModel):
+    model_config = _REQ
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(BaseModel):
+    """An image (models with a vision tower; a 400 otherwise), in 'user' messages. A base64 source becomes a
+    data: URL; a url source is passed on as it is (and refused: this server does not fetch media)."""
+
+    model_config = _REQ
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+    cache_control: dict[str, Any] | None = None
+
+    def url(self) -> str:
+        s = self.source
+        return f"data:{s.media_type};base64,{s.data}" if isinstance(s, Base64ImageSource) else s.url
+
+
 class ToolUseBlock(BaseModel):
     model_config = _REQ
     type: Literal["tool_use"]
@@ -54,8 +81,9 @@ class ThinkingBlock(BaseModel):
     signature: str | None = None
 
 
-BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking")
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                         Field(discriminator="type")]
 
 
 class InputMessage(BaseModel):
@@ -66,12 +94,12 @@ class InputMessage(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_blocks(cls, data: Any) -> Any:
-        """A clear 400 for the block types this server does not take (images, documents, server tool blocks)."""
+        """A clear 400 for the block types this server does not take (documents, server tool blocks)."""
         content = data.get("content") if isinstance(data, dict) else None
         for block in content if isinstance(content, list) else []:
             kind = block.get("type") if isinstance(block, dict) else None
             if isinstance(kind, str) and kind not in BLOCK_TYPES:
-                what = " (this server serves the language model only)" if kind in ("image", "document") else ""
+                what = " (this server takes text and images)" if kind == "document" else ""
                 raise ValueError(f"content block type {kind!r} is not supported{what}; send one of "
                                  f"{', '.join(BLOCK_TYPES)}")
         return data
@@ -82,8 +110,8 @@ class InputMessage(BaseModel):
         for block in self.content if isinstance(self.content, list) else []:
             if block.type in ("tool_use", "thinking") and self.role != "assistant":
                 raise ValueError(f"a {block.type!r} block belongs in an 'assistant' message")
-            if block.type == "tool_result" and self.role != "user":
-                raise ValueError("a 'tool_result' block belongs in a 'user' message")
+            if block.type in ("tool_result", "image") and self.role != "user":
+                raise ValueError(f"a {block.type!r} block belongs in a 'user' message")
         return self
 
 

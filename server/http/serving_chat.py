@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from server.config import ServerConfig
+from server.http.chat_images import chat_images
 from server.http.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -42,10 +43,10 @@ from server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, par
 from server.tokenizer_manager import InputError, TokenizerManager
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict]:
+def _messages(req: ChatCompletionRequest, image_marker: str = "") -> list[dict]:
     out = []
     for m in req.messages:
-        d: dict = {"role": m.role, "content": m.text() or ""}
+        d: dict = {"role": m.role, "content": m.text(image_marker) or ""}
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
@@ -93,8 +94,10 @@ class ChatHandler:
                                 "--tool-call-parser (kimi_k2 or hermes), or send tool_choice 'none'",
                            param="tools", code="unsupported_value")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+        images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
         try:
-            ids = self.tm.encode_chat(_messages(req), tools, req.chat_template_kwargs)
+            ids, image_inputs = images.expand(self.tm.encode_chat(_messages(req, images.marker), tools,
+                                                                  req.chat_template_kwargs))
             max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
             self.tm.check_length(len(ids), max_tokens)
         except InputError as e:  # the template's or the prompt's length: both come from 'messages'
@@ -104,7 +107,8 @@ class ChatHandler:
         det_common = dict(stop=tuple(req.stop_list()), stop_token_ids=tuple(req.stop_token_ids or ()),
                           skip_special_tokens=not (reasoning or tool_parser), logprobs=req.logprobs)
         group = [(GenerateReq(f"{base}-{i}", ids, make_params(req, max_tokens, i, req.num_logprobs,
-                                                              constraint=constraint, vocab_size=self.tm.vocab_size)),
+                                                              constraint=constraint, vocab_size=self.tm.vocab_size),
+                              image_inputs),
                   DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
         run = await start_generation(request, self.tm, group)
         parsers = (reasoning, tool_parser, thinking)

@@ -50,7 +50,8 @@ def _user(m: InputMessage) -> list[dict[str, Any]]:
         return [{"role": "user", "content": m.content}]
     out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                                  for b in m.content if b.type == "tool_result"]
-    texts = [{"type": "text", "text": b.text} for b in m.content if b.type == "text"]
+    texts = [{"type": "text", "text": b.text} if b.type == "text" else {"type": "image_url", "image_url": {
+        "url": b.url()}} for b in m.content if b.type in ("text", "image")]  # images: models with a vision tower
     if texts or not out:
         out.append({"role": "user", "content": texts})
     return out

@@ -75,6 +75,9 @@ def tokenize(tm: TokenizerManager, req: TokenizeRequest) -> list[int]:
     if getattr(tok, "chat_template", None) is None:
         raise APIError(400, "this model has no chat template; tokenize a 'prompt'", param="messages")
     chat = chat_request({"messages": [m.model_dump(exclude_none=True) for m in req.messages or []]})
+    if any(m.image_urls() for m in chat.messages):
+        raise APIError(400, "/tokenize does not take images; send text parts (an image's token count: "
+                            "docs/API.md, Images)", param="messages", code="unsupported_content")
     try:
         text = tok.apply_chat_template(
             chat_messages(chat), tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,

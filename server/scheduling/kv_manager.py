@@ -53,7 +53,7 @@ class ReqKVManager:
         req.req_pool_idx, req.num_cached, req.tree_len = row, 0, 0
         first = not req.output_ids  # a retracted request keeps the count of its first admission
         if self.tree is not None and req.params.prompt_logprobs is None and prefill_len > 1:
-            value, node = self.tree.match(req.all_ids[:prefill_len - 1])
+            value, node = self.tree.match(req.cache_key(prefill_len - 1))
             m = value.numel()
             if m:
                 self.slots.write(row, 0, value)
@@ -70,11 +70,12 @@ class ReqKVManager:
             self.query_tokens += len(req.prompt_ids)
 
     def cache_prefix(self, req: Req) -> None:
-        """Hand ``req``'s cached tokens (``all_ids[:num_cached]``) to the tree and lock them for ``req``."""
+        """Hand ``req``'s cached tokens (keyed by ``req.cache_key(num_cached)``: image spans by content hash) to
+        the tree and lock them for ``req``."""
         if self.tree is None or req.req_pool_idx is None or req.num_cached <= req.tree_len:
             return
         row, n = req.req_pool_idx, req.num_cached
-        key = req.all_ids[:n]
+        key = req.cache_key(n)
         mine = self.slots.row_slots(row, n)  # [n]
         had = self.tree.insert(key, mine)
         if had > req.tree_len:  # cached meanwhile by another request: keep the tree's copy, free ours

@@ -11,7 +11,7 @@ from model_executor.grammar.state import GrammarState
 from model_executor.penalties import TokenCounts
 from model_executor.radix_cache import RadixNode
 from model_executor.sampling_params import SamplingParams
-from server.io_struct import TokenOut
+from server.io_struct import ImageInput, TokenOut
 
 
 @dataclass
@@ -39,10 +39,23 @@ class Req:
     prompt_lps_sent: bool = False
     grammar: GrammarState | None = None  # structured output: matcher over the committed output
     grammar_future: Future | None = None  # its compilation, until the request leaves the grammar queue
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (placeholder spans), in order
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> [tokens, H], while prefill needs it
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def cache_key(self, n: int) -> list[int]:
+        """The prefix cache's key of the first ``n`` tokens: the token ids, with each image's placeholder
+        span replaced by a value derived from the image's content hash (negative: never a token id), so the
+        same image resent matches and a different image, or text, does not."""
+        key = self.all_ids[:n]
+        for im in self.images:
+            if im.offset >= n:
+                break
+            key[im.offset:min(n, im.end)] = [-1 - im.content_hash] * (min(n, im.end) - im.offset)
+        return key
 
     @property
     def seq_len(self) -> int:

@@ -34,6 +34,7 @@ from model_executor.sampling_params import find_stop
 from server.config import ServerConfig
 from server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from server.memory_sizing import ModelFacts, size_startup_memory
+from server.scheduling.image_prefill import check_images, prefill_embeds
 from server.scheduling.kv_manager import ReqKVManager
 from server.scheduling.request import Req
 from server.startup import is_resolved
@@ -61,8 +62,8 @@ class Scheduler:
         self.model_path, device = config.model.model_path, config.model.device
         self.model_config = ModelConfig.load(self.model_path, config.model.dtype, device, config.model.int4_experts,
                                              attention_backend=config.model.attention_backend,
-                                             moe_backend=config.model.moe_backend,
-                                             kv_cache_dtype=config.model.kv_cache_dtype)
+                                             moe_backend=config.model.moe_backend, kv_cache_dtype=config.model.kv_cache_dtype,
+                                             vision=config.server.max_images_per_request > 0)  # 0: text only
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
         self.vocab_size = self.model_config.vocab_size  # token ids (prompt, logit_bias) are below it
@@ -90,13 +91,12 @@ class Scheduler:
     def _size_memory(self, config: ServerConfig, tp, device: str, probe: MemoryProbe) -> None:
         """With the target and drafter weights resident: reserve the step workspace, size the KV pool from
         what is left (model_executor/memory.py), allocate it, and hand the verify cap to the worker."""
-        spec, cache = self.spec, config.cache
-        mc = self.model_config
+        spec, cache, mc = self.spec, config.cache, self.model_config
         facts = ModelFacts(mc.vocab_size, self.max_context_len,
                            self.runner.kv_bytes_per_token + (spec.draft_kv_bytes_per_token if spec else 0),
                            spec.budget if spec else None, spec.block_size if spec else None,
-                           mc.hidden_size, mc.dtype.itemsize,
-                           mc.hidden_size * len(spec.capture_layer_ids) if spec else 0)
+                           mc.hidden_size, mc.dtype.itemsize, mc.hidden_size * len(spec.capture_layer_ids) if spec else 0,
+                           getattr(self.runner.model, "encoder_peak_bytes", lambda: 0)())  # vision tower
         sizing = size_startup_memory(config, facts, device, tp, probe)
         self.workspace, self.kv_sizing = sizing.workspace, sizing.kv
         logger.info("%s", sizing.log_line())
@@ -130,7 +130,8 @@ class Scheduler:
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator().manual_seed(seed)
         counts = TokenCounts(req.input_ids, vocab, self.runner.device) if p.needs_token_counts else None
-        new = Req(req.rid, list(req.input_ids), p, gen, token_counts=counts)
+        check_images(req, self.runner.model)
+        new = Req(req.rid, list(req.input_ids), p, gen, token_counts=counts, images=tuple(req.images))
         if p.grammar is not None:
             self.grammars.submit(new)
         else:
@@ -269,6 +270,7 @@ class Scheduler:
                                batch.chunk_lens, ids,
                                capture_layer_ids=self.spec.capture_layer_ids if self.spec is not None else ())
         assert fb is not None, "admission checked free slots"
+        fb.input_embeds = prefill_embeds(r.model, batch.reqs, batch.chunk_lens, fb.input_ids)  # images: [T, H]
         out = r.forward(fb)
         if self.spec is not None:
             self.spec.on_extend(fb, out.captured)

@@ -83,7 +83,7 @@ def test_kimi_int4_logits_and_tree_verify_match_dequantized_reference(kimi_int4_
     causal forwards of their root-to-node paths."""
     tiny, ref_path = kimi_int4_ckpt
     ref_model = _hf(ref_path)
-    with caplog.at_level(logging.INFO, logger="model_executor.models.deepseek_v3"):
+    with caplog.at_level(logging.INFO, logger="model_executor.models.kimi_k25"):
         r = _runner(tiny.path)
     assert any("text model only" in m for m in caplog.messages)
     prompt = _ids(16, 3)

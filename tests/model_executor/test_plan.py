@@ -52,9 +52,21 @@ def test_b300_preset_plan_kimi_weights_kv_and_pool(kimi_dir, capsys) -> None:
     workspace = 128 * 129 * 163840 * 16
     assert plan["workspace_bytes"] == workspace and plan["max_verify_tokens"] == 128 * 129
     assert plan["nccl_reserve_bytes"] == GIB and plan["graph_reserve_bytes"] == 0  # TP 8 (NCCL), no graphs
-    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace - GIB) // (61 * 576 * 2)
+    # the MoonViT tower (replicated, BF16) and its activation peak for the largest image
+    assert 0.85e9 < plan["weight_breakdown"]["vision tower+proj"] < 1.0e9
+    encoder = plan["encoder_reserve_bytes"]
+    assert encoder == (16384 + 2048) * ((6 * 1152 + 4304) * 2 + 2 * 1152 * 4)
+    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace - GIB - encoder) // (61 * 576 * 2)
     assert plan["kv_tokens"] == expect and plan["kv_source"] == "mem_fraction_static"
     assert plan["log_line"].startswith(f"KV pool: {expect} tokens x 70272 B")
+    # text only (--max-images-per-request 0): no tower, no encoder reserve, the difference goes to the KV pool
+    assert main(["plan", "--config", str(CONFIGS / "kimi-k2.6-8x-b300.yaml"), "--model-path", str(kimi_dir),
+                 *NO_DRAFTER, "--max-images-per-request", "0", "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)
+    assert "vision tower+proj" not in text["weight_breakdown"] and text["encoder_reserve_bytes"] == 0
+    assert text["weight_bytes_per_rank"] == weights - plan["weight_breakdown"]["vision tower+proj"]
+    assert text["kv_tokens"] == (int(0.90 * 288 * GIB) - text["weight_bytes_per_rank"] - 2 * GIB - workspace
+                                 - GIB) // (61 * 576 * 2)
     # The B300 preset on 96 GiB GPUs: serve's start-up error (weights + the 128 x 128 workspace leave no pool).
     assert main(["plan", "--config", str(CONFIGS / "kimi-k2.6-8x-b300.yaml"), "--model-path", str(kimi_dir),
                  *NO_DRAFTER, "--gpu-memory-gb", "96"]) == 2

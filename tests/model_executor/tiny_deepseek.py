@@ -5,7 +5,9 @@
 - ``int4=True``: routed experts as compressed-tensors pack-quantized INT4 (``weight_packed`` int32,
   ``weight_scale`` BF16, ``weight_shape``; group 32, symmetric) with a Kimi-style ``quantization_config``.
 - ``kimi=True``: the ``KimiK25ForConditionalGeneration`` wrapper (``text_config``, ``language_model.*``
-  weights) with a dummy ``vision_tower.*`` / ``mm_projector.*`` tensor that loaders must skip.
+  weights) with a dummy ``vision_tower.*`` / ``mm_projector.*`` tensor that loaders must skip (an incomplete
+  ``vision_config``: a text-only wrapper); with ``vision=True`` instead a real tiny MoonViT tower and
+  projector (tests/model_executor/tiny_moonvit.py) and ``media_placeholder_token_id`` = ``media_token_id``.
 - ``write_reference(tiny, path)``: the same model as a plain float32 ``DeepseekV3ForCausalLM`` holding the
   weights exactly as served (INT4 experts dequantized), for ``transformers.AutoModelForCausalLM``.
 
@@ -18,7 +20,7 @@ YaRN (factor 64, mscale_all_dim 1), vocab 512.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,7 @@ class TinyCheckpoint:
     path: str
     text_config: dict[str, Any]
     served_state: dict[str, torch.Tensor]  # DeepseekV3 names, float32, INT4 experts dequantized
+    vision_state: dict[str, torch.Tensor] = field(default_factory=dict)  # vision=True: its float32 weights
 
 
 def _is_routed_expert(name: str) -> bool:
@@ -113,7 +116,7 @@ def write_tokenizer(path: str | Path, vocab: int = VOCAB) -> None:
 
 
 def write_tiny_deepseek(path: str | Path, *, int4: bool = False, kimi: bool = False, seed: int = 0,
-                        **overrides: Any) -> TinyCheckpoint:
+                        vision: bool = False, media_token_id: int | None = None, **overrides: Any) -> TinyCheckpoint:
     """Write a tiny checkpoint (see module docstring) and return what a correct loader must serve."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -141,12 +144,21 @@ def write_tiny_deepseek(path: str | Path, *, int4: bool = False, kimi: bool = Fa
           "ignore": KIMI_IGNORE, "kv_cache_scheme": None}
     if kimi:
         tensors = {f"language_model.{k}": v for k, v in tensors.items()}
-        tensors["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2, dtype=torch.bfloat16)
-        tensors["mm_projector.proj.0.weight"] = torch.zeros(text["hidden_size"], 8, dtype=torch.bfloat16)
+        vision_cfg: dict[str, Any] = {"hidden_size": 8, "patch_size": 2, "num_hidden_layers": 1}
+        if vision:
+            from tests.model_executor.tiny_moonvit import random_vision_state, tiny_vision_config
+
+            vision_cfg = tiny_vision_config(text["hidden_size"])
+            vision_state = random_vision_state(vision_cfg, seed + 1)
+            tensors |= {k: v.bfloat16() for k, v in vision_state.items()}
+        else:
+            tensors["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2, dtype=torch.bfloat16)
+            tensors["mm_projector.proj.0.weight"] = torch.zeros(text["hidden_size"], 8, dtype=torch.bfloat16)
         full: dict[str, Any] = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-                                "text_config": dict(text, model_type="kimi_k2"),
-                                "vision_config": {"hidden_size": 8, "patch_size": 2, "num_hidden_layers": 1},
+                                "text_config": dict(text, model_type="kimi_k2"), "vision_config": vision_cfg,
                                 "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"]}
+        if media_token_id is not None:
+            full["media_placeholder_token_id"] = media_token_id
     else:
         full = dict(text)
     if int4:
@@ -155,7 +167,7 @@ def write_tiny_deepseek(path: str | Path, *, int4: bool = False, kimi: bool = Fa
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
     write_tokenizer(path, text["vocab_size"])
-    return TinyCheckpoint(str(path), text, served)
+    return TinyCheckpoint(str(path), text, served, vision_state if kimi and vision else {})
 
 
 def write_reference(tiny: TinyCheckpoint, path: str | Path) -> str:

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.server.tokenization_kimi_standin import PAT_STR, SPECIAL_TOKENS
+from tests.server.tokenization_kimi_standin import PAT_STR, special_tokens
 
 STANDIN_SOURCE = Path(__file__).with_name("tokenization_kimi_standin.py")
 STANDIN_MODULE = STANDIN_SOURCE.stem
@@ -105,19 +105,21 @@ def _merge(word: tuple[bytes, ...], pair: tuple[bytes, bytes], merged: bytes) ->
     return tuple(out)
 
 
-def special_token_ids(vocab_size: int) -> dict[str, int]:
-    """Ids of the special tokens in a tokenizer of ``vocab_size`` tokens in all (they come last)."""
-    first = vocab_size - len(SPECIAL_TOKENS)
-    return {tok: first + i for i, tok in enumerate(SPECIAL_TOKENS)}
+def special_token_ids(vocab_size: int, media: bool = False) -> dict[str, int]:
+    """Ids of the special tokens in a tokenizer of ``vocab_size`` tokens in all (they come last); ``media``:
+    with the image markers (``write_kimi_tokenizer(..., media=True)``)."""
+    specials = special_tokens(media)
+    first = vocab_size - len(specials)
+    return {tok: first + i for i, tok in enumerate(specials)}
 
 
-def write_kimi_tokenizer(path: Path, vocab_size: int) -> None:
-    """Write the stand-in tokenizer (``vocab_size`` tokens including the 14 special ones) into ``path``,
+def write_kimi_tokenizer(path: Path, vocab_size: int, media: bool = False) -> None:
+    """Write the stand-in tokenizer (``vocab_size`` tokens including the special ones) into ``path``,
     replacing any other tokenizer files there."""
     path = Path(path)
-    n_regular = vocab_size - len(SPECIAL_TOKENS)
+    n_regular = vocab_size - len(special_tokens(media))
     if n_regular < 256:
-        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}")
+        raise ValueError(f"vocab_size must be at least {256 + len(special_tokens(media))}")
     for stale in ("tokenizer.json", "special_tokens_map.json", "chat_template.jinja", "tokenizer.model"):
         (path / stale).unlink(missing_ok=True)
     tokens = train_byte_bpe(TRAINING_TEXT, n_regular - 256)
@@ -128,22 +130,24 @@ def write_kimi_tokenizer(path: Path, vocab_size: int) -> None:
         "tokenizer_class": "TikTokenTokenizer",
         "auto_map": {"AutoTokenizer": [f"{STANDIN_MODULE}.TikTokenTokenizer", None]},
         "bos_token": "[BOS]", "eos_token": "<|im_end|>", "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE, "media_tokens": media,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_tiny_kimi(path: Path, vocab_size: int = 512, **overrides: Any) -> Any:
+def write_tiny_kimi(path: Path, vocab_size: int = 512, vision: bool = False, **overrides: Any) -> Any:
     """A tiny random Kimi K2.6 checkpoint (``tests/model_executor/tiny_deepseek.py``, INT4 experts) whose
     model vocabulary is ``vocab_size``, with the stand-in tokenizer and eos ``<|im_end|>`` in config.json
-    and generation_config.json. Returns the ``TinyCheckpoint``."""
+    and generation_config.json; ``vision``: with a tiny MoonViT tower whose placeholder is ``<|media_pad|>``.
+    Returns the ``TinyCheckpoint``."""
     from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 
-    ids = special_token_ids(vocab_size)
+    ids = special_token_ids(vocab_size, media=vision)
     bos, eos = ids["[BOS]"], ids["<|im_end|>"]
     tiny = write_tiny_deepseek(path, int4=True, kimi=True, vocab_size=vocab_size, bos_token_id=bos,
-                               eos_token_id=eos, **overrides)
-    write_kimi_tokenizer(Path(path), vocab_size)
+                               eos_token_id=eos, vision=vision,
+                               media_token_id=ids["<|media_pad|>"] if vision else None, **overrides)
+    write_kimi_tokenizer(Path(path), vocab_size, media=vision)
     (Path(path) / "generation_config.json").write_text(
         json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))
     return tiny

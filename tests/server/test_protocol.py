@@ -92,15 +92,23 @@ def test_spec_stats_and_error_shape() -> None:
                               "code": "model_not_found"}}
 
 
-def test_image_parts_rejected_clearly() -> None:
+def test_image_parts_parse_and_other_media_are_rejected_clearly() -> None:
+    """image_url parts validate (whether the model takes them is the handler's 400: tests/server/test_images.py);
+    audio or video parts, and images outside user messages, are 400s naming ``messages``."""
     from server.http.protocol import ChatCompletionRequest
     from server.http.serving_common import APIError, parse_body
 
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
-    with pytest.raises(APIError) as e:
-        parse_body(ChatCompletionRequest, json.dumps(body).encode())
-    assert e.value.status == 400 and "not supported" in e.value.message and e.value.param == "messages"
+    req = parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    assert req.messages[0].image_urls() == ["data:,"] and req.messages[0].text("<img>") == "what is this?<img>"
+    for part, role, words in [({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "user",
+                               "not supported"),
+                              ({"type": "image_url", "image_url": {"url": "data:,"}}, "system", "'user' messages")]:
+        body = {"messages": [{"role": role, "content": [part]}]}
+        with pytest.raises(APIError) as e:
+            parse_body(ChatCompletionRequest, json.dumps(body).encode())
+        assert e.value.status == 400 and words in e.value.message and e.value.param == "messages", e.value.message
 
 
 def test_two_tool_answers_to_one_assistant_turn_are_accepted() -> None:

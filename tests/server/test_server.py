@@ -203,6 +203,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, 400),  # content or tool_calls
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"},
                                            {"role": "tool", "content": "1", "tool_call_id": "c"}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [  # a model without a vision tower
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 8192}, 400),
     ("/v1/completions", {"prompt": [10**9]}, 400),
     ("/v1/completions", {"prompt": []}, 400),

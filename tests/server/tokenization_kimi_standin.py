@@ -32,6 +32,12 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
     "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
 )
+# A vision checkpoint's image markers (tokenizer_config.json ``"media_tokens": true``), numbered after those.
+MEDIA_TOKENS: tuple[str, ...] = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+
+
+def special_tokens(media: bool) -> tuple[str, ...]:
+    return SPECIAL_TOKENS + (MEDIA_TOKENS if media else ())
 
 
 class TikTokenTokenizer(PreTrainedTokenizer):
@@ -41,11 +47,12 @@ class TikTokenTokenizer(PreTrainedTokenizer):
     model_input_names = ["input_ids", "attention_mask"]
 
     def __init__(self, vocab_file: str, bos_token: str = "[BOS]", eos_token: str = "<|im_end|>",
-                 **kwargs: Any) -> None:
+                 media_tokens: bool = False, **kwargs: Any) -> None:
         self.vocab_file = vocab_file
         ranks = load_tiktoken_bpe(vocab_file)
         self._n_regular = len(ranks)
-        specials = {tok: self._n_regular + i for i, tok in enumerate(SPECIAL_TOKENS)}
+        all_specials = special_tokens(media_tokens)
+        specials = {tok: self._n_regular + i for i, tok in enumerate(all_specials)}
         self.encoding = tiktoken.Encoding(name=os.path.basename(vocab_file), pat_str=PAT_STR,
                                           mergeable_ranks=ranks, special_tokens=specials)
         self._token_to_id = {b.decode("latin-1"): r for b, r in ranks.items()}
@@ -56,7 +63,7 @@ class TikTokenTokenizer(PreTrainedTokenizer):
             for tok, i in specials.items()}
         kwargs.pop("added_tokens_decoder", None)  # the vocabulary file defines them
         named = {bos_token, eos_token}
-        kwargs.setdefault("extra_special_tokens", [t for t in SPECIAL_TOKENS if t not in named])
+        kwargs.setdefault("extra_special_tokens", [t for t in all_specials if t not in named])
         kwargs.pop("additional_special_tokens", None)
         super().__init__(bos_token=bos_token, eos_token=eos_token, **kwargs)
 
