@@ -24,6 +24,7 @@ from server.http.protocol_outputs import (  # noqa: F401 - re-exported: the Open
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
@@ -53,6 +54,10 @@ from server.http.protocol_tools import (  # noqa: F401 - re-exported: the reques
 
 
 # ---- requests -----------------------------------------------------------------------------------------
+# OpenAI's reasoning effort levels; applied through the model's thinking switch (server/http/thinking.py)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class StreamOptions(BaseModel):
     model_config = _REQ
     include_usage: bool = False
@@ -193,8 +198,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)  # only with logprobs: true (as OpenAI)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: at most one call; honoured with a forced tool_choice
+    parallel_tool_calls: bool | None = None  # False: at most one call (the first one the model makes)
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None  # none/minimal: thinking off; else on (or a 400)
     separate_reasoning: bool = True
     # OpenAI's deprecated forms of tools / tool_choice: refused (400), never ignored; send tools instead
     functions: list[dict[str, Any]] | None = Field(None, max_length=0, json_schema_extra={"deprecated": True})
