@@ -52,7 +52,6 @@ from server.http.protocol_tools import (  # noqa: F401 - re-exported: the reques
     ToolChoiceFunction,
 )
 
-
 # ---- requests -----------------------------------------------------------------------------------------
 # OpenAI's reasoning effort levels; applied through the model's thinking switch (server/http/thinking.py)
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]

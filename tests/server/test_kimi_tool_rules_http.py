@@ -6,7 +6,8 @@ stand-in Kimi tokenizer (its template rendering tool answers as Kimi's does, ``#
   ``functions.NAME:IDX``, the same tokens as Kimi's own ids; an answer to no call is a 400 on every API;
 - a call whose name is not among the request's tools comes back as text, streamed and not; with
   ``parallel_tool_calls: false`` and ``tool_choice`` auto the first call is kept (the model's reply is forced
-  with an ``ebnf`` grammar, so the random model writes exactly the calls under test);
+  with an ``ebnf`` grammar, so the random model writes exactly the calls under test; slow: the grammar spells
+  the markers out in byte-level tokens, a hundred or more per call);
 - ``usage.completion_tokens_details.reasoning_tokens`` (and the include_usage chunk, and Responses'), and
   ``reasoning_effort`` / Responses ``reasoning.effort`` / Anthropic ``thinking`` through the thinking switch.
 """
@@ -113,29 +114,31 @@ def test_answer_to_no_call_is_400_on_every_api(base) -> None:
     assert "'toolu_9' matches no tool call" in r.json()["error"]["message"]
 
 
-# ---- the reply's calls -----------------------------------------------------------------------------------
-BOGUS = ("functions.rm_rf:0", '{"path": "/"}')
+# ---- the reply's calls (slow: the forced markup is spelled out a byte-level token at a time) ----------------
+BOGUS = ("functions.rm_rf:0", "{}")
 PARIS = ("functions.get_weather:0", '{"city": "Paris"}')
 ROME = ("functions.get_weather:1", '{"city": "Rome"}')
+FORCED = {"tools": TOOLS, "max_tokens": 400, "chat_template_kwargs": OFF}
 
 
+@pytest.mark.slow
 def test_unknown_tool_name_is_text(base) -> None:
-    body = {"tools": TOOLS, "ebnf": _forced(BOGUS, PARIS), "max_tokens": 60, "chat_template_kwargs": OFF}
     raw = f"<|tool_call_begin|>{BOGUS[0]}<|tool_call_argument_begin|>{BOGUS[1]}<|tool_call_end|>"
-    choice = _chat(base, **body)["choices"][0]
+    choice = _chat(base, ebnf=_forced(BOGUS, PARIS), **FORCED)["choices"][0]
     assert choice["message"]["content"] == raw, choice
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
-        ("get_weather", PARIS[1])] and choice["finish_reason"] == "tool_calls"
-    only = _chat(base, **{**body, "ebnf": _forced(BOGUS)})["choices"][0]
+    assert [(c["id"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [PARIS]
+    assert choice["finish_reason"] == "tool_calls"
+    only = _chat(base, ebnf=_forced(BOGUS), **FORCED)["choices"][0]
     assert only["message"]["content"] == raw and only["message"]["tool_calls"] is None
     assert only["finish_reason"] == "stop", only  # no call: not tool_calls
-    deltas = [c["delta"] for ch in _stream(base, **{**body, "ebnf": _forced(BOGUS)}) for c in ch["choices"]]
+    deltas = [c["delta"] for ch in _stream(base, ebnf=_forced(BOGUS), **FORCED) for c in ch["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == raw
     assert not any(d.get("tool_calls") for d in deltas)
 
 
+@pytest.mark.slow
 def test_parallel_false_keeps_the_first_call(base) -> None:
-    body = {"tools": TOOLS, "ebnf": _forced(PARIS, ROME), "max_tokens": 60, "chat_template_kwargs": OFF}
+    body = {"ebnf": _forced(PARIS, ROME), **FORCED}
     both = _chat(base, **body)["choices"][0]["message"]["tool_calls"]
     assert [c["function"]["arguments"] for c in both] == [PARIS[1], ROME[1]]
     one = _chat(base, parallel_tool_calls=False, **body)["choices"][0]
@@ -148,38 +151,53 @@ def test_parallel_false_keeps_the_first_call(base) -> None:
 
 
 # ---- thinking --------------------------------------------------------------------------------------------
+def _prompt_len(base: str, **kwargs) -> int:
+    return _post(base, "/tokenize", {"messages": USER, "chat_template_kwargs": kwargs}).json()["count"]
+
+
 def test_reasoning_tokens(base) -> None:
-    chat = _chat(base)
+    chat = _chat(base, max_tokens=4)
     reasoning = chat["choices"][0]["message"]["reasoning_content"]
     assert reasoning  # thinking on: the random model's text stays inside <think>
     count = _post(base, "/tokenize", {"prompt": reasoning, "add_special_tokens": False}).json()["count"]
     assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": count} and count > 0
-    chunks = _stream(base, stream_options={"include_usage": True})
+    chunks = _stream(base, max_tokens=4, stream_options={"include_usage": True})
     assert "".join(c["delta"].get("reasoning_content") or "" for ch in chunks for c in ch["choices"]) == reasoning
     assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": count}
+
+
+@pytest.mark.slow
+def test_reasoning_tokens_elsewhere(base) -> None:
+    chat = _chat(base)
+    count = chat["usage"]["completion_tokens_details"]["reasoning_tokens"]
     resp = _post(base, "/v1/responses", {"input": USER[0]["content"], "max_output_tokens": 8, "temperature": 0})
-    assert resp.json()["usage"]["output_tokens_details"]["reasoning_tokens"] == count
+    assert resp.json()["usage"]["output_tokens_details"]["reasoning_tokens"] == count > 0
     assert _chat(base, chat_template_kwargs=OFF)["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     assert _chat(base, separate_reasoning=False)["usage"]["completion_tokens_details"] is None  # no parser: none
 
 
 def test_reasoning_effort_and_thinking_switch(base) -> None:
-    on, off = _chat(base, max_tokens=1)["usage"], _chat(base, max_tokens=1, chat_template_kwargs=OFF)["usage"]
-    assert off["prompt_tokens"] == on["prompt_tokens"] + 2  # <think></think>
-    for effort, expected in (("none", off), ("minimal", off), ("low", on), ("high", on)):
-        assert _chat(base, max_tokens=1, reasoning_effort=effort)["usage"]["prompt_tokens"] == \
-            expected["prompt_tokens"], effort
-    assert _chat(base, reasoning_effort="none")["choices"][0]["message"]["reasoning_content"] is None
+    on, off = _prompt_len(base), _prompt_len(base, thinking=False)
+    assert off == on + 2  # the generation prompt ends with <think></think>
+    none = _chat(base, max_tokens=1, reasoning_effort="none")
+    assert none["usage"]["prompt_tokens"] == off and none["choices"][0]["message"]["reasoning_content"] is None
     r = _post(base, "/v1/chat/completions", {"messages": USER, "reasoning_effort": "none",
                                              "chat_template_kwargs": {"thinking": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
     resp = _post(base, "/v1/responses", {"input": USER[0]["content"], "max_output_tokens": 1,
-                                         "reasoning": {"effort": "none"}}).json()
-    assert resp["usage"]["input_tokens"] == off["prompt_tokens"], resp
-    assert [o["type"] for o in resp["output"]] == ["message"]
-    ant = {"messages": USER, "max_tokens": 8}
-    r = _post(base, "/v1/messages", {**ant, "thinking": {"type": "enabled", "budget_tokens": 8}})
-    assert r.status_code == 200 and r.json()["content"][0]["type"] == "thinking", r.text
-    assert r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"] == on["prompt_tokens"]
-    r = _post(base, "/v1/messages", {**ant, "thinking": {"type": "enabled", "budget_tokens": 4}})
+                                         "reasoning": {"effort": "minimal"}}).json()
+    assert resp["usage"]["input_tokens"] == off and [o["type"] for o in resp["output"]] == ["message"], resp
+    r = _post(base, "/v1/messages", {"messages": USER, "max_tokens": 8,
+                                     "thinking": {"type": "enabled", "budget_tokens": 4}})
     assert r.status_code == 400 and "thinking.budget_tokens (4) below max_tokens (8)" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_effort_levels_and_anthropic_thinking_enabled(base) -> None:
+    on, off = _prompt_len(base), _prompt_len(base, thinking=False)
+    for effort, expected in (("minimal", off), ("low", on), ("medium", on), ("high", on), ("xhigh", on)):
+        assert _chat(base, max_tokens=1, reasoning_effort=effort)["usage"]["prompt_tokens"] == expected, effort
+    r = _post(base, "/v1/messages", {"messages": USER, "max_tokens": 8,
+                                     "thinking": {"type": "enabled", "budget_tokens": 8}})
+    assert r.status_code == 200 and r.json()["content"][0]["type"] == "thinking", r.text
+    assert r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"] == on
