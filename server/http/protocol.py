@@ -186,6 +186,14 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+CHAT_REFUSED = {  # chat fields refused whenever set (field -> why)
+    "audio": "no audio output (this server serves a text model)",
+    "web_search_options": "no web search here; search on the client and send the results as messages or tool "
+                          "results",
+    "verbosity": "no verbosity levels; bound the reply with max_tokens",
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
@@ -204,6 +212,18 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's deprecated forms of tools / tool_choice: refused (400), never ignored; send tools instead
     functions: list[dict[str, Any]] | None = Field(None, max_length=0, json_schema_extra={"deprecated": True})
     function_call: None = Field(None, json_schema_extra={"deprecated": True})
+    # OpenAI fields that would change the reply and that this server cannot honour: refused, never ignored
+    modalities: list[Literal["text"]] | None = None  # ["audio"] asks for speech
+    audio: None = None
+    web_search_options: None = None
+    verbosity: None = None
+
+    @field_validator("audio", "web_search_options", "verbosity", mode="before")
+    @classmethod
+    def _refused(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise ValueError(f"{info.field_name} is not supported: {CHAT_REFUSED[info.field_name]}")
+        return v
 
     @field_validator("functions", "function_call", mode="before")
     @classmethod
