@@ -10,8 +10,9 @@ switch: ``none`` and ``minimal`` turn thinking off, ``low``, ``medium``, ``high`
 
 ``reasoning_tokens`` (``usage.completion_tokens_details``, and Responses'
 ``usage.output_tokens_details``) counts the tokens of the reasoning section of each choice: its text
-(``reasoning_content``) encoded without special tokens, summed over the choices. It is counted here once,
-by the chat handler; the agent APIs read it from the chat usage.
+(``reasoning_content``) encoded without special tokens, summed over the choices (a count of the text: it can
+differ from the tokens generated where the model wrote a non-canonical tokenization). It is counted here
+once, by the chat handler; the agent APIs read it from the chat usage.
 """
 
 from __future__ import annotations
