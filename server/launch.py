@@ -43,7 +43,7 @@ def launch_server(config: ServerConfig) -> int:
     from server.http.metrics import ServerMetrics
     from server.process_utils import load_tokenizer
     from server.scheduling.scheduler_process import run_scheduler_process
-    from server.startup import resolve_config
+    from server.startup import check_kimi_tokenizer, resolve_config
     from server.tokenizer_manager import TokenizerManager
 
     logging.basicConfig(level=config.server.log_level.upper(), format="[%(asctime)s http] %(levelname)s %(message)s")
@@ -55,6 +55,8 @@ def launch_server(config: ServerConfig) -> int:
         return run_node_followers(config)
     config = config.replace("model", served_model_name=served)
     resolved = config.model.model_path
+    tokenizer = load_tokenizer(resolved, config.model.trust_remote_code)
+    check_kimi_tokenizer(config, tokenizer)  # the Kimi parsers' special tokens, before any process starts
     tmpdir = tempfile.mkdtemp(prefix="ddtree-serve-")
     endpoints = IpcEndpoints.in_dir(tmpdir)
     ctx = mp.get_context("spawn")
@@ -68,8 +70,7 @@ def launch_server(config: ServerConfig) -> int:
     try:
         for p in procs:
             p.start()
-        tm = TokenizerManager(config, endpoints, load_tokenizer(resolved, config.model.trust_remote_code),
-                              ServerMetrics(served))
+        tm = TokenizerManager(config, endpoints, tokenizer, ServerMetrics(served))
         app = create_app(config, tm)
         server = uvicorn.Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                                log_level=config.server.log_level, loop="asyncio",

@@ -5,12 +5,18 @@ speculation, ``speculative_draft_model_path`` are existing directories, the draf
 drafter for the target (``check_drafter``, before any weights load), ``"default"`` replaced by the
 shipped model / drafter; ``device`` is ``cpu`` or ``cuda``). Everything below it (``make_scheduler``,
 ``Scheduler``, ``SpecWorker.create``, the TP ranks) reads those fields as they are and resolves nothing.
+
+``check_kimi_tokenizer`` guards the loaded tokenizer when a Kimi parser is selected: the markers the parsers
+rely on must each be one token, with the id the checkpoint declares (transformers 5.4.0-5.5.3 load Kimi's
+tiktoken tokenizer with shifted special-token ids: huggingface/transformers#45356).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 from server.config import ServerConfig, SpeculativeArgs, flat_name, is_default_path
 
@@ -134,3 +140,78 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         check_drafter(draft_path, model_path)
         config = config.replace("speculative", draft_model_path=draft_path)
     return config
+
+
+KIMI_MARKERS: tuple[str, ...] = (
+    "<think>", "</think>", "<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+)
+KIMI_EOS = "<|im_end|>"
+TRANSFORMERS_KIMI_BUG = ("transformers 5.4.0-5.5.3 load Kimi's tokenizer with shifted special-token ids "
+                         "(huggingface/transformers#45356, fixed in 5.5.4)")
+
+
+def uses_kimi_parser(config: ServerConfig) -> bool:
+    """Whether the server parses replies in Kimi's format (``kimi_k2`` tool-call or reasoning parser)."""
+    return "kimi_k2" in (config.server.tool_call_parser, config.server.reasoning_parser)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def declared_token_ids(model_path: str, tokenizer: Any) -> dict[str, int]:
+    """Special token -> the id the checkpoint declares: tokenizer_config.json's ``added_tokens_decoder``, and
+    for the tokens it does not list, the loaded tokenizer's added tokens (a tokenizer whose vocabulary file
+    numbers them, as Kimi's ``tiktoken.model`` does)."""
+    declared = {tok: int(i) for tok, i in tokenizer.get_added_vocab().items()}
+    table = _read_json(Path(model_path) / "tokenizer_config.json").get("added_tokens_decoder")
+    if isinstance(table, dict):
+        declared.update({entry["content"]: int(i) for i, entry in table.items()
+                         if isinstance(entry, dict) and "content" in entry})
+    return declared
+
+
+def declared_eos_ids(model_path: str) -> set[int]:
+    """The eos ids config.json (top level and ``text_config``) and generation_config.json declare."""
+    out: set[int] = set()
+    cfg = _read_json(Path(model_path) / "config.json")
+    for source in (cfg, cfg.get("text_config") or {}, _read_json(Path(model_path) / "generation_config.json")):
+        eos = source.get("eos_token_id") if isinstance(source, dict) else None
+        out |= {int(e) for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)}
+    return out
+
+
+def check_kimi_tokenizer(config: ServerConfig, tokenizer: Any) -> None:
+    """With a Kimi parser selected, ValueError naming the first of ``KIMI_MARKERS`` that does not encode to one
+    token, is missing from or differs from the checkpoint's declared ids (``declared_token_ids``), does not
+    decode back to itself, or (``<|im_end|>``) is not among the declared eos ids; no-op otherwise."""
+    if not uses_kimi_parser(config):
+        return
+    import transformers
+
+    path = config.model.model_path
+    declared = declared_token_ids(path, tokenizer)
+    eos = declared_eos_ids(path)
+    for marker in KIMI_MARKERS:
+        ids = list(tokenizer.encode(marker, add_special_tokens=False))
+        problem = None
+        if len(ids) != 1:
+            problem = f"encodes {marker!r} to {len(ids)} tokens {ids[:8]}, not one"
+        elif marker not in declared:
+            problem = f"encodes {marker!r} to token {ids[0]}, but the checkpoint declares no such special token"
+        elif ids[0] != declared[marker]:
+            problem = f"encodes {marker!r} to token {ids[0]}, but the checkpoint declares it as {declared[marker]}"
+        elif tokenizer.decode(ids, skip_special_tokens=False) != marker:
+            problem = f"decodes token {ids[0]} to {tokenizer.decode(ids)!r}, not {marker!r}"
+        elif marker == KIMI_EOS and eos and ids[0] not in eos:
+            problem = f"encodes {marker!r} to token {ids[0]}, but the model's eos ids are {sorted(eos)}"
+        if problem:
+            raise ValueError(f"the tokenizer of {path} {problem}: the Kimi parsers (--tool-call-parser / "
+                             f"--reasoning-parser kimi_k2) need each of {' '.join(KIMI_MARKERS)} as one token with "
+                             f"the checkpoint's id. {TRANSFORMERS_KIMI_BUG}; transformers {transformers.__version__} "
+                             "is installed")

@@ -104,10 +104,16 @@ class ChatRun:
 
 
 async def run_chat(config: ServerConfig, tm: TokenizerManager, served: str, request: Request,
-                   req: ChatCompletionRequest) -> ChatRun:
-    """Run ``req`` through the chat handler (its APIErrors propagate: admission, template, length, grammar)."""
+                   req: ChatCompletionRequest, param_names: dict[str, str] | None = None) -> ChatRun:
+    """Run ``req`` through the chat handler (its APIErrors propagate: admission, template, length, grammar;
+    their ``param`` renamed to the client's API through ``param_names``, as ``chat_request``'s)."""
     tap = ChatTap(tm)
-    response = await ChatHandler(config, tap, served).handle(request, req)  # type: ignore[arg-type]
+    try:
+        response = await ChatHandler(config, tap, served).handle(request, req)  # type: ignore[arg-type]
+    except APIError as e:
+        if e.param and param_names and e.param in param_names:
+            e.param = param_names[e.param]
+        raise
     return ChatRun(tap, response)
 
 

@@ -24,6 +24,7 @@ from server.http.protocol_outputs import (  # noqa: F401 - re-exported: the Open
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
@@ -51,8 +52,11 @@ from server.http.protocol_tools import (  # noqa: F401 - re-exported: the reques
     ToolChoiceFunction,
 )
 
-
 # ---- requests -----------------------------------------------------------------------------------------
+# OpenAI's reasoning effort levels; applied through the model's thinking switch (server/http/thinking.py)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class StreamOptions(BaseModel):
     model_config = _REQ
     include_usage: bool = False
@@ -204,6 +208,14 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+CHAT_REFUSED = {  # chat fields refused whenever set (field -> why)
+    "audio": "no audio output (this server serves a text model)",
+    "web_search_options": "no web search here; search on the client and send the results as messages or tool "
+                          "results",
+    "verbosity": "no verbosity levels; bound the reply with max_tokens",
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
@@ -215,12 +227,25 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)  # only with logprobs: true (as OpenAI)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: at most one call; honoured with a forced tool_choice
+    parallel_tool_calls: bool | None = None  # False: at most one call (the first one the model makes)
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None  # none/minimal: thinking off; else on (or a 400)
     separate_reasoning: bool = True
     # OpenAI's deprecated forms of tools / tool_choice: refused (400), never ignored; send tools instead
     functions: list[dict[str, Any]] | None = Field(None, max_length=0, json_schema_extra={"deprecated": True})
     function_call: None = Field(None, json_schema_extra={"deprecated": True})
+    # OpenAI fields that would change the reply and that this server cannot honour: refused, never ignored
+    modalities: list[Literal["text"]] | None = None  # ["audio"] asks for speech
+    audio: None = None
+    web_search_options: None = None
+    verbosity: None = None
+
+    @field_validator("audio", "web_search_options", "verbosity", mode="before")
+    @classmethod
+    def _refused(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise ValueError(f"{info.field_name} is not supported: {CHAT_REFUSED[info.field_name]}")
+        return v
 
     @field_validator("functions", "function_call", mode="before")
     @classmethod

@@ -19,11 +19,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # tokens of the reasoning sections (server/http/thinking.py)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # chat, with a reasoning parser on
 
 
 class SpecStats(BaseModel):

@@ -128,6 +128,16 @@ class TextConfig(BaseModel):
     verbosity: Any = None  # refused
 
 
+class ReasoningConfig(BaseModel):
+    """``reasoning``: ``effort`` is applied through the model's thinking switch (as chat's
+    ``reasoning_effort``: server/http/thinking.py); a ``summary`` is refused (the reasoning is returned whole)."""
+
+    model_config = _REQ
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated name of summary
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses. ``store`` may be omitted or false; nothing is stored."""
 
@@ -150,11 +160,11 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
     # known, refused (server/http/serving_responses.py REFUSED)
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
-    reasoning: Any = None
     top_logprobs: Any = None
     max_tool_calls: Any = None
     prompt: Any = None

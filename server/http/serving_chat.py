@@ -18,11 +18,13 @@ from server.http.protocol import (
     ChatCompletionStreamChoice,
     ChatResponseMessage,
     ChoiceLogprobs,
+    CompletionTokensDetails,
     DeltaMessage,
     FunctionCallOut,
     TokenLogprob,
     ToolCallOut,
     TopLogprob,
+    UsageInfo,
     new_id,
 )
 from server.http.serving_common import (
@@ -38,6 +40,8 @@ from server.http.serving_common import (
     usage_of,
 )
 from server.http.serving_structured import Constraint, constraint_of
+from server.http.thinking import apply_reasoning_effort, reasoning_tokens
+from server.http.tool_history import template_messages
 from server.io_struct import DetokenizeReq, GenerateReq
 from server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, parse_tool_calls
 from server.tokenizer_manager import InputError, TokenizerManager
@@ -66,6 +70,13 @@ def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> Choi
         for t, lp, top in entries])
 
 
+def _tool_rules(req: ChatCompletionRequest) -> tuple[list[str] | None, int | None]:
+    """The tool-call parser's rules for ``req``: the names a call may have (the request's tools: another name
+    is text) and how many calls are kept (``parallel_tool_calls: false``: the first)."""
+    names = [t.function.name for t in req.tools] if req.tools else None
+    return names, (1 if req.parallel_tool_calls is False else None)
+
+
 def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
     """``tool_calls`` for a reply that ended by itself (``stop``) with tool calls; a reply cut by ``max_tokens``
     or the context stays ``length`` (its unfinished call is not a call: docs/API.md), an aborted one ``abort``."""
@@ -88,6 +99,8 @@ class ChatHandler:
     async def handle(self, request: Request, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (server/http/api.py)."""
         check_admission(self.tm, req.model, self.served, req.n)
+        req = apply_reasoning_effort(req, self.config.server.reasoning_parser,
+                                     getattr(self.tm.tokenizer, "chat_template", None))
         constraint = constraint_of(req, self.config.server.tool_call_parser)
         if req.tools and req.tool_choice != "none" and self.config.server.tool_call_parser is None:
             raise APIError(400, "tools need a tool-call format to parse the reply's calls: start the server with "
@@ -96,8 +109,8 @@ class ChatHandler:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
         images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
         try:
-            ids, image_inputs = images.expand(self.tm.encode_chat(_messages(req, images.marker), tools,
-                                                                  req.chat_template_kwargs))
+            messages = template_messages(_messages(req, images.marker), self.config.server.tool_call_parser)
+            ids, image_inputs = images.expand(self.tm.encode_chat(messages, tools, req.chat_template_kwargs))
             max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
             self.tm.check_length(len(ids), max_tokens)
         except InputError as e:  # the template's or the prompt's length: both come from 'messages'
@@ -116,17 +129,27 @@ class ChatHandler:
             return StreamingResponse(self._stream(req, run, len(ids), parsers), media_type="text/event-stream")
         return JSONResponse(await self._collect(req, run, len(ids), parsers))
 
+    def _usage(self, acc: list[ChoiceAccum], prompt_len: int, reasoning: str | None,
+               reasoning_texts: list[str]) -> UsageInfo:
+        """Usage, with ``completion_tokens_details.reasoning_tokens`` when a reasoning parser is on."""
+        usage = usage_of(acc, prompt_len)
+        if reasoning:
+            usage.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=reasoning_tokens(self.tm.tokenizer, reasoning_texts))
+        return usage
+
     async def _collect(self, req: ChatCompletionRequest, run: Generation, prompt_len: int, parsers: tuple) -> dict:
         reasoning, tool_parser, thinking = parsers
         acc = await run.collect(req.n)
-        choices = []
+        choices, reasoning_texts = [], []
         for i, c in enumerate(acc):
             text, reasoning_text = c.text, None
             if reasoning:
                 reasoning_text, text = parse_reasoning(reasoning, text, thinking=thinking)
+                reasoning_texts.append(reasoning_text)
             calls = []
             if tool_parser:
-                text, calls = parse_tool_calls(tool_parser, text)
+                text, calls = parse_tool_calls(tool_parser, text, *_tool_rules(req))
             finish = _finish_reason(c.finish_reason, bool(calls))
             msg = ChatResponseMessage(
                 content=text if (text or not calls) else None, reasoning_content=reasoning_text or None,
@@ -135,7 +158,8 @@ class ChatHandler:
             choices.append(ChatCompletionChoice(index=i, message=msg, finish_reason=finish,
                                                 logprobs=_logprobs(c.logprobs) if req.logprobs else None))
         resp = ChatCompletionResponse(id=new_id("chatcmpl"), model=self.served, choices=choices,
-                                      usage=usage_of(acc, prompt_len), spec_stats=spec_of(acc))
+                                      usage=self._usage(acc, prompt_len, reasoning, reasoning_texts),
+                                      spec_stats=spec_of(acc))
         return resp.model_dump(exclude_none=False)
 
     async def _stream(self, req: ChatCompletionRequest, run: Generation, prompt_len: int,
@@ -143,8 +167,9 @@ class ChatHandler:
         reasoning, tool_parser, thinking = parsers
         cid = new_id("chatcmpl")
         rps = [ReasoningParser(reasoning, thinking=thinking) if reasoning else None for _ in range(req.n)]
-        tps = [ToolCallParser(tool_parser) if tool_parser else None for _ in range(req.n)]
+        tps = [ToolCallParser(tool_parser, *_tool_rules(req)) if tool_parser else None for _ in range(req.n)]
         acc = [ChoiceAccum() for _ in range(req.n)]
+        reasoning_texts = ["" for _ in range(req.n)]
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=cid, model=self.served, choices=[choice]))
@@ -163,6 +188,7 @@ class ChatHandler:
                 if out.finished and rps[idx]:
                     r2, c2 = rps[idx].finish()
                     r_delta, c_delta = r_delta + r2, c_delta + c2
+                reasoning_texts[idx] += r_delta
                 calls = []
                 if tps[idx]:
                     c_delta, calls = tps[idx].feed(c_delta)
@@ -186,6 +212,6 @@ class ChatHandler:
                         body["spec_stats"] = spec_of([acc[idx]]).model_dump()
                     yield sse(body)
             if req.include_usage and not failed:  # OpenAI: usage comes last, on success only
-                yield sse(ChatCompletionChunk(id=cid, model=self.served, choices=[], usage=usage_of(acc, prompt_len),
-                                              spec_stats=spec_of(acc)))
+                yield sse(ChatCompletionChunk(id=cid, model=self.served, choices=[], spec_stats=spec_of(acc),
+                                              usage=self._usage(acc, prompt_len, reasoning, reasoning_texts)))
             yield SSE_DONE

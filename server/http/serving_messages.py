@@ -5,8 +5,9 @@ Request mapping: ``system`` -> a system message (text blocks as text parts); a u
 ``tool_result`` blocks -> ``tool`` messages (in order, before the message's text); an assistant message's
 ``tool_use`` blocks -> ``tool_calls`` (``input`` as JSON arguments), ``thinking`` blocks -> its
 ``reasoning_content``; ``stop_sequences`` -> ``stop``; ``tool_choice`` auto/any/tool/none -> auto/required/
-the named function/none, ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``; ``thinking``
-disabled -> the template's ``thinking: false``. Response mapping: reasoning -> a ``thinking`` block, text -> a
+the named function/none, ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false`` (the first call is
+kept); ``thinking`` disabled -> the template's ``thinking: false``, enabled or adaptive -> thinking on (the
+default of a thinking model; ``budget_tokens`` only where it cannot bind: at least ``max_tokens``). Response mapping: reasoning -> a ``thinking`` block, text -> a
 ``text`` block, tool calls -> ``tool_use`` blocks; finish ``stop`` -> ``end_turn`` (``stop_sequence`` when
 one of ``stop_sequences`` ended it), ``length`` -> ``max_tokens``, ``tool_calls`` -> ``tool_use``; usage
 ``input_tokens`` counts the prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` those read.
@@ -117,10 +118,15 @@ def to_chat(body: MessagesRequest, config: ServerConfig) -> dict[str, Any]:
         elif config.server.reasoning_parser is None:
             raise APIError(400, "thinking is not supported: this server runs without a reasoning parser",
                            param="thinking", code="unsupported_value")
-        elif body.thinking.type != "adaptive":
-            raise APIError(400, f"thinking type {body.thinking.type!r} is not supported (budget_tokens cannot be "
-                                "enforced); a thinking model thinks by default: send type 'adaptive', or omit "
-                                "thinking", param="thinking", code="unsupported_value")
+        elif body.thinking.type == "between_tools":
+            raise APIError(400, "thinking type 'between_tools' is not supported; a thinking model thinks by default: "
+                                "send type 'enabled' or 'adaptive', or omit thinking", param="thinking",
+                           code="unsupported_value")
+        elif body.thinking.budget_tokens is not None and body.thinking.budget_tokens < body.max_tokens:
+            raise APIError(400, f"thinking.budget_tokens ({body.thinking.budget_tokens}) below max_tokens "
+                                f"({body.max_tokens}) is not supported: the reasoning cannot be stopped at a budget "
+                                "here; send budget_tokens >= max_tokens (max_tokens then bounds the reasoning "
+                                "exactly), or type 'adaptive'", param="thinking", code="unsupported_value")
         elif body.thinking.display == "omitted":
             raise APIError(400, "thinking display 'omitted' is not supported: the reasoning is returned",
                            param="thinking", code="unsupported_value")

@@ -33,7 +33,6 @@ REFUSED = {
     "previous_response_id": "this server stores no responses; send the whole conversation as input",
     "conversation": "this server stores no conversations; send the whole conversation as input",
     "background": "responses run in the foreground only",
-    "reasoning": "reasoning effort levels are not supported (a thinking model thinks by default)",
     "top_logprobs": "not served on /v1/responses; use /v1/chat/completions",
     "max_tool_calls": "not enforced by this server",
     "prompt": "no stored prompt templates",
@@ -41,7 +40,7 @@ REFUSED = {
     "stream_options": "not supported on /v1/responses",
 }
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input", "tools": "tools",
-           "tool_choice": "tool_choice"}
+           "tool_choice": "tool_choice", "reasoning_effort": "reasoning"}
 
 
 def _check(body: ResponsesRequest) -> None:
@@ -55,6 +54,11 @@ def _check(body: ResponsesRequest) -> None:
     if body.truncation == "auto":
         raise APIError(400, "truncation 'auto' is not supported: an input over the context length is a 400",
                        param="truncation", code="unsupported_value")
+    summary = body.reasoning.summary or body.reasoning.generate_summary if body.reasoning is not None else None
+    if summary is not None:
+        raise APIError(400, f"reasoning.summary {summary!r} is not supported: the reasoning is never summarized; it "
+                            "comes back whole, as the reasoning item's reasoning_text content", param="reasoning",
+                       code="unsupported_parameter")
     if body.text is not None and body.text.verbosity is not None:
         raise APIError(400, "text.verbosity is not supported", param="text", code="unsupported_parameter")
 
@@ -103,6 +107,8 @@ def to_chat(body: ResponsesRequest) -> dict[str, Any]:
             "type": "function", "function": {"name": body.tool_choice.name}}
     if body.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = body.parallel_tool_calls
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort  # through the thinking switch (server/http/thinking.py)
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         chat["response_format"] = {"type": "json_schema", "json_schema": {
@@ -113,13 +119,14 @@ def to_chat(body: ResponsesRequest) -> dict[str, Any]:
     return chat
 
 
-def _usage(chat_usage: dict[str, Any], reasoning_tokens: int) -> dict[str, Any]:
+def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """Responses' usage from the chat usage (reasoning tokens are counted once, by the chat handler)."""
     details = chat_usage.get("completion_tokens_details") or {}
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", reasoning_tokens)},
+            "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
             "total_tokens": chat_usage["total_tokens"]}
 
 
@@ -135,15 +142,11 @@ class ResponsesHandler:
         req = chat_request(to_chat(body), _PARAMS)
         if body.model is not None:
             req = req.model_copy(update={"model": body.model})
-        run = await run_chat(self.config, self.tm, self.served, request, req)
+        run = await run_chat(self.config, self.tm, self.served, request, req, _PARAMS)
         rid, created = _rid("resp"), int(time.time())
         if body.stream:
             return StreamingResponse(self._stream(run, body, rid, created), media_type="text/event-stream")
         return JSONResponse(self._collect(run, body, rid, created))
-
-    def _reasoning_tokens(self, text: str) -> int:
-        """Tokens of the reasoning text (when the chat usage does not report them)."""
-        return len(self.tm.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
     def response(self, body: ResponsesRequest, rid: str, created: int, status: str,
                  output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -179,7 +182,7 @@ class ResponsesHandler:
             output.append(_call(_rid("fc"), tc["id"], tc["function"]["name"], tc["function"]["arguments"] or "",
                                 "completed"))
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        usage = _usage(chat["usage"], self._reasoning_tokens(reasoning))
+        usage = _usage(chat["usage"])
         return self.response(body, rid, created, status, output, usage)
 
     async def _stream(self, run: ChatRun, body: ResponsesRequest, rid: str, created: int) -> AsyncIterator[str]:
@@ -208,8 +211,7 @@ class ResponsesHandler:
         for e in ev.close():
             yield e
         status = "incomplete" if finish == "length" else "completed"
-        reasoning = "".join(it["content"][0]["text"] for it in ev.output if it["type"] == "reasoning")
-        u = _usage(usage, self._reasoning_tokens(reasoning)) if usage else None
+        u = _usage(usage) if usage else None
         yield ev.emit(f"response.{status}", response=self.response(body, rid, created, status, ev.output, u))
 
 

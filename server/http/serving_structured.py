@@ -68,10 +68,7 @@ def constraint_of(req: ChatCompletionRequest | CompletionRequest, tool_parser: s
         found.append(("ebnf", Constraint(ebnf=req.ebnf)))
     if isinstance(req, ChatCompletionRequest) and forced_tool_choice(req):
         found.append(("tool_choice", _tool_constraint(req, tool_parser)))
-    elif isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False and req.tools:
-        raise APIError(400, "parallel_tool_calls: false is supported only with a forced tool_choice ('required' "
-                            "or a named function), where the grammar allows exactly one call",
-                       param="parallel_tool_calls", code="unsupported_value")
+    # parallel_tool_calls: false with tool_choice auto keeps the first call (the tool-call parser's max_calls)
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise APIError(400, f"at most one output constraint per request, got {names}", param=found[1][0],

@@ -3,8 +3,9 @@
 /tokenize takes either ``prompt`` (text, ``add_special_tokens`` default true) or ``messages`` (chat messages as
 /v1/chat/completions takes them, with ``tools``, ``chat_template_kwargs``, ``add_generation_prompt`` default
 true, ``continue_final_message``, ``add_special_tokens`` default false): the chat form gives exactly the prompt
-tokens /v1/chat/completions would generate from. Answer: ``{"count", "max_model_len", "tokens",
-"token_strs"}`` (``token_strs`` only with ``return_token_strs``). /detokenize takes ``tokens`` and answers
+tokens /v1/chat/completions would generate from (Kimi's tool-call ids rewritten likewise:
+server/http/tool_history.py). Answer: ``{"count", "max_model_len", "tokens", "token_strs"}``
+(``token_strs`` only with ``return_token_strs``). /detokenize takes ``tokens`` and answers
 ``{"prompt": text, "text": text}``. Both are outside /v1 and so open without the API key (as vLLM's are);
 errors have OpenAI's shape.
 """
@@ -22,6 +23,7 @@ from server.http.protocol import ChatMessage, ErrorResponse, Tool
 from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 from server.http.serving_chat import _messages as chat_messages
 from server.http.serving_common import APIError, check_model
+from server.http.tool_history import template_messages
 from server.tokenizer_manager import TokenizerManager
 
 
@@ -78,9 +80,10 @@ def tokenize(tm: TokenizerManager, req: TokenizeRequest) -> list[int]:
     if any(m.image_urls() for m in chat.messages):
         raise APIError(400, "/tokenize does not take images; send text parts (an image's token count: "
                             "docs/API.md, Images)", param="messages", code="unsupported_content")
+    messages = template_messages(chat_messages(chat), tm.config.server.tool_call_parser)
     try:
         text = tok.apply_chat_template(
-            chat_messages(chat), tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            messages, tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
             tokenize=False, **(req.chat_template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - template errors are input errors

@@ -11,12 +11,22 @@ one call is emitted whole when its closing tag arrives (arguments are nested JSO
 
 ``feed(delta) -> (content_delta, [ToolCallDelta])``; the first delta of a call carries its index, id and
 name, later ones only argument text. Concatenating the streamed pieces gives the non-streaming result.
+
+Two request rules (``tool_names``, ``max_calls``; both parsers, streaming and not):
+
+- a call whose name is not among ``tool_names`` (the request's tools) is not a call: its text is content,
+  kimi_k2 from its ``<|tool_call_begin|>`` to its ``<|tool_call_end|>`` (a bogus or malformed header such as
+  ``functionsexec5``), hermes its whole ``<tool_call>...</tool_call>``;
+- calls past ``max_calls`` (``parallel_tool_calls: false``: 1) are dropped, neither calls nor content.
+
+Call indices count the calls returned only (0, 1, ... without gaps).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from server.parsers._text import find_first, partial_suffix_len
@@ -48,13 +58,26 @@ class ToolCall:
 
 
 class ToolCallParser:
-    def __init__(self, kind: str) -> None:
+    """``tool_names``: the names a call may have (None: any); ``max_calls``: how many calls are kept (None: all)."""
+
+    def __init__(self, kind: str, tool_names: Collection[str] | None = None, max_calls: int | None = None) -> None:
         if kind not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown tool-call parser {kind!r}; choose from {', '.join(TOOL_CALL_PARSERS)}")
         self.kind = kind
+        self._names = frozenset(tool_names) if tool_names is not None else None
+        self._max_calls = max_calls
         self._buf = ""
-        self._state = "text"  # kimi: text | section | header | args; hermes: text | call
+        # kimi: text | section | header | args | raw (an unknown name's call, as text) | drop; hermes: text | call
+        self._state = "text"
         self._index = 0
+
+    def _verdict(self, name: str) -> str:
+        """What a call named ``name`` becomes: ``args`` (a call), ``raw`` (text) or ``drop``."""
+        if self._names is not None and name not in self._names:
+            return "raw"
+        if self._max_calls is not None and self._index >= self._max_calls:
+            return "drop"
+        return "args"
 
     @property
     def num_calls(self) -> int:
@@ -103,32 +126,36 @@ class ToolCallParser:
                         text.append(KIMI_CALL_BEGIN + self._buf)
                         self._buf = ""
                     break
-                header = self._buf[:i].strip()
+                raw_header = self._buf[:i]
+                header = raw_header.strip()
                 self._buf = self._buf[i + len(KIMI_ARG_BEGIN):]
                 name = header.split(":", 1)[0] if ":" in header else header
                 if name.startswith("functions."):
                     name = name[len("functions."):]
-                calls.append(ToolCallDelta(index=self._index, id=header or f"functions.{name}:{self._index}",
-                                           name=name))
-                self._state = "args"
+                self._state = self._verdict(name)
+                if self._state == "raw":
+                    text.append(KIMI_CALL_BEGIN + raw_header + KIMI_ARG_BEGIN)
+                elif self._state == "args":
+                    calls.append(ToolCallDelta(index=self._index, id=header or f"functions.{name}:{self._index}",
+                                               name=name))
                 continue
-            # args
+            # args | raw | drop: the call's body up to <|tool_call_end|>
             i, _ = find_first(self._buf, (KIMI_CALL_END,))
+            end = i if i >= 0 else len(self._buf) - (0 if final else partial_suffix_len(self._buf, (KIMI_CALL_END,)))
+            if end > 0 and self._state == "args":
+                calls.append(ToolCallDelta(index=self._index, arguments=self._buf[:end]))
+            elif end > 0 and self._state == "raw":
+                text.append(self._buf[:end])
             if i >= 0:
-                if i > 0:
-                    calls.append(ToolCallDelta(index=self._index, arguments=self._buf[:i]))
+                text.append(KIMI_CALL_END if self._state == "raw" else "")
                 self._buf = self._buf[i + len(KIMI_CALL_END):]
+            else:
+                self._buf = self._buf[end:]
+            if (i >= 0 or final) and self._state == "args":
                 self._index += 1
-                self._state = "section"
-                continue
-            hold = 0 if final else partial_suffix_len(self._buf, (KIMI_CALL_END,))
-            cut = len(self._buf) - hold
-            if cut > 0:
-                calls.append(ToolCallDelta(index=self._index, arguments=self._buf[:cut]))
-            self._buf = self._buf[cut:]
-            if final:
-                self._index += 1
-            break
+            if i < 0:
+                break
+            self._state = "section"
         return "".join(text), calls
 
     # ---- hermes --------------------------------------------------------------------------------------
@@ -153,9 +180,10 @@ class ToolCallParser:
             body = self._buf[:i] if i >= 0 else self._buf
             rest = self._buf[i + len(HERMES_END):] if i >= 0 else ""
             call = self._hermes_call(body)
-            if call is None:  # not a valid call: keep it as text
+            verdict = "raw" if call is None else self._verdict(call.name or "")
+            if verdict == "raw":  # not a valid call, or not of a request's tool: keep it as text
                 text.append(HERMES_BEGIN + body + (HERMES_END if i >= 0 else ""))
-            else:
+            elif verdict == "args":
                 calls.append(call)
                 self._index += 1
             self._buf = rest
@@ -190,9 +218,11 @@ def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCall]:
     return [calls[i] for i in sorted(calls)]
 
 
-def parse_tool_calls(kind: str, text: str) -> tuple[str, list[ToolCall]]:
-    """Whole-text form: ``(content without tool-call markup, calls)``."""
-    parser = ToolCallParser(kind)
+def parse_tool_calls(kind: str, text: str, tool_names: Collection[str] | None = None,
+                     max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
+    """Whole-text form: ``(content without tool-call markup, calls)``; ``tool_names``, ``max_calls``: as
+    ``ToolCallParser``'s."""
+    parser = ToolCallParser(kind, tool_names, max_calls)
     t1, d1 = parser.feed(text)
     t2, d2 = parser.finish()
     return t1 + t2, merge_deltas(d1 + d2)

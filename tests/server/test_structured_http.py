@@ -122,13 +122,14 @@ def test_forced_tool_choice_errors_are_400() -> None:
              ({"tools": TOOLS, "tool_choice": "required"}, None, "tool_choice", "--tool-call-parser"),
              ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "kimi_k2",
               "tool_choice", "not in 'tools'"),
-             ({"tools": TOOLS, "parallel_tool_calls": False}, "hermes", "parallel_tool_calls", "forced tool_choice"),
              ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
                "tool_choice": "required"}, "hermes", "tools", "tools[0].function.parameters")]
     for body, parser, param, words in cases:
         with pytest.raises(APIError) as e:
             constraint_of(_chat(body), parser)
         assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message
+    # parallel_tool_calls: false with tool_choice auto is no constraint: the parser keeps the first call
+    assert not constraint_of(_chat({"tools": TOOLS, "parallel_tool_calls": False}), "hermes").active
 
 
 # ---- a real server ------------------------------------------------------------------------------------
