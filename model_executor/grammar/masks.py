@@ -19,6 +19,10 @@ with the mask after the masked top-1 tokens of depths 1..d-1 (exact for a DFlash
 path); ``prune_popped`` then walks every popped DDTree node with the matcher and removes the ones the
 grammar rejects (and their subtrees), so the tree holds only allowed tokens; nodes are popped with a
 doubled budget first so that pruning rarely leaves the tree short.
+
+Every walk moves the request's ``GrammarState`` (``push`` / ``pop`` / ``fill``), never the matcher directly,
+so a reasoning gate (state.py: the grammar dormant until ``</think>``) holds on every path: a tree whose root
+is dormant is walked node by node (``_walk_rows``), an awake one by xgrammar's ``traverse_draft_tree``.
 """
 
 from __future__ import annotations
