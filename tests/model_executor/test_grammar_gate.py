@@ -98,10 +98,14 @@ def test_tree_masks_with_the_end_at_every_depth(backend, ids, gate_name):
     gate = GATES[gate_name](ids)
     alphabet = [ids[t] for t in ("a", "b", "c", "ab", "x", "z", "q", "EOS")]
     crossed: set[int] = set()  # depths of end tokens with a reachable awake node below them
-    for seed in range(10):
-        rng = random.Random(seed)
-        parents, local = random_tree(rng, 16, len(alphabet))
-        tokens = [alphabet[t] for t in local]
+    fixed = [(0, "z"), (1, "a"), (0, "q"), (3, "z"), (4, "c"), (3, "a"), (6, "z"), (7, "ab"), (8, "c"), (9, "EOS"),
+             (6, "b"), (11, "z"), (3, "x"), (13, "z"), (14, "a")]  # the end token at depths 1, 2 and 3
+    for seed in range(11):
+        if seed < 10:
+            parents, local = random_tree(random.Random(seed), 16, len(alphabet))
+            tokens = [alphabet[t] for t in local]
+        else:
+            parents, tokens = [-1] + [p for p, _ in fixed], [ids["q"]] + [ids[t] for _, t in fixed]
         prefix = [[], [ids["q"]], [ids["q"], ids["z"], ids["a"]]][seed % 3]  # committed output
         s = _state(backend, gate, prefix)
         before = _row(s)
