@@ -26,6 +26,11 @@ class SamplingParams:
     ``regex`` a regular expression, ``ebnf`` a GBNF grammar (root rule ``root``). Each generated token is
     drawn from the model's distribution restricted to the tokens the grammar allows next (also under
     speculation); once the grammar is complete only EOS is allowed. Logprobs stay those of the raw model.
+    ``reasoning_end_ids`` (a thinking model's reply, vLLM's reasoning-aware structured outputs): the grammar
+    is dormant (every token allowed) until one of these tokens (``</think>``) is generated and holds from the
+    next token on; ``reasoning_handoff_ids`` also end the dormancy but are the grammar's first token (Kimi's
+    tool-call section start, which ends the reasoning inside the answer). Both need a grammar
+    (``model_executor.grammar.state``).
 
     ``prompt_logprobs`` (vLLM's name): None for none; k >= 0 scores the prompt during prefill: for every
     prompt token after the first, its raw-model logprob given the tokens before it plus the top-k
@@ -49,6 +54,8 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    reasoning_end_ids: tuple[int, ...] = ()
+    reasoning_handoff_ids: tuple[int, ...] = ()
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -102,6 +109,14 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 2.0):
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
         self._validate_grammar()
+        for name in ("reasoning_end_ids", "reasoning_handoff_ids"):
+            ids = getattr(self, name)
+            if ids and self.grammar is None:
+                raise ValueError(f"{name} needs a grammar (json_schema, regex or ebnf)")
+            for tok in ids:
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or (
+                        vocab_size is not None and tok >= vocab_size):
+                    raise ValueError(f"{name} must be token ids in [0, {vocab_size or 'vocab'}), got {tok!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError("logit_bias must map token ids to biases")

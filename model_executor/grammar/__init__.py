@@ -10,7 +10,7 @@ from model_executor.grammar.masks import (
     prune_popped,
     tree_bitmask,
 )
-from model_executor.grammar.state import GrammarState
+from model_executor.grammar.state import GrammarState, ReasoningGate
 
-__all__ = ["GrammarBackend", "GrammarState", "check_grammar", "draft_pop_budgets", "mask_draft_logits",
-           "mask_logits", "mask_tree_logits", "prune_popped", "tree_bitmask"]
+__all__ = ["GrammarBackend", "GrammarState", "ReasoningGate", "check_grammar", "draft_pop_budgets",
+           "mask_draft_logits", "mask_logits", "mask_tree_logits", "prune_popped", "tree_bitmask"]

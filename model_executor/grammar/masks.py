@@ -19,6 +19,10 @@ with the mask after the masked top-1 tokens of depths 1..d-1 (exact for a DFlash
 path); ``prune_popped`` then walks every popped DDTree node with the matcher and removes the ones the
 grammar rejects (and their subtrees), so the tree holds only allowed tokens; nodes are popped with a
 doubled budget first so that pruning rarely leaves the tree short.
+
+Every walk moves the request's ``GrammarState`` (``push`` / ``pop`` / ``fill``), never the matcher directly,
+so a reasoning gate (state.py: the grammar dormant until ``</think>``) holds on every path: a tree whose root
+is dormant is walked node by node (``_walk_rows``), an awake one by xgrammar's ``traverse_draft_tree``.
 """
 
 from __future__ import annotations
@@ -80,9 +84,35 @@ def tree_bitmask(states: Sequence[GrammarState | None], candidates: torch.Tensor
         if s.failed or s.terminated or d == 1:
             s.fill(bitmask[b], 0)
             continue
-        s.matcher.traverse_draft_tree(nxt[b].contiguous(), sib[b].contiguous(), cand[b].contiguous(), bitmask[b])
+        if s.dormant:  # the reasoning may end inside the tree: walk it through the gate
+            _walk_rows(s, cand[b].tolist(), nxt[b].tolist(), sib[b].tolist(), bitmask[b])
+        else:
+            s.matcher.traverse_draft_tree(nxt[b].contiguous(), sib[b].contiguous(), cand[b].contiguous(),
+                                          bitmask[b])
         _fix_unreachable(bitmask[b], cand[b], par[b], s.stop_token_ids)
     return bitmask
+
+
+def _walk_rows(s: GrammarState, cand: list[int], nxt: list[int], sib: list[int], bitmask: torch.Tensor) -> None:
+    """Rows [D, W] of one request's tree from its state: a depth-first walk (first child ``nxt``, next sibling
+    ``sib``, -1: none) that pushes a child's token on entering it and pops it on leaving. Rows of nodes whose
+    token the state rejects (and their subtrees) are left as they are (``_fix_unreachable`` clears them)."""
+    s.fill(bitmask, 0)
+    stack = [nxt[0]]  # per depth: the next child to visit (-1: none left)
+    while stack:
+        i = stack[-1]
+        if i < 0:
+            stack.pop()
+            if stack:
+                s.pop(1)
+            continue
+        stack[-1] = sib[i]
+        if s.push(cand[i]):
+            s.fill(bitmask, i)
+            if cand[i] in s.stop_token_ids:  # nothing follows a stop token
+                s.pop(1)
+            else:
+                stack.append(nxt[i])
 
 
 def _fix_unreachable(bitmask: torch.Tensor, cand: torch.Tensor, par: torch.Tensor, stop_ids: tuple[int, ...]) -> None:
@@ -140,11 +170,11 @@ def mask_draft_logits(states: Sequence[GrammarState | None], draft_logits: torch
             if s.terminated or dep + 1 == depth:
                 break
             tok = int(draft_logits[b, dep].argmax())
-            if tok in s.stop_token_ids or not s.matcher.accept_token(tok):
+            if tok in s.stop_token_ids or not s.push(tok):
                 break
             taken += 1
         if taken:
-            s.matcher.rollback(taken)
+            s.pop(taken)
 
 
 def draft_pop_budgets(states: Sequence[GrammarState | None], budgets: torch.Tensor) -> torch.Tensor:
@@ -202,21 +232,20 @@ def _walk(s: GrammarState, tokens: list[int], parents: list[int]) -> np.ndarray:
     for i, p in enumerate(parents):
         children[p].append(i)
     stops = set(s.stop_token_ids)
-    m = s.matcher
     stack: list[tuple[int, int]] = [(0, 0)]  # (slot, next child position); depth = len(stack) - 1
     while stack:
         slot, pos = stack[-1]
         if pos == len(children[slot]):
             stack.pop()
             if stack:
-                m.rollback(1)
+                s.pop(1)
             continue
         stack[-1] = (slot, pos + 1)
         i = children[slot][pos]
-        if m.accept_token(tokens[i]):
+        if s.push(tokens[i]):
             keep[i] = True
             if tokens[i] in stops:
-                m.rollback(1)
+                s.pop(1)
             else:
                 stack.append((i + 1, 0))
     return keep

@@ -2,8 +2,9 @@
 
 A request with ``SamplingParams.grammar`` enters through ``submit`` (its compilation starts on the
 backend's worker thread) and leaves through ``poll`` once the future is done: with a fresh
-``GrammarState`` (then it joins the scheduler's waiting queue) or with the compile error (then it finishes
-with that error, an HTTP 400). The backend is created with the first constrained request.
+``GrammarState`` behind the request's reasoning gate (``SamplingParams.reasoning_end_ids`` /
+``reasoning_handoff_ids``; then it joins the scheduler's waiting queue) or with the compile error (then it
+finishes with that error, an HTTP 400). The backend is created with the first constrained request.
 
 Under tensor parallelism every rank must make the same scheduling decision in the same step, and compile
 times differ per rank, so ``blocking`` polls wait for every pending compilation (milliseconds; ranks then
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from model_executor.grammar.backend import GrammarBackend
-from model_executor.grammar.state import GrammarState
+from model_executor.grammar.state import GrammarState, ReasoningGate
 
 IDLE_WAIT_S = 0.02  # poll timeout when the scheduler has nothing else to run
 
@@ -65,7 +66,9 @@ class GrammarQueue:
             err = fut.exception()
             if err is None:
                 b = self.backend
-                r.grammar = GrammarState(fut.result(), b.stop_token_ids, b.vocab_size)
+                p = r.params
+                gate = ReasoningGate(tuple(p.reasoning_end_ids), tuple(p.reasoning_handoff_ids))
+                r.grammar = GrammarState(fut.result(), b.stop_token_ids, b.vocab_size, gate)
                 out.append((r, None))
             else:
                 out.append((r, str(err) if isinstance(err, ValueError) else f"grammar compilation failed: {err!r}"))

@@ -39,7 +39,7 @@ from server.http.serving_common import (
     start_generation,
     usage_of,
 )
-from server.http.serving_structured import Constraint, constraint_of
+from server.http.serving_structured import Constraint, constraint_of, reasoning_gate
 from server.http.thinking import apply_reasoning_effort, reasoning_tokens
 from server.http.tool_history import template_messages
 from server.io_struct import DetokenizeReq, GenerateReq
@@ -87,14 +87,19 @@ class ChatHandler:
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
         self.config, self.tm, self.served = config, tm, served_model
 
-    def _parsers(self, req: ChatCompletionRequest, constraint: Constraint) -> tuple[str | None, str | None, bool]:
+    def _parsers(self, req: ChatCompletionRequest, constraint: Constraint) -> tuple[
+            str | None, str | None, bool, Constraint]:
+        """The reasoning and tool-call parsers, whether the reply starts in its reasoning, and ``constraint``
+        gated on the reasoning's end where the reply has one (server/http/serving_structured.py)."""
         s = self.config.server
         reasoning = s.reasoning_parser if req.separate_reasoning else None
         tools = s.tool_call_parser if (req.tools and req.tool_choice != "none") else None
         kwargs = req.chat_template_kwargs or {}
-        # a grammar holds from the first generated token: a constrained reply has no reasoning section
-        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True))) and not constraint.active
-        return reasoning, tools, thinking
+        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True)))
+        constraint = reasoning_gate(constraint, self.tm.tokenizer, s.reasoning_parser, thinking)
+        # an ungated grammar holds from the first generated token: that reply has no reasoning section
+        thinking = thinking and (constraint.after_reasoning or not constraint.active)
+        return reasoning, tools, thinking, constraint
 
     async def handle(self, request: Request, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (server/http/api.py)."""
@@ -115,7 +120,7 @@ class ChatHandler:
             self.tm.check_length(len(ids), max_tokens)
         except InputError as e:  # the template's or the prompt's length: both come from 'messages'
             raise APIError(400, str(e), param="messages") from None
-        reasoning, tool_parser, thinking = self._parsers(req, constraint)
+        reasoning, tool_parser, thinking, constraint = self._parsers(req, constraint)
         base = uuid.uuid4().hex
         det_common = dict(stop=tuple(req.stop_list()), stop_token_ids=tuple(req.stop_token_ids or ()),
                           skip_special_tokens=not (reasoning or tool_parser), logprobs=req.logprobs)

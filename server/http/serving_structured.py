@@ -10,16 +10,25 @@
 
 At most one constraint per request (400 otherwise). A grammar the engine cannot compile is a 400 from the
 engine at admission (ValueError at add_request).
+
+Thinking models (``reasoning_gate``): with a ``--reasoning-parser`` and thinking on, the grammar applies
+after the reasoning, as vLLM's reasoning-aware structured outputs do: the constraint carries the token ids
+that end the reasoning (``</think>``; for ``kimi_k2`` also ``<|tool_calls_section_begin|>``, which the
+reasoning parser hands on to the content), and the engine keeps the grammar dormant until one of them is
+generated (``model_executor.grammar.state``). So the reasoning is free and the content (what the reasoning
+parser returns after it) follows the grammar. Without a reasoning parser, or where ``</think>`` is not one
+token of the tokenizer, the grammar holds from the first generated token (the reply is all content).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from server.http.protocol import ChatCompletionRequest, CompletionRequest, ToolChoice
 from server.http.serving_common import APIError
+from server.parsers.reasoning import KIMI_TOOL_SECTION_BEGIN, THINK_END
 from server.parsers.tool_grammar import ToolGrammarError, tool_call_ebnf
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format {"type": "json_object"}
@@ -33,14 +42,22 @@ class Constraint:
     regex: str | None = None
     ebnf: str | None = None
     forces_tools: bool = False
+    reasoning_end_ids: tuple[int, ...] = ()  # the grammar starts after one of these (``reasoning_gate``)
+    reasoning_handoff_ids: tuple[int, ...] = ()  # ... or with one of these
 
     @property
     def active(self) -> bool:
         return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
-    def fields(self) -> dict[str, str | None]:
+    @property
+    def after_reasoning(self) -> bool:
+        """The grammar waits for the end of the reasoning (the reply has a reasoning section)."""
+        return self.active and bool(self.reasoning_end_ids)
+
+    def fields(self) -> dict[str, Any]:
         """The SamplingParams fields."""
-        return {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
+        return {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
+                "reasoning_end_ids": self.reasoning_end_ids, "reasoning_handoff_ids": self.reasoning_handoff_ids}
 
 
 NO_CONSTRAINT = Constraint()
@@ -91,3 +108,22 @@ def _tool_constraint(req: ChatCompletionRequest, tool_parser: str | None) -> Con
     except ToolGrammarError as e:
         raise APIError(400, str(e), param="tool_choice" if e.index < 0 else "tools", code="invalid_value") from None
     return Constraint(ebnf=ebnf, forces_tools=True)
+
+
+def reasoning_gate(constraint: Constraint, tokenizer: Any, reasoning_parser: str | None, thinking: bool) -> Constraint:
+    """``constraint`` applied after the reasoning when the reply has one: a reasoning parser, thinking on, and
+    ``</think>`` one token of ``tokenizer``. Otherwise ``constraint`` as it is (the grammar holds from the
+    first generated token)."""
+    if not (constraint.active and reasoning_parser and thinking):
+        return constraint
+    end = _single_token(tokenizer, THINK_END)
+    if end is None:
+        return constraint
+    handoff = _single_token(tokenizer, KIMI_TOOL_SECTION_BEGIN) if reasoning_parser == "kimi_k2" else None
+    return replace(constraint, reasoning_end_ids=(end,), reasoning_handoff_ids=() if handoff is None else (handoff,))
+
+
+def _single_token(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` when the tokenizer encodes it as one token, else None."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    return int(ids[0]) if len(ids) == 1 else None

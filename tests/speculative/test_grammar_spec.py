@@ -1,7 +1,9 @@
 """Structured outputs under speculation (default model + shipped DFlash drafter): greedy DDTree and DFlash
 output equals greedy constrained output without speculation token for token (with and without drafter-side
 masking), sampled speculative outputs validate, and sampled tree verification under per-node grammar
-masks reproduces sequential sampling from the masked target (Monte Carlo against the exact law)."""
+masks reproduces sequential sampling from the masked target (Monte Carlo against the exact law). A grammar
+behind a reasoning gate (dormant until an end-of-reasoning token) stays exact when accepted draft paths
+cross that token."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.kernels.test_speculative_exactness import exact_outcomes
 from tests.kernels.tree_helpers import random_tree
 from tests.model_executor.test_grammar import EOS, REGEX, VOCAB, brute_row, make_tree
 from tests.model_executor.test_grammar_engine import MAX_TOKENS, PROMPTS, SCHEMAS, check_json
+from tests.speculative.scripted_drafts import install
 
 
 def _engine(path: str, alg: str, **kw) -> Engine:
@@ -154,3 +157,73 @@ def test_masked_sampled_verification_is_exact(backend, seed):
     assert tv < TV_TOL, f"TV {tv:.4f}"
     free = exact_outcomes(parents, local, (small.double() / temperature).softmax(-1), s, na)
     assert 0.5 * float((free - exact).abs().sum()) > 0.1, "the grammar must change the law"
+
+
+GATED_PROMPT = "The weather report in JSON:"
+GATED_SCHEMA = SCHEMAS[1]  # {"city": enum, "sunny": boolean}: a bounded answer
+END_AT = 6  # output position of the end token
+DEPTH = 4  # scripted chain depth
+
+
+def crossing_script(ref: list[int], end_at: int, vocab: int):
+    """Drafts around ``ref`` (the plain output): before the end token, a correct chain that makes a step
+    start at ``end_at - 1``; from there a correct chain of ``DEPTH`` (the end token at depth 2, grammar tokens
+    below it); every tree also holds a wrong sibling at depth 1 and one below the chain's first node."""
+
+    def script(prompt: list[int], output: list[int], max_depth: int) -> list[tuple[int, int]]:
+        k = len(output)
+        if output != ref[:k] or k >= len(ref):
+            return []
+        n = DEPTH if k >= end_at - 1 else end_at - 2 - k  # accepted n, then the bonus: the next step at end_at - 1
+        chain = ref[k:k + n]
+        if not chain:
+            return []
+        nodes = [(i, t) for i, t in enumerate(chain)]  # node i + 1 under node i (0: root)
+        nodes.append((0, (chain[0] + 1) % vocab))
+        if len(chain) > 1:
+            nodes.append((1, (chain[1] + 1) % vocab))
+        return nodes
+
+    return script
+
+
+def test_greedy_ddtree_equals_plain_across_the_end_of_reasoning(engines):
+    """The end-of-reasoning token is one the model itself writes early in its free greedy text (the default
+    model has no ``</think>`` token; the gate knows only a token id). The reasoning before it is that free
+    text, the answer after it valid JSON; DDTree (the shipped drafter with drafter-side masking, plus
+    scripted drafts whose accepted path runs through the end token at depth 2) equals plain decoding."""
+    plain, spec = engines["none"], engines["ddtree"]
+    vocab = plain.tokenizer.vocab_size
+    free = plain.generate(GATED_PROMPT, SamplingParams(temperature=0, max_tokens=END_AT + 1))[0].token_ids
+    end = free[END_AT]
+    assert end not in free[:END_AT], "pick a position whose token is new in the free text"
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, json_schema=json.dumps(GATED_SCHEMA),
+                        reasoning_end_ids=(end,))
+    ref = plain.generate(GATED_PROMPT, sp)[0]
+    assert ref.finish_reason == "stop"
+    assert ref.token_ids[:END_AT + 1] == free, "the reasoning is the free greedy text"
+    check_json(plain.tokenizer.decode(ref.token_ids[END_AT + 1:], skip_special_tokens=True), GATED_SCHEMA)
+
+    worker = getattr(spec.scheduler, "scheduler", spec.scheduler).spec  # as ``install`` finds it
+    own_suffix, own_decode = worker.suffix, worker.decode
+    try:
+        log = install(spec, crossing_script(ref.token_ids, END_AT, vocab))
+        starts: list[tuple[int, int]] = []  # (output length before the step, accepted nodes)
+        logged = worker.decode
+
+        def decode(reqs, eos_ids):
+            before = [len(q.output_ids) for q in reqs]
+            out = logged(reqs, eos_ids)
+            starts.extend(zip(before, (r.accepted for r in out), strict=True))
+            return out
+
+        worker.decode = decode
+        got = spec.generate(GATED_PROMPT, sp)[0]
+    finally:
+        worker.suffix, worker.decode = own_suffix, own_decode
+    assert got.token_ids == ref.token_ids and got.finish_reason == "stop"
+    log.assert_accepted(min_depth=2)
+    # a step whose accepted path holds the end token and grammar tokens after it
+    assert any(k <= END_AT and k + a - 1 >= END_AT + 1 for k, a in starts), starts
+    st = spec.stats()
+    assert st.kv_used_tokens == 0 and st.running == 0
