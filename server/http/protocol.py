@@ -39,6 +39,17 @@ from server.http.protocol_outputs import (  # noqa: F401 - re-exported: the Open
     error_body,
     new_id,
 )
+from server.http.protocol_rules import (
+    CHAT_TOOL_RULES,
+    EBNF,
+    INT64_MAX,
+    INT64_MIN,
+    JSON_FORMAT,
+    REGEX,
+    at_most_one,
+    equal_ints,
+    needs,
+)
 from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 from server.http.protocol_tools import (  # noqa: F401 - re-exported: the request models' public home
     FunctionCallMsg,
@@ -64,22 +75,17 @@ class TextPart(BaseModel):
     text: str
 
 
-def _needs(*fields: str) -> dict:
-    """JSON Schema: ``fields`` present and not null."""
-    return {"required": list(fields), "properties": {f: {"not": {"type": "null"}} for f in fields}}
-
-
 def _if_role(roles: list[str], then: dict) -> dict:
     return {"if": {"properties": {"role": {"enum": roles}}, "required": ["role"]}, "then": then}
 
 
 # the role rules of ChatMessage._role_rules, published in the OpenAPI spec (JSON Schema if/then)
 _ROLE_RULES = [
-    _if_role(["tool"], _needs("content", "tool_call_id")),
-    _if_role(["system", "developer", "user"], _needs("content")),
-    _if_role(["assistant"], {"anyOf": [_needs("content"), {"required": ["tool_calls"],
-                                                            "properties": {"tool_calls": {"type": "array",
-                                                                                          "minItems": 1}}}]}),
+    _if_role(["tool"], needs("content", "tool_call_id")),
+    _if_role(["system", "developer", "user"], needs("content")),
+    _if_role(["assistant"], {"anyOf": [needs("content"), {"required": ["tool_calls"],
+                                                           "properties": {"tool_calls": {"type": "array",
+                                                                                         "minItems": 1}}}]}),
     _if_role(["system", "developer", "user", "tool"], {"properties": {"tool_calls": {"type": "null"}}}),
 ]
 
@@ -125,7 +131,7 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, json_schema_extra={"not": {"const": 0}})  # -1 (off) or >= 1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=64)
@@ -183,9 +189,15 @@ class _SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    """Cross-field rules, published in the spec: ``top_logprobs`` only with ``logprobs: true``; at most one
+    output constraint (``response_format`` json, ``regex``, ``ebnf``, a forced ``tool_choice``); a forced
+    ``tool_choice`` needs ``tools``; ``parallel_tool_calls: false`` with tools only with a forced
+    ``tool_choice`` (server/http/serving_structured.py). Not in the spec: a named ``tool_choice`` must be one
+    of ``tools``, and a ``tool`` message must answer an assistant turn with ``tool_calls`` (docs/API.md)."""
+
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}, *CHAT_TOOL_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -239,12 +251,19 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+_Text = Annotated[str, Field(min_length=1)]  # a prompt text: at least one token
+_Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]  # token ids (< the vocabulary: not in the spec)
+
+
 class CompletionRequest(_SamplingFields):
+    """Cross-field rules, published in the spec: ``max_tokens: 0`` only with ``echo``; at most one output
+    constraint; ``best_of`` equal to ``n``."""
+
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         {"if": {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}},  # max_tokens 0: echo only
-         "then": {"properties": {"max_tokens": {"minimum": 1}}}}]})
-    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
+         "then": {"properties": {"max_tokens": {"minimum": 1}}}},
+        *at_most_one(JSON_FORMAT, REGEX, EBNF), equal_ints("best_of", "n", 1, 64, default_b=1)]})
+    prompt: _Text | Annotated[list[_Text], Field(min_length=1)] | _Ids | Annotated[list[_Ids], Field(min_length=1)]
     max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt alone (checked by the handler)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

@@ -16,9 +16,12 @@ REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
 _REQ = REQUEST_CONFIG
 
 
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's (and Anthropic's) rule for a function's name
+
+
 class FunctionDef(BaseModel):
     model_config = _REQ
-    name: str
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -62,7 +65,7 @@ class JsonSchemaFormat(BaseModel):
     accepted and changes nothing: the output always follows the schema (grammar-constrained decoding)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
