@@ -47,13 +47,15 @@ from server.http.protocol_rules import (
     JSON_FORMAT,
     REGEX,
     at_most_one,
-    equal_ints,
+    has,
+    if_then,
     needs,
 )
-from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 from server.http.protocol_tools import (  # noqa: F401 - re-exported: the request models' public home
+    INTEGRAL,
     FunctionCallMsg,
     FunctionDef,
+    Int,
     JsonSchemaFormat,
     ResponseFormat,
     Tool,
@@ -61,6 +63,7 @@ from server.http.protocol_tools import (  # noqa: F401 - re-exported: the reques
     ToolChoice,
     ToolChoiceFunction,
 )
+from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 
 
 # ---- requests -----------------------------------------------------------------------------------------
@@ -129,12 +132,12 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, json_schema_extra={"not": {"const": 0}})  # -1 (off) or >= 1
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] = Field(-1, json_schema_extra={"not": {"const": 0}})  # -1 (off) or >= 1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1, le=64)
+    stop_token_ids: list[Int] | None = None
+    n: Annotated[int, Field(ge=1, le=64), INTEGRAL] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -199,10 +202,10 @@ class ChatCompletionRequest(_SamplingFields):
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
          "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}, *CHAT_TOOL_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # only with logprobs: true (as OpenAI)
+    top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None  # only with logprobs: true (as OpenAI)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call; honoured with a forced tool_choice
@@ -252,22 +255,25 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 _Text = Annotated[str, Field(min_length=1)]  # a prompt text: at least one token
-_Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]  # token ids (< the vocabulary: not in the spec)
+_Ids = Annotated[list[Annotated[int, Field(ge=0), INTEGRAL]], Field(min_length=1)]  # token ids (< the vocabulary: not in the spec)
 
 
 class CompletionRequest(_SamplingFields):
     """Cross-field rules, published in the spec: ``max_tokens: 0`` only with ``echo``; at most one output
-    constraint; ``best_of`` equal to ``n``."""
+    constraint; ``best_of`` equal to ``n`` (published: 1, with ``n`` 1)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         {"if": {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}},  # max_tokens 0: echo only
          "then": {"properties": {"max_tokens": {"minimum": 1}}}},
-        *at_most_one(JSON_FORMAT, REGEX, EBNF), equal_ints("best_of", "n", 1, 64, default_b=1)]})
+        *at_most_one(JSON_FORMAT, REGEX, EBNF), if_then(has("best_of", {"const": 1}), {"properties": {"n": {"const": 1}}})]})
     prompt: _Text | Annotated[list[_Text], Field(min_length=1)] | _Ids | Annotated[list[_Ids], Field(min_length=1)]
-    max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt alone (checked by the handler)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 16  # 0 only with echo: score the prompt alone (checked by the handler)
+    logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=64)  # only equal to n: candidates are not ranked server-side
+    # accepted only equal to n (candidates are not ranked server-side); published as 1 (with n 1) or null: JSON
+    # Schema cannot compare two fields, and one alternative per n is more than schema tools take
+    best_of: Annotated[int, Field(ge=1, le=64), INTEGRAL] | None = Field(None, json_schema_extra={
+        "anyOf": [{"const": 1}, {"type": "null"}]})
     suffix: str | None = Field(None, max_length=0)  # insertion (text after the completion) is not supported
 
     @field_validator("best_of")

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.http.protocol_rules import has, if_then, needs, only_null
+from server.http.protocol_tools import INTEGRAL, TOOL_NAME_PATTERN, Int
 from server.http.protocol_tools import REQUEST_CONFIG as _REQ
-from server.http.protocol_tools import TOOL_NAME_PATTERN
 
 
 class TextBlock(BaseModel):
@@ -134,7 +134,7 @@ class ThinkingConfig(BaseModel):
     model_config = _REQ
     type: Literal["enabled", "disabled", "adaptive", "between_tools"] = Field(
         json_schema_extra={"enum": ["disabled", "adaptive"]})
-    budget_tokens: int | None = None
+    budget_tokens: Int | None = None
     display: Literal["summarized", "omitted"] | None = Field(None, json_schema_extra={"enum": ["summarized", None]})
 
 
@@ -177,11 +177,11 @@ class MessagesRequest(BaseModel):
         if_then({"allOf": [_ONE_CALL, _SOME_TOOLS]}, _FORCED)]})
     model: str | None = None
     messages: list[InputMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL]
     system: str | list[TextBlock] | None = None
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
+    top_k: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     stop_sequences: list[str] | None = Field(None, max_length=16)
     stream: bool = False
     tools: list[AnthropicTool] | None = None

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from server.http.protocol_rules import CHAT_TOOL_RULES, FORCED_TOOL, has, if_then, needs, only_null
+from server.http.protocol_tools import INTEGRAL, TOOL_NAME_PATTERN
 from server.http.protocol_tools import REQUEST_CONFIG as _REQ
-from server.http.protocol_tools import TOOL_NAME_PATTERN
 
 
 class TextContent(BaseModel):
@@ -148,7 +148,7 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     tools: list[FunctionTool] | None = None

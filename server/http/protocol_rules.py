@@ -35,14 +35,6 @@ def if_then(condition: Schema, then: Schema) -> Schema:
     return {"if": condition, "then": then}
 
 
-def equal_ints(a: str, b: str, low: int, high: int, default_b: int) -> Schema:
-    """When ``a`` is an integer, ``b`` (default ``default_b`` when absent) holds the same value, for values in
-    [low, high]: one alternative per value (JSON Schema cannot compare two fields' values otherwise)."""
-    alternatives = [{"properties": {a: {"const": v}, b: {"const": v}}, **({} if v == default_b else {"required": [b]})}
-                    for v in range(low, high + 1)]
-    return if_then(has(a, {"type": "integer"}), {"anyOf": alternatives})
-
-
 def only_null(description: str) -> Schema:
     """The schema of a known field the server refuses whenever it is set (an explicit ``null`` is accepted)."""
     return {"type": "null", "description": f"not supported: {description}"}

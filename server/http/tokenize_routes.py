@@ -11,9 +11,7 @@ errors have OpenAI's shape.
 
 from __future__ import annotations
 
-from typing import Any
-
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -22,11 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from server.http.chat_bridge import chat_request
 from server.http.protocol import ChatMessage, ErrorResponse, Tool
 from server.http.protocol_rules import has, if_then, needs
+from server.http.protocol_tools import INTEGRAL
 from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 from server.http.serving_chat import _messages as chat_messages
 from server.http.serving_common import APIError, check_model
 from server.tokenizer_manager import TokenizerManager
-
 
 _PROMPT_ONLY = {"properties": {"tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
                                 "chat_template_kwargs": {"anyOf": [{"type": "null"},
@@ -76,7 +74,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = _REQ
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]  # and below the vocabulary size (not in the spec: the tokenizer's)
+    tokens: list[Annotated[int, Field(ge=0), INTEGRAL]]  # and below the vocabulary size (not in the spec: the tokenizer's)
 
 
 class DetokenizeResponse(BaseModel):
