@@ -12,6 +12,9 @@ import pytest
 
 from tests.server.conftest import running_server
 
+pytestmark = pytest.mark.slow  # its own server (~40-70 s to start on 2 busy cores); the fast, model-free check of
+# the same mapping: tests/server/test_admission_refusals.py
+
 LONG = "word " * 200  # ~230 prompt tokens with the chat template: over the KV cache, within the context
 USER = [{"role": "user", "content": "Say hi."}]
 
