@@ -45,6 +45,7 @@ from server.http.protocol_rules import (
     INT64_MAX,
     INT64_MIN,
     JSON_FORMAT,
+    JSON_SAFE_INT,
     REGEX,
     at_most_one,
     has,
@@ -134,7 +135,8 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: Annotated[int, Field(ge=-1), INTEGRAL] = Field(-1, json_schema_extra={"not": {"const": 0}})  # -1 (off) or >= 1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL] | None = None
+    # an int64; published within JSON's exact integers (+-2**53), which every JSON tool compares exactly
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX, json_schema_extra=JSON_SAFE_INT), INTEGRAL] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stop_token_ids: list[Int] | None = None
     n: Annotated[int, Field(ge=1, le=64), INTEGRAL] = 1

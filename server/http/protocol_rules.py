@@ -14,6 +14,9 @@ from typing import Any
 Schema = dict[str, Any]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (OpenAI's: an int64)
+# the published range of an int64 field: the integers JSON numbers hold exactly (tools that compare bounds as
+# doubles would otherwise take 2**63 for INT64_MAX)
+JSON_SAFE_INT = {"minimum": -(2**53 - 1), "maximum": 2**53 - 1}
 
 
 def needs(*fields: str) -> Schema:

@@ -108,7 +108,7 @@ RULES = [
      {"messages": USER, "tools": TOOLS, "parallel_tool_calls": False, "tool_choice": "required"}),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools",
      {"messages": USER, "tools": [{"type": "function", "function": {"name": "a_b"}}]}),
-    (CHAT, {"messages": USER, "seed": 2**64}, "seed", {"messages": USER, "seed": -(2**62)}),  # int64
+    (CHAT, {"messages": USER, "seed": 2**64}, "seed", {"messages": USER, "seed": -(2**52)}),  # int64, published as +-2**53
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs",
      {"messages": USER, "top_logprobs": 2, "logprobs": True}),
     (COMPLETIONS, {"prompt": ""}, "prompt", {"prompt": " "}),
