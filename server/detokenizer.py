@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
         if out.error is not None:
             self.drop(out.rid)
             return TextOut(out.rid, "", [], finished=True, finish_reason=None, error=out.error, error_status=400,
-                           prompt_tokens=out.prompt_tokens)
+                           prompt_tokens=out.prompt_tokens, error_param=out.error_param)
         spec = st.spec
         new_ids = list(out.token_ids)
         matched: str | int | None = None

@@ -47,7 +47,9 @@ class TokenOut:
     ``(token_logprob, [(token_id, logprob), ...top alternatives])``. ``prompt_logprobs`` (when asked, once,
     in the first output after prefill): one entry per prompt token, ``(token_id, logprob, top)``, the first
     ``(token_id, None, None)``. ``error`` set means the request was rejected or failed; it is then also
-    finished."""
+    finished. ``error_param``: the request field a rejection is about, in the engine's names (``prompt``,
+    ``max_tokens``, a ``SamplingParams`` field such as ``json_schema``); each HTTP API maps it to its own field
+    name (server/http/serving_common.py ``ParamNames``)."""
 
     rid: str
     token_ids: list[int]
@@ -64,6 +66,7 @@ class TokenOut:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     error: str | None = None
     prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
+    error_param: str | None = None
 
 
 @dataclass
@@ -127,7 +130,8 @@ class TextOut:
     """Detokenizer -> tokenizer manager: the new text of one request. ``logprobs`` entries are
     ``(token_text, logprob, [(alt_text, logprob), ...])``. ``abort_scheduler``: the detokenizer finished the
     request itself (stop string); the scheduler still runs it and must be told to drop it.
-    ``prompt_logprobs``: as ``TokenOut``'s, in text: ``(token_text, logprob | None, [(alt_text, logprob)] | None)``."""
+    ``prompt_logprobs``: as ``TokenOut``'s, in text: ``(token_text, logprob | None, [(alt_text, logprob)] | None)``.
+    ``error_param``: as ``TokenOut``'s."""
 
     rid: str
     text: str
@@ -148,6 +152,7 @@ class TextOut:
     error_status: int = 400
     abort_scheduler: bool = False
     prompt_logprobs: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
+    error_param: str | None = None
 
 
 @dataclass

@@ -36,9 +36,16 @@ from server.multimodal.frontend import ImageLimits, VisionFrontend
 
 logger = logging.getLogger(__name__)
 
+CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's code of a prompt (+ max_tokens) over the limit
+
 
 class InputError(ValueError):
-    """A request the server cannot accept (HTTP 400)."""
+    """A request the server cannot accept (HTTP 400); ``code``: OpenAI's error code where it has one
+    (``context_length_exceeded``). The handler names the field (``param``) the input came from."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -145,13 +152,14 @@ class TokenizerManager:
             raise InputError("the prompt is empty")
         limit = self.config.server.max_prompt_tokens
         if limit is not None and prompt_len > limit:
-            raise InputError(f"the prompt ({prompt_len} tokens) exceeds max_prompt_tokens ({limit} tokens)")
+            raise InputError(f"the prompt ({prompt_len} tokens) exceeds max_prompt_tokens ({limit} tokens)",
+                             CONTEXT_EXCEEDED)
         if ctx and max_tokens is None and prompt_len >= ctx:
             raise InputError(f"the prompt ({prompt_len} tokens) leaves no room to generate within the context "
-                             f"length ({ctx} tokens)")
+                             f"length ({ctx} tokens)", CONTEXT_EXCEEDED)
         if ctx and max_tokens is not None and prompt_len + max_tokens > ctx:
             raise InputError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                             f"context length ({ctx} tokens)")
+                             f"context length ({ctx} tokens)", CONTEXT_EXCEEDED)
 
     def queue_full(self, n: int) -> bool:
         """Would ``n`` more requests exceed max_running_requests + max_waiting_requests in flight?"""

@@ -1,10 +1,12 @@
 """The OpenAPI spec served at /openapi.json: FastAPI's, without the 422 responses it adds to every route with
 a body (this server answers a body that fails validation with a 400 in OpenAI's error shape, never a 422).
 
-The request schemas are the pydantic models of server/http/protocol.py, which publish the constraints validation
-enforces (bounds, enums, required fields, the role rules and cross-field rules as JSON Schema if/then), so a
-client generated from the spec sends bodies the server accepts. Rules that depend on the server's settings
-(``tools`` needs ``--tool-call-parser``; prompt length) or on the tokenizer stay out of the spec.
+The request schemas are the pydantic models of server/http/protocol*.py and tokenize_routes.py, which publish
+the constraints validation and the handlers enforce (bounds, enums, required fields, refused fields as null,
+and the cross-field rules as JSON Schema if/then/not: server/http/protocol_rules.py), so a client generated
+from the spec sends bodies the server accepts. Rules that depend on the server's settings (``tools`` needs
+``--tool-call-parser``; prompt length), on the tokenizer, or that JSON Schema cannot state (a grammar's
+syntax, a reference between fields, an order between list items) stay out: docs/API.md lists them.
 """
 
 from __future__ import annotations

@@ -40,10 +40,24 @@ from server.http.protocol_outputs import (  # noqa: F401 - re-exported: the Open
     error_body,
     new_id,
 )
-from server.http.protocol_tools import REQUEST_CONFIG as _REQ
+from server.http.protocol_rules import (
+    CHAT_TOOL_RULES,
+    EBNF,
+    INT64_MAX,
+    INT64_MIN,
+    JSON_FORMAT,
+    JSON_SAFE_INT,
+    REGEX,
+    at_most_one,
+    has,
+    if_then,
+    needs,
+)
 from server.http.protocol_tools import (  # noqa: F401 - re-exported: the request models' public home
+    INTEGRAL,
     FunctionCallMsg,
     FunctionDef,
+    Int,
     JsonSchemaFormat,
     ResponseFormat,
     Tool,
@@ -51,6 +65,7 @@ from server.http.protocol_tools import (  # noqa: F401 - re-exported: the reques
     ToolChoice,
     ToolChoiceFunction,
 )
+from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 
 # ---- requests -----------------------------------------------------------------------------------------
 # OpenAI's reasoning effort levels; applied through the model's thinking switch (server/http/thinking.py)
@@ -82,22 +97,17 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
-def _needs(*fields: str) -> dict:
-    """JSON Schema: ``fields`` present and not null."""
-    return {"required": list(fields), "properties": {f: {"not": {"type": "null"}} for f in fields}}
-
-
 def _if_role(roles: list[str], then: dict) -> dict:
     return {"if": {"properties": {"role": {"enum": roles}}, "required": ["role"]}, "then": then}
 
 
 # the role rules of ChatMessage._role_rules, published in the OpenAPI spec (JSON Schema if/then)
 _ROLE_RULES = [
-    _if_role(["tool"], _needs("content", "tool_call_id")),
-    _if_role(["system", "developer", "user"], _needs("content")),
-    _if_role(["assistant"], {"anyOf": [_needs("content"), {"required": ["tool_calls"],
-                                                            "properties": {"tool_calls": {"type": "array",
-                                                                                          "minItems": 1}}}]}),
+    _if_role(["tool"], needs("content", "tool_call_id")),
+    _if_role(["system", "developer", "user"], needs("content")),
+    _if_role(["assistant"], {"anyOf": [needs("content"), {"required": ["tool_calls"],
+                                                           "properties": {"tool_calls": {"type": "array",
+                                                                                         "minItems": 1}}}]}),
     _if_role(["system", "developer", "user", "tool"], {"properties": {"tool_calls": {"type": "null"}}}),
 ]
 
@@ -149,12 +159,13 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, json_schema_extra={"not": {"const": 0}})  # -1 (off) or >= 1
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] = Field(-1, json_schema_extra={"not": {"const": 0}})  # -1 (off) or >= 1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    # an int64; published within JSON's exact integers (+-2**53), which every JSON tool compares exactly
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX, json_schema_extra=JSON_SAFE_INT), INTEGRAL] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1, le=64)
+    stop_token_ids: list[Int] | None = None
+    n: Annotated[int, Field(ge=1, le=64), INTEGRAL] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -217,14 +228,20 @@ CHAT_REFUSED = {  # chat fields refused whenever set (field -> why)
 
 
 class ChatCompletionRequest(_SamplingFields):
+    """Cross-field rules, published in the spec: ``top_logprobs`` only with ``logprobs: true``; at most one
+    output constraint (``response_format`` json, ``regex``, ``ebnf``, a forced ``tool_choice``); a forced
+    ``tool_choice`` needs ``tools``; ``parallel_tool_calls: false`` with tools only with a forced
+    ``tool_choice`` (server/http/serving_structured.py). Not in the spec: a named ``tool_choice`` must be one
+    of ``tools``, and a ``tool`` message must answer an assistant turn with ``tool_calls`` (docs/API.md)."""
+
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}, *CHAT_TOOL_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # only with logprobs: true (as OpenAI)
+    top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None  # only with logprobs: true (as OpenAI)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call (the first one the model makes)
@@ -286,16 +303,26 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+_Text = Annotated[str, Field(min_length=1)]  # a prompt text: at least one token
+_Ids = Annotated[list[Annotated[int, Field(ge=0), INTEGRAL]], Field(min_length=1)]  # token ids (< the vocabulary: not in the spec)
+
+
 class CompletionRequest(_SamplingFields):
+    """Cross-field rules, published in the spec: ``max_tokens: 0`` only with ``echo``; at most one output
+    constraint; ``best_of`` equal to ``n`` (published: 1, with ``n`` 1)."""
+
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         {"if": {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}},  # max_tokens 0: echo only
-         "then": {"properties": {"max_tokens": {"minimum": 1}}}}]})
-    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
-    max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt alone (checked by the handler)
-    logprobs: int | None = Field(None, ge=0, le=20)
+         "then": {"properties": {"max_tokens": {"minimum": 1}}}},
+        *at_most_one(JSON_FORMAT, REGEX, EBNF), if_then(has("best_of", {"const": 1}), {"properties": {"n": {"const": 1}}})]})
+    prompt: _Text | Annotated[list[_Text], Field(min_length=1)] | _Ids | Annotated[list[_Ids], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 16  # 0 only with echo: score the prompt alone (checked by the handler)
+    logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=64)  # only equal to n: candidates are not ranked server-side
+    # accepted only equal to n (candidates are not ranked server-side); published as 1 (with n 1) or null: JSON
+    # Schema cannot compare two fields, and one alternative per n is more than schema tools take
+    best_of: Annotated[int, Field(ge=1, le=64), INTEGRAL] | None = Field(None, json_schema_extra={
+        "anyOf": [{"const": 1}, {"type": "null"}]})
     suffix: str | None = Field(None, max_length=0)  # insertion (text after the completion) is not supported
 
     @field_validator("best_of")

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from server.http.protocol_rules import has, if_then, needs, only_null
+from server.http.protocol_tools import INTEGRAL, TOOL_NAME_PATTERN, Int
 from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 
 
@@ -86,8 +88,19 @@ ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock
                          Field(discriminator="type")]
 
 
+def _blocks_not(*kinds: str) -> dict:
+    """Content (a string, or blocks) without blocks of ``kinds``."""
+    return {"properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+        "not": {"properties": {"type": {"enum": list(kinds)}}, "required": ["type"]}}}]}}}
+
+
 class InputMessage(BaseModel):
-    model_config = _REQ
+    """``_blocks_of_role``, published: tool_use and thinking blocks only in assistant messages, tool_result
+    blocks only in user messages."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        if_then(has("role", {"const": "user"}), _blocks_not("tool_use", "thinking")),
+        if_then(has("role", {"const": "assistant"}), _blocks_not("tool_result"))]})
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
@@ -121,14 +134,16 @@ class AnthropicTool(BaseModel):
 
     model_config = _REQ
     type: Literal["custom"] | None = None
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: dict[str, Any] | None = None
 
 
 class AnthropicToolChoice(BaseModel):
-    model_config = _REQ
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [  # _name_iff_tool
+        {"if": has("type", {"const": "tool"}), "then": needs("name"),
+         "else": {"properties": {"name": {"type": "null"}}}}]})
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -141,10 +156,14 @@ class AnthropicToolChoice(BaseModel):
 
 
 class ThinkingConfig(BaseModel):
+    """Parsed in all of Anthropic's forms; served (and so published) are ``disabled`` and ``adaptive`` (with a
+    reasoning parser: server/http/serving_messages.py), with the reasoning displayed."""
+
     model_config = _REQ
-    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = None
-    display: Literal["summarized", "omitted"] | None = None
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"] = Field(
+        json_schema_extra={"enum": ["disabled", "adaptive"]})
+    budget_tokens: Int | None = None
+    display: Literal["summarized", "omitted"] | None = Field(None, json_schema_extra={"enum": ["summarized", None]})
 
 
 class JsonOutputFormat(BaseModel):
@@ -158,7 +177,7 @@ class OutputConfig(BaseModel):
 
     model_config = _REQ
     format: JsonOutputFormat | None = None
-    effort: Any = None
+    effort: Any = Field(None, json_schema_extra=only_null("no effort levels"))
 
 
 class Metadata(BaseModel):
@@ -166,17 +185,31 @@ class Metadata(BaseModel):
     user_id: str | None = None
 
 
-class MessagesRequest(BaseModel):
-    """POST /v1/messages. ``model`` may be omitted (the served model); a different name is a 404."""
+_FORCED = has("tool_choice", {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}})
+_SOME_TOOLS = has("tools", {"type": "array", "minItems": 1})
+_ONE_CALL = has("tool_choice", {"type": "object", "required": ["disable_parallel_tool_use"],
+                                "properties": {"disable_parallel_tool_use": {"const": True}}})
+_JSON_OUTPUT = has("output_config", {"type": "object", "required": ["format"],
+                                     "properties": {"format": {"type": "object"}}})
 
-    model_config = _REQ
+
+class MessagesRequest(BaseModel):
+    """POST /v1/messages. ``model`` may be omitted (the served model); a different name is a 404. Published
+    with the rules of the chat request it becomes: a forced ``tool_choice`` (any, tool) needs ``tools`` and
+    excludes ``output_config.format``; ``disable_parallel_tool_use`` with tools only when forced. Not in the
+    spec: a final assistant message (prefill) is refused, a ``tool_result`` answers the assistant turn just
+    before it, a named tool is one of ``tools`` (docs/API.md)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        if_then(_FORCED, _SOME_TOOLS), {"not": {"allOf": [_FORCED, _JSON_OUTPUT]}},
+        if_then({"allOf": [_ONE_CALL, _SOME_TOOLS]}, _FORCED)]})
     model: str | None = None
     messages: list[InputMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL]
     system: str | list[TextBlock] | None = None
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
+    top_k: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     stop_sequences: list[str] | None = Field(None, max_length=16)
     stream: bool = False
     tools: list[AnthropicTool] | None = None
@@ -186,16 +219,16 @@ class MessagesRequest(BaseModel):
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None
     # known, refused (server/http/serving_messages.py REFUSED)
-    service_tier: Any = None
-    container: Any = None
-    mcp_servers: Any = None
-    context_management: Any = None
-    output_format: Any = None
-    inference_geo: Any = None
-    speed: Any = None
-    diagnostics: Any = None
-    user_profile_id: Any = None
-    workspace_id: Any = None
+    service_tier: Any = Field(None, json_schema_extra=only_null("one tier is served"))
+    container: Any = Field(None, json_schema_extra=only_null("no code-execution containers"))
+    mcp_servers: Any = Field(None, json_schema_extra=only_null("no MCP connector"))
+    context_management: Any = Field(None, json_schema_extra=only_null("the context is never edited"))
+    output_format: Any = Field(None, json_schema_extra=only_null("use output_config.format"))
+    inference_geo: Any = Field(None, json_schema_extra=only_null("served where this server runs"))
+    speed: Any = Field(None, json_schema_extra=only_null("one speed is served"))
+    diagnostics: Any = Field(None, json_schema_extra=only_null("no diagnostics"))
+    user_profile_id: Any = Field(None, json_schema_extra=only_null("no user profiles"))
+    workspace_id: Any = Field(None, json_schema_extra=only_null("no workspaces"))
 
 
 # ---- errors -------------------------------------------------------------------------------------------

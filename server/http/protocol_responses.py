@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from server.http.protocol_rules import CHAT_TOOL_RULES, FORCED_TOOL, has, if_then, needs, only_null
+from server.http.protocol_tools import INTEGRAL, TOOL_NAME_PATTERN
 from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 
 
@@ -70,7 +72,7 @@ class ReasoningItem(BaseModel):
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
-    encrypted_content: str | None = None
+    encrypted_content: str | None = Field(None, json_schema_extra=only_null("this server never produces it"))
     status: str | None = None
 
     @model_validator(mode="after")
@@ -108,9 +110,10 @@ class TextFormat(BaseModel):
     """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}``, or ``{"type": "json_schema",
     "name", "schema", "strict"?, "description"?}``."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True, json_schema_extra={"allOf": [
+        if_then(has("type", {"const": "json_schema"}), needs("name", "schema"))]})
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: str | None = Field(None, pattern=TOOL_NAME_PATTERN)  # as chat's response_format.json_schema.name
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     description: str | None = None
     strict: bool | None = None
@@ -125,7 +128,14 @@ class TextFormat(BaseModel):
 class TextConfig(BaseModel):
     model_config = _REQ
     format: TextFormat | None = None
-    verbosity: Any = None  # refused
+    verbosity: Any = Field(None, json_schema_extra=only_null("no verbosity levels"))  # refused
+
+
+# a conversation: instructions, or an input with more than reasoning items (reasoning alone makes no message)
+_SOME_MESSAGE = {"anyOf": [needs("instructions"), {"properties": {"input": {"anyOf": [
+    {"type": "string"}, {"type": "array", "contains": {"not": has("type", {"const": "reasoning"})}}]}}}]}
+_JSON_TEXT = has("text", {"type": "object", "required": ["format"], "properties": {"format": {
+    "type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}})
 
 
 class ReasoningConfig(BaseModel):
@@ -139,13 +149,16 @@ class ReasoningConfig(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """POST /v1/responses. ``store`` may be omitted or false; nothing is stored."""
+    """POST /v1/responses. ``store`` may be omitted or false; nothing is stored. The refused fields are
+    published as null only; the chat rules of tools hold (a forced ``tool_choice`` needs ``tools`` and excludes
+    a JSON ``text.format``; ``parallel_tool_calls: false`` with tools only when forced)."""
 
-    model_config = _REQ
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        *CHAT_TOOL_RULES, {"not": {"allOf": [_JSON_TEXT, FORCED_TOOL]}}, _SOME_MESSAGE]})
     model: str | None = None
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     tools: list[FunctionTool] | None = None
@@ -157,19 +170,20 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    store: bool | None = None
-    include: list[str] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
+    store: bool | None = Field(None, json_schema_extra={"anyOf": [{"const": False}, {"type": "null"}]})
+    include: list[str] | None = Field(None, json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0},
+                                                                         {"type": "null"}]})
+    truncation: Literal["auto", "disabled"] | None = Field(None, json_schema_extra={"enum": ["disabled", None]})
     reasoning: ReasoningConfig | None = None
     # known, refused (server/http/serving_responses.py REFUSED)
-    previous_response_id: Any = None
-    conversation: Any = None
-    background: Any = None
-    top_logprobs: Any = None
-    max_tool_calls: Any = None
-    prompt: Any = None
-    service_tier: Any = None
-    stream_options: Any = None
+    previous_response_id: Any = Field(None, json_schema_extra=only_null("no stored responses"))
+    conversation: Any = Field(None, json_schema_extra=only_null("no stored conversations"))
+    background: Any = Field(None, json_schema_extra=only_null("foreground only"))
+    top_logprobs: Any = Field(None, json_schema_extra=only_null("use /v1/chat/completions"))
+    max_tool_calls: Any = Field(None, json_schema_extra=only_null("not enforced"))
+    prompt: Any = Field(None, json_schema_extra=only_null("no stored prompt templates"))
+    service_tier: Any = Field(None, json_schema_extra=only_null("one tier is served"))
+    stream_options: Any = Field(None, json_schema_extra=only_null("not on /v1/responses"))
 
     @field_validator("input")
     @classmethod

@@ -7,18 +7,33 @@ server/http/serving_structured.py; the grammar of a forced tool call in server/p
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 # strict types; unknown extra fields are ignored (OpenAI clients send several this server does not use)
 REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
 _REQ = REQUEST_CONFIG
 
 
+def _integral(v: Any) -> Any:
+    """A float with no fractional part is that integer: JSON (and JSON Schema's ``integer``) does not tell 2.0
+    from 2, so neither does the server; anything else is left to the strict int check."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# the request models' integers: strict, but 2.0 is 2. Bounds go before INTEGRAL (``Annotated[int, Field(ge=0),
+# INTEGRAL]``), so that they stay in the published JSON Schema (after it, pydantic checks them but drops them)
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[int, INTEGRAL]
+
+
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's (and Anthropic's) rule for a function's name
+
+
 class FunctionDef(BaseModel):
     model_config = _REQ
-    name: str
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -61,8 +76,9 @@ class JsonSchemaFormat(BaseModel):
     it there is nothing to constrain to; ``{"type": "json_object"}`` asks for any JSON object). ``strict`` is
     accepted and changes nothing: the output always follows the schema (grammar-constrained decoding)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True, json_schema_extra={"allOf": [  # _has_schema
+        {"required": ["schema"], "properties": {"schema": {"type": "object"}}}]})
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None

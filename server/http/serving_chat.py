@@ -34,6 +34,7 @@ from server.http.serving_common import (
     Generation,
     check_admission,
     make_params,
+    param_names,
     spec_of,
     sse,
     start_generation,
@@ -119,7 +120,7 @@ class ChatHandler:
             max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
             self.tm.check_length(len(ids), max_tokens)
         except InputError as e:  # the template's or the prompt's length: both come from 'messages'
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param="messages", code=e.code) from None
         reasoning, tool_parser, thinking, constraint = self._parsers(req, constraint)
         base = uuid.uuid4().hex
         det_common = dict(stop=tuple(req.stop_list()), stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -128,7 +129,9 @@ class ChatHandler:
                                                               constraint=constraint, vocab_size=self.tm.vocab_size),
                               image_inputs),
                   DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
-        run = await start_generation(request, self.tm, group)
+        max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        run = await start_generation(request, self.tm, group,
+                                     param_names("messages", max_name, constraint, logprobs="top_logprobs"))
         parsers = (reasoning, tool_parser, thinking)
         if req.stream:
             return StreamingResponse(self._stream(req, run, len(ids), parsers), media_type="text/event-stream")
@@ -186,7 +189,7 @@ class ChatHandler:
             async for idx, out in run:
                 acc[idx].add(out)
                 if out.error is not None:
-                    yield sse(APIError(out.error_status, out.error).body())
+                    yield sse(run.error(out).body())
                     failed = True
                     break
                 r_delta, c_delta = rps[idx].feed(out.text) if rps[idx] else ("", out.text)

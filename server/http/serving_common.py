@@ -99,6 +99,24 @@ def check_admission(tm: TokenizerManager, requested_model: str | None, served: s
     check_queue(tm, n)
 
 
+def param_names(prompt: str, max_tokens: str = "max_tokens", constraint: Constraint | None = None,
+                logprobs: str = "logprobs") -> dict[str, str]:
+    """How one API names the engine's request fields, for the ``param`` of an engine refusal (``TextOut.
+    error_param``): the prompt (``messages`` / ``prompt``), the output length, the grammar (``response_format``,
+    ``regex``, ``ebnf``, or ``tool_choice`` for a forced tool call) and the logprobs. Other engine names
+    (``temperature``, ``logit_bias``, ...) are the APIs' own."""
+    forced = constraint is not None and constraint.forces_tools
+    grammar = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
+    return {"prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": "logprobs",
+            **{k: "tool_choice" if forced else v for k, v in grammar.items()}}
+
+
+def engine_error(out: TextOut, names: dict[str, str] | None = None) -> APIError:
+    """The APIError of a refused or failed request, its ``param`` the API's name for ``out.error_param``."""
+    param = out.error_param if out.error_param is None else (names or {}).get(out.error_param, out.error_param)
+    return APIError(out.error_status, out.error or "request failed", param=param if out.error_status < 500 else None)
+
+
 def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | None,
                 prompt_logprobs: int | None = None, constraint: Constraint | None = None,
                 vocab_size: int | None = None) -> SamplingParams:
@@ -116,8 +134,9 @@ def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | N
     )
     try:
         params.validate(vocab_size or None)
-    except ValueError as e:
-        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+    except ValueError as e:  # its message starts with the engine's field name
+        name = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=param_names("prompt", constraint=constraint).get(name, name)) from None
     return params
 
 
@@ -148,6 +167,7 @@ class ChoiceAccum:
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
     error: str | None = None
     error_status: int = 400
+    error_param: str | None = None
     prompt_logprobs: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
 
     def add(self, out: TextOut) -> None:
@@ -168,7 +188,7 @@ class ChoiceAccum:
             self.finish_reason = out.finish_reason
             self.matched_stop = out.matched_stop
             if out.error is not None:
-                self.error, self.error_status = out.error, out.error_status
+                self.error, self.error_status, self.error_param = out.error, out.error_status, out.error_param
 
 
 def usage_of(choices: list[ChoiceAccum], prompt_tokens: int, choices_per_prompt: int | None = None) -> UsageInfo:
@@ -187,10 +207,12 @@ def spec_of(choices: list[ChoiceAccum]) -> SpecStats:
                         sum(c.plain_steps for c in choices))
 
 
-def raise_choice_error(choices: list[ChoiceAccum]) -> None:
+def raise_choice_error(choices: list[ChoiceAccum], names: dict[str, str] | None = None) -> None:
+    """The first choice error as the APIError (``names``: as ``engine_error``'s)."""
     for c in choices:
         if c.error is not None:
-            raise APIError(c.error_status, c.error)
+            raise engine_error(TextOut("", "", [], finished=True, error=c.error, error_status=c.error_status,
+                                       error_param=c.error_param), names)
 
 
 def sse(obj: BaseModel | dict) -> str:
@@ -204,12 +226,18 @@ SSE_DONE = "data: [DONE]\n\n"
 class Generation:
     """A started group of requests: ``async for idx, out in run`` yields their outputs in arrival order (the
     first one already received); ``async with run`` closes the engine stream and the disconnect watcher on
-    the way out, however the handler leaves."""
+    the way out, however the handler leaves. ``names``: the API's names of the engine's fields (``param_names``),
+    for the ``param`` of an error (``error``)."""
 
     def __init__(self, gen: AsyncIterator[tuple[int, TextOut]], first: tuple[int, TextOut],
-                 watcher: asyncio.Task) -> None:
+                 watcher: asyncio.Task, names: dict[str, str] | None = None) -> None:
         self._gen, self._first, self._watcher = gen, first, watcher
         self._pending: tuple[int, TextOut] | None = first
+        self.names = names
+
+    def error(self, out: TextOut) -> APIError:
+        """The APIError of an output that carries an error (an SSE error event when streaming)."""
+        return engine_error(out, self.names)
 
     def __aiter__(self) -> Generation:
         return self
@@ -239,30 +267,32 @@ class Generation:
         async with self:
             async for idx, out in self:
                 acc[idx].add(out)
-        raise_choice_error(acc)
+        raise_choice_error(acc, self.names)
         return acc
 
 
-async def start_generation(request: Request, tm: TokenizerManager,
-                           group: list[tuple[GenerateReq, DetokenizeReq]]) -> Generation:
+async def start_generation(request: Request, tm: TokenizerManager, group: list[tuple[GenerateReq, DetokenizeReq]],
+                           names: dict[str, str] | None = None) -> Generation:
     """Submit ``group``, watch the client for a disconnect (which aborts every request of the group), and wait
-    for the first output so that an immediate rejection is an HTTP error rather than a stream."""
+    for the first output so that an immediate rejection is an HTTP error rather than a stream. ``names``: the
+    API's names of the engine's fields (``param_names``): an engine refusal is a 400 naming the API's field."""
     gen = tm.generate(group)
     watcher = asyncio.create_task(watch_disconnect(request, tm, [g[0].rid for g in group]))
     try:
-        first = await first_output(gen)
+        first = await first_output(gen, names)
     except BaseException:
         await cancel_task(watcher)
         raise
-    return Generation(gen, first, watcher)
+    return Generation(gen, first, watcher, names)
 
 
-async def first_output(gen: AsyncIterator[tuple[int, TextOut]]) -> tuple[int, TextOut]:
+async def first_output(gen: AsyncIterator[tuple[int, TextOut]], names: dict[str, str] | None = None
+                       ) -> tuple[int, TextOut]:
     """Wait for the first output so that an immediate rejection becomes an HTTP error, not a stream."""
     idx, out = await gen.__anext__()
     if out.finished and out.error is not None:
         await gen.aclose()
-        raise APIError(out.error_status, out.error)
+        raise engine_error(out, names)
     return idx, out
 
 

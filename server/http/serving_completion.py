@@ -25,6 +25,7 @@ from server.http.serving_common import (
     Generation,
     check_admission,
     make_params,
+    param_names,
     spec_of,
     sse,
     start_generation,
@@ -80,7 +81,7 @@ class CompletionHandler:
                 prompts.append(ids)
                 texts.append(p if isinstance(p, str) else self.tm.decode(ids))
         except InputError as e:
-            raise APIError(400, str(e), param="prompt") from None
+            raise APIError(400, str(e), param="prompt", code=e.code) from None
         if req.max_tokens == 0 and req.logprobs is None:
             return self._echo_only(req, texts, sum(len(p) for p in prompts))
         prompt_logprobs = req.logprobs if req.echo else None  # vLLM: echo scores the prompt at the same k
@@ -96,7 +97,7 @@ class CompletionHandler:
                                             stop_token_ids=tuple(req.stop_token_ids or ()),
                                             logprobs=req.logprobs is not None)))
         prompt_tokens = sum(len(p) for p in prompts)
-        run = await start_generation(request, self.tm, group)
+        run = await start_generation(request, self.tm, group, param_names("prompt", constraint=constraint))
         echo = [texts[i // req.n] if req.echo else "" for i in range(len(group))]
         if req.stream:
             return StreamingResponse(self._stream(req, run, echo, prompt_tokens), media_type="text/event-stream")
@@ -125,7 +126,7 @@ class CompletionHandler:
             async for idx, out in run:
                 acc[idx].add(out)
                 if out.error is not None:
-                    yield sse(APIError(out.error_status, out.error).body())
+                    yield sse(run.error(out).body())
                     failed = True
                     break
                 if held[idx]:

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.config import ServerConfig
 from server.http.chat_bridge import ChatRun, ChatTap, chat_request, check_refused, run_chat
+from server.http.protocol import ChatCompletionRequest
 from server.http.protocol_messages import InputMessage, MessagesRequest, anthropic_error
 from server.http.serving_common import APIError
 from server.tokenizer_manager import TokenizerManager
@@ -131,6 +132,11 @@ def to_chat(body: MessagesRequest, config: ServerConfig) -> dict[str, Any]:
             raise APIError(400, "thinking display 'omitted' is not supported: the reasoning is returned",
                            param="thinking", code="unsupported_value")
     return chat
+
+
+def chat_of(body: MessagesRequest, config: ServerConfig) -> ChatCompletionRequest:
+    """The validated internal chat request of ``body``; a refusal is the 400 of this API's field."""
+    return chat_request(to_chat(body, config), _PARAMS)
 
 
 def _usage(prompt: int, cached: int, output: int) -> dict[str, int]:
@@ -255,7 +261,7 @@ class MessagesHandler:
         self.config, self.tm, self.served = config, tm, served_model
 
     async def handle(self, request: Request, body: MessagesRequest) -> Response:
-        req = chat_request(to_chat(body, self.config), _PARAMS)
+        req = chat_of(body, self.config)
         if body.model is not None:
             req = req.model_copy(update={"model": body.model})
         run = await run_chat(self.config, self.tm, self.served, request, req)

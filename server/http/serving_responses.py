@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.config import ServerConfig
 from server.http.chat_bridge import ChatRun, chat_request, check_refused, run_chat
+from server.http.protocol import ChatCompletionRequest
 from server.http.protocol_responses import MessageItem, ResponsesRequest
 from server.http.serving_common import APIError
 from server.tokenizer_manager import TokenizerManager
@@ -119,6 +120,11 @@ def to_chat(body: ResponsesRequest) -> dict[str, Any]:
     return chat
 
 
+def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The validated internal chat request of ``body``; a refusal is the 400 of this API's field."""
+    return chat_request(to_chat(body), _PARAMS)
+
+
 def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     """Responses' usage from the chat usage (reasoning tokens are counted once, by the chat handler)."""
     details = chat_usage.get("completion_tokens_details") or {}
@@ -139,7 +145,7 @@ class ResponsesHandler:
         self.config, self.tm, self.served = config, tm, served_model
 
     async def handle(self, request: Request, body: ResponsesRequest) -> Response:
-        req = chat_request(to_chat(body), _PARAMS)
+        req = chat_of(body)
         if body.model is not None:
             req = req.model_copy(update={"model": body.model})
         run = await run_chat(self.config, self.tm, self.served, request, req, _PARAMS)
@@ -195,7 +201,8 @@ class ResponsesHandler:
             async for chunk in chunks:
                 if "error" in chunk:
                     err = chunk["error"]
-                    yield ev.emit("error", code=err.get("code"), message=err["message"], param=err.get("param"))
+                    param = _PARAMS.get(err.get("param"), err.get("param"))
+                    yield ev.emit("error", code=err.get("code"), message=err["message"], param=param)
                     return
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices", []):

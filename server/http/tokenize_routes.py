@@ -12,25 +12,39 @@ errors have OpenAI's shape.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.http.chat_bridge import chat_request
 from server.http.protocol import ChatMessage, ErrorResponse, Tool
+from server.http.protocol_rules import has, if_then, needs
+from server.http.protocol_tools import INTEGRAL
 from server.http.protocol_tools import REQUEST_CONFIG as _REQ
 from server.http.serving_chat import _messages as chat_messages
 from server.http.serving_common import APIError, check_model
 from server.http.tool_history import template_messages
 from server.tokenizer_manager import TokenizerManager
 
+_PROMPT_ONLY = {"properties": {"tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+                                "chat_template_kwargs": {"anyOf": [{"type": "null"},
+                                                                   {"type": "object", "maxProperties": 0}]},
+                                "continue_final_message": {"const": False}}}
+# _one_input, published: exactly one of prompt and messages; the chat fields only with messages;
+# continue_final_message only with add_generation_prompt false
+_TOKENIZE_RULES = [
+    {"anyOf": [needs("prompt"), needs("messages")]}, {"not": {"allOf": [needs("prompt"), needs("messages")]}},
+    if_then({"not": needs("messages")}, _PROMPT_ONLY),
+    if_then(has("continue_final_message", {"const": True}), has("add_generation_prompt", {"const": False})),
+]
+
 
 class TokenizeRequest(BaseModel):
-    """Either ``prompt`` or ``messages``."""
+    """Either ``prompt`` or ``messages`` (the rules of ``_one_input`` are in the spec too)."""
 
-    model_config = _REQ
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": _TOKENIZE_RULES})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -62,7 +76,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = _REQ
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0), INTEGRAL]]  # and below the vocabulary size (not in the spec: the tokenizer's)
 
 
 class DetokenizeResponse(BaseModel):

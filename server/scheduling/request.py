@@ -1,7 +1,8 @@
-"""Scheduler-side request state."""
+"""Scheduler-side request state, and the error that rejects a request at admission."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -10,8 +11,33 @@ import torch
 from model_executor.grammar.state import GrammarState
 from model_executor.penalties import TokenCounts
 from model_executor.radix_cache import RadixNode
-from model_executor.sampling_params import SamplingParams
+from model_executor.sampling_params import GRAMMAR_KINDS, SamplingParams
 from server.io_struct import ImageInput, TokenOut
+
+
+class AdmissionError(ValueError):
+    """A request the scheduler refuses (HTTP 400). ``param``: the request field it is about, in the engine's
+    names (``prompt`` or a ``SamplingParams`` field); the HTTP API names its own field from it."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def rejection_param(error: ValueError, params: SamplingParams | None = None) -> str | None:
+    """The field a refusal is about: an AdmissionError's ``param``; for ``SamplingParams.validate``'s errors,
+    which start with the field's name, that name; for a grammar that does not compile, its kind (``json_schema``,
+    ``regex`` or ``ebnf``, from ``params``)."""
+    if isinstance(error, AdmissionError):
+        return error.param
+    first = str(error).split(" ", 1)[0]
+    if first in _PARAM_FIELDS:
+        return first
+    kinds = [k for k in GRAMMAR_KINDS if params is not None and getattr(params, k) is not None]
+    return kinds[0] if kinds else None
 
 
 @dataclass

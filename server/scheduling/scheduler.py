@@ -36,7 +36,7 @@ from server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from server.memory_sizing import ModelFacts, size_startup_memory
 from server.scheduling.image_prefill import check_images, prefill_embeds
 from server.scheduling.kv_manager import ReqKVManager
-from server.scheduling.request import Req
+from server.scheduling.request import AdmissionError, Req
 from server.startup import is_resolved
 from speculative.spec_worker import SpecWorker
 from speculative.types import OutOfKVSlots
@@ -112,21 +112,22 @@ class Scheduler:
         vocab = self.model_config.vocab_size
         p.validate(vocab)
         if not req.input_ids:
-            raise ValueError("prompt must not be empty")
+            raise AdmissionError("prompt must not be empty", "prompt")
         n = len(req.input_ids)
         if p.max_tokens is None:  # until the request limit: ends with "length" there
             if n + 1 > self.max_request_tokens:
-                raise ValueError(f"the prompt ({n} tokens) leaves no room to generate: a request holds at most "
-                                 f"{self.max_request_tokens} tokens (context length {self.max_context_len}, KV "
-                                 f"cache {self.runner.num_slots} tokens)")
+                raise AdmissionError(f"the prompt ({n} tokens) leaves no room to generate: a request holds at most "
+                                     f"{self.max_request_tokens} tokens (context length {self.max_context_len}, "
+                                     f"KV cache {self.runner.num_slots} tokens)", "prompt")
             p = dataclasses.replace(p, max_tokens=self.max_request_tokens - n)
         if n + p.max_tokens > self.max_context_len:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({p.max_tokens}) exceeds the context length {self.max_context_len}")
+            raise AdmissionError(f"prompt ({n} tokens) plus max_tokens ({p.max_tokens}) exceeds the context length "
+                                 f"{self.max_context_len}", "prompt")  # OpenAI names the prompt (messages)
         if n + p.max_tokens + self._spec_margin() > self.runner.num_slots:
-            raise ValueError(f"prompt plus max_tokens exceeds the KV cache capacity ({self.runner.num_slots} tokens)")
+            raise AdmissionError(f"prompt plus max_tokens exceeds the KV cache capacity ({self.runner.num_slots} "
+                                 "tokens)", "prompt")
         if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise AdmissionError(f"prompt token ids must be in [0, {vocab})", "prompt")
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator().manual_seed(seed)
         counts = TokenCounts(req.input_ids, vocab, self.runner.device) if p.needs_token_counts else None
@@ -177,7 +178,8 @@ class Scheduler:
             if err is None:
                 self.waiting.append(req)
             else:
-                self.outbox.append(TokenOut(req.rid, [], finished=True, error=err, prompt_tokens=len(req.prompt_ids)))
+                self.outbox.append(TokenOut(req.rid, [], finished=True, error=err, prompt_tokens=len(req.prompt_ids),
+                                            error_param=req.params.grammar[0]))  # the grammar's kind
         batch = self.step_batch = self.schedule()
         if batch is not None:
             results = self.run(batch)

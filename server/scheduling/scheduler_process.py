@@ -31,6 +31,7 @@ from server.io_struct import (
     TokenOut,
 )
 from server.process_utils import ChildGuard
+from server.scheduling.request import rejection_param
 from server.scheduling.scheduler_factory import SchedulerLike
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,10 @@ class SchedulerLoop:
         try:
             msg.req.params.validate()
             self.scheduler.add_request(msg.req)
-        except ValueError as e:
+        except ValueError as e:  # a refusal: a 400 naming the field (server/scheduling/request.py)
             self.send.send_pyobj(BatchTokenOut([TokenOut(rid, [], finished=True, error=str(e),
-                                                         prompt_tokens=len(msg.req.input_ids))]))
+                                                         prompt_tokens=len(msg.req.input_ids),
+                                                         error_param=rejection_param(e, msg.req.params))]))
             return
         except Exception as e:  # noqa: BLE001
             logger.exception("add_request(%s) failed", rid)

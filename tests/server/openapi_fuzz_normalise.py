@@ -1,0 +1,146 @@
+"""The documented normalisation of schema-valid request bodies for the schemathesis fuzz
+(tests/server/test_openapi_fuzz.py; docs/API.md, "What the spec cannot say").
+
+The published spec (/openapi.json) carries every rule validation enforces except those that depend on the
+server's settings or tokenizer, or that tie one field's value to another's; a body valid by the spec, after
+this normalisation, must be accepted. Each step names the rule it stands for:
+
+- ``model``: must name the served model (a setting): removed.
+- token ids (``logit_bias`` keys, a completions ``prompt`` of ids, /detokenize ``tokens``): must be in the
+  model's vocabulary (the tokenizer): taken modulo its size.
+- a named forced tool (chat ``tool_choice.function.name``, Messages ``tool_choice.name``, Responses
+  ``tool_choice.name``): must be one of the request's ``tools`` (a reference between fields): the first tool's.
+- a chat ``tool`` message (and a Messages ``tool_result`` block, a Responses ``function_call_output`` item)
+  answers a preceding assistant turn with tool calls (an order between list items, which JSON Schema cannot
+  state): an unanswered one becomes a user message / text.
+- a Messages conversation ends with a user turn (a final assistant message, a prefill, is refused: the last
+  item of a list, which JSON Schema cannot single out): a user message is appended after a final assistant one.
+- grammars (``regex``, ``ebnf``, a ``response_format`` / ``output_config.format`` / ``text.format`` JSON
+  schema): must compile (a regular expression's or a grammar's syntax): replaced by ones that do.
+
+Run time only (the server accepts the spec's full ranges): generated output is capped at ``MAX_NEW`` tokens
+(set where absent, which would mean "until the context length") and ``n`` at ``MAX_N``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB = 49152  # the default model's (SmolLM2) vocabulary
+MAX_NEW = 4
+MAX_N = 2
+_OUTPUT_LIMIT = {"POST /v1/chat/completions": "max_tokens", "POST /v1/completions": "max_tokens",
+                 "POST /v1/messages": "max_tokens", "POST /v1/responses": "max_output_tokens"}
+GOOD_REGEX = "[a-z]+"
+GOOD_EBNF = 'root ::= "yes" | "no"'
+GOOD_SCHEMA = {"type": "object"}
+
+
+def normalise(label: str, body: Any) -> Any:
+    """``body`` (a generated, schema-valid body of operation ``label``, e.g. "POST /v1/completions"),
+    normalised in place as the module docstring says; returned."""
+    if not isinstance(body, dict):
+        return body
+    body.pop("model", None)
+    if isinstance(body.get("logit_bias"), dict):
+        body["logit_bias"] = {str(int(k) % VOCAB): v for k, v in body["logit_bias"].items()}
+    if label == "POST /detokenize" and isinstance(body.get("tokens"), list):
+        body["tokens"] = [t % VOCAB for t in body["tokens"]]
+    if label == "POST /v1/completions":
+        body["prompt"] = _ids_in_vocab(body.get("prompt"))
+    limit = _OUTPUT_LIMIT.get(label)
+    if limit is not None:
+        if label == "POST /v1/chat/completions" and isinstance(body.get("max_completion_tokens"), int):
+            body["max_completion_tokens"] = min(body["max_completion_tokens"], MAX_NEW)
+        elif not isinstance(body.get(limit), int) or body[limit] > MAX_NEW:
+            body[limit] = MAX_NEW if body.get(limit) != 0 else 0
+    if isinstance(body.get("n"), int):
+        body["n"] = min(body["n"], MAX_N)
+    _grammars(label, body)
+    if label in ("POST /v1/chat/completions", "POST /tokenize"):
+        _answered_tool_messages(body.get("messages"))
+    if label == "POST /v1/chat/completions":
+        _named_tool(body.get("tool_choice"), body.get("tools"), lambda c, t: c["function"].update(
+            name=t["function"]["name"]) if isinstance(c.get("function"), dict) else None)
+    elif label == "POST /v1/messages":
+        _named_tool(body.get("tool_choice"), body.get("tools"),
+                    lambda c, t: c.update(name=t["name"]) if c.get("type") == "tool" else None)
+        _answered_tool_results(body.get("messages"))
+        messages = body.get("messages")
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+                and messages[-1].get("role") == "assistant":
+            messages.append({"role": "user", "content": "Go on."})
+    elif label == "POST /v1/responses":
+        _named_tool(body.get("tool_choice"), body.get("tools"), lambda c, t: c.update(name=t["name"]))
+        _answered_call_outputs(body.get("input"))
+    return body
+
+
+def _ids_in_vocab(prompt: Any) -> Any:
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+        return [x % VOCAB for x in prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
+        return [[t % VOCAB for t in p] for p in prompt]
+    return prompt
+
+
+def _named_tool(choice: Any, tools: Any, rename: Any) -> None:
+    if isinstance(choice, dict) and isinstance(tools, list) and tools:
+        rename(choice, tools[0])
+
+
+def _grammars(label: str, body: dict) -> None:
+    if isinstance(body.get("regex"), str):
+        body["regex"] = GOOD_REGEX
+    if isinstance(body.get("ebnf"), str):
+        body["ebnf"] = GOOD_EBNF
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and isinstance(rf.get("json_schema"), dict) and "schema" in rf["json_schema"]:
+        rf["json_schema"]["schema"] = GOOD_SCHEMA
+    fmt = (body.get("output_config") or {}).get("format") if label == "POST /v1/messages" else None
+    if isinstance(fmt, dict) and "schema" in fmt:
+        fmt["schema"] = GOOD_SCHEMA
+    text = body.get("text") if label == "POST /v1/responses" else None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict) and isinstance(fmt.get("schema"), dict):
+        fmt["schema"] = GOOD_SCHEMA
+
+
+def _answered_tool_messages(messages: Any) -> None:
+    """Chat: a 'tool' message that does not answer an assistant turn with tool calls becomes a user message."""
+    answering = False
+    for m in messages if isinstance(messages, list) else []:
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "tool" and not answering:
+            m["role"] = "user"
+            m.pop("tool_call_id", None)
+        elif m.get("role") != "tool":
+            answering = m.get("role") == "assistant" and bool(m.get("tool_calls"))
+
+
+def _answered_tool_results(messages: Any) -> None:
+    """Messages: a user message's tool_result blocks answer the assistant message just before it, when that one
+    has tool_use blocks; others become text blocks."""
+    previous_uses = False
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        blocks = content if isinstance(content, list) else []
+        if m.get("role") == "user" and not previous_uses:
+            for i, b in enumerate(blocks):
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    blocks[i] = {"type": "text", "text": "result"}
+        previous_uses = m.get("role") == "assistant" and any(
+            isinstance(b, dict) and b.get("type") == "tool_use" for b in blocks)
+
+
+def _answered_call_outputs(items: Any) -> None:
+    """Responses: a function_call_output item that does not follow function calls (or other outputs answering
+    them) becomes a user message."""
+    answering = False
+    for i, it in enumerate(items if isinstance(items, list) else []):
+        kind = it.get("type") if isinstance(it, dict) else None
+        if kind == "function_call_output" and not answering:
+            items[i] = {"type": "message", "role": "user", "content": "result"}
+        elif kind not in ("function_call_output", "reasoning"):  # reasoning items add no message
+            answering = kind == "function_call"
