@@ -230,9 +230,9 @@ CHAT_REFUSED = {  # chat fields refused whenever set (field -> why)
 class ChatCompletionRequest(_SamplingFields):
     """Cross-field rules, published in the spec: ``top_logprobs`` only with ``logprobs: true``; at most one
     output constraint (``response_format`` json, ``regex``, ``ebnf``, a forced ``tool_choice``); a forced
-    ``tool_choice`` needs ``tools``; ``parallel_tool_calls: false`` with tools only with a forced
-    ``tool_choice`` (server/http/serving_structured.py). Not in the spec: a named ``tool_choice`` must be one
-    of ``tools``, and a ``tool`` message must answer an assistant turn with ``tool_calls`` (docs/API.md)."""
+    ``tool_choice`` needs ``tools`` (server/http/serving_structured.py). Not in the spec: a named
+    ``tool_choice`` must be one of ``tools``, a ``tool`` message must answer an assistant turn with
+    ``tool_calls``, and ``reasoning_effort`` needs a model with a thinking switch (docs/API.md)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},

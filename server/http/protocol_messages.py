@@ -156,12 +156,13 @@ class AnthropicToolChoice(BaseModel):
 
 
 class ThinkingConfig(BaseModel):
-    """Parsed in all of Anthropic's forms; served (and so published) are ``disabled`` and ``adaptive`` (with a
-    reasoning parser: server/http/serving_messages.py), with the reasoning displayed."""
+    """Parsed in all of Anthropic's forms; served (and so published) are ``disabled``, ``adaptive`` and
+    ``enabled`` (with a reasoning parser: server/http/serving_messages.py; ``budget_tokens`` at least
+    ``max_tokens``, a comparison the spec cannot state), with the reasoning displayed."""
 
     model_config = _REQ
     type: Literal["enabled", "disabled", "adaptive", "between_tools"] = Field(
-        json_schema_extra={"enum": ["disabled", "adaptive"]})
+        json_schema_extra={"enum": ["disabled", "adaptive", "enabled"]})
     budget_tokens: Int | None = None
     display: Literal["summarized", "omitted"] | None = Field(None, json_schema_extra={"enum": ["summarized", None]})
 
@@ -187,8 +188,6 @@ class Metadata(BaseModel):
 
 _FORCED = has("tool_choice", {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}})
 _SOME_TOOLS = has("tools", {"type": "array", "minItems": 1})
-_ONE_CALL = has("tool_choice", {"type": "object", "required": ["disable_parallel_tool_use"],
-                                "properties": {"disable_parallel_tool_use": {"const": True}}})
 _JSON_OUTPUT = has("output_config", {"type": "object", "required": ["format"],
                                      "properties": {"format": {"type": "object"}}})
 
@@ -196,13 +195,12 @@ _JSON_OUTPUT = has("output_config", {"type": "object", "required": ["format"],
 class MessagesRequest(BaseModel):
     """POST /v1/messages. ``model`` may be omitted (the served model); a different name is a 404. Published
     with the rules of the chat request it becomes: a forced ``tool_choice`` (any, tool) needs ``tools`` and
-    excludes ``output_config.format``; ``disable_parallel_tool_use`` with tools only when forced. Not in the
+    excludes ``output_config.format``. Not in the
     spec: a final assistant message (prefill) is refused, a ``tool_result`` answers the assistant turn just
     before it, a named tool is one of ``tools`` (docs/API.md)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
-        if_then(_FORCED, _SOME_TOOLS), {"not": {"allOf": [_FORCED, _JSON_OUTPUT]}},
-        if_then({"allOf": [_ONE_CALL, _SOME_TOOLS]}, _FORCED)]})
+        if_then(_FORCED, _SOME_TOOLS), {"not": {"allOf": [_FORCED, _JSON_OUTPUT]}}]})
     model: str | None = None
     messages: list[InputMessage] = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL]

@@ -151,7 +151,7 @@ class ReasoningConfig(BaseModel):
 class ResponsesRequest(BaseModel):
     """POST /v1/responses. ``store`` may be omitted or false; nothing is stored. The refused fields are
     published as null only; the chat rules of tools hold (a forced ``tool_choice`` needs ``tools`` and excludes
-    a JSON ``text.format``; ``parallel_tool_calls: false`` with tools only when forced)."""
+    a JSON ``text.format``)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         *CHAT_TOOL_RULES, {"not": {"allOf": [_JSON_TEXT, FORCED_TOOL]}}, _SOME_MESSAGE]})

@@ -50,8 +50,7 @@ REGEX = has("regex", {"type": "string"})
 EBNF = has("ebnf", {"type": "string"})
 FORCED_TOOL = has("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]})
 SOME_TOOLS = has("tools", {"type": "array", "minItems": 1})
-NO_PARALLEL = has("parallel_tool_calls", {"const": False})
 
-# chat: one constraint; a forced tool_choice needs tools; parallel_tool_calls false with tools only when forced
-CHAT_TOOL_RULES = [*at_most_one(JSON_FORMAT, REGEX, EBNF, FORCED_TOOL), if_then(FORCED_TOOL, SOME_TOOLS),
-                   if_then({"allOf": [NO_PARALLEL, SOME_TOOLS]}, FORCED_TOOL)]
+# chat: one constraint; a forced tool_choice needs tools (parallel_tool_calls false goes with any tool_choice:
+# with auto the first call is kept)
+CHAT_TOOL_RULES = [*at_most_one(JSON_FORMAT, REGEX, EBNF, FORCED_TOOL), if_then(FORCED_TOOL, SOME_TOOLS)]

@@ -15,6 +15,10 @@ this normalisation, must be accepted. Each step names the rule it stands for:
   state): an unanswered one becomes a user message / text.
 - a Messages conversation ends with a user turn (a final assistant message, a prefill, is refused: the last
   item of a list, which JSON Schema cannot single out): a user message is appended after a final assistant one.
+- ``reasoning_effort`` (Responses ``reasoning.effort``): needs a chat template with a thinking switch (the
+  model; the default model's has none): removed.
+- a Messages ``thinking.budget_tokens``: at least ``max_tokens`` (a comparison between fields): removed when
+  below.
 - grammars (``regex``, ``ebnf``, a ``response_format`` / ``output_config.format`` / ``text.format`` JSON
   schema): must compile (a regular expression's or a grammar's syntax): replaced by ones that do.
 
@@ -57,6 +61,13 @@ def normalise(label: str, body: Any) -> Any:
     if isinstance(body.get("n"), int):
         body["n"] = min(body["n"], MAX_N)
     _grammars(label, body)
+    body.pop("reasoning_effort", None)
+    if isinstance(body.get("reasoning"), dict):
+        body["reasoning"].pop("effort", None)
+    thinking = body.get("thinking") if label == "POST /v1/messages" else None
+    if isinstance(thinking, dict) and isinstance(thinking.get("budget_tokens"), int) \
+            and isinstance(body.get("max_tokens"), int) and thinking["budget_tokens"] < body["max_tokens"]:
+        thinking.pop("budget_tokens")
     if label in ("POST /v1/chat/completions", "POST /tokenize"):
         _answered_tool_messages(body.get("messages"))
     if label == "POST /v1/chat/completions":
