@@ -28,7 +28,6 @@ from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner
 from model_executor.parallel_state import TPGroup
 from model_executor.penalties import TokenCounts
-from model_executor.prompt_logprobs import chunk_rows, score_rows
 from model_executor.sampler import sample_requests
 from model_executor.sampling_params import find_stop
 from server.config import ServerConfig
@@ -36,6 +35,7 @@ from server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from server.memory_sizing import ModelFacts, size_startup_memory
 from server.scheduling.image_prefill import check_images, prefill_embeds
 from server.scheduling.kv_manager import ReqKVManager
+from server.scheduling.prompt_scoring import score_prompt_chunk
 from server.scheduling.request import AdmissionError, Req
 from server.startup import is_resolved
 from speculative.spec_worker import SpecWorker
@@ -276,7 +276,7 @@ class Scheduler:
         out = r.forward(fb)
         if self.spec is not None:
             self.spec.on_extend(fb, out.captured)
-        self._score_prompts(batch, out.hidden)
+        score_prompt_chunk(self.runner.logits, batch.reqs, batch.chunk_lens, out.hidden)
         for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
             req.num_cached += n
             self.kv.cache_prefix(req)  # the chunk's tokens become a shareable prefix
@@ -294,28 +294,6 @@ class Scheduler:
             elif req.num_cached == _prefill_len(req):
                 self.running.append(req)  # a retracted request resumes without a new token
         return results
-
-    def _score_prompts(self, batch: Batch, hidden: torch.Tensor) -> None:
-        """Prompt logprobs of this chunk's rows, only for requests with ``prompt_logprobs`` (one batched
-        projection over all of them). ``hidden`` [T, H] is the extend forward's output, rows in batch order."""
-        rows, targets, owners = [], [], []
-        off = 0
-        for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
-            if req.params.prompt_logprobs is not None:
-                start = req.num_cached
-                for q in chunk_rows(start, n, len(req.prompt_ids), len(req.prompt_lps)):
-                    rows.append(off + q - start)
-                    targets.append(req.prompt_ids[q + 1])
-                    owners.append(req)
-            off += n
-        if not rows:
-            return
-        dev = hidden.device
-        top_n = max(q.params.prompt_logprobs for q in owners)
-        scored = score_rows(self.runner.logits, hidden, torch.tensor(rows, device=dev),
-                            torch.tensor(targets, device=dev), top_n)
-        for req, (lp, top) in zip(owners, scored, strict=True):
-            req.prompt_lps.append((lp, top[:req.params.prompt_logprobs]))
 
     # ---------------------------------------------------------------- decode
     def _run_decode(self, batch: Batch) -> list[list[int]]:
