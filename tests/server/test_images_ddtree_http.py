@@ -1,0 +1,63 @@
+"""ddtree == plain greedy with images, over HTTP: two real servers on the same tiny random Kimi K2.6 checkpoint
+with a MoonViT tower (plain decoding, then DDTree with suffix drafts at a fixed budget) answer the same image
+conversations token for token, and the DDTree server accepted drafts on them (``spec_stats``). The random
+model's greedy text repeats itself within a few tokens, which is what the suffix source drafts from. Slow: two
+server start-ups (the scheduler-level check with scripted drafts, tests/server/test_image_prefill.py, runs in
+the default suite)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import running_server
+from tests.server.image_files import data_url, random_image
+from tests.server.kimi_tokenizer_files import write_tiny_kimi
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096", "--chunked-prefill-size", "24",
+          "--max-images-per-request", "2", "--served-model-name", "default", "--log-level", "warning"]
+DDTREE = ["--speculative-algorithm", "ddtree", "--speculative-draft-sources", "suffix",
+          "--speculative-ddtree-budget", "8"]
+
+
+def _conversations() -> list[list[dict]]:
+    def image(seed: int, size=(84, 56)) -> dict:
+        return {"type": "image_url", "image_url": {"url": data_url(random_image(seed, size), "PNG")}}
+
+    text = {"type": "text", "text": "Describe this picture."}
+    return [[{"role": "user", "content": [image(1), text]}],
+            [{"role": "user", "content": [text, image(2, (140, 112))]}],  # 20 image tokens over 24-token chunks
+            [{"role": "user", "content": [image(3), image(4), text]}]]
+
+
+def _answers(base: str) -> list[dict]:
+    out = []
+    for messages in _conversations():
+        r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
+            "model": "default", "messages": messages, "max_tokens": 32, "temperature": 0, "logprobs": True,
+            "chat_template_kwargs": {"thinking": False}})
+        assert r.status_code == 200, r.text
+        out.append(r.json())
+    return out
+
+
+def _tokens(answer: dict) -> list[str]:
+    return [t["token"] for t in answer["choices"][0]["logprobs"]["content"]]
+
+
+def test_ddtree_equals_plain_greedy_with_images_over_http(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kimi") / "tiny-kimi-vision"
+    write_tiny_kimi(path, 512, vision=True)
+    logs = tmp_path_factory.mktemp("images-ddtree")
+    with running_server(["--model-path", str(path), *COMMON], logs, name="plain") as srv:
+        plain = _answers(srv.base)
+    with running_server(["--model-path", str(path), *COMMON, *DDTREE], logs, name="ddtree") as srv:
+        tree = _answers(srv.base)
+    for p, t in zip(plain, tree, strict=True):
+        assert _tokens(t) == _tokens(p)
+        assert t["usage"]["prompt_tokens"] == p["usage"]["prompt_tokens"]
+    stats = [t["spec_stats"] for t in tree]
+    assert all(s["verify_steps"] > 0 for s in stats), stats
+    assert sum(s["accepted_tokens"] for s in stats) > 0, stats
