@@ -59,7 +59,9 @@ def drafter_group(hf: dict, tp: TPGroup) -> TPGroup:
     weights are equal on every rank, and the target's vocab-parallel lm_head projects its states. Decode
     context parallelism is the target's alone: the drafter keeps its own unsharded cache (no DCP group)."""
     n_kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
-    return dataclasses.replace(tp, dcp_size=1, dcp_group=None) if n_kv >= tp.size else TPGroup()
+    if n_kv < tp.size:
+        return TPGroup()
+    return tp if tp.dcp_size == 1 else dataclasses.replace(tp, dcp_size=1, dcp_group=None)
 
 
 class DFlashAttention(nn.Module):

@@ -59,7 +59,33 @@ def _conversation(model: str, refs: dict, **kw) -> list[list[tuple[list[int], in
     return log
 
 
+def test_tp2_dcp2_plain_equals_tp1_and_hits_the_prefix_cache(kimi) -> None:
+    """The default-suite check (one TP=2 engine): two prompts, then one of them continued, which hits the prefix
+    cache; tokens and cached-token counts equal TP=1's, and the ranks agree on a sampled request (shutdown)."""
+    path, _ = kimi
+    greedy = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2
+    prompts = [[3, 17, 42, 99, 7, 8, 9], [5, 6, 7]]
+
+    def run(**kw) -> list[tuple[list[int], int]]:
+        eng = Engine(path, device="cpu", dtype="float32", max_total_tokens=64, max_running_requests=2, **kw)
+        try:
+            first = eng.generate(input_ids=prompts, sampling_params=greedy)
+            again = [prompts[0] + first[0].token_ids + [11], prompts[1]]
+            second = eng.generate(input_ids=again, sampling_params=greedy)
+            if kw:
+                eng.generate(input_ids=prompts[:1], sampling_params=SAMPLED[:1])
+            return [(o.token_ids, o.cached_tokens) for o in (*first, *second)]
+        finally:
+            eng.shutdown()
+
+    ref = run()
+    assert ref[2][1] >= len(prompts[0]) + 5, "the continued prompt must hit the prefix cache"
+    assert run(tp_size=2, decode_context_parallel_size=2) == ref
+
+
+@pytest.mark.slow
 def test_tp2_dcp2_equals_tp1_plain_and_ddtree_with_prefix_cache(kimi) -> None:
+    """About 4 minutes on 2 busy CPU cores: three engines, nine turns each."""
     path, drafter = kimi
     refs: dict = {}
     ref = _conversation(path, refs)
