@@ -37,7 +37,8 @@ def _zeros(n: int) -> torch.Tensor:
 
 
 def _forwards(slots: KVSlots) -> list[ForwardBatch]:
-    """Extend (a prefix of 5 then a chunk of 6 after it), decode and tree verify over 2 requests."""
+    """Over 2 requests: extend of 5 and 9 tokens, a chunk of 6 and 2 after them, one decode token each, then
+    verify trees of 7 and 4 nodes (placed by their positions)."""
     rows = torch.tensor([slots.alloc_row(), slots.alloc_row()])
     lens = torch.tensor([5, 9])
     out = []
