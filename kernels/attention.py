@@ -90,6 +90,53 @@ def masked_paged_attention(
     return out.transpose(1, 2).reshape(bs * q_max, hq, -1)[q_index]
 
 
+def masked_paged_attention_lse(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    attn_mask: torch.Tensor,
+    q_index: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_paged_attention`` that also returns each row's log-sum-exp of its scaled scores, for a partial
+    over a subset of the keys (decode context parallelism: the keys of one rank's KV shard). q [T, Hq, d]
+    -> (out [T, Hq, dv] in q's dtype, lse [T, Hq] float32). A row that sees no key here gets out 0 and lse
+    -inf (it adds nothing to ``merge_attention_partials``). Scores and softmax in float32."""
+    bs, q_max, k_width = attn_mask.shape
+    if k_width != kv_indices.shape[1]:
+        raise ValueError(f"attention needs the dense [bs, Q, K] mask, got {tuple(attn_mask.shape)} for "
+                         f"{kv_indices.shape[1]} keys")
+    t, hq, d = q.shape
+    qp = q.new_zeros(bs * q_max, hq, d)  # [bs*Q, Hq, d]
+    qp[q_index] = q
+    qp = qp.view(bs, q_max, hq, d).transpose(1, 2).float()  # [bs, Hq, Q, d]
+    kp = k_cache[kv_indices].float().transpose(1, 2)  # [bs, Hkv, K, d]
+    vp = v_cache[kv_indices].float().transpose(1, 2)  # [bs, Hkv, K, dv]
+    if kp.shape[1] != hq:  # grouped heads: each KV head serves hq / Hkv query heads
+        kp = kp.repeat_interleave(hq // kp.shape[1], dim=1)
+        vp = vp.repeat_interleave(hq // vp.shape[1], dim=1)
+    s = torch.matmul(qp, kp.transpose(-1, -2)) * scale  # [bs, Hq, Q, K]
+    s = s.masked_fill(~attn_mask[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [bs, Hq, Q]
+    seen = torch.isfinite(lse)  # [bs, Hq, Q]
+    p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])  # [bs, Hq, Q, K] (0 where masked)
+    out = torch.matmul(p, vp)  # [bs, Hq, Q, dv]
+    out = out.transpose(1, 2).reshape(bs * q_max, hq, -1)[q_index]  # [T, Hq, dv]
+    lse = lse.transpose(1, 2).reshape(bs * q_max, hq)[q_index]  # [T, Hq]
+    return out.to(q.dtype), lse
+
+
+def merge_attention_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Exact softmax attention over the union of disjoint key sets from per-set partials: ``outs`` [P, T, H, dv]
+    (each normalised over its own keys), ``lses`` [P, T, H] (their log-sum-exps, -inf for an empty set)
+    -> [T, H, dv] float32, ``sum_p exp(lse_p - lse) out_p`` with ``lse = logsumexp_p lse_p``. A row empty
+    in every part is 0."""
+    total = torch.logsumexp(lses.float(), dim=0)  # [T, H]
+    w = torch.exp(lses.float() - torch.where(torch.isfinite(total), total, 0.0)[None])  # [P, T, H]
+    return (outs.float() * w[..., None]).sum(0)
+
+
 class TorchAttentionBackend:
     """SDPA over a padded gather of each request's keys; the contract every backend must match."""
 

@@ -5,6 +5,9 @@
   ``k_scale [num_slots + 1, 2]`` float32 (kernels/kv_quant.py: the format and its error bound).
 - ``TokenSlotAllocator``: the free list. Allocation failure returns None (the scheduler queues or
   retracts); freeing is exact and double frees are detected.
+- ``ShardedSlotAllocator``: the free lists of a KV pool sharded over a decode-context-parallel group
+  (``--decode-context-parallel-size N``): global slot ``g`` is local slot ``g // N`` of DCP rank ``g % N``
+  (ids ``0..N-1`` are the ranks' padding slots), so a table of global ids says where each token lives.
 - ``ReqToTokenPool``: request -> token-slot table ``[max_reqs, max_context]``.
 """
 
@@ -69,18 +72,101 @@ class TokenSlotAllocator:
         self._used[out] = True
         return out
 
+    def check_free(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` as int64 on this device; RuntimeError when one is not allocated or is listed twice."""
+        slots = slots.to(device=self.device, dtype=torch.int64)
+        if bool((slots <= 0).any()) or bool((slots > self.num_slots).any()) or not bool(self._used[slots].all()) \
+                or slots.unique().numel() != slots.numel():
+            raise RuntimeError("KV slot freed twice or never allocated")
+        return slots
+
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        slots = slots.to(device=self.device, dtype=torch.int64)
-        if bool((slots <= 0).any()) or not bool(self._used[slots].all()) or slots.unique().numel() != slots.numel():
-            raise RuntimeError("KV slot freed twice or never allocated")
+        slots = self.check_free(slots)
         self._used[slots] = False
         self._free = torch.cat([self._free, slots])
 
     def allocated(self) -> torch.Tensor:
         """Every allocated slot ``[num_slots - num_free]`` (O(num_slots): the recovery from a failed step)."""
         return torch.nonzero(self._used).squeeze(1)
+
+
+class ShardedSlotAllocator:
+    """Free lists of ``shards`` DCP ranks, ``local_slots`` each, over global slot ids (module docstring).
+
+    ``alloc(n, ranks)``: token ``i`` goes to DCP rank ``ranks[i]`` (its position ``% shards``: a sequence is
+    interleaved over the group) while that rank has free slots; the tokens a full rank cannot take go to the
+    ranks with the most free slots, so an allocation succeeds exactly when ``n <= num_free`` (attention reads
+    each key where its slot says, so a moved token stays correct). ``shards == 1`` is ``TokenSlotAllocator``."""
+
+    def __init__(self, local_slots: int, shards: int, device: torch.device | str = "cpu"):
+        self.shards = shards
+        self.local_slots = local_slots
+        self.device = device
+        self._parts = [TokenSlotAllocator(local_slots, device) for _ in range(shards)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.local_slots * self.shards
+
+    @property
+    def id_space(self) -> int:
+        """Distinct global ids, padding ones included (rows of a cache indexed by global id)."""
+        return (self.local_slots + 1) * self.shards
+
+    @property
+    def num_free(self) -> int:
+        return sum(p.num_free for p in self._parts)
+
+    def free_per_rank(self) -> list[int]:
+        return [p.num_free for p in self._parts]
+
+    def alloc(self, n: int, ranks: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``n`` global slots ``[n]``; ``ranks`` ``[n]`` the preferred DCP rank of each (default round robin);
+        None when fewer than ``n`` are free."""
+        if n > self.num_free:
+            return None
+        if self.shards == 1:
+            return self._parts[0].alloc(n)
+        want = (torch.arange(n, device=self.device) if ranks is None else ranks.to(self.device)) % self.shards
+        want = want.clone()  # [n]
+        spare = [p.num_free - int((want == r).sum()) for r, p in enumerate(self._parts)]
+        moved = [torch.nonzero(want == r).squeeze(1)[spare[r]:] for r in range(self.shards) if spare[r] < 0]
+        if moved:  # overflow of full ranks to the ranks with the most spare slots (deterministic order)
+            extra = torch.cat(moved)  # [m]
+            at = 0
+            for r in sorted(range(self.shards), key=lambda r: (-spare[r], r)):
+                take = min(max(spare[r], 0), extra.numel() - at)
+                want[extra[at:at + take]] = r
+                at += take
+        out = torch.empty(n, dtype=torch.int64, device=self.device)  # [n]
+        for r, part in enumerate(self._parts):
+            sel = torch.nonzero(want == r).squeeze(1)
+            if sel.numel():
+                out[sel] = part.alloc(sel.numel()) * self.shards + r
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free global slots; nothing changes when one of them is not allocated (RuntimeError)."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(device=self.device, dtype=torch.int64)
+        if self.shards == 1:
+            self._parts[0].free(slots)
+            return
+        rank = slots % self.shards  # [n]
+        local = [slots[rank == r] // self.shards for r in range(self.shards)]
+        for part, loc in zip(self._parts, local, strict=True):
+            if loc.numel():
+                part.check_free(loc)
+        for part, loc in zip(self._parts, local, strict=True):
+            part.free(loc)
+
+    def allocated(self) -> torch.Tensor:
+        """Every allocated global slot ``[n]``, ascending."""
+        parts = [p.allocated() * self.shards + r for r, p in enumerate(self._parts)]
+        return torch.cat(parts).sort().values
 
 
 class ReqToTokenPool:

@@ -5,19 +5,31 @@ through these methods, so slot accounting has one place to audit (docs/DESIGN.md
 Who holds a slot: the free list, a request row (``table[row, :n]`` of a running request), a step's
 temporary draft block or tree, or the radix prefix cache (``model_executor/radix_cache.py``) that takes
 finished tokens over. ``free`` returns slots to the free list exactly once (double frees raise).
+
+Decode context parallelism (``shards`` = the DCP size N > 1): slot ids are global (``ShardedSlotAllocator``:
+local slot ``g // N`` of DCP rank ``g % N``), ``num_slots`` is the pool of the whole group (N x each rank's
+cache) and a new token is placed on the DCP rank of its position (``position % N``, falling back to the
+emptiest rank when that one is full). Every TP rank runs the same slot operations (rank 0 decides what
+runs); each DCP rank then writes and reads only the KV of its own slots (model_executor/layers/dcp_attention.py).
+A speculative step's tree node is placed by its position (``place(..., positions=)``), so the commit that
+moves the accepted path to consecutive positions (``keep_path``) keeps every node on its rank.
 """
 
 from __future__ import annotations
 
 import torch
 
-from model_executor.kv_cache import ReqToTokenPool, TokenSlotAllocator
+from model_executor.kv_cache import ReqToTokenPool, ShardedSlotAllocator
 
 
 class KVSlots:
-    def __init__(self, num_slots: int, max_reqs: int, max_context: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_slots: int, max_reqs: int, max_context: int, device: torch.device | str = "cpu",
+                 shards: int = 1):
+        """``num_slots``: the pool in tokens (with ``shards`` > 1, rounded down to a multiple of it: each DCP
+        rank's cache holds ``num_slots // shards``)."""
         self.device = torch.device(device)
-        self._alloc = TokenSlotAllocator(num_slots, self.device)
+        self.shards = shards
+        self._alloc = ShardedSlotAllocator(num_slots // shards, shards, self.device)
         self._pool = ReqToTokenPool(max_reqs, max_context, self.device)
 
     # ---------------------------------------------------------------- reads
@@ -31,8 +43,22 @@ class KVSlots:
         return self._alloc.num_slots
 
     @property
+    def local_slots(self) -> int:
+        """Slots of one DCP rank's cache (``num_slots`` without DCP)."""
+        return self._alloc.local_slots
+
+    @property
+    def id_space(self) -> int:
+        """Rows a cache indexed by slot id needs (``num_slots + 1`` without DCP; the drafter's unsharded cache)."""
+        return self._alloc.id_space
+
+    @property
     def num_free(self) -> int:
         return self._alloc.num_free
+
+    def free_per_rank(self) -> list[int]:
+        """Free slots of each DCP rank (one entry without DCP)."""
+        return self._alloc.free_per_rank()
 
     @property
     def num_free_rows(self) -> int:
@@ -75,19 +101,25 @@ class KVSlots:
         """Point ``table[row, start:start + len(slots)]`` at existing slots (a cached prefix)."""
         self._pool.table[row, start:start + slots.numel()] = slots
 
-    def place(self, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
+    def place(self, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+              positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Allocate ``sum(lens)`` slots and write them at ``table[rows[b], starts[b]:starts[b] + lens[b]]``,
         request after request. Returns the flat slots ``[T]`` (the forward's ``out_cache_loc``), or None
-        (nothing changed) when too few are free. ``rows``, ``starts``, ``lens``: ``[bs]`` int64."""
+        (nothing changed) when too few are free. ``rows``, ``starts``, ``lens``: ``[bs]`` int64.
+        ``positions`` ``[T]``: the tokens' positions when they are not their table columns (tree nodes share
+        a position per depth); with DCP a token's slot is taken on the DCP rank of its position."""
         dev = self.device
         rows, starts, lens = rows.to(dev), starts.to(dev), lens.to(dev)
-        flat = self._alloc.alloc(int(lens.sum()))  # [T]
+        total = int(lens.sum())
+        first = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens, output_size=total)  # [T] row's first token
+        col = starts.repeat_interleave(lens, output_size=total) + torch.arange(total, device=dev) - first  # [T]
+        ranks = None
+        if self.shards > 1:
+            ranks = (col if positions is None else positions.to(dev)) % self.shards  # [T]
+        flat = self._alloc.alloc(total, ranks)  # [T]
         if flat is None:
             return None
-        r = rows.repeat_interleave(lens)  # [T]
-        first = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)  # [T] flat index of each row's first token
-        pos = starts.repeat_interleave(lens) + torch.arange(flat.numel(), device=dev) - first  # [T]
-        self._pool.table[r, pos] = flat
+        self._pool.table[rows.repeat_interleave(lens, output_size=total), col] = flat
         return flat
 
     def place_block(self, rows: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor | None:

@@ -73,6 +73,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.tp = tp
         self.max_reqs, self.max_context = max_reqs, max_context
+        self.dcp_size = tp.dcp_size
+        if self.dcp_size > 1 and not getattr(get_model_class(config.architecture), "supports_dcp", False):
+            raise ValueError(f"--decode-context-parallel-size {self.dcp_size} needs an MLA model (DeepSeek-V3 / Kimi "
+                             f"K2 family); {config.architecture} keeps its KV heads split over the TP ranks")
         self.model = load_model(config, tp, self.device)
         self.kv_layout = self.model.kv_cache_layout()
         # the O(Q x K) attention mask only for a model whose attention reads it (forward_batch.py); MHA
@@ -103,7 +107,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.kv_layout.bytes_per_token(self.config.kv_dtype)
+        """KV bytes one token of a sequence costs this rank: with DCP (N > 1) a rank stores 1/N of the tokens
+        (rounded up)."""
+        return -(-self.kv_layout.bytes_per_token(self.config.kv_dtype) // self.dcp_size)
 
     def allocate_kv(self, num_slots: int, table_margin: int = 0) -> None:
         """Allocate the KV cache, slot allocator and request->token table (once), and the CUDA graph runner
@@ -114,15 +120,17 @@ class ModelRunner:
             raise RuntimeError("the KV cache is already allocated")
         if num_slots < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {num_slots}")
-        self.num_slots = num_slots
-        self.kv = KVCache(self.kv_layout, num_slots, self.config.kv_dtype, self.device)
-        self.slots = KVSlots(num_slots, self.max_reqs, self.max_context + table_margin, self.device)
+        self.slots = KVSlots(num_slots, self.max_reqs, self.max_context + table_margin, self.device, self.dcp_size)
+        self.num_slots = self.slots.num_slots  # a multiple of the DCP size
+        self.kv = KVCache(self.kv_layout, self.slots.local_slots, self.config.kv_dtype, self.device)
         if self.cuda_graph_max_bs > 0:
             from model_executor.cuda_graph_runner import CudaGraphRunner, graph_batch_sizes
 
             self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, graph_batch_sizes(self.cuda_graph_max_bs),
                                           self.max_context, self.device)
-        logger.info("KV cache: %d tokens x %d bytes (%s)", num_slots, self.kv_bytes_per_token, self.config.kv_dtype)
+        logger.info("KV cache: %d tokens x %d bytes (%s)%s", self.num_slots, self.kv_bytes_per_token,
+                    self.config.kv_dtype, f", sharded over {self.dcp_size} DCP ranks ({self.slots.local_slots} "
+                    "each)" if self.dcp_size > 1 else "")
 
     def prepare_prefill(self, rows: list[int], starts: list[int], lens: list[int], ids: list[int],
                         capture_layer_ids: tuple[int, ...] = (), logits_indices: torch.Tensor | None = None

@@ -24,6 +24,13 @@ Expert parallelism (``expert_parallel=True``): MoE layers give each rank whole e
 ``partition`` of the routed experts, full intermediate dim) instead of a slice of every expert; attention,
 dense MLPs, shared experts and the vocabulary stay tensor-parallel. The EP group is the TP group (as SGLang
 with ``ep_size == tp_size``), so the MoE output is combined by the same all-reduce.
+
+Decode context parallelism (``dcp_size`` N > 1, ``--decode-context-parallel-size``; N divides the TP size):
+the TP ranks form ``tp_size / N`` DCP groups of N consecutive ranks (global ranks ``g*N .. g*N + N - 1``;
+the DCP rank is ``rank % N``). Each rank of a group stores 1/N of every sequence's MLA latent KV; MLA
+attention all-gathers the group's queries (``dcp_all_gather``), attends over the local shard and merges the
+partials by their log-sum-exp (``dcp_reduce_scatter`` returns each rank its own heads;
+model_executor/layers/dcp_attention.py). With N = tp_size the DCP group is the device group itself.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class ParallelLike(Protocol):
     dist_init_addr: str | None
     expert_parallel: bool
     startup_timeout_s: float  # collectives until ``end_startup`` (default ``DEFAULT_STARTUP_TIMEOUT_S``)
+    decode_context_parallel_size: int  # DCP group size N (1: off; divides tp_size)
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ class TPGroup:
     expert_parallel: bool = False  # MoE: whole experts per rank instead of a slice of every expert
     timeouts_s: tuple[float, float] = (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_CONTROL_TIMEOUT_S)  # steady state
     started_at: float = 0.0  # time.monotonic() at init_tp (start-up length in the log)
+    dcp_size: int = 1  # decode context parallelism: ranks sharing one sequence's KV (module docstring)
+    dcp_group: Any = None  # this rank's DCP device group; None = ``group`` (dcp_size == size, or 1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -104,6 +114,40 @@ class TPGroup:
             raise ValueError(f"{what} {n} is smaller than tp_size {self.size}: every rank needs at least one")
         base, extra = divmod(n, self.size)
         return self.rank * base + min(self.rank, extra), base + (1 if self.rank < extra else 0)
+
+    # ------------------------------------------------------------ decode context parallelism
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's place in its DCP group (0 when DCP is off)."""
+        return self.rank % self.dcp_size
+
+    def _dcp_device_group(self) -> Any:
+        return self.dcp_group if self.dcp_group is not None else self.group
+
+    def dcp_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """``x`` of every rank of the DCP group concatenated along ``dim``, in DCP-rank order."""
+        if self.dcp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.dcp_size)]
+        _collective("dcp all_gather", dist.all_gather, parts, x.contiguous(), group=self._dcp_device_group())
+        return torch.cat(parts, dim=dim)
+
+    def dcp_reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum ``x`` over the DCP group and return this rank's block of ``dim`` (``dim``'s size divisible
+        by ``dcp_size``; block ``dcp_rank``). NCCL reduce-scatters; gloo (CPU) has no reduce-scatter, so
+        it all-reduces and slices."""
+        if self.dcp_size == 1:
+            return x
+        group = self._dcp_device_group()
+        n = x.shape[dim] // self.dcp_size
+        if dist.get_backend(group) == "nccl":
+            xt = x.movedim(dim, 0).contiguous()  # [N * n, ...]
+            out = torch.empty((n, *xt.shape[1:]), dtype=x.dtype, device=x.device)  # [n, ...]
+            _collective("dcp reduce_scatter", dist.reduce_scatter_tensor, out, xt, group=group)
+            return out.movedim(0, dim)
+        x = x.contiguous()
+        _collective("dcp all_reduce", dist.all_reduce, x, group=group)
+        return x.narrow(dim, self.dcp_rank * n, n)
 
     # ------------------------------------------------------------ control plane (gloo, CPU)
     @property
@@ -165,6 +209,7 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
         control_timeout_s = collective_timeout_s if rank == 0 else DEFAULT_CONTROL_TIMEOUT_S
     startup_s = float(parallel.startup_timeout_s)
     size = parallel.tp_size
+    dcp = check_dcp_size(size, int(getattr(parallel, "decode_context_parallel_size", 1)))
     if size == 1:
         return TPGroup()
     addr = init_addr or parallel.dist_init_addr
@@ -182,8 +227,24 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
                             timeout=datetime.timedelta(seconds=max(startup_s, collective_timeout_s)))
     cpu_group = dist.new_group(list(range(size)), backend="gloo",
                                timeout=datetime.timedelta(seconds=max(startup_s, control_timeout_s)))
+    dcp_group = None
+    if 1 < dcp < size:  # every rank creates every DCP group (new_group is collective), keeps its own
+        for g in range(size // dcp):
+            members = list(range(g * dcp, (g + 1) * dcp))
+            made = dist.new_group(members, backend=backend,
+                                  timeout=datetime.timedelta(seconds=max(startup_s, collective_timeout_s)))
+            if rank in members:
+                dcp_group = made
     return TPGroup(rank, size, None, cpu_group, bool(parallel.expert_parallel),
-                   (collective_timeout_s, control_timeout_s), started)
+                   (collective_timeout_s, control_timeout_s), started, dcp, dcp_group)
+
+
+def check_dcp_size(tp_size: int, dcp_size: int) -> int:
+    """``dcp_size`` when it is a valid decode-context-parallel size for ``tp_size`` ranks, else ValueError."""
+    if dcp_size < 1 or tp_size % dcp_size:
+        raise ValueError(f"decode_context_parallel_size {dcp_size} must divide tp_size {tp_size} "
+                         "(each DCP group is that many of the TP ranks)")
+    return dcp_size
 
 
 def end_startup(tp: TPGroup) -> None:
@@ -196,6 +257,8 @@ def end_startup(tp: TPGroup) -> None:
     device_s, control_s = tp.timeouts_s
     _set_pg_timeout(datetime.timedelta(seconds=device_s), None)  # the default (device) group
     _set_pg_timeout(datetime.timedelta(seconds=control_s), tp.control_group)
+    if tp.dcp_group is not None:
+        _set_pg_timeout(datetime.timedelta(seconds=device_s), tp.dcp_group)
     logger.info("TP rank %d: start-up took %.1f s; collective timeout now %.0f s (control group %.0f s)",
                 tp.rank, time.monotonic() - tp.started_at, device_s, control_s)
 

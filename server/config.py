@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from model_executor.parallel_state import check_dcp_size
 from model_executor.radix_cache import EVICTION_POLICIES
 from server.machines import GPU_MEMORY_GIB
 
@@ -276,6 +277,14 @@ class ParallelArgs(Area):
                                     "tp_size) instead of a slice of every expert.")
     startup_timeout_s: float = setting(1800.0, "TP start-up: seconds a rank waits at a collective for a late "
                                        "rank (weights loading, kernel warm-up); steady state uses 120 s.", low=1.0)
+    decode_context_parallel_size: int = setting(
+        1, "Decode context parallelism (MLA models): each group of this many TP ranks shards every sequence's "
+        "latent KV by position and merges attention partials by log-sum-exp, so the KV pool holds this many "
+        "times the tokens; must divide --tp-size; 1 = off.", low=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_dcp_size(self.tp_size, self.decode_context_parallel_size)
 
 
 @dataclass(frozen=True)

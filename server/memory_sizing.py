@@ -38,7 +38,7 @@ class ModelFacts:
 
     vocab_size: int
     max_context_len: int  # the configured context length, or the model's
-    kv_bytes_per_token: int  # target + drafter caches, this rank
+    kv_bytes_per_token: int  # target + drafter caches, this rank, per token of the pool (DCP: target / N)
     budget: int | None  # tree nodes per request of one verify step at most (None: no speculation)
     block_size: int | None  # drafter block (1: no drafter; None: no speculation)
     hidden_size: int = 0  # the target's (CUDA-graph outputs)
@@ -51,10 +51,22 @@ class ModelFacts:
 class StartupSizing:
     workspace: Workspace
     kv: KVSizing
+    dcp_size: int = 1  # decode context parallelism: each rank holds kv.tokens / dcp_size of the pool
+    max_batch: int = 1  # max_running_requests
+    step_margin: int = 1  # slots a request needs beyond its context in a step (the scheduler's admission margin)
+
+    def longest_context(self, batch: int) -> int:
+        """The longest context (prompt + output tokens) each of ``batch`` requests can hold at once in the pool,
+        a step's temporary slots left free (at batch 1: the scheduler's admission limit for one request)."""
+        return max(self.kv.tokens // max(batch, 1) - self.step_margin, 0)
 
     def log_line(self) -> str:
         """The scheduler's start-up log line for memory (``ddtree-serve plan`` prints it verbatim)."""
-        return f"{self.kv.describe()}; max verify tokens per step {self.workspace.max_verify_tokens}"
+        dcp = (f"; sharded over {self.dcp_size} DCP ranks ({self.kv.tokens // self.dcp_size} tokens each)"
+               if self.dcp_size > 1 else "")
+        return (f"{self.kv.describe()}{dcp}; longest context {self.longest_context(1)} tokens at batch 1, "
+                f"{self.longest_context(self.max_batch)} at batch {self.max_batch}; max verify tokens per step "
+                f"{self.workspace.max_verify_tokens}")
 
 
 def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp: Any,
@@ -63,8 +75,10 @@ def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp
     (precedence: ``max_total_tokens`` > ``kv_memory_gb`` > the probed device, less ``runtime_reserve``'s NCCL
     buffers and CUDA graphs on CUDA), at most ``(max_running_requests
     + 1) x max_context_len`` tokens (on CUDA the vision encoder's peak, ``facts.encoder_peak_bytes``, is reserved
-    too); ``tp``: a TPGroup (the pool is the minimum over ranks) or None. On CUDA a
-    device whose memory is not the configured ``machine`` class's is logged as a warning."""
+    too); ``tp``: a TPGroup (the pool is the minimum over ranks) or None. On CUDA a device whose memory is not the
+    configured ``machine`` class's is logged as a warning. With decode context parallelism (N > 1)
+    ``facts.kv_bytes_per_token`` counts 1/N of the target's bytes per token (each rank stores every N-th token)
+    and the pool is rounded down to a multiple of N."""
     cache, max_reqs = config.cache, config.scheduler.max_running_requests + 1
     workspace = verify_workspace(facts.vocab_size, config.scheduler.max_running_requests, facts.budget,
                                  facts.block_size, cache.verify_workspace_gb)
@@ -80,4 +94,7 @@ def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp
     warning = machine_memory_mismatch(cache.machine, kv.total_bytes) if str(device).startswith("cuda") else None
     if warning:
         logger.warning(warning)
-    return StartupSizing(workspace, kv)
+    dcp = config.parallel.decode_context_parallel_size  # the pool splits evenly over the DCP ranks
+    kv = dataclasses.replace(kv, tokens=kv.tokens // dcp * dcp)
+    margin = max(facts.block_size or 0, facts.budget + 1) if facts.budget is not None else 1  # Scheduler._spec_margin
+    return StartupSizing(workspace, kv, dcp, config.scheduler.max_running_requests, margin)

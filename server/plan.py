@@ -21,6 +21,7 @@ import torch
 
 from model_executor.memory import GIB, device_memory
 from model_executor.model_config import ModelConfig
+from model_executor.model_registry import get_model_class
 from model_executor.plan import BudgetRow, best_row, budget_rows, module_bytes, rank_models, weight_breakdown
 from server.config import ServerConfig
 from server.machines import GPU_MEMORY_GIB
@@ -60,7 +61,9 @@ class Plan:
     def table(self) -> str:
         g = lambda b: f"{b / GIB:8.2f} GiB"  # noqa: E731
         c, r0 = self.config, self.ranks[0]
-        lines = [f"{self.architecture} at TP {c.parallel.tp_size} on {c.model.device}, "
+        dcp = c.parallel.decode_context_parallel_size
+        lines = [f"{self.architecture} at TP {c.parallel.tp_size}{f' (DCP {dcp})' if dcp > 1 else ''} on "
+                 f"{c.model.device}, "
                  f"{self.memory_source}, context {r0.facts.max_context_len}, "
                  f"{c.scheduler.max_running_requests} requests",
                  f"  weights per rank      {g(r0.weight_bytes)}"]
@@ -85,6 +88,10 @@ class Plan:
         kv, ws, r0 = self.sizing.kv, self.sizing.workspace, self.ranks[0]
         best = self.best
         return {"architecture": self.architecture, "tp_size": self.config.parallel.tp_size,
+                "decode_context_parallel_size": self.config.parallel.decode_context_parallel_size,
+                "kv_tokens_per_dcp_rank": kv.tokens // self.config.parallel.decode_context_parallel_size,
+                "longest_context_batch_1": self.sizing.longest_context(1),
+                "longest_context_max_batch": self.sizing.longest_context(self.config.scheduler.max_running_requests),
                 "device": self.config.model.device, "memory": self.memory_source,
                 "device_memory_bytes": kv.total_bytes, "in_use_bytes": kv.used_bytes,
                 "weight_bytes_per_rank": r0.weight_bytes, "weight_breakdown": r0.weight_breakdown,
@@ -134,6 +141,10 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
                               moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype,
                               vision=config.server.max_images_per_request > 0)
     drafter = drafter_model_config(spec.draft_model_path, target, m.device) if spec.uses_drafter else None
+    dcp = config.parallel.decode_context_parallel_size
+    if dcp > 1 and not getattr(get_model_class(target.architecture), "supports_dcp", False):
+        raise ValueError(f"--decode-context-parallel-size {dcp} needs an MLA model (DeepSeek-V3 / Kimi K2 family); "
+                         f"{target.architecture} keeps its KV heads split over the TP ranks")
     max_context = m.context_length or target.max_context_len
     total, source = _device_total(config, gpu_memory_gb)
     if config.cache.max_total_tokens is not None or config.cache.kv_memory_gb is not None:
@@ -148,6 +159,7 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
             block, budget = step_shape(spec.algorithm, spec.ddtree_budget, spec.ddtree_max_budget,
                                        resolve_block(spec.block_size, models.drafter) if models.drafter else None)
         kv_bytes = models.target.kv_cache_layout().bytes_per_token(target.kv_dtype)  # fp8 with --kv-cache-dtype
+        kv_bytes = -(-kv_bytes // dcp)  # DCP: a rank stores 1/N of the tokens
         if models.drafter is not None:
             kv_bytes += models.drafter.kv_cache_layout().bytes_per_token(target.dtype)
         layers = len(getattr(models.drafter, "target_layer_ids", ())) if models.drafter is not None else 0

@@ -131,7 +131,8 @@ class SpecWorker:
         for the auto budget, the step-cost model and its start-up probe (which runs real forwards)."""
         r = self.runner
         if self.drafter is not None:
-            self.draft_kv = KVCache(self.drafter.kv_cache_layout(), r.num_slots, r.config.dtype, r.device)
+            # indexed by target slot id: unsharded under DCP too (every global id, padding ones included)
+            self.draft_kv = KVCache(self.drafter.kv_cache_layout(), r.slots.id_space - 1, r.config.dtype, r.device)
         if self.auto:
             from speculative.cost_probe import probe_step_cost
 
@@ -380,7 +381,8 @@ class SpecWorker:
         bs, d = tree.candidates.shape
         lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
         used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
-        flat = r.slots.place(idx, cached, lens)  # [T] row after row, positions cached[b]..cached[b]+lens[b]-1
+        # [T] row after row at table columns cached[b]..cached[b]+lens[b]-1; DCP: each node on its position's rank
+        flat = r.slots.place(idx, cached, lens, positions=tree.positions[used])
         slots = torch.full((bs, d), -1, dtype=torch.int64, device=r.device)  # [bs, D]
         slots[used] = flat
         fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)

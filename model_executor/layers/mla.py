@@ -16,6 +16,11 @@ runs kernels/triton_mla.py (decode / extend / target-verify kernels over the sam
 costs more FLOPs than expanding but needs no second code path; a CUDA prefill may switch to the expanded
 form (ragged FA over k/v built from the same latent) without changing the cache.
 
+Decode context parallelism (``tp.dcp_size`` N > 1, ``--decode-context-parallel-size``): the cache of a rank
+holds only the tokens whose (global) slot is its own, 1/N of every sequence; the latent attention then runs
+over the shard for the DCP group's heads and the partials are merged by log-sum-exp
+(model_executor/layers/dcp_attention.py). Projections and the absorbed weights are unchanged.
+
 Softmax scale: ``(qk_nope + qk_rope) ** -0.5``, times ``yarn_get_mscale(factor, mscale_all_dim) ** 2`` when
 rope scaling is on and ``mscale_all_dim`` is set (transformers ``yarn_apply_mscale``). RoPE applies to the
 ``qk_rope_head_dim`` part only; ``rope_interleave`` (transformers default True) rotates adjacent pairs
@@ -33,6 +38,7 @@ from torch import nn
 from kernels.attention import masked_paged_attention
 from kernels.kv_quant import read_latent, write_latent
 from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.dcp_attention import dcp_latent_attention, local_cache_loc
 from model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
@@ -61,6 +67,7 @@ class MLAAttention(nn.Module):
         gather, every device) or "triton" (kernels/triton_mla.py, reading the cache in place)."""
         super().__init__()
         self.backend = backend
+        self.tp = tp  # DCP collectives (tp.dcp_size > 1)
         hidden = cfg["hidden_size"]  # q_a/kv_a layernorms use eps 1e-6 (transformers and DeepSeek code)
         bias = bool(cfg.get("attention_bias", False))
         self.layer_id = layer_id
@@ -114,12 +121,17 @@ class MLAAttention(nn.Module):
         ``k_scale`` [slots, 2]: the per-token scales of an fp8 cache (kernels/kv_quant.py), else None; an fp8
         cache is written quantized and read dequantized into the model's dtype."""
         q_nope, q_pe, latent = self._project(h, cos_sin)
-        write_latent(k_cache, k_scale, fb.out_cache_loc, latent, self.kv_lora_rank)
+        dcp = self.tp.dcp_size > 1
+        loc = local_cache_loc(fb.out_cache_loc, self.tp.dcp_size, self.tp.dcp_rank) if dcp else fb.out_cache_loc
+        write_latent(k_cache, k_scale, loc, latent, self.kv_lora_rank)  # DCP: this rank's tokens only
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, Hr, kv_lora]
         cdt = h.dtype if k_scale is not None else k_cache.dtype  # dtype of the products
         q_full = torch.cat([q_lat, q_pe], dim=-1).to(cdt)  # [T, Hr, kv_lora + rope]
-        if self.backend == "triton":
+        if dcp:
+            o_lat = dcp_latent_attention(q_full, fb, k_cache, k_scale, self.kv_lora_rank, self.scale, self.backend,
+                                         self.tp)  # [T, Hr, kv_lora]
+        elif self.backend == "triton":
             from kernels.triton_mla import MLA_KERNELS
 
             o_lat = MLA_KERNELS[fb.mode.value](q_full, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index,
@@ -141,7 +153,10 @@ class MLAAttention(nn.Module):
     def forward_expanded(self, h: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor,
                          cos_sin: tuple[torch.Tensor, torch.Tensor], k_scale: torch.Tensor | None = None
                          ) -> torch.Tensor:
-        """Reference: same cache write, then per-head K/V expanded from each request's gathered latent."""
+        """Reference: same cache write, then per-head K/V expanded from each request's gathered latent (an
+        unsharded cache: no DCP)."""
+        if self.tp.dcp_size > 1:
+            raise ValueError("forward_expanded reads an unsharded cache; decode context parallelism runs forward")
         q_nope, q_pe, latent = self._project(h, cos_sin)
         write_latent(k_cache, k_scale, fb.out_cache_loc, latent, self.kv_lora_rank)
         bs, kmax = fb.kv_indices.shape

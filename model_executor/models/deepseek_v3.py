@@ -64,6 +64,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     weight_prefix = ""
     skip_weight_prefixes: tuple[str, ...] = ()
+    supports_dcp = True  # MLA latent KV shards over a decode-context-parallel group (layers/dcp_attention.py)
 
     def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()

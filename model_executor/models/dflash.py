@@ -17,6 +17,7 @@ Two paths share the same weights and math:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -55,9 +56,12 @@ def drafter_group(hf: dict, tp: TPGroup) -> TPGroup:
     ranks (each rank needs one; query heads follow their KV head); otherwise a single-rank group, so the whole
     drafter runs unsharded on every rank (a K2.6 drafter at TP=8 whatever its head count). Unsharded ranks
     draft alike: the drafter's inputs (the target's all-reduced captured features and embeddings) and its
-    weights are equal on every rank, and the target's vocab-parallel lm_head projects its states."""
+    weights are equal on every rank, and the target's vocab-parallel lm_head projects its states. Decode
+    context parallelism is the target's alone: the drafter keeps its own unsharded cache (no DCP group)."""
     n_kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
-    return tp if n_kv >= tp.size else TPGroup()
+    if n_kv < tp.size:
+        return TPGroup()
+    return tp if tp.dcp_size == 1 else dataclasses.replace(tp, dcp_size=1, dcp_group=None)
 
 
 class DFlashAttention(nn.Module):
@@ -115,6 +119,9 @@ class DFlashDraftModel(nn.Module):
 
     def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
+        if tp.dcp_size > 1:
+            raise ValueError("a DFlash drafter keeps its own unsharded KV cache: decode context parallelism is "
+                             "the target's alone (build the drafter in drafter_group's group)")
         cfg, dtype = config.hf, config.dtype
         self.config, self.tp, self.dtype = config, tp, dtype
         dcfg = cfg.get("dflash_config") or {}
