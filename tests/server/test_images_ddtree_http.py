@@ -1,7 +1,9 @@
 """ddtree == plain greedy with images, over HTTP: two real servers on the same tiny random Kimi K2.6 checkpoint
 with a MoonViT tower (plain decoding, then DDTree with suffix drafts at a fixed budget) answer the same image
 conversations token for token, and the DDTree server accepted drafts on them (``spec_stats``). The random
-model's greedy text repeats itself within a few tokens, which is what the suffix source drafts from. Slow: two
+model's text does not repeat its prompt, so each conversation is sent twice: the second time the suffix source
+drafts from the first answer, held in its shared index of finished outputs (as an agent resending a turn).
+Slow: two
 server start-ups (the scheduler-level check with scripted drafts, tests/server/test_image_prefill.py, runs in
 the default suite)."""
 
@@ -54,10 +56,9 @@ def test_ddtree_equals_plain_greedy_with_images_over_http(tmp_path_factory):
     with running_server(["--model-path", str(path), *COMMON], logs, name="plain") as srv:
         plain = _answers(srv.base)
     with running_server(["--model-path", str(path), *COMMON, *DDTREE], logs, name="ddtree") as srv:
-        tree = _answers(srv.base)
-    for p, t in zip(plain, tree, strict=True):
-        assert _tokens(t) == _tokens(p)
-        assert t["usage"]["prompt_tokens"] == p["usage"]["prompt_tokens"]
-    stats = [t["spec_stats"] for t in tree]
-    assert all(s["verify_steps"] > 0 for s in stats), stats
-    assert sum(s["accepted_tokens"] for s in stats) > 0, stats
+        first, again = _answers(srv.base), _answers(srv.base)
+    for p, a, b in zip(plain, first, again, strict=True):
+        assert _tokens(a) == _tokens(p) == _tokens(b)
+        assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"] == p["usage"]["prompt_tokens"]
+    stats = [b["spec_stats"] for b in again]
+    assert all(s["accepted_tokens"] >= 8 and s["acceptance_length"] > 1.5 for s in stats), stats
