@@ -109,6 +109,10 @@ _ROLE_RULES = [
                                                            "properties": {"tool_calls": {"type": "array",
                                                                                          "minItems": 1}}}]}),
     _if_role(["system", "developer", "user", "tool"], {"properties": {"tool_calls": {"type": "null"}}}),
+    # image parts only in user messages (server/multimodal/frontend.py)
+    _if_role(["system", "developer", "assistant", "tool"], {"properties": {"content": {"anyOf": [
+        {"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+            "not": {"properties": {"type": {"const": "image_url"}}, "required": ["type"]}}}]}}}),
 ]
 
 

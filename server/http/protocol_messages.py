@@ -96,11 +96,11 @@ def _blocks_not(*kinds: str) -> dict:
 
 class InputMessage(BaseModel):
     """``_blocks_of_role``, published: tool_use and thinking blocks only in assistant messages, tool_result
-    blocks only in user messages."""
+    and image blocks only in user messages."""
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         if_then(has("role", {"const": "user"}), _blocks_not("tool_use", "thinking")),
-        if_then(has("role", {"const": "assistant"}), _blocks_not("tool_result"))]})
+        if_then(has("role", {"const": "assistant"}), _blocks_not("tool_result", "image"))]})
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 

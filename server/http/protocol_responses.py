@@ -144,8 +144,10 @@ class ReasoningConfig(BaseModel):
 
     model_config = _REQ
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated name of summary
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        None, json_schema_extra=only_null("the reasoning is returned whole, never summarized"))
+    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(  # the deprecated name of summary
+        None, json_schema_extra=only_null("the reasoning is returned whole, never summarized"))
 
 
 class ResponsesRequest(BaseModel):

@@ -6,6 +6,8 @@ server's settings or tokenizer, or that tie one field's value to another's; a bo
 this normalisation, must be accepted. Each step names the rule it stands for:
 
 - ``model``: must name the served model (a setting): removed.
+- images (chat ``image_url`` parts, Messages ``image`` blocks): need a model with a vision tower (the default
+  model has none): replaced by text.
 - token ids (``logit_bias`` keys, a completions ``prompt`` of ids, /detokenize ``tokens``): must be in the
   model's vocabulary (the tokenizer): taken modulo its size.
 - a named forced tool (chat ``tool_choice.function.name``, Messages ``tool_choice.name``, Responses
@@ -49,7 +51,7 @@ def normalise(label: str, body: Any) -> Any:
     if isinstance(body.get("logit_bias"), dict):
         body["logit_bias"] = {str(int(k) % VOCAB): v for k, v in body["logit_bias"].items()}
     if label == "POST /detokenize" and isinstance(body.get("tokens"), list):
-        body["tokens"] = [t % VOCAB for t in body["tokens"]]
+        body["tokens"] = _ids_in_vocab(body["tokens"])
     if label == "POST /v1/completions":
         body["prompt"] = _ids_in_vocab(body.get("prompt"))
     limit = _OUTPUT_LIMIT.get(label)
@@ -61,6 +63,7 @@ def normalise(label: str, body: Any) -> Any:
     if isinstance(body.get("n"), int):
         body["n"] = min(body["n"], MAX_N)
     _grammars(label, body)
+    _without_images(label, body)
     body.pop("reasoning_effort", None)
     if isinstance(body.get("reasoning"), dict):
         body["reasoning"].pop("effort", None)
@@ -88,11 +91,27 @@ def normalise(label: str, body: Any) -> Any:
 
 
 def _ids_in_vocab(prompt: Any) -> Any:
-    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-        return [x % VOCAB for x in prompt]
+    """Token ids (ints, or whole floats: JSON's integers) taken modulo the vocabulary."""
+    def num(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    if isinstance(prompt, list) and prompt and all(num(x) for x in prompt):
+        return [int(x) % VOCAB for x in prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
-        return [[t % VOCAB for t in p] for p in prompt]
+        return [[int(t) % VOCAB if num(t) else t for t in p] for p in prompt]
     return prompt
+
+
+def _without_images(label: str, body: dict) -> None:
+    """The default model has no vision tower: image parts (chat, /tokenize) and image blocks (Messages) become
+    text."""
+    key = {"POST /v1/chat/completions": "image_url", "POST /tokenize": "image_url", "POST /v1/messages": "image"}
+    kind = key.get(label)
+    for m in body.get("messages") or [] if kind and isinstance(body.get("messages"), list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for k, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == kind:
+                content[k] = {"type": "text", "text": "An image."}
 
 
 def _named_tool(choice: Any, tools: Any, rename: Any) -> None:
