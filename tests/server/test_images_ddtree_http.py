@@ -1,4 +1,4 @@
-"""ddtree == plain greedy with images, over HTTP: two real servers on the same tiny random Kimi K2.6 checkpoint
+"""ddtree == plain greedy with images, over HTTP with the official openai client: two real servers on the same tiny random Kimi K2.6 checkpoint
 with a MoonViT tower (plain decoding, then DDTree with suffix drafts at a fixed budget) answer the same image
 conversations token for token, and the DDTree server accepted drafts on them (``spec_stats``). The random
 model's text does not repeat its prompt, so each conversation is sent twice: the second time the suffix source
@@ -9,7 +9,7 @@ the default suite)."""
 
 from __future__ import annotations
 
-import httpx
+import openai
 import pytest
 
 from tests.server.conftest import running_server
@@ -35,14 +35,11 @@ def _conversations() -> list[list[dict]]:
 
 
 def _answers(base: str) -> list[dict]:
-    out = []
-    for messages in _conversations():
-        r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
-            "model": "default", "messages": messages, "max_tokens": 32, "temperature": 0, "logprobs": True,
-            "chat_template_kwargs": {"thinking": False}})
-        assert r.status_code == 200, r.text
-        out.append(r.json())
-    return out
+    """Each conversation's answer through the official openai client, as a dict (``spec_stats`` included)."""
+    oai = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return [oai.chat.completions.create(model="default", messages=messages, max_tokens=32, temperature=0,
+                                        logprobs=True, extra_body={"chat_template_kwargs": {"thinking": False}}
+                                        ).to_dict() for messages in _conversations()]
 
 
 def _tokens(answer: dict) -> list[str]:
