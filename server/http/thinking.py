@@ -18,6 +18,7 @@ once, by the chat handler; the agent APIs read it from the chat usage.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 from typing import Any, get_args
 
 from server.http.protocol import ChatCompletionRequest, ReasoningEffort
@@ -33,8 +34,12 @@ def template_switches(chat_template: str | dict[str, str] | None) -> tuple[str, 
     ``default`` one) reads, in ``SWITCH_VARIABLES`` order."""
     if isinstance(chat_template, dict):
         chat_template = chat_template.get("default")
-    if not chat_template:
-        return ()
+    return _switches_of(chat_template) if chat_template else ()
+
+
+@lru_cache(maxsize=8)
+def _switches_of(chat_template: str) -> tuple[str, ...]:
+    """``template_switches`` of one template text, parsed once (a server has one template, asked per request)."""
     import jinja2
     import jinja2.meta
 
