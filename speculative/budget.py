@@ -91,6 +91,22 @@ class BudgetConfig:
     probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
 
 
+def merged_gains(curve: np.ndarray, suffix: np.ndarray, width: int) -> np.ndarray:
+    """Predicted gains [bs, width] of a drafted step whose tree merges DFlash's pops (``curve`` [bs, B], the
+    predicted mean curve) with this step's suffix drafts (``suffix`` [bs, S]), both non-increasing along a row:
+    at each pop index the larger of the two. The two sources often propose the same continuation (a
+    repeated phrase is what both see), and a node proposed twice is one node in the merged tree
+    (``draft_sources.merge_popped``), so adding the rows counted that probability twice; the larger is what
+    the merged tree keeps if their best nodes coincide, a lower bound otherwise. The drafter forward is then
+    planned only when DFlash's own curve beats the suffix drafts by enough to pay for it (measured on chat
+    text at batch 8: the sum planned drafted steps that lost, docs/BENCHMARKS.md)."""
+    out = np.zeros((curve.shape[0], width))  # [bs, width]
+    out[:, :min(width, curve.shape[1])] = curve[:, :width]
+    k = min(width, suffix.shape[1])
+    out[:, :k] = np.maximum(out[:, :k], suffix[:, :k])
+    return out  # elementwise max of two non-increasing rows: non-increasing
+
+
 def _band(bs: int) -> int:
     """Batch-size band of the exploration balance: the nearest power of 4 (0: 1, 1: 4, 2: 16, ... 7)."""
     return min(int(round(math.log(max(bs, 1), 4))), 7)
@@ -221,8 +237,8 @@ class BudgetController:
         curves = self.curve * self._curve_drift()[:, None]  # [2, B]
         curves = np.where((self.curve_steps > 0)[:, None], curves, curves[::-1])  # [2, B]
         gains = curves[sampled.astype(np.int64)]  # [bs, B]
-        if extra is not None:  # one descending row per request (overlaps between the sources ignored)
-            gains = -np.sort(-np.concatenate([gains, extra], axis=1), axis=1)[:, :self.config.max_budget]
+        if extra is not None:  # each pop index's larger gain (merged_gains: the sources may propose alike)
+            gains = merged_gains(gains, extra, self.config.max_budget)
         budgets, rate = choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded)
         tokens = bs * (1 + int(budgets.max(initial=0))) if self.padded else bs + int(budgets.sum())
         return rate, float(self.cost.step_time(bs, tokens, drafted=True))
