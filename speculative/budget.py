@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speculative.allocation import choose_budgets
+from speculative.allocation import choose_budgets, merged_gains
 from speculative.calibration import AcceptanceCalibrator
 from speculative.ddtree import DFLASH, SUFFIX, DraftTree, PoppedNodes
 from speculative.rate_correction import RateCorrection
@@ -89,22 +89,6 @@ class BudgetConfig:
     plain_refresh_every: int = 64  # a step that would draft is a plain step when plain(bs) is this many steps old
     deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
     probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
-
-
-def merged_gains(curve: np.ndarray, suffix: np.ndarray, width: int) -> np.ndarray:
-    """Predicted gains [bs, width] of a drafted step whose tree merges DFlash's pops (``curve`` [bs, B], the
-    predicted mean curve) with this step's suffix drafts (``suffix`` [bs, S]), both non-increasing along a row:
-    at each pop index the larger of the two. The two sources often propose the same continuation (a
-    repeated phrase is what both see), and a node proposed twice is one node in the merged tree
-    (``draft_sources.merge_popped``), so adding the rows counted that probability twice; the larger is what
-    the merged tree keeps if their best nodes coincide, a lower bound otherwise. The drafter forward is then
-    planned only when DFlash's own curve beats the suffix drafts by enough to pay for it (measured on chat
-    text at batch 8: the sum planned drafted steps that lost, docs/BENCHMARKS.md)."""
-    out = np.zeros((curve.shape[0], width))  # [bs, width]
-    out[:, :min(width, curve.shape[1])] = curve[:, :width]
-    k = min(width, suffix.shape[1])
-    out[:, :k] = np.maximum(out[:, :k], suffix[:, :k])
-    return out  # elementwise max of two non-increasing rows: non-increasing
 
 
 def _band(bs: int) -> int:

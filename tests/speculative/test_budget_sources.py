@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController, merged_gains
+from speculative.allocation import merged_gains
+from speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
 from speculative.ddtree import SUFFIX, PoppedNodes
 
 
