@@ -66,20 +66,11 @@ class MlaLaunch:
 
 
 def prepare_mla_launch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    kv_indices: torch.Tensor,
-    attn_mask: torch.Tensor,
-    q_index: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    kv_lora_rank: int,
-    scale: float,
-    tree: bool,
-    tree_mask: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, attn_mask: torch.Tensor,
+    q_index: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, kv_lora_rank: int, scale: float,
+    tree: bool, tree_mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
     tiles: MlaTiles | None = None,
-) -> MlaLaunch:
+) -> MlaLaunch:  # fmt: skip
     """q [T, H, L + R] (absorbed, in the cache dtype; with an fp8 cache in the model's dtype); k_cache
     [slots, 1, L + R]; ``k_scale`` [slots, 2] float32: the per-token (latent, rope) scales of an fp8 cache
     (kernels/kv_quant.py), None for a 16/32-bit cache (ValueError when it does not match the cache's dtype).
