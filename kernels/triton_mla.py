@@ -5,8 +5,9 @@ Per layer the cache holds one latent row per token, ``c = [c_kv (kv_lora_rank L)
 ``o_lat = softmax(scale * (q_lat . c_kv + q_pe . k_pe)) @ c_kv`` with ``q = [q_lat ; q_pe]`` already
 absorbed (``q_lat = q_nope W_UK``), reading the cache rows in place through ``kv_indices`` (no gathered
 copy) with an online softmax over ``BLOCK_N`` keys at a time (FlashAttention, Dao et al. 2022); the latent
-serves as both K and V. That key loop is one ``@triton.jit`` helper shared with the split-K kernel
-(kernels/triton_mla_keys.py).
+serves as both K and V. That code (query tile, key loop) is one ``@triton.jit`` helper shared with the
+split-K and DCP kernels (kernels/triton_mla_keys.py), and so is the host-side set-up
+(kernels/triton_mla_launch.py).
 
 Modes, all over the ``ForwardBatch`` metadata (model_executor/forward_batch.py):
 - ``mla_decode``: one new token per request; it sees its request's ``prefix + 1`` keys.
@@ -110,7 +111,7 @@ def _launch(
     (kernels/triton_mla_split.py); default ``choose_kv_splits`` from the launch's programs, the key columns
     of ``kv_indices`` and the device's SM count (1 on CPU); 1 runs the single-pass kernel. The set-up
     (token metadata, tree mask, fp8 checks): kernels/triton_mla_launch.py."""
-    t, heads, width = q.shape
+    t, heads, _ = q.shape
     out = torch.empty(t, heads, kv_lora_rank, dtype=q.dtype, device=q.device)  # [T, Hr, L]
     if t == 0:
         return out

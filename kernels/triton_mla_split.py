@@ -9,7 +9,8 @@ that leaves all but one SM idle. Here the grid is (token, head block, split): sp
 ``lse_s = m_s + log2(l_s)`` (base 2, as the kernel's scores; ``-inf`` for a split with no visible key).
 The merge computes ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``, which
 is the softmax over all keys. Masks and lengths are the main kernel's (decode, causal extend, tree verify), and so is the fp8 cache's
-per-tile dequantization: both kernels run the same key loop (kernels/triton_mla_keys.py) over their own key range.
+per-tile dequantization: the kernels run the same query load and key loop (kernels/triton_mla_keys.py) over
+their own key range, after the same host-side set-up (kernels/triton_mla_launch.py).
 The split count comes from ``kernels/triton_mla_plan.choose_kv_splits``; the tiles from
 ``choose_mla_tiles`` (same shared memory as the main kernel).
 """
