@@ -32,7 +32,7 @@ DTYPES = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False)
 
 def strip_llir(text: str) -> str:
     """LLVM IR without its debug metadata (``!dbg`` references and ``!N = ...`` lines)."""
-    text = re.sub(r", !dbg !\d+", "", text)
+    text = re.sub(r",? !dbg !\d+", "", text)
     return "\n".join(line for line in text.splitlines() if not re.match(r"^!\d+ = ", line))
 
 
