@@ -5,8 +5,9 @@ Per layer the cache holds one latent row per token, ``c = [c_kv (kv_lora_rank L)
 ``o_lat = softmax(scale * (q_lat . c_kv + q_pe . k_pe)) @ c_kv`` with ``q = [q_lat ; q_pe]`` already
 absorbed (``q_lat = q_nope W_UK``), reading the cache rows in place through ``kv_indices`` (no gathered
 copy) with an online softmax over ``BLOCK_N`` keys at a time (FlashAttention, Dao et al. 2022); the latent
-serves as both K and V. That key loop is one ``@triton.jit`` helper shared with the split-K kernel
-(kernels/triton_mla_keys.py).
+serves as both K and V. That code (query tile, key loop) is one ``@triton.jit`` helper shared with the
+split-K and DCP kernels (kernels/triton_mla_keys.py), and so is the host-side set-up
+(kernels/triton_mla_launch.py).
 
 Modes, all over the ``ForwardBatch`` metadata (model_executor/forward_batch.py):
 - ``mla_decode``: one new token per request; it sees its request's ``prefix + 1`` keys.
@@ -33,20 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import is_fp8
-from kernels.triton_mla_keys import mla_key_loop
-from kernels.triton_mla_plan import (
-    MlaTiles,
-    choose_kv_splits,
-    device_arch,
-    device_sm_count,
-    device_smem_limit,
-    tiles_for,
-)
+from kernels.triton_mla_keys import mla_attend, mla_token
+from kernels.triton_mla_launch import prepare_mla_launch
+from kernels.triton_mla_plan import MlaTiles, choose_kv_splits, device_sm_count
 from kernels.triton_mla_split import launch_split
-from kernels.triton_utils import dot_args
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -85,29 +76,11 @@ def _mla_kernel(
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
-    b = tl.load(tok_req_ptr + pid_t).to(tl.int64)
-    i = tl.load(tok_pos_ptr + pid_t).to(tl.int64)
-    n_kv = tl.load(kv_len_ptr + pid_t)
-    pre = tl.load(prefix_ptr + b)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < num_heads
-    offs_l = tl.arange(0, BLOCK_L)
-    l_mask = offs_l < L
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    q_row = q_ptr + pid_t * stride_qt + offs_h[:, None] * stride_qh  # [BH, 1]
-    q_lat = tl.load(q_row + offs_l[None, :], mask=h_mask[:, None] & l_mask[None, :], other=0.0)  # [BH, BL]
-    q_pe = tl.load(q_row + L + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BH, BR]
-    if UPCAST_DOT:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
-    m_i, l_i, acc = mla_key_loop(
-        q_ptr, q_lat, q_pe, m_i, l_i, acc, cache_ptr, kv_idx_ptr, mask_ptr, scale_ptr, b, i, pre, 0, n_kv,
-        offs_l, l_mask, offs_r, r_mask, sm_scale_log2, stride_slot, stride_scale, stride_kb, stride_mb,
-        stride_mq, L, TREE, FP8, PRECISION, UPCAST_DOT, BLOCK_N,
+    b, i, n_kv, pre = mla_token(tok_req_ptr, tok_pos_ptr, kv_len_ptr, prefix_ptr, pid_t)
+    m_i, l_i, acc, offs_h, h_mask, offs_l, l_mask = mla_attend(
+        q_ptr, cache_ptr, kv_idx_ptr, mask_ptr, scale_ptr, pid_t, pid_h, b, i, pre, 0, n_kv, sm_scale_log2,
+        num_heads, 0, stride_qt, stride_qh, stride_slot, stride_scale, stride_kb, stride_mb, stride_mq, L, R,
+        TREE, FP8, PRECISION, UPCAST_DOT, BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, 1,
     )  # fmt: skip
     out = acc / l_i[:, None]
     o = out_ptr + pid_t * stride_ot + offs_h[:, None] * stride_oh + offs_l[None, :]
@@ -136,77 +109,23 @@ def _launch(
 
     ``tiles``: default ``tiles_for`` the device's shared memory. ``num_splits``: key splits
     (kernels/triton_mla_split.py); default ``choose_kv_splits`` from the launch's programs, the key columns
-    of ``kv_indices`` and the device's SM count (1 on CPU); 1 runs the single-pass kernel."""
-    t, heads, width = q.shape
-    lat, rope = kv_lora_rank, width - kv_lora_rank
-    q_max = attn_mask.shape[1]
-    tok_req = torch.div(q_index, q_max, rounding_mode="floor")  # [T] request of each new token
-    tok_pos = q_index - tok_req * q_max  # [T] index among its request's new tokens
-    if tree:
-        kv_len = (prefix_lens + extend_lens)[tok_req]  # [T] every key of the request, filtered by the mask
-    else:
-        kv_len = prefix_lens[tok_req] + tok_pos + 1  # [T] causal
-    out = torch.empty(t, heads, lat, dtype=q.dtype, device=q.device)  # [T, Hr, L]
+    of ``kv_indices`` and the device's SM count (1 on CPU); 1 runs the single-pass kernel. The set-up
+    (token metadata, tree mask, fp8 checks): kernels/triton_mla_launch.py."""
+    t, heads, _ = q.shape
+    out = torch.empty(t, heads, kv_lora_rank, dtype=q.dtype, device=q.device)  # [T, Hr, L]
     if t == 0:
         return out
-    q = q.contiguous()
-    cache = k_cache.view(k_cache.shape[0], -1)  # [slots, L + R]
-    if tree and tree_mask is None:  # the new-token block of attn_mask: [b, i, prefix_b + j]
-        bs, _, k_max = attn_mask.shape
-        cols = prefix_lens[:, None, None] + torch.arange(q_max, device=q.device)[None, None, :]  # [bs, 1, Q]
-        tree_mask = attn_mask.gather(2, cols.clamp(max=k_max - 1).expand(bs, q_max, q_max))  # [bs, Q, Q]
-    mask = tree_mask if tree else attn_mask  # unread unless tree
-    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    dev = (q.device.type, q.device.index)
-    fp8 = k_scale is not None
-    if fp8 and not is_fp8(k_cache.dtype):
-        raise ValueError(f"k_scale is given but the cache is {k_cache.dtype}, not float8_e4m3fn")
-    if is_fp8(k_cache.dtype) and not fp8:
-        raise ValueError("an fp8 KV cache needs its k_scale")
-    scales = k_scale if fp8 else cache  # unread unless fp8
-    if tiles is None:
-        tiles = tiles_for(heads, lat, rope, q.dtype, device_smem_limit(*dev), device_arch(*dev),
-                          k_cache.dtype if fp8 else None)
-    head_blocks = triton.cdiv(heads, tiles.block_h)
+    s = prepare_mla_launch(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank,
+                           scale, tree, tree_mask, k_scale, tiles)  # fmt: skip
+    head_blocks = triton.cdiv(heads, s.tiles.block_h)
     if num_splits is None:
-        num_splits = choose_kv_splits(t * head_blocks, kv_indices.shape[1], device_sm_count(*dev))
+        sms = device_sm_count(q.device.type, q.device.index)
+        num_splits = choose_kv_splits(t * head_blocks, kv_indices.shape[1], sms)
     if num_splits > 1:
-        return launch_split(q, cache, kv_indices, mask, tok_req, tok_pos, kv_len.to(torch.int32), prefix_lens,
-                            out, scale * LOG2E, lat, tree, tiles, num_splits, k_scale=k_scale)  # fmt: skip
+        return launch_split(s, out, num_splits)
     _mla_kernel[(t, head_blocks)](
-        q,
-        cache,
-        kv_indices,
-        mask,
-        tok_req,
-        tok_pos,
-        kv_len.to(torch.int32),
-        prefix_lens,
-        scales,
-        out,
-        scale * LOG2E,
-        heads,
-        q.stride(0),
-        q.stride(1),
-        cache.stride(0),
-        scales.stride(0),
-        kv_indices.stride(0),
-        mask.stride(0),
-        mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        L=lat,
-        R=rope,
-        TREE=tree,
-        FP8=fp8,
-        BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n,
-        BLOCK_L=tiles.block_l,
-        BLOCK_R=tiles.block_r,
-        num_warps=4,
-        num_stages=tiles.num_stages,  # tiles_for keeps the stages' tiles within the device's shared memory
-        **dot_args(q.dtype),
-    )
+        *s.inputs(), out, s.scale_log2, heads, *s.strides(), out.stride(0), out.stride(1), **s.meta(),
+    )  # fmt: skip
     return out
 
 

@@ -9,7 +9,8 @@ that leaves all but one SM idle. Here the grid is (token, head block, split): sp
 ``lse_s = m_s + log2(l_s)`` (base 2, as the kernel's scores; ``-inf`` for a split with no visible key).
 The merge computes ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``, which
 is the softmax over all keys. Masks and lengths are the main kernel's (decode, causal extend, tree verify), and so is the fp8 cache's
-per-tile dequantization: both kernels run the same key loop (kernels/triton_mla_keys.py) over their own key range.
+per-tile dequantization: the kernels run the same query load and key loop (kernels/triton_mla_keys.py) over
+their own key range, after the same host-side set-up (kernels/triton_mla_launch.py).
 The split count comes from ``kernels/triton_mla_plan.choose_kv_splits``; the tiles from
 ``choose_mla_tiles`` (same shared memory as the main kernel).
 """
@@ -20,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_mla_keys import mla_key_loop
-from kernels.triton_mla_plan import MlaTiles
-from kernels.triton_utils import dot_args
+from kernels.triton_mla_keys import mla_attend, mla_token
+from kernels.triton_mla_launch import MlaLaunch
 
 
 @triton.jit
@@ -67,32 +67,14 @@ def _mla_split_kernel(
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = tl.load(tok_req_ptr + pid_t).to(tl.int64)
-    i = tl.load(tok_pos_ptr + pid_t).to(tl.int64)
-    n_kv = tl.load(kv_len_ptr + pid_t)
-    pre = tl.load(prefix_ptr + b)
+    b, i, n_kv, pre = mla_token(tok_req_ptr, tok_pos_ptr, kv_len_ptr, prefix_ptr, pid_t)
     chunk = tl.cdiv(tl.cdiv(n_kv, num_splits), BLOCK_N) * BLOCK_N
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, n_kv)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < num_heads
-    offs_l = tl.arange(0, BLOCK_L)
-    l_mask = offs_l < L
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    q_row = q_ptr + pid_t * stride_qt + offs_h[:, None] * stride_qh  # [BH, 1]
-    q_lat = tl.load(q_row + offs_l[None, :], mask=h_mask[:, None] & l_mask[None, :], other=0.0)  # [BH, BL]
-    q_pe = tl.load(q_row + L + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BH, BR]
-    if UPCAST_DOT:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
-    m_i, l_i, acc = mla_key_loop(
-        q_ptr, q_lat, q_pe, m_i, l_i, acc, cache_ptr, kv_idx_ptr, mask_ptr, scale_ptr, b, i, pre, lo, hi,
-        offs_l, l_mask, offs_r, r_mask, sm_scale_log2, stride_slot, stride_scale, stride_kb, stride_mb,
-        stride_mq, L, TREE, FP8, PRECISION, UPCAST_DOT, BLOCK_N,
+    m_i, l_i, acc, offs_h, h_mask, offs_l, l_mask = mla_attend(
+        q_ptr, cache_ptr, kv_idx_ptr, mask_ptr, scale_ptr, pid_t, pid_h, b, i, pre, lo, hi, sm_scale_log2,
+        num_heads, 0, stride_qt, stride_qh, stride_slot, stride_scale, stride_kb, stride_mb, stride_mq, L, R,
+        TREE, FP8, PRECISION, UPCAST_DOT, BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, 1,
     )  # fmt: skip
     seen = l_i > 0  # [BH] False: no visible key in this split
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # [BH, BL]
@@ -144,69 +126,17 @@ def _mla_merge_kernel(
     tl.store(o, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & l_mask[None, :])
 
 
-def launch_split(
-    q: torch.Tensor,  # [T, Hr, L + R] contiguous
-    cache: torch.Tensor,  # [slots, L + R]
-    kv_indices: torch.Tensor,  # [bs, K]
-    mask: torch.Tensor,  # [bs, Q, Q] uint8 tree mask (read only when tree)
-    tok_req: torch.Tensor,  # [T]
-    tok_pos: torch.Tensor,  # [T]
-    kv_len: torch.Tensor,  # [T] int32 keys of each token's range
-    prefix_lens: torch.Tensor,  # [bs]
-    out: torch.Tensor,  # [T, Hr, L] written
-    scale_log2: float,
-    lat: int,
-    tree: bool,
-    tiles: MlaTiles,
-    num_splits: int,
-    k_scale: torch.Tensor | None = None,  # [slots, 2] float32 scales of an fp8 cache
-) -> torch.Tensor:
+def launch_split(s: MlaLaunch, out: torch.Tensor, num_splits: int) -> torch.Tensor:
     """Stage 1 (``num_splits`` chunks per token and head block) into float32 partials, stage 2 merges them
-    into ``out``. Returns ``out``."""
-    scales = k_scale if k_scale is not None else cache  # unread unless fp8
-    t, heads, width = q.shape
-    o_part = torch.empty(t, num_splits, heads, lat, dtype=torch.float32, device=q.device)  # [T, S, Hr, L]
-    lse = torch.empty(t, num_splits, heads, dtype=torch.float32, device=q.device)  # [T, S, Hr]
-    head_blocks = triton.cdiv(heads, tiles.block_h)
+    into ``out`` [T, Hr, L] (the launch's dtype). Returns ``out``."""
+    t, heads = out.shape[:2]
+    o_part = torch.empty(t, num_splits, heads, s.lat, dtype=torch.float32, device=out.device)  # [T, S, Hr, L]
+    lse = torch.empty(t, num_splits, heads, dtype=torch.float32, device=out.device)  # [T, S, Hr]
+    head_blocks = triton.cdiv(heads, s.tiles.block_h)
     _mla_split_kernel[(t, head_blocks, num_splits)](
-        q,
-        cache,
-        kv_indices,
-        mask,
-        tok_req,
-        tok_pos,
-        kv_len,
-        prefix_lens,
-        scales,
-        o_part,
-        lse,
-        scale_log2,
-        heads,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        cache.stride(0),
-        scales.stride(0),
-        kv_indices.stride(0),
-        mask.stride(0),
-        mask.stride(1),
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse.stride(0),
-        lse.stride(1),
-        L=lat,
-        R=width - lat,
-        TREE=tree,
-        FP8=k_scale is not None,
-        BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n,
-        BLOCK_L=tiles.block_l,
-        BLOCK_R=tiles.block_r,
-        num_warps=4,
-        num_stages=tiles.num_stages,
-        **dot_args(q.dtype),
-    )
+        *s.inputs(), o_part, lse, s.scale_log2, heads, num_splits, *s.strides(), o_part.stride(0),
+        o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), **s.meta(),
+    )  # fmt: skip
     _mla_merge_kernel[(t, head_blocks)](
         o_part,
         lse,
@@ -220,9 +150,9 @@ def launch_split(
         lse.stride(1),
         out.stride(0),
         out.stride(1),
-        L=lat,
-        BLOCK_H=tiles.block_h,
-        BLOCK_L=tiles.block_l,
+        L=s.lat,
+        BLOCK_H=s.tiles.block_h,
+        BLOCK_L=s.tiles.block_l,
         num_warps=4,
     )
     return out

@@ -44,11 +44,14 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """Evenly spaced from 1 to N-3 (z-lab's rule; one feature layer -> the middle layer)."""
+    """Evenly spaced from 1 to N-3 (z-lab's rule; one feature layer -> the middle layer). A target too shallow
+    for that range (N <= 2, where N-3 < 0) gets its ids clamped into its layers ``[0, N-1]``, so every id is a
+    layer the target has for any N >= 1 (ids may repeat there; the capture serves a repeated id twice)."""
     if num_features == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+    ids = [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+    return [min(max(i, 0), num_target_layers - 1) for i in ids]
 
 
 def drafter_group(hf: dict, tp: TPGroup) -> TPGroup:

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("drafter")
     d.add_argument("--num-layers", type=int, default=1)
     d.add_argument("--block-size", type=int, default=8)
-    d.add_argument("--target-layer-ids", default=None, help="comma-separated; default evenly spaced 1..N-3")
+    d.add_argument("--target-layer-ids", default=None, help="comma-separated; default evenly spaced 1..N-3 (within 0..N-1)")
     d.add_argument("--num-target-features", type=int, default=5, help="how many target layers when not given")
     d.add_argument("--mask-token-id", type=int, default=None)
     t = p.add_argument_group("training")

@@ -117,3 +117,9 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
     assert default_target_layer_ids(30, 1) == [15]
+    assert default_target_layer_ids(3, 3) == [1, 0, 0]
+    # too shallow for 1..N-3: clamped into the target's layers (was [1, -1], a layer the target lacks)
+    assert default_target_layer_ids(2, 2) == [1, 0]
+    for n in range(1, 12):
+        for k in range(1, 6):
+            assert all(0 <= i < n for i in default_target_layer_ids(n, k)), (n, k)
