@@ -1,4 +1,4 @@
-"""Triton fused MoE (kernels/triton_moe.py) under ``TRITON_INTERPRET=1`` against the torch reference experts
+"""Triton fused MoE (ddtree_kernels/triton_moe.py) under ``TRITON_INTERPRET=1`` against the torch reference experts
 (layers/moe.py ``FusedExperts``, layers/moe_int4.py ``Int4Experts``) at tiny shapes.
 
 Tolerances: float32 atol 1e-5 / rtol 1e-5 (same products, float32 accumulation in another order); bfloat16
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_align import align_pairs_by_expert
+from ddtree_kernels.moe_align import align_pairs_by_expert
 from model_executor.layers.moe import FusedExperts
 from model_executor.layers.moe_int4 import Int4Experts
 from model_executor.parallel_state import TPGroup

@@ -1,10 +1,10 @@
-"""The key loop shared by the Triton MLA kernels (kernels/triton_mla.py, kernels/triton_mla_split.py).
+"""The key loop shared by the Triton MLA kernels (ddtree_kernels/triton_mla.py, ddtree_kernels/triton_mla_split.py).
 
 ``mla_key_loop`` walks keys ``[lo, hi)`` of request ``b``'s ``kv_indices`` row in ``BLOCK_N`` tiles and
 folds them into an online softmax ``(m_i, l_i, acc)`` (FlashAttention, Dao et al. 2022), base 2: scores
 are ``sm_scale_log2 * (q_lat . c_kv + q_pe . k_pe)``, the latent tile ``c_kv`` serves as V. The single-pass
 kernel calls it with ``[0, n_kv)``, each split-K program with its own chunk. Per tile: load the cache rows
-through ``kv_indices``, dequantize an fp8 tile with its per-token scales (kernels/kv_quant.py), mask keys
+through ``kv_indices``, dequantize an fp8 tile with its per-token scales (ddtree_kernels/kv_quant.py), mask keys
 past ``hi`` and, in ``TREE`` mode, new keys that are not the token's ancestors (``tree_mask[b, i, j -
 prefix]``). A fully masked tile leaves the state unchanged.
 
@@ -65,7 +65,7 @@ def mla_key_loop(
         k_pe = tl.load(
             k_row + L + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
         )  # [BN, BR]
-        if FP8:  # dequantize the tile to the query's dtype: per-token (latent, rope) scales (kernels/kv_quant.py)
+        if FP8:  # dequantize the tile to the query's dtype: per-token (latent, rope) scales (ddtree_kernels/kv_quant.py)
             sc_row = scale_ptr + slot * stride_scale  # [BN]
             sc_lat = tl.load(sc_row, mask=n_mask, other=0.0)  # [BN]
             sc_pe = tl.load(sc_row + 1, mask=n_mask, other=0.0)  # [BN]

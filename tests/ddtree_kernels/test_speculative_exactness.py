@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
-from tests.kernels.tree_helpers import (
+from ddtree_kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
+from tests.ddtree_kernels.tree_helpers import (
     pack_trees,
     random_tree,
     run_sampling,

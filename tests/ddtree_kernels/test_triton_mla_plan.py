@@ -1,4 +1,4 @@
-"""The Triton MLA launch plan (kernels/triton_mla_plan.py) on CPU: tiles within the device's shared memory
+"""The Triton MLA launch plan (ddtree_kernels/triton_mla_plan.py) on CPU: tiles within the device's shared memory
 (issue 33 item 7: float32 on sm120 needed 112,704 B of 101,376), the reference when nothing fits (backend
 resolution, with a log line), and the split-K count chosen by context length and launch size (item 8)."""
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from kernels.triton_mla_plan import (
+from ddtree_kernels.triton_mla_plan import (
     MAX_SPLITS,
     SMEM_OPTIN_BYTES,
     choose_kv_splits,
@@ -89,7 +89,7 @@ def test_nothing_fits_raises_at_launch_and_resolves_to_the_reference(caplog, mon
 
 
 def test_shrunk_tiles_are_logged_once(caplog):
-    with caplog.at_level(logging.INFO, logger="kernels.triton_mla_plan"):
+    with caplog.at_level(logging.INFO, logger="ddtree_kernels.triton_mla_plan"):
         a = tiles_for(8, 512, 64, torch.float32, SM120)
         b = tiles_for(8, 512, 64, torch.float32, SM120)
     assert a == b and a.block_n == 16

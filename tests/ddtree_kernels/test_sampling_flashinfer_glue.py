@@ -1,4 +1,4 @@
-"""flashinfer sampling glue (kernels/sampling.py) against a recording stand-in for flashinfer.sampling:
+"""flashinfer sampling glue (ddtree_kernels/sampling.py) against a recording stand-in for flashinfer.sampling:
 the renorm filters are always called with ``is_deterministic=True`` (TP ranks and seeded replays need
 bit-identical filtering), and a flashinfer without that argument is not used (the deterministic torch
 reference runs), or is an error under DDTREE_REQUIRE_CUDA_KERNELS=1. The CUDA dispatch decision is
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.sampling as sampling
-from kernels.dispatch import CudaKernelUnavailable
-from tests.kernels.flashinfer_standin import SamplingStandin
+import ddtree_kernels.sampling as sampling
+from ddtree_kernels.dispatch import CudaKernelUnavailable
+from tests.ddtree_kernels.flashinfer_standin import SamplingStandin
 
 
 def _route_to(monkeypatch, standin: SamplingStandin) -> None:

@@ -2,7 +2,7 @@
 
 Pipeline for ``x [T, H]`` routed to ``ids [T, k]`` with ``weights [T, k]`` (layers/moe.py contract):
 
-1. ``align_pairs_by_expert`` (kernels/moe_align.py): pair ids sorted by local expert, runs padded to
+1. ``align_pairs_by_expert`` (ddtree_kernels/moe_align.py): pair ids sorted by local expert, runs padded to
    ``BLOCK_M`` rows, one expert per block.
 2. gate/up GEMM, one program per (block of pairs, ``BLOCK_N`` intermediate columns): both the gate row ``n``
    and the up row ``I_r + n`` of ``w13`` are accumulated in float32 and ``silu(gate) * up`` is written to
@@ -20,7 +20,7 @@ registers: ``w = (nibble - 8) * scale``. This is the grouped-GEMM scheme of SGLa
 Numerics: products in the activation dtype (``tl.dot``; float32 runs IEEE, not TF32), float32 accumulation,
 the gate/up activation applied in float32 before rounding to the activation dtype (the INT4 tile is
 dequantized in float32 and rounded to the activation dtype, as the reference's dense weight is). Under the
-interpreter the dot operands are upcast to float32 (kernels/triton_utils.py ``dot_args``). Runs on CUDA, and on CPU
+interpreter the dot operands are upcast to float32 (ddtree_kernels/triton_utils.py ``dot_args``). Runs on CUDA, and on CPU
 tensors under ``TRITON_INTERPRET=1`` (how the tests check it against the torch reference).
 """
 
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_align import AlignedPairs, align_pairs_by_expert
-from kernels.triton_utils import dot_args
+from ddtree_kernels.moe_align import AlignedPairs, align_pairs_by_expert
+from ddtree_kernels.triton_utils import dot_args
 
 
 @triton.jit

@@ -6,7 +6,7 @@ never modified. Kept entries are renormalised to sum to 1; a row whose parameter
 (``top_k <= 0`` or ``top_k >= V``; ``top_p >= 1``; ``min_p <= 0``) is returned bit-for-bit unchanged.
 
 CUDA path: ``flashinfer.sampling.top_k_renorm_probs`` / ``top_p_renorm_probs`` when the tensors are on
-CUDA and flashinfer imports (see ``kernels.dispatch``), always with ``is_deterministic=True``: by
+CUDA and flashinfer imports (see ``ddtree_kernels.dispatch``), always with ``is_deterministic=True``: by
 default flashinfer's top-p accumulates its radix histogram with float atomics and its multi-block top-k
 sums partial masses with atomics, so two TP ranks (or a seeded replay) could keep different boundary
 tokens. A flashinfer without that argument is not used (the reference runs instead, which is
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.dispatch import (
+from ddtree_kernels.dispatch import (
     FLASHINFER,
     CudaKernelUnavailable,
     cuda_kernels_required,

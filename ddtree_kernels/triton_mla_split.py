@@ -1,7 +1,7 @@
 """Split-K (flash-decoding) variant of the Triton MLA kernel: each program walks one chunk of its token's
 keys and the chunks are merged by their log-sum-exp (the idea of Dao et al.'s Flash-Decoding, 2023).
 
-Why: ``kernels/triton_mla.py`` runs one program per (new token, head block), walking all of the token's
+Why: ``ddtree_kernels/triton_mla.py`` runs one program per (new token, head block), walking all of the token's
 keys. At small batch and long context (Kimi K2.6 at TP 8, batch 1: 8 local heads, one program per layer)
 that leaves all but one SM idle. Here the grid is (token, head block, split): split ``s`` of a token with
 ``n`` visible-range keys walks keys ``[s * c, min((s + 1) * c, n))`` with ``c = ceil(n / S)`` rounded up to
@@ -9,8 +9,8 @@ that leaves all but one SM idle. Here the grid is (token, head block, split): sp
 ``lse_s = m_s + log2(l_s)`` (base 2, as the kernel's scores; ``-inf`` for a split with no visible key).
 The merge computes ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``, which
 is the softmax over all keys. Masks and lengths are the main kernel's (decode, causal extend, tree verify), and so is the fp8 cache's
-per-tile dequantization: both kernels run the same key loop (kernels/triton_mla_keys.py) over their own key range.
-The split count comes from ``kernels/triton_mla_plan.choose_kv_splits``; the tiles from
+per-tile dequantization: both kernels run the same key loop (ddtree_kernels/triton_mla_keys.py) over their own key range.
+The split count comes from ``ddtree_kernels/triton_mla_plan.choose_kv_splits``; the tiles from
 ``choose_mla_tiles`` (same shared memory as the main kernel).
 """
 
@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_mla_keys import mla_key_loop
-from kernels.triton_mla_plan import MlaTiles
-from kernels.triton_utils import dot_args
+from ddtree_kernels.triton_mla_keys import mla_key_loop
+from ddtree_kernels.triton_mla_plan import MlaTiles
+from ddtree_kernels.triton_utils import dot_args
 
 
 @triton.jit

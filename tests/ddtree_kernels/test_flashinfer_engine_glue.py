@@ -9,11 +9,11 @@ import types
 
 import torch
 
-from kernels.attention_flashinfer import FlashInferAttentionBackend
+from ddtree_kernels.attention_flashinfer import FlashInferAttentionBackend
 from model_executor.model_runner import warm_up_attention
 from model_executor.sampling_params import SamplingParams
 from server.engine import Engine
-from tests.kernels.flashinfer_standin import make_flashinfer_standin
+from tests.ddtree_kernels.flashinfer_standin import make_flashinfer_standin
 from tests.speculative.drafter_utils import write_random_drafter
 from tests.speculative.scripted_drafts import greedy_script, install
 

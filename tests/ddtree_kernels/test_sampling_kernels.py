@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import (
+from ddtree_kernels.sampling import (
     inverse_cdf_sample,
     min_p_renorm_prob,
     sampling_from_probs,

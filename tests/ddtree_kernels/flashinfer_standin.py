@@ -1,6 +1,6 @@
 """A recording stand-in for the parts of the flashinfer module that our glue calls (flashinfer cannot run
 without CUDA). It records every call and computes what flashinfer documents, from the plan's arguments
-alone (written independently of kernels/attention.py), so a test catches wrong index pointers, page
+alone (written independently of ddtree_kernels/attention.py), so a test catches wrong index pointers, page
 indices, masks or kernel choices:
 
 - ``BatchPrefillWithPagedKVCacheWrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, d,
@@ -18,7 +18,7 @@ indices, masks or kernel choices:
   ``BatchPrefillWithPagedKVCacheSM90Run``). An explicit ``backend="fa3"`` off sm90 cannot compile: raised
   at ``plan``. ``make_flashinfer_standin(sm=...)`` sets the architecture (default 90, Hopper, the strictest).
 - ``sampling.top_k_renorm_probs(probs, top_k, is_deterministic=False)`` and ``top_p_renorm_probs``: the
-  torch reference of kernels/sampling.py on the given arguments.
+  torch reference of ddtree_kernels/sampling.py on the given arguments.
 """
 
 from __future__ import annotations

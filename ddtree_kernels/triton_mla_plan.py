@@ -1,6 +1,6 @@
-"""Launch plan of the Triton MLA kernels (kernels/triton_mla.py, kernels/triton_mla_split.py): tile sizes
+"""Launch plan of the Triton MLA kernels (ddtree_kernels/triton_mla.py, ddtree_kernels/triton_mla_split.py): tile sizes
 that fit the device's shared memory, and how many key splits (flash-decoding) a launch uses. Pure rules
-over shapes and device facts, so they are tested on CPU (tests/kernels/test_triton_mla_plan.py).
+over shapes and device facts, so they are tested on CPU (tests/ddtree_kernels/test_triton_mla_plan.py).
 
 Tiles. One program holds a ``[BLOCK_H, L + R]`` query tile and a ``[BLOCK_N, L + R]`` key tile in shared
 memory (the latent serves as K and V), plus a small scratch tile. ``mla_smem_bytes`` estimates that from

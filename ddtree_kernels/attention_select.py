@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import TorchAttentionBackend
-from kernels.dispatch import (
+from ddtree_kernels.attention import TorchAttentionBackend
+from ddtree_kernels.dispatch import (
     FLASHINFER,
     CudaKernelUnavailable,
     cuda_kernels_required,
@@ -110,6 +110,6 @@ def get_attention_backend(
     logger.info("attention backend: %s (%s)", choice.backend, choice.reason)
     if choice.backend == "torch":
         return TorchAttentionBackend()
-    from kernels.attention_flashinfer import FlashInferAttentionBackend
+    from ddtree_kernels.attention_flashinfer import FlashInferAttentionBackend
 
     return FlashInferAttentionBackend(device if device is not None else "cuda")

@@ -1,5 +1,5 @@
-"""flashinfer backend for ``kernels.attention``'s interface (CUDA only; its glue is tested on CPU against a
-recording stand-in for the flashinfer module, tests/kernels/test_attention_flashinfer_glue.py).
+"""flashinfer backend for ``ddtree_kernels.attention``'s interface (CUDA only; its glue is tested on CPU against a
+recording stand-in for the flashinfer module, tests/ddtree_kernels/test_attention_flashinfer_glue.py).
 
 Same ``forward`` contract as ``TorchAttentionBackend``: write the new tokens' k/v into the token-granular
 cache at ``out_cache_loc``, then attend every new token to the keys of its request. flashinfer sees the
@@ -33,8 +33,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.attention import AttentionMeta
-from kernels.dispatch import FLASHINFER, require_cuda_library
+from ddtree_kernels.attention import AttentionMeta
+from ddtree_kernels.dispatch import FLASHINFER, require_cuda_library
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from kernels.speculative import tree_speculative_sampling_target_only, verify_tree_greedy
+from ddtree_kernels.speculative import tree_speculative_sampling_target_only, verify_tree_greedy
 
 # ----------------------------------------------------------------------------- tree helpers
 

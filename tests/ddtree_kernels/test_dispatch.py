@@ -1,4 +1,4 @@
-"""kernels/dispatch.py: import failures are recorded with their reason, and a required library that does
+"""ddtree_kernels/dispatch.py: import failures are recorded with their reason, and a required library that does
 not import is an error naming the reason (the GPU check's DDTREE_REQUIRE_CUDA_KERNELS=1)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import (
+from ddtree_kernels.dispatch import (
     CudaKernelUnavailable,
     backend_name,
     cuda_kernels_required,

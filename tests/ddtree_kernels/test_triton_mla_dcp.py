@@ -1,4 +1,4 @@
-"""The DCP Triton MLA kernel (kernels/triton_mla_dcp.py) under ``TRITON_INTERPRET=1``: on each rank's shard of a
+"""The DCP Triton MLA kernel (ddtree_kernels/triton_mla_dcp.py) under ``TRITON_INTERPRET=1``: on each rank's shard of a
 KV pool placed by ``KVSlots`` with 2 and 3 DCP ranks (tree nodes by position), its partial output and
 log-sum-exp equal the torch reference's (``masked_paged_attention_lse`` over ``shard_keys``) for extend after a
 prefix, decode and tree verify, and the merged partials equal full attention over the unsharded cache; an fp8
@@ -10,8 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import masked_paged_attention, masked_paged_attention_lse, merge_attention_partials
-from kernels.kv_quant import dequantize_latent, quantize_latent
+from ddtree_kernels.attention import (
+    masked_paged_attention,
+    masked_paged_attention_lse,
+    merge_attention_partials,
+)
+from ddtree_kernels.kv_quant import dequantize_latent, quantize_latent
 from model_executor.forward_batch import ForwardBatch
 from model_executor.kv_slots import KVSlots
 from model_executor.layers.dcp_attention import shard_keys
@@ -19,7 +23,7 @@ from tests.model_executor.test_dcp_attention import _forwards
 
 pytest.importorskip("triton")
 
-from kernels.triton_mla_dcp import MLA_DCP_KERNELS  # noqa: E402
+from ddtree_kernels.triton_mla_dcp import MLA_DCP_KERNELS  # noqa: E402
 
 LAT, ROPE, HEADS = 16, 8, 3
 

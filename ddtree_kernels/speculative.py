@@ -11,7 +11,7 @@ the accepted child's token; at the last accepted node's row: the bonus token; ot
 depth + 1) and ``accept_token_num`` int32 ``[bs]`` (accepted drafts, root not counted).
 
 The reference is vectorised over the batch (Python loops run over depth and sibling steps only). On CUDA
-tensors with sgl-kernel importable (``kernels.dispatch.use_cuda_kernels``) sgl-kernel's kernels run
+tensors with sgl-kernel importable (``ddtree_kernels.dispatch.use_cuda_kernels``) sgl-kernel's kernels run
 instead.
 
 Acceptance rule of the sampling kernel (``coin_rule``): a child of target probability ``p`` is accepted iff
@@ -34,8 +34,8 @@ from typing import Final, Literal
 
 import torch
 
-from kernels.dispatch import SGL_KERNEL, import_cuda_library, use_cuda_kernels
-from kernels.sampling import inverse_cdf_sample
+from ddtree_kernels.dispatch import SGL_KERNEL, import_cuda_library, use_cuda_kernels
+from ddtree_kernels.sampling import inverse_cdf_sample
 
 _SIMPLEX_ATOL = 1e-3  # |row sum - 1| allowed for target probability rows that the walk reads
 _NEG_ATOL = 1e-6  # entries above -_NEG_ATOL count as non-negative

@@ -1,4 +1,4 @@
-"""Triton MLA kernels (kernels/triton_mla.py) under ``TRITON_INTERPRET=1`` against the reference
+"""Triton MLA kernels (ddtree_kernels/triton_mla.py) under ``TRITON_INTERPRET=1`` against the reference
 ``masked_paged_attention`` over the same latent cache and ``ForwardBatch`` metadata.
 
 Shapes: ragged batches (prefix 0 included), random token slots, random draft trees, latent 32 / rope 8
@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import masked_paged_attention
+from ddtree_kernels.attention import masked_paged_attention
 from model_executor.forward_batch import ForwardMode, build_forward_batch
 
 pytest.importorskip("triton")
 
-from kernels.triton_mla import MLA_KERNELS  # noqa: E402
-from kernels.triton_mla_plan import choose_mla_tiles  # noqa: E402
+from ddtree_kernels.triton_mla import MLA_KERNELS  # noqa: E402
+from ddtree_kernels.triton_mla_plan import choose_mla_tiles  # noqa: E402
 
 
 def _tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
@@ -140,7 +140,7 @@ def test_long_context_decode_takes_the_split_path(monkeypatch):
     """The launch's choice: a decode of one request over 1,100 keys on a GPU of 132 SMs (the SM count, a
     device fact, is given: there is none on CPU) runs split-K (2 splits of >= 512 keys) and matches the
     reference; the same call on CPU (no SM count) runs the single-pass kernel."""
-    import kernels.triton_mla as tm
+    import ddtree_kernels.triton_mla as tm
 
     calls = []
     real = tm.launch_split

@@ -1,4 +1,4 @@
-"""Launch-time choices shared by the Triton kernels (kernels/triton_moe.py, kernels/triton_mla.py)."""
+"""Launch-time choices shared by the Triton kernels (ddtree_kernels/triton_moe.py, ddtree_kernels/triton_mla.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The Triton MLA kernels (decode, extend, tree verify, split-K) over an fp8 latent cache
-(``--kv-cache-dtype fp8_e4m3``, kernels/kv_quant.py) under ``TRITON_INTERPRET=1``, against the torch reference
+(``--kv-cache-dtype fp8_e4m3``, ddtree_kernels/kv_quant.py) under ``TRITON_INTERPRET=1``, against the torch reference
 over the same cache dequantized: both read identical float32 values, so the tolerance is the float32 one of
-tests/kernels/test_triton_mla.py (atol/rtol 1e-5). The rope part is 100x smaller than the latent, so a kernel
+tests/ddtree_kernels/test_triton_mla.py (atol/rtol 1e-5). The rope part is 100x smaller than the latent, so a kernel
 applying one scale to both (or none) fails. Tiny shapes: the interpreter is slow."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import masked_paged_attention
-from kernels.kv_quant import FP8_KV_DTYPE, dequantize_latent, quantize_latent
+from ddtree_kernels.attention import masked_paged_attention
+from ddtree_kernels.kv_quant import FP8_KV_DTYPE, dequantize_latent, quantize_latent
 from model_executor.forward_batch import ForwardMode
-from tests.kernels.test_triton_mla import _case
+from tests.ddtree_kernels.test_triton_mla import _case
 
 pytest.importorskip("triton")
 
-from kernels.triton_mla import MLA_KERNELS  # noqa: E402
-from kernels.triton_mla_plan import choose_mla_tiles  # noqa: E402
+from ddtree_kernels.triton_mla import MLA_KERNELS  # noqa: E402
+from ddtree_kernels.triton_mla_plan import choose_mla_tiles  # noqa: E402
 
 LAT, ROPE = 32, 8
 

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import is_fp8
-from kernels.triton_mla_plan import MlaTiles, device_arch, device_smem_limit, tiles_for
-from kernels.triton_utils import dot_args
+from ddtree_kernels.kv_quant import is_fp8
+from ddtree_kernels.triton_mla_plan import MlaTiles, device_arch, device_smem_limit, tiles_for
+from ddtree_kernels.triton_utils import dot_args
 
 LOG2E = 1.4426950408889634
 LN2_C = tl.constexpr(0.6931471805599453)  # ln 2: the kernel's base-2 scores -> a natural-log lse

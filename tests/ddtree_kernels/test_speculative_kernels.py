@@ -9,8 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.speculative import PINNED_COIN_RULE, tree_speculative_sampling_target_only, verify_tree_greedy
-from tests.kernels.tree_helpers import (
+from ddtree_kernels.speculative import (
+    PINNED_COIN_RULE,
+    tree_speculative_sampling_target_only,
+    verify_tree_greedy,
+)
+from tests.ddtree_kernels.tree_helpers import (
     check_path_structure,
     naive_sampling,
     naive_walk,

@@ -1,4 +1,4 @@
-"""The GPU tests build kernel arguments with tests/kernels/tree_helpers.py and move only the tree to CUDA:
+"""The GPU tests build kernel arguments with tests/ddtree_kernels/tree_helpers.py and move only the tree to CUDA:
 every buffer the helpers create must follow the tree's device, or the kernels' device check raises
 before any kernel runs (as it did for three GPU tests). Checked with a second device that exists
 everywhere ("meta") through the same argument validation the kernels run first."""
@@ -9,8 +9,8 @@ import random
 
 import torch
 
-from kernels.speculative import _validate_tree
-from tests.kernels.tree_helpers import greedy_args, pack_trees, random_tree, sampling_args
+from ddtree_kernels.speculative import _validate_tree
+from tests.ddtree_kernels.tree_helpers import greedy_args, pack_trees, random_tree, sampling_args
 
 _TREE_ARGS = (
     "predicts",

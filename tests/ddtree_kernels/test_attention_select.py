@@ -1,4 +1,4 @@
-"""Attention backend selection by device, dtype and head dim (kernels/attention_select.py), decided
+"""Attention backend selection by device, dtype and head dim (ddtree_kernels/attention_select.py), decided
 without CUDA: flashinfer only for 16-bit models with head dims it instantiates; float32 on CUDA gets the
 torch reference ("auto") or a clear start-up error ("flashinfer"); the require switch makes a fallback
 that should not happen an error."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_select import select_attention_backend
-from kernels.dispatch import CudaKernelUnavailable
+from ddtree_kernels.attention_select import select_attention_backend
+from ddtree_kernels.dispatch import CudaKernelUnavailable
 
 
 def _pick(name="auto", device="cuda", dtype=torch.bfloat16, hd=64, hdv=64, cuda=True, fi=True):

@@ -1,5 +1,5 @@
 """sgl-kernel's sampled tree verification addresses probabilities with 32-bit row offsets, so
-kernels/speculative.py splits each call over requests (rows x D x V <= 2^31). Tested against a recording
+ddtree_kernels/speculative.py splits each call over requests (rows x D x V <= 2^31). Tested against a recording
 stand-in for the kernel that checks every chunk's limits and views, and computes like the kernel (global
 ``retrive_index`` rows written as given) with the torch reference; the reassembled outputs must equal
 one unsplit reference call."""
@@ -11,13 +11,13 @@ import random
 import pytest
 import torch
 
-from kernels.speculative import (
+from ddtree_kernels.speculative import (
     SGL_SAMPLING_MAX_ELEMENTS,
     _call_sgl_sampling,
     sgl_sampling_chunks,
     tree_speculative_sampling_target_only,
 )
-from tests.kernels.tree_helpers import outputs, pack_trees, random_tree
+from tests.ddtree_kernels.tree_helpers import outputs, pack_trees, random_tree
 
 
 def test_chunks_cover_the_batch_within_the_limit():

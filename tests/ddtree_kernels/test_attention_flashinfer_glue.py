@@ -1,4 +1,4 @@
-"""flashinfer attention glue (kernels/attention_flashinfer.py) against a recording stand-in for flashinfer:
+"""flashinfer attention glue (ddtree_kernels/attention_flashinfer.py) against a recording stand-in for flashinfer:
 metadata built the way the scheduler, spec worker and datagen build it (under torch.inference_mode(),
 whose tensors have no version counter), the kernel and plan arguments chosen per forward mode, one plan
 per forward, and outputs equal to the torch reference backend."""
@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.attention import TorchAttentionBackend
-from kernels.attention_flashinfer import FlashInferAttentionBackend, plan_arguments
+from ddtree_kernels.attention import TorchAttentionBackend
+from ddtree_kernels.attention_flashinfer import FlashInferAttentionBackend, plan_arguments
 from model_executor.forward_batch import ForwardMode, build_forward_batch
-from tests.kernels.flashinfer_standin import make_flashinfer_standin
+from tests.ddtree_kernels.flashinfer_standin import make_flashinfer_standin
 
 HQ, HKV, D = 4, 2, 16
 

@@ -6,7 +6,7 @@ Per layer the cache holds one latent row per token, ``c = [c_kv (kv_lora_rank L)
 absorbed (``q_lat = q_nope W_UK``), reading the cache rows in place through ``kv_indices`` (no gathered
 copy) with an online softmax over ``BLOCK_N`` keys at a time (FlashAttention, Dao et al. 2022); the latent
 serves as both K and V. That key loop is one ``@triton.jit`` helper shared with the split-K kernel
-(kernels/triton_mla_keys.py).
+(ddtree_kernels/triton_mla_keys.py).
 
 Modes, all over the ``ForwardBatch`` metadata (model_executor/forward_batch.py):
 - ``mla_decode``: one new token per request; it sees its request's ``prefix + 1`` keys.
@@ -17,12 +17,12 @@ Modes, all over the ``ForwardBatch`` metadata (model_executor/forward_batch.py):
   ``ForwardBatch.tree_mask``, or taken from ``attn_mask``'s new-token block when not given.
 
 One program per (new token, ``BLOCK_H`` heads) walks all of the token's keys; when a launch has few programs
-and the context is long (small-batch decode or verify), the split-K variant (kernels/triton_mla_split.py)
+and the context is long (small-batch decode or verify), the split-K variant (ddtree_kernels/triton_mla_split.py)
 splits the keys over more programs and merges them by log-sum-exp. Tiles (``BLOCK_H``, ``BLOCK_N``) and the
-split count: kernels/triton_mla_plan.py (within the device's shared memory, e.g. float32 on sm120 takes
+split count: ddtree_kernels/triton_mla_plan.py (within the device's shared memory, e.g. float32 on sm120 takes
 16-key tiles). Numerics:
 products in the cache dtype, float32 scores, softmax and accumulation; output in the query's dtype. An fp8
-cache (``--kv-cache-dtype fp8_e4m3``, format in kernels/kv_quant.py) passes its per-token scales; each key tile
+cache (``--kv-cache-dtype fp8_e4m3``, format in ddtree_kernels/kv_quant.py) passes its per-token scales; each key tile
 is dequantized to the query's (model) dtype after its load, so products run as for a 16/32-bit cache. Runs on
 CUDA, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import is_fp8
-from kernels.triton_mla_keys import mla_key_loop
-from kernels.triton_mla_plan import (
+from ddtree_kernels.kv_quant import is_fp8
+from ddtree_kernels.triton_mla_keys import mla_key_loop
+from ddtree_kernels.triton_mla_plan import (
     MlaTiles,
     choose_kv_splits,
     device_arch,
@@ -43,8 +43,8 @@ from kernels.triton_mla_plan import (
     device_smem_limit,
     tiles_for,
 )
-from kernels.triton_mla_split import launch_split
-from kernels.triton_utils import dot_args
+from ddtree_kernels.triton_mla_split import launch_split
+from ddtree_kernels.triton_utils import dot_args
 
 LOG2E = 1.4426950408889634
 
@@ -132,10 +132,10 @@ def _launch(
 ) -> torch.Tensor:
     """q [T, Hr, L + R] (absorbed, in the cache dtype; with an fp8 cache in the model's dtype); k_cache
     [slots, 1, L + R] -> o_lat [T, Hr, L] in q's dtype. ``k_scale`` [slots, 2] float32: the per-token
-    (latent, rope) scales of an fp8 cache (kernels/kv_quant.py), None for a 16/32-bit cache.
+    (latent, rope) scales of an fp8 cache (ddtree_kernels/kv_quant.py), None for a 16/32-bit cache.
 
     ``tiles``: default ``tiles_for`` the device's shared memory. ``num_splits``: key splits
-    (kernels/triton_mla_split.py); default ``choose_kv_splits`` from the launch's programs, the key columns
+    (ddtree_kernels/triton_mla_split.py); default ``choose_kv_splits`` from the launch's programs, the key columns
     of ``kv_indices`` and the device's SM count (1 on CPU); 1 runs the single-pass kernel."""
     t, heads, width = q.shape
     lat, rope = kv_lora_rank, width - kv_lora_rank

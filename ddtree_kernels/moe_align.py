@@ -1,6 +1,6 @@
 """Sort (token, expert) pairs by local expert and pad each expert's run to a multiple of ``block_m``.
 
-The grouped MoE GEMM (kernels/triton_moe.py) launches one program per ``block_m`` rows of the sorted list;
+The grouped MoE GEMM (ddtree_kernels/triton_moe.py) launches one program per ``block_m`` rows of the sorted list;
 every block holds rows of exactly one expert, so a program loads that expert's weights once. Rows are flat
 pair ids ``t * top_k + s`` (token ``t``, routing slot ``s``); padding rows hold the sentinel ``T * top_k``.
 
