@@ -47,7 +47,7 @@ COPY pyproject.toml README.md ./
 COPY server ./server
 COPY speculative ./speculative
 COPY model_executor ./model_executor
-COPY kernels ./kernels
+COPY ddtree_kernels ./ddtree_kernels
 COPY configs ./configs
 COPY docs ./docs
 # This project; torch is installed above (pyproject bounds it: >=2.11), the cuda extra is pinned.

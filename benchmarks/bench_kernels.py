@@ -22,13 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from kernels.sampling import (  # noqa: E402
+from ddtree_kernels.sampling import (  # noqa: E402
     min_p_renorm_prob,
     sampling_from_probs,
     top_k_renorm_prob,
     top_p_renorm_prob,
 )
-from kernels.speculative import tree_speculative_sampling_target_only, verify_tree_greedy  # noqa: E402
+from ddtree_kernels.speculative import tree_speculative_sampling_target_only, verify_tree_greedy  # noqa: E402
 
 FULL = dict(bs=(1, 8, 32), nodes=(8, 32, 128), vocab=(49152, 163840))
 QUICK = dict(bs=(1, 8), nodes=(8, 32), vocab=(49152,))
@@ -251,7 +251,7 @@ def main() -> None:
 
 
 def _dispatch_info(device: torch.device) -> dict:
-    from kernels.dispatch import FLASHINFER, SGL_KERNEL, use_cuda_kernels
+    from ddtree_kernels.dispatch import FLASHINFER, SGL_KERNEL, use_cuda_kernels
 
     t = torch.zeros(1, device=device)
     return {lib: use_cuda_kernels(t, library=lib) for lib in (SGL_KERNEL, FLASHINFER + ".sampling")}

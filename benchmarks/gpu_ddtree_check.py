@@ -29,7 +29,7 @@ PARTS = (("sgl_kernel", "verify_tree_greedy"), ("flashinfer", "BatchPrefillWithP
 
 def _count_calls(counts: dict[str, int]) -> None:
     """Wrap each PARTS function (the real one still runs) to count its calls into ``counts``."""
-    from kernels.dispatch import import_cuda_library
+    from ddtree_kernels.dispatch import import_cuda_library
 
     for lib, attr in PARTS:
         mod = import_cuda_library(lib)
@@ -65,7 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from kernels.dispatch import cuda_kernels_required
+    from ddtree_kernels.dispatch import cuda_kernels_required
 
     missing = 1 if cuda_kernels_required() else 2
     if not torch.cuda.is_available():

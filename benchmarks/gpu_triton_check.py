@@ -1,5 +1,5 @@
-"""GPU check (one device, nothing fetched, < 3 minutes): the Triton kernels (kernels/triton_moe.py,
-kernels/triton_mla.py, the split-K kernels/triton_mla_split.py at batch 1 and 32k context) against the torch
+"""GPU check (one device, nothing fetched, < 3 minutes): the Triton kernels (ddtree_kernels/triton_moe.py,
+ddtree_kernels/triton_mla.py, the split-K ddtree_kernels/triton_mla_split.py at batch 1 and 32k context) against the torch
 reference on CUDA at Kimi K2.6 per-rank shapes (TP 8), with their times, the same kernels over an fp8 KV cache
 (``--kv-cache-dtype fp8_e4m3``) against the reference over the dequantized cache, then the tiny Kimi INT4 model through the Engine with each backend: greedy tokens must agree between
 backends (and DDTree must equal plain greedy; fp8 KV runs compare with the fp8 torch/torch run); prints
@@ -102,8 +102,8 @@ def check_moe(experts: int, results: dict, dev: str, tiny: bool) -> bool:
 
 def check_mla(results: dict, dev: str, tiny: bool) -> bool:
     """Kimi K2.6 MLA at TP 8: 8 local heads, kv_lora 512, rope 64; decode, extend and a 17-node verify."""
-    from kernels.attention import masked_paged_attention
-    from kernels.triton_mla import MLA_KERNELS
+    from ddtree_kernels.attention import masked_paged_attention
+    from ddtree_kernels.triton_mla import MLA_KERNELS
     from model_executor.forward_batch import ForwardMode, build_forward_batch
 
     heads, lat, rope, bs = (4, 32, 8, 2) if tiny else (8, 512, 64, 8)
@@ -161,12 +161,12 @@ def check_mla(results: dict, dev: str, tiny: bool) -> bool:
 
 
 def check_mla_fp8(results: dict, dev: str, tiny: bool) -> bool:
-    """The MLA kernels over an fp8 latent cache (``--kv-cache-dtype fp8_e4m3``, kernels/kv_quant.py) at Kimi
+    """The MLA kernels over an fp8 latent cache (``--kv-cache-dtype fp8_e4m3``, ddtree_kernels/kv_quant.py) at Kimi
     K2.6 TP 8 shapes: decode, extend, a verify tree and split-K decode at 32k keys, against the reference over
     the same cache dequantized to bfloat16 (both read identical values)."""
-    from kernels.attention import masked_paged_attention
-    from kernels.kv_quant import dequantize_latent, quantize_latent
-    from kernels.triton_mla import MLA_KERNELS
+    from ddtree_kernels.attention import masked_paged_attention
+    from ddtree_kernels.kv_quant import dequantize_latent, quantize_latent
+    from ddtree_kernels.triton_mla import MLA_KERNELS
     from model_executor.forward_batch import ForwardMode, build_forward_batch
 
     heads, lat, rope = (4, 32, 8) if tiny else (8, 512, 64)
@@ -210,12 +210,12 @@ def check_mla_fp8(results: dict, dev: str, tiny: bool) -> bool:
 
 
 def check_mla_split(results: dict, dev: str, tiny: bool) -> bool:
-    """Split-K MLA (kernels/triton_mla_split.py) at batch 1 and long context (Kimi TP 8 shapes, 32k keys;
+    """Split-K MLA (ddtree_kernels/triton_mla_split.py) at batch 1 and long context (Kimi TP 8 shapes, 32k keys;
     tiny: 300): decode and a 17-node verify, the launch's own choice (on CUDA it must split: fails loudly
     otherwise) and forced 4 splits against the reference; times of the single-pass kernel and the choice."""
-    from kernels.attention import masked_paged_attention
-    from kernels.triton_mla import MLA_KERNELS
-    from kernels.triton_mla_plan import choose_kv_splits, device_sm_count, preferred_block_h
+    from ddtree_kernels.attention import masked_paged_attention
+    from ddtree_kernels.triton_mla import MLA_KERNELS
+    from ddtree_kernels.triton_mla_plan import choose_kv_splits, device_sm_count, preferred_block_h
     from model_executor.forward_batch import ForwardMode, build_forward_batch
 
     heads, lat, rope, ctx = (4, 32, 8, 300) if tiny else (8, 512, 64, 32768)

@@ -27,7 +27,7 @@ from enum import Enum
 
 import torch
 
-from kernels.attention import AttentionMeta
+from ddtree_kernels.attention import AttentionMeta
 
 
 class ForwardMode(Enum):

@@ -7,20 +7,20 @@ What is wired (anything else is a ValueError naming the alternatives):
 model              attention_backend                                moe_backend
 =================  ===============================================  ==========================================
 MLA (DeepSeek-V3,  ``torch`` (reference) | ``triton``                ``torch`` (reference) | ``triton``
-Kimi K2.x)         (kernels/triton_mla.py); auto: triton on CUDA    (kernels/triton_moe.py, dense or INT4);
+Kimi K2.x)         (ddtree_kernels/triton_mla.py); auto: triton on CUDA    (ddtree_kernels/triton_moe.py, dense or INT4);
                                                                     auto: triton on CUDA
 MHA (Llama, Qwen)  ``torch`` | ``flashinfer`` | auto (flashinfer     ``torch`` / auto only (no routed experts)
-                   on CUDA when it imports: kernels/attention_select)
+                   on CUDA when it imports: ddtree_kernels/attention_select)
 =================  ===============================================  ==========================================
 
 ``auto`` takes the reference when ``DDTREE_KERNELS=torch`` or Triton does not import. Triton on a CPU
 device runs only in Triton's interpreter (``TRITON_INTERPRET=1``, how tests check the kernels); asking for it
 on CPU without the interpreter is an error. MLA on a CUDA device: the Triton kernel must fit the device's
-shared memory at the model's latent width and dtype with its smallest tiles (kernels/triton_mla_plan.py;
+shared memory at the model's latent width and dtype with its smallest tiles (ddtree_kernels/triton_mla_plan.py;
 it shrinks its tiles to fit, e.g. float32 on sm120, and logs that); if even those do not fit, ``auto``
 takes the reference with a log line and ``triton`` is a startup error.
 
-An fp8 KV cache (``--kv-cache-dtype fp8_e4m3``, kernels/kv_quant.py) is read by both MLA backends (the Triton
+An fp8 KV cache (``--kv-cache-dtype fp8_e4m3``, ddtree_kernels/kv_quant.py) is read by both MLA backends (the Triton
 kernels dequantize each key tile); on CUDA the Triton kernels need fp8 conversions in hardware (compute
 capability 8.9 or newer): below that ``auto`` takes the reference with a log line and ``triton`` is a
 startup error. MHA models reject fp8 at ``ModelConfig.load`` (no backend of theirs reads it).
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from kernels.dispatch import kernels_forced_to_torch
-from kernels.kv_quant import is_fp8
-from kernels.triton_mla_plan import device_arch, device_smem_limit, smallest_tiles_fit
-from kernels.triton_utils import interpreting
+from ddtree_kernels.dispatch import kernels_forced_to_torch
+from ddtree_kernels.kv_quant import is_fp8
+from ddtree_kernels.triton_mla_plan import device_arch, device_smem_limit, smallest_tiles_fit
+from ddtree_kernels.triton_utils import interpreting
 
 logger = logging.getLogger(__name__)
 

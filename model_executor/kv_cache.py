@@ -2,7 +2,7 @@
 
 - ``KVCache``: per-layer K and V buffers ``[num_slots + 1, kv_heads, dim]`` (MLA stores its latent as
   K with ``v_dim = 0``). An fp8 cache (``--kv-cache-dtype fp8_e4m3``, MLA only) also holds per-layer scales
-  ``k_scale [num_slots + 1, 2]`` float32 (kernels/kv_quant.py: the format and its error bound).
+  ``k_scale [num_slots + 1, 2]`` float32 (ddtree_kernels/kv_quant.py: the format and its error bound).
 - ``TokenSlotAllocator``: the free list. Allocation failure returns None (the scheduler queues or
   retracts); freeing is exact and double frees are detected.
 - ``ShardedSlotAllocator``: the free lists of a KV pool sharded over a decode-context-parallel group
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_quant import SCALE_BYTES_PER_ROW, SCALES_PER_ROW, is_fp8, kv_elem_bytes
+from ddtree_kernels.kv_quant import SCALE_BYTES_PER_ROW, SCALES_PER_ROW, is_fp8, kv_elem_bytes
 
 
 @dataclass(frozen=True)

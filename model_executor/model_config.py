@@ -65,7 +65,7 @@ class ModelConfig:
         """``int4_experts``: "auto" keeps INT4 experts packed on CUDA (a dense copy would not fit) and
         dequantizes them at load on CPU (dense GEMMs are faster there). ``attention_backend`` /
         ``moe_backend``: see model_executor/kernel_backends.py. ``kv_cache_dtype``: auto | bfloat16 |
-        fp8_e4m3 (kernels/kv_quant.py; fp8 is wired for MLA models only, a ValueError otherwise)."""
+        fp8_e4m3 (ddtree_kernels/kv_quant.py; fp8 is wired for MLA models only, a ValueError otherwise)."""
         if int4_experts not in ("auto", "packed", "dequant"):
             raise ValueError(f"int4_experts must be auto, packed or dequant, got {int4_experts!r}")
         if int4_experts == "auto":
@@ -86,7 +86,7 @@ class ModelConfig:
             if e is not None:
                 eos.extend(e if isinstance(e, list) else [e])
                 break
-        from kernels.kv_quant import is_fp8, resolve_kv_cache_dtype
+        from ddtree_kernels.kv_quant import is_fp8, resolve_kv_cache_dtype
         from model_executor.kernel_backends import is_mla, resolve_kernel_backends
 
         dt = resolve_dtype(dtype, device)

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from kernels.attention import TorchAttentionBackend
-from kernels.sampling import warm_up_filters
+from ddtree_kernels.attention import TorchAttentionBackend
+from ddtree_kernels.sampling import warm_up_filters
 from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from model_executor.kv_cache import KVCache, KVCacheLayout
 from model_executor.kv_slots import KVSlots
@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 def pick_attention_backend(device: torch.device, dtype: torch.dtype, layout: KVCacheLayout, name: str = "auto"):
     """The attention backend for a model of ``dtype`` whose KV cache has ``layout`` (``name``: auto | torch |
     flashinfer, from ``--attention-backend``; auto = flashinfer on CUDA when the dtype and head dims fit it,
-    kernels.attention_select). A layout without a V buffer (MLA) is a model that runs its own latent
+    ddtree_kernels.attention_select). A layout without a V buffer (MLA) is a model that runs its own latent
     attention (torch or triton) and never calls the backend."""
     if layout.v_dim == 0 or name in ("torch", "triton"):
         return TorchAttentionBackend()
-    from kernels.attention_select import get_attention_backend
+    from ddtree_kernels.attention_select import get_attention_backend
 
     return get_attention_backend(name, device, dtype, layout.k_dim, layout.v_dim)
 

@@ -10,7 +10,12 @@ from typing import Protocol
 
 import torch
 
-from kernels.sampling import min_p_renorm_prob, sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
+from ddtree_kernels.sampling import (
+    min_p_renorm_prob,
+    sampling_from_probs,
+    top_k_renorm_prob,
+    top_p_renorm_prob,
+)
 from model_executor.grammar.masks import mask_logits
 from model_executor.grammar.state import GrammarState
 from model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties

@@ -4,7 +4,7 @@ One target forward gives logits for every tree node (row i = the target's distri
 follows node i). Walking from the root, a request accepts the child that matches the target's own choice
 and stops at the first mismatch; the target's choice there is the bonus token. Greedy requests choose the
 argmax; sampled requests draw from ``softmax(logits / T)`` after top-k then top-p renormalisation, with
-the sibling walk + residual draw of ``kernels.speculative.tree_speculative_sampling_target_only``
+the sibling walk + residual draw of ``ddtree_kernels.speculative.tree_speculative_sampling_target_only``
 (``draft_probs`` zero: the draft tree is deterministic), which is exact sampling from the target.
 
 A batch may mix both: when every request is greedy the argmax kernel ``verify_tree_greedy`` runs; else
@@ -13,7 +13,7 @@ accepted by ``p >= threshold_single = 1``, and the residual of a one-hot row is 
 both branches return the same structure and the same greedy tokens. Contracts: docs/DESIGN.md 4.1, 4.2, 4.4.
 
 Coins are exact under both acceptance rules of the sampling kernel (``coin <= acc`` of the pinned AOT
-sgl-kernel, ``coin < acc`` of JIT builds; ``kernels.speculative.PINNED_COIN_RULE``): greedy rows carry
+sgl-kernel, ``coin < acc`` of JIT builds; ``ddtree_kernels.speculative.PINNED_COIN_RULE``): greedy rows carry
 coin 1 (a one-hot row's non-argmax children keep ``acc = 0``, so only the argmax child is accepted), sampled
 tree coins lie in (0, 1] (``1 - U``, U uniform on [0, 1)), where ``u <= acc`` and ``u < acc`` have the
 same probability ``acc``. The final (bonus) coin is an inverse-CDF coin and stays in [0, 1): 0 selects
@@ -174,7 +174,7 @@ def verify_tree(
     counts the tokens on its own path root..i), applied before the argmax and the target probabilities.
     ``want_reach``: also return ``node_reach`` (sampled rows: the exact reach probabilities, ``node_reach``;
     greedy rows and thresholds below 1: the realized path, 0 / 1)."""
-    from kernels import speculative as kspec
+    from ddtree_kernels import speculative as kspec
 
     bs, d = tree.candidates.shape
     if target_logits.shape[:2] != (bs, d):

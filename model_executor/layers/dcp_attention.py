@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import masked_paged_attention_lse
-from kernels.kv_quant import read_latent
+from ddtree_kernels.attention import masked_paged_attention_lse
+from ddtree_kernels.kv_quant import read_latent
 from model_executor.forward_batch import ForwardBatch
 from model_executor.parallel_state import TPGroup
 
@@ -61,7 +61,7 @@ def dcp_latent_attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tenso
     n, r = tp.dcp_size, tp.dcp_rank
     qg = tp.dcp_all_gather(q, dim=1)  # [T, N*Hr, W]
     if backend == "triton":
-        from kernels.triton_mla_dcp import MLA_DCP_KERNELS
+        from ddtree_kernels.triton_mla_dcp import MLA_DCP_KERNELS
 
         o, lse = MLA_DCP_KERNELS[fb.mode.value](qg, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens,
                                                 fb.extend_lens, kv_lora_rank, scale, fb.tree_mask, dcp_size=n,

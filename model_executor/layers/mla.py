@@ -11,8 +11,8 @@ ForwardBatch metadata (kv_indices / attn_mask / q_index):
   o[h]     = o_lat[h] @ W_UV[h]^T             [T, Hr, v_head_dim]
 which equals the expanded form (k = [c_kv W_UK^T ; k_pe], v = c_kv W_UV^T) in exact arithmetic
 (``forward_expanded`` is kept as the check). The cache is the model's dtype, bfloat16, or float8_e4m3fn with
-per-token scales (``--kv-cache-dtype``, kernels/kv_quant.py: written quantized, read dequantized). Backends: "torch" runs ``masked_paged_attention``; "triton"
-runs kernels/triton_mla.py (decode / extend / target-verify kernels over the same metadata). Prefill uses the absorbed form too: on the reference path it
+per-token scales (``--kv-cache-dtype``, ddtree_kernels/kv_quant.py: written quantized, read dequantized). Backends: "torch" runs ``masked_paged_attention``; "triton"
+runs ddtree_kernels/triton_mla.py (decode / extend / target-verify kernels over the same metadata). Prefill uses the absorbed form too: on the reference path it
 costs more FLOPs than expanding but needs no second code path; a CUDA prefill may switch to the expanded
 form (ragged FA over k/v built from the same latent) without changing the cache.
 
@@ -35,8 +35,8 @@ import math
 import torch
 from torch import nn
 
-from kernels.attention import masked_paged_attention
-from kernels.kv_quant import read_latent, write_latent
+from ddtree_kernels.attention import masked_paged_attention
+from ddtree_kernels.kv_quant import read_latent, write_latent
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.dcp_attention import dcp_latent_attention, local_cache_loc
 from model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -64,7 +64,7 @@ class MLAAttention(nn.Module):
 
     def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype, backend: str = "torch"):
         """``backend``: the latent attention's kernels, "torch" (``masked_paged_attention`` over a padded
-        gather, every device) or "triton" (kernels/triton_mla.py, reading the cache in place)."""
+        gather, every device) or "triton" (ddtree_kernels/triton_mla.py, reading the cache in place)."""
         super().__init__()
         self.backend = backend
         self.tp = tp  # DCP collectives (tp.dcp_size > 1)
@@ -118,7 +118,7 @@ class MLAAttention(nn.Module):
     def forward(self, h: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], k_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Absorbed MLA. h [T, H]; k_cache [slots, 1, kv_lora + rope] (written at fb.out_cache_loc) -> [T, H].
-        ``k_scale`` [slots, 2]: the per-token scales of an fp8 cache (kernels/kv_quant.py), else None; an fp8
+        ``k_scale`` [slots, 2]: the per-token scales of an fp8 cache (ddtree_kernels/kv_quant.py), else None; an fp8
         cache is written quantized and read dequantized into the model's dtype."""
         q_nope, q_pe, latent = self._project(h, cos_sin)
         dcp = self.tp.dcp_size > 1
@@ -132,7 +132,7 @@ class MLAAttention(nn.Module):
             o_lat = dcp_latent_attention(q_full, fb, k_cache, k_scale, self.kv_lora_rank, self.scale, self.backend,
                                          self.tp)  # [T, Hr, kv_lora]
         elif self.backend == "triton":
-            from kernels.triton_mla import MLA_KERNELS
+            from ddtree_kernels.triton_mla import MLA_KERNELS
 
             o_lat = MLA_KERNELS[fb.mode.value](q_full, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index,
                                                fb.prefix_lens, fb.extend_lens, self.kv_lora_rank, self.scale,

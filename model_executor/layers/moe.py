@@ -49,7 +49,7 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype,
                  backend: str = "torch"):
         """``backend``: "torch" (the per-expert loop below, every device) or "triton" (the grouped GEMM of
-        kernels/triton_moe.py over the same parameters; CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+        ddtree_kernels/triton_moe.py over the same parameters; CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
         super().__init__()
         self.tp, self.num_experts, self.backend = tp, num_experts, backend
         if tp.expert_parallel:
@@ -129,8 +129,8 @@ class FusedExperts(nn.Module):
 
 
     def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum through kernels/triton_moe.py (dense stacked weights)."""
-        from kernels.triton_moe import fused_moe
+        """This rank's partial sum through ddtree_kernels/triton_moe.py (dense stacked weights)."""
+        from ddtree_kernels.triton_moe import fused_moe
 
         return fused_moe(x, weights, ids, self.w13, self.w2, self.expert_start)
 

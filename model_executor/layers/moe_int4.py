@@ -11,7 +11,7 @@ of gate/up and whole quantization groups of down's input columns, so ``I_r`` mus
 Compute, backend "torch" (the reference, every device): each expert that received tokens is dequantized
 on the fly into a temporary dense weight for its GEMM. Exact (the same ``dequantize_int4`` as the load-time
 path), memory-light, but it moves ~4x the INT4 bytes per step. Backend "triton": the W4A16 grouped GEMM of
-kernels/triton_moe.py reads these packed words and scales directly, dequantizing tile by tile in registers
+ddtree_kernels/triton_moe.py reads these packed words and scales directly, dequantizing tile by tile in registers
 (no dense copy). A Marlin-style kernel (sgl-kernel / vLLM ``fused_marlin_moe``, after their repacking at
 load) is not wired.
 """
@@ -71,7 +71,7 @@ class Int4Experts(FusedExperts):
             dst[off:off + n].copy_(loaded.narrow(0, s, n))
 
     def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        from kernels.triton_moe import fused_moe
+        from ddtree_kernels.triton_moe import fused_moe
 
         return fused_moe(x, weights, ids, self.w13_packed, self.w2_packed, self.expert_start,
                          w13_scale=self.w13_scale, w2_scale=self.w2_scale, group_size=self.group)

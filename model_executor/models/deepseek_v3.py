@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kernels.attention import AttentionBackend
+from ddtree_kernels.attention import AttentionBackend
 from model_executor.forward_batch import ForwardBatch
 from model_executor.kv_cache import KVCache, KVCacheLayout
 from model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import AttentionBackend
+from ddtree_kernels.attention import AttentionBackend
 from model_executor.forward_batch import ForwardBatch
 from model_executor.kv_cache import KVCache, KVCacheLayout
 from model_executor.layers.activation import silu_and_mul

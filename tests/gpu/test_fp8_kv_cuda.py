@@ -1,5 +1,5 @@
 """GPU check (benchmarks/gpu_check.sh, its "fp8 KV cache" part): the fp8 MLA KV cache
-(``--kv-cache-dtype fp8_e4m3``, kernels/kv_quant.py) on CUDA with the tiny Kimi INT4 checkpoint and the
+(``--kv-cache-dtype fp8_e4m3``, ddtree_kernels/kv_quant.py) on CUDA with the tiny Kimi INT4 checkpoint and the
 Triton backends (tests/model_executor/test_fp8_kv.py checks the same path on CPU under the interpreter):
 greedy tokens are identical eager and with CUDA graphs, plain and DDTree (scripted drafts around the plain
 tokens: accepted depth >= 2 paths over the fp8 cache), and the cache really is float8."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_quant import FP8_KV_DTYPE
+from ddtree_kernels.kv_quant import FP8_KV_DTYPE
 from model_executor.sampling_params import SamplingParams
 from server.engine import Engine
 from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek

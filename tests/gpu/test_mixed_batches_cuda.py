@@ -1,5 +1,5 @@
 """GPU check, issue 14: mixed greedy + sampled batches on the real sgl-kernel against the CPU reference
-under the kernel's acceptance rule (``coin_rule=PINNED_COIN_RULE``, kernels/speculative.py), the same
+under the kernel's acceptance rule (``coin_rule=PINNED_COIN_RULE``, ddtree_kernels/speculative.py), the same
 through the engine on the default model (greedy requests of a mixed DDTree batch equal plain greedy),
 and the KV pool the server sizes on a real device."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.dispatch import SGL_KERNEL
+from ddtree_kernels.dispatch import SGL_KERNEL
+from tests.ddtree_kernels.tree_helpers import run_greedy, run_sampling
 from tests.gpu.spy import spy
 from tests.gpu.test_kernels_cuda import compare, cuda, need, random_batch
-from tests.kernels.tree_helpers import run_greedy, run_sampling
 from tests.speculative.scripted_drafts import install
 
 pytestmark = [
@@ -23,12 +23,12 @@ pytestmark = [
 
 
 def _pinned_rule():
-    import kernels.speculative as spec
+    import ddtree_kernels.speculative as spec
 
     rule = getattr(spec, "PINNED_COIN_RULE", None)
     if rule is None:
         pytest.fail(
-            "kernels.speculative.PINNED_COIN_RULE is missing: the CPU reference cannot state the kernel's rule"
+            "ddtree_kernels.speculative.PINNED_COIN_RULE is missing: the CPU reference cannot state the kernel's rule"
         )
     return rule
 

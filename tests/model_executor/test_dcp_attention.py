@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import masked_paged_attention, masked_paged_attention_lse, merge_attention_partials
+from ddtree_kernels.attention import (
+    masked_paged_attention,
+    masked_paged_attention_lse,
+    merge_attention_partials,
+)
 from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from model_executor.kv_slots import KVSlots
 from model_executor.layers.dcp_attention import local_cache_loc, shard_keys

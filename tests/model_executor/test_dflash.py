@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from kernels.attention import TorchAttentionBackend
+from ddtree_kernels.attention import TorchAttentionBackend
 from model_executor.forward_batch import ForwardMode, build_forward_batch
 from model_executor.kv_cache import KVCache, TokenSlotAllocator
 from model_executor.model_config import ModelConfig

@@ -37,8 +37,8 @@ def test_drafter_warm_up_skips_decode() -> None:
     size of 32 query heads per KV head (an unsharded drafter) never reaches flashinfer's decode kernel."""
     import torch
 
-    from kernels.attention_flashinfer import FlashInferAttentionBackend
-    from tests.kernels.flashinfer_standin import make_flashinfer_standin
+    from ddtree_kernels.attention_flashinfer import FlashInferAttentionBackend
+    from tests.ddtree_kernels.flashinfer_standin import make_flashinfer_standin
 
     backend = FlashInferAttentionBackend("cpu", flashinfer=make_flashinfer_standin())
     assert backend.warmup(32, 1, 16, 16, torch.float32, "cpu", ("tree",)) == ["tree:masked_prefill"]

@@ -1,4 +1,4 @@
-"""FP8 MLA KV cache (``--kv-cache-dtype fp8_e4m3``, kernels/kv_quant.py) on CPU.
+"""FP8 MLA KV cache (``--kv-cache-dtype fp8_e4m3``, ddtree_kernels/kv_quant.py) on CPU.
 
 - the format: round-trip error within e4m3's bound (2^-4 relative) per part, the rope part on its own scale,
   zero rows, dequantized values a fixed point; bytes per token (Kimi K2.6: 61 x 584 B, 0.507x bfloat16);
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_quant import FP8_KV_DTYPE, dequantize_latent, quantize_latent, resolve_kv_cache_dtype
+from ddtree_kernels.kv_quant import FP8_KV_DTYPE, dequantize_latent, quantize_latent, resolve_kv_cache_dtype
 from model_executor.kernel_backends import resolve_kernel_backends
 from model_executor.kv_cache import KVCache, KVCacheLayout
 from model_executor.model_config import ModelConfig

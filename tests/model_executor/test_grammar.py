@@ -21,7 +21,7 @@ from model_executor.grammar import (
 from model_executor.grammar.state import stop_only_row
 from model_executor.sampling_params import SamplingParams
 from speculative.ddtree import PoppedNodes, assemble_tree
-from tests.kernels.tree_helpers import random_tree
+from tests.ddtree_kernels.tree_helpers import random_tree
 
 EOS = 2
 VOCAB = 49152

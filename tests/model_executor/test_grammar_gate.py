@@ -24,7 +24,7 @@ from model_executor.grammar import (
 from model_executor.grammar.state import stop_only_row
 from model_executor.sampling_params import SamplingParams
 from speculative.ddtree import PoppedNodes
-from tests.kernels.tree_helpers import random_tree
+from tests.ddtree_kernels.tree_helpers import random_tree
 from tests.model_executor.test_grammar import EOS, REGEX, VOCAB, brute_row, make_tree, path_of
 
 W = (VOCAB + 31) // 32

@@ -100,7 +100,7 @@ def _exact_law(target: str, prompt: list[int], temperature: float, top_k: int, t
     """(p(t2, t3) [V, V], p(t2 | t1) [V, V], p(t3 | t1, t2) [V, V, V]) of the processed target distribution."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
+    from ddtree_kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
 
     m = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
 

@@ -1,4 +1,4 @@
-"""Tree verification derivation (speculative/verify.py) over kernels.speculative / kernels.sampling."""
+"""Tree verification derivation (speculative/verify.py) over ddtree_kernels.speculative / ddtree_kernels.sampling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kernels.speculative as kspec
+import ddtree_kernels.speculative as kspec
 from speculative.commit import attach_logprobs
 from speculative.ddtree import DraftTree, build_ddtree
 from speculative.types import DecodeResult
