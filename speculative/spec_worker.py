@@ -28,7 +28,7 @@ from model_executor.kv_cache import KVCache
 from model_executor.memory import step_budget
 from model_executor.model_config import ModelConfig
 from model_executor.model_runner import ModelRunner, load_model, pick_attention_backend, warm_up_attention
-from model_executor.models.dflash import drafter_group
+from model_executor.models.dflash import check_target_layers, drafter_group
 from model_executor.penalties import BatchPenalties, TokenCounts
 from model_executor.sampler import BatchSamplingInfo, sample_requests
 from model_executor.sampling_params import SamplingParams
@@ -162,6 +162,7 @@ class SpecWorker:
                 logger.info("drafter: %s KV heads < tp_size %d: the drafter runs unsharded on every rank",
                             cfg.hf.get("num_key_value_heads"), runner.tp.size)
             drafter = load_model(cfg, group, runner.device)
+            check_target_layers(drafter.target_layer_ids, target_config.num_layers, path)
             bsz = resolve_block(settings.block_size, drafter)
         suffix = None
         if "suffix" in sources:

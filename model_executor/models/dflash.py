@@ -54,6 +54,16 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return [min(max(i, 0), num_target_layers - 1) for i in ids]
 
 
+def check_target_layers(ids: tuple[int, ...], num_target_layers: int, path: str) -> None:
+    """ValueError naming the drafter and its ``target_layer_ids`` that the target does not have (a drafter
+    trained for a deeper target), instead of a failed capture at the first forward."""
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(f"the DFlash drafter at {path} reads target layers {bad} (target_layer_ids "
+                         f"{list(ids)}), but the target has {num_target_layers} layers (0-{num_target_layers - 1}): "
+                         "it was trained for another target")
+
+
 def drafter_group(hf: dict, tp: TPGroup) -> TPGroup:
     """The TP group a DFlash drafter with config ``hf`` runs in: the target's, when its KV heads split over the
     ranks (each rank needs one; query heads follow their KV head); otherwise a single-rank group, so the whole

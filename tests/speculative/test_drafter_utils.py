@@ -40,3 +40,15 @@ def test_ddtree_over_a_two_layer_target_is_lossless(tmp_path: Path) -> None:
     got = spec.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert all(len(o.token_ids) == 12 for o in got)
+
+
+def test_a_drafter_for_a_deeper_target_is_refused_at_load(tmp_path: Path) -> None:
+    """A drafter whose target_layer_ids name layers the target lacks: a ValueError naming them at start-up."""
+    target = write_tiny_llama_family(tmp_path / "t", "qwen3", vocab=VOCAB, seed=3, num_hidden_layers=2)
+    deep = write_tiny_llama_family(tmp_path / "deep", "qwen3", vocab=VOCAB, seed=3, num_hidden_layers=6)
+    drafter = write_random_drafter(deep, tmp_path / "d", num_layers=1, block_size=4, seed=1)
+    ids = json.loads((Path(drafter) / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    assert max(ids) >= 2
+    with pytest.raises(ValueError, match=r"reads target layers \[.*\].*target has 2 layers"):
+        Engine(target, speculative_algorithm="ddtree", draft_model_path=drafter, ddtree_budget=8,
+               dtype="float32", max_total_tokens=4096)
