@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from model_executor.grammar import (
-    GrammarBackend,
     GrammarState,
     mask_draft_logits,
     mask_logits,
@@ -22,24 +21,10 @@ from model_executor.grammar.state import stop_only_row
 from model_executor.sampling_params import SamplingParams
 from speculative.ddtree import PoppedNodes, assemble_tree
 from tests.ddtree_kernels.tree_helpers import random_tree
+from tests.model_executor.conftest import GRAMMAR_EOS as EOS
+from tests.model_executor.conftest import GRAMMAR_VOCAB as VOCAB
 
-EOS = 2
-VOCAB = 49152
 REGEX = r"[ab]{0,3}c"  # then EOS
-
-
-@pytest.fixture(scope="module")
-def tok(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
-
-
-@pytest.fixture(scope="module")
-def backend(tok):
-    b = GrammarBackend(tok, VOCAB, (EOS,))
-    yield b
-    b.shutdown()
 
 
 @pytest.fixture(scope="module")

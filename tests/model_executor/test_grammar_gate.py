@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from model_executor.grammar import (
-    GrammarBackend,
     GrammarState,
     ReasoningGate,
     mask_draft_logits,
@@ -28,20 +27,6 @@ from tests.ddtree_kernels.tree_helpers import random_tree
 from tests.model_executor.test_grammar import EOS, REGEX, VOCAB, brute_row, make_tree, path_of
 
 W = (VOCAB + 31) // 32
-
-
-@pytest.fixture(scope="module")
-def tok(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
-
-
-@pytest.fixture(scope="module")
-def backend(tok):
-    b = GrammarBackend(tok, VOCAB, (EOS,))
-    yield b
-    b.shutdown()
 
 
 @pytest.fixture(scope="module")
