@@ -44,10 +44,8 @@ RUN pip install --upgrade pip==25.3 setuptools==80.9.0 wheel==0.45.1 \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY server ./server
-COPY speculative ./speculative
-COPY model_executor ./model_executor
-COPY ddtree_kernels ./ddtree_kernels
+COPY ddtree_serve ./ddtree_serve
+COPY benchmarks ./benchmarks
 COPY configs ./configs
 COPY docs ./docs
 # This project; torch is installed above (pyproject bounds it: >=2.11), the cuda extra is pinned.

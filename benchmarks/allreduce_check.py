@@ -1,11 +1,11 @@
 """TP collectives check (benchmarks/gpu_check.sh): every local GPU as one TP rank over NCCL, through the server's
-own TP group (``model_executor.parallel_state.init_tp`` / ``TPGroup``), at the sizes the model's collectives
+own TP group (``ddtree_serve.model_executor.parallel_state.init_tp`` / ``TPGroup``), at the sizes the model's collectives
 use; on CPU two gloo processes run the same code (how tests/benchmarks/test_allreduce_check.py runs it).
 
     python benchmarks/allreduce_check.py [--world-size N] [--device auto|cuda|cpu] [--model-path DIR]
         [--hidden 7168] [--vocab 163840] [--dtype bfloat16] [--tokens 1,8,64,...] [--out bench_out/allreduce.json]
 
-What the model sends per forward (model_executor/layers): an all-reduce of ``[tokens, hidden]`` in the model's
+What the model sends per forward (ddtree_serve/model_executor/layers): an all-reduce of ``[tokens, hidden]`` in the model's
 dtype after every row-parallel projection (attention output, MLP / MoE down projection, vocab-parallel
 embedding), and an all-gather of the float32 logits ``[rows, vocab / N]`` (the rows that need logits).
 Token counts: decode batches, verify trees (batch x (budget + 1)) and prefill chunks; the defaults are
@@ -84,8 +84,8 @@ def _time(fn, iters: int, warmup: int, cuda: bool) -> float:  # noqa: ANN001
 def _rank_main(rank: int, spec: CheckSpec, addr: str, out) -> None:  # noqa: ANN001 - an mp.Queue
     """One TP rank: every size's check; puts ``(rank, [SizeResult...] | None, error | None)``."""
     try:
-        from model_executor.parallel_state import destroy_tp, init_tp
-        from server.config import ParallelArgs
+        from ddtree_serve.model_executor.parallel_state import destroy_tp, init_tp
+        from ddtree_serve.server.config import ParallelArgs
 
         tp = init_tp(ParallelArgs(tp_size=spec.world), rank, spec.device, addr)
         dev = torch.device(f"cuda:{torch.cuda.current_device()}") if spec.device == "cuda" else torch.device("cpu")
@@ -125,7 +125,7 @@ def _rank_main(rank: int, spec: CheckSpec, addr: str, out) -> None:  # noqa: ANN
 def run_check(spec: CheckSpec, timeout_s: float = 600.0) -> tuple[list[SizeResult], list[str], dict[int, bool]]:
     """Spawn ``spec.world`` ranks; returns rank 0's results, the errors (rank failures, timeouts) and each
     rank's verdict (True: every size exact on that rank)."""
-    from model_executor.parallel_state import free_local_addr
+    from ddtree_serve.model_executor.parallel_state import free_local_addr
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import speculative.spec_worker as spec_worker  # noqa: E402
+import ddtree_serve.speculative.spec_worker as spec_worker  # noqa: E402
 from benchmarks.common import CHAT_PROMPTS, chat_ids, machine, print_table, write_json  # noqa: E402
-from server.engine import Engine, SamplingParams  # noqa: E402
+from ddtree_serve.server.engine import Engine, SamplingParams  # noqa: E402
 
 
 class RankStats:

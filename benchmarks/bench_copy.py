@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import CHAT_PROMPTS, machine, print_table, write_json  # noqa: E402
-from server.engine import Engine, SamplingParams  # noqa: E402
+from ddtree_serve.server.engine import Engine, SamplingParams  # noqa: E402
 
 _DDTREE = {"speculative_algorithm": "ddtree", "ddtree_budget": "auto"}
 ENGINE_KW = {"plain": {"speculative_algorithm": "none"},
@@ -288,7 +288,7 @@ def main() -> None:
     if any(c in HF_CONFIGS for c in labels):
         import transformers
 
-        from model_executor.default_model import ensure_default_model
+        from ddtree_serve.model_executor.default_model import ensure_default_model
 
         transformers.logging.set_verbosity_error()  # generation_config's sampling fields under do_sample=False
         hf = transformers.AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32).eval()

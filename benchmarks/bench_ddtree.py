@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from speculative.ddtree import _best_first, build_ddtree, draft_topk
+from ddtree_serve.speculative.ddtree import _best_first, build_ddtree, draft_topk
 
 BATCHES = (1, 8, 32)
 BUDGETS = (4, 16, 64, 256)

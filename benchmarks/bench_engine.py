@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import CHAT_PROMPTS, chat_ids, machine, print_table, write_json  # noqa: E402
-from model_executor.default_model import ensure_default_model  # noqa: E402
-from server.engine import Engine, SamplingParams  # noqa: E402
+from ddtree_serve.model_executor.default_model import ensure_default_model  # noqa: E402
+from ddtree_serve.server.engine import Engine, SamplingParams  # noqa: E402
 
 
 def bench_hf(model, ids: list[list[int]], n: int, pad_id: int) -> float:

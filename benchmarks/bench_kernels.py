@@ -22,13 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from ddtree_kernels.sampling import (  # noqa: E402
+from ddtree_serve.kernels.sampling import (  # noqa: E402
     min_p_renorm_prob,
     sampling_from_probs,
     top_k_renorm_prob,
     top_p_renorm_prob,
 )
-from ddtree_kernels.speculative import tree_speculative_sampling_target_only, verify_tree_greedy  # noqa: E402
+from ddtree_serve.kernels.speculative import tree_speculative_sampling_target_only, verify_tree_greedy  # noqa: E402
 
 FULL = dict(bs=(1, 8, 32), nodes=(8, 32, 128), vocab=(49152, 163840))
 QUICK = dict(bs=(1, 8), nodes=(8, 32), vocab=(49152,))
@@ -165,11 +165,11 @@ def bench_config(bs: int, nodes: int, vocab: int, device: torch.device) -> dict:
 def load_forward(device: torch.device, allow_fetch: bool):
     """A callable ``forward(n_requests, tokens_each) -> ms`` on the default model, or None with a reason."""
     try:
-        from model_executor import default_model
+        from ddtree_serve.model_executor import default_model
     except ImportError as e:
-        return None, f"model_executor.default_model not importable ({e})"
+        return None, f"ddtree_serve.model_executor.default_model not importable ({e})"
     if not hasattr(default_model, "ensure_default_model"):
-        return None, "model_executor.default_model.ensure_default_model does not exist yet"
+        return None, "ddtree_serve.model_executor.default_model.ensure_default_model does not exist yet"
     if allow_fetch:
         path = default_model.ensure_default_model()
     else:
@@ -251,7 +251,7 @@ def main() -> None:
 
 
 def _dispatch_info(device: torch.device) -> dict:
-    from ddtree_kernels.dispatch import FLASHINFER, SGL_KERNEL, use_cuda_kernels
+    from ddtree_serve.kernels.dispatch import FLASHINFER, SGL_KERNEL, use_cuda_kernels
 
     t = torch.zeros(1, device=device)
     return {lib: use_cuda_kernels(t, library=lib) for lib in (SGL_KERNEL, FLASHINFER + ".sampling")}

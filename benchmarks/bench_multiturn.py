@@ -171,7 +171,7 @@ def free_port() -> int:
 def launch(server_args: list[str], log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
     """Start ``ddtree-serve serve`` (this checkout's) on a free port; return it once /health says ok."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli.main", "serve", "--port", str(port), *server_args]
+    cmd = [sys.executable, "-m", "ddtree_serve.server.cli.main", "serve", "--port", str(port), *server_args]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "w") as out:

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import CHAT_PROMPTS, chat_ids, machine, print_table, write_json  # noqa: E402
-from server.engine import Engine, SamplingParams  # noqa: E402
+from ddtree_serve.server.engine import Engine, SamplingParams  # noqa: E402
 
 PARTS = (  # (owner of the method, given the worker; method; label)
     (lambda w: w.drafter, "write_context", "context writes"),

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import CHAT_PROMPTS, chat_ids, machine, print_table, write_json  # noqa: E402
-from server.engine import Engine, SamplingParams  # noqa: E402
+from ddtree_serve.server.engine import Engine, SamplingParams  # noqa: E402
 
 PHASES = ("draft", "build", "verify_forward", "verify", "commit", "plain")
 CONTROL = "none-aa"  # a second plain engine: its paired ratio to none is the measurement's noise floor

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import chat_ids, machine, print_table, write_json  # noqa: E402
-from server.engine import Engine, SamplingParams  # noqa: E402
+from ddtree_serve.server.engine import Engine, SamplingParams  # noqa: E402
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},

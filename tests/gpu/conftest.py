@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree_kernels.dispatch import REQUIRE_ENV, cuda_kernels_required
+from ddtree_serve.kernels.dispatch import REQUIRE_ENV, cuda_kernels_required
 
 _REPORT = pytest.StashKey[list]()
 

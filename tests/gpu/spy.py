@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from ddtree_kernels.dispatch import import_cuda_library
+from ddtree_serve.kernels.dispatch import import_cuda_library
 
 
 def spy(monkeypatch: pytest.MonkeyPatch, module: str, attr: str) -> list[int]:

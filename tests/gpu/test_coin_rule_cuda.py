@@ -1,4 +1,4 @@
-"""The installed sgl-kernel's acceptance rule is the one ``ddtree_kernels.speculative.PINNED_COIN_RULE`` records
+"""The installed sgl-kernel's acceptance rule is the one ``ddtree_serve.kernels.speculative.PINNED_COIN_RULE`` records
 (issue 14, item 1). A coin of exactly 0 with a first child of probability 0 separates the rules: under
 ``coin <= acc`` (``le``) the child is accepted, under ``coin < acc`` (``lt``) it is not. Also checks that
 verification's greedy coins (1) walk the argmax on the real kernel."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_kernels.dispatch import SGL_KERNEL, use_cuda_kernels
-from ddtree_kernels.speculative import PINNED_COIN_RULE
-from tests.ddtree_kernels.tree_helpers import pack_trees, run_sampling
+from ddtree_serve.kernels.dispatch import SGL_KERNEL, use_cuda_kernels
+from ddtree_serve.kernels.speculative import PINNED_COIN_RULE
+from tests.kernels.tree_helpers import pack_trees, run_sampling
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.sampling_params import SamplingParams
-from server.engine import Engine
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.engine import Engine
 from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
 from tests.speculative.scripted_drafts import greedy_script, install
@@ -17,10 +17,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_graph_replay_equals_eager(tmp_path):
-    from model_executor.cuda_graph_runner import CudaGraphRunner
-    from model_executor.forward_batch import ForwardMode, build_forward_batch
-    from model_executor.model_config import ModelConfig
-    from model_executor.model_runner import ModelRunner
+    from ddtree_serve.model_executor.cuda_graph_runner import CudaGraphRunner
+    from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
+    from ddtree_serve.model_executor.model_config import ModelConfig
+    from ddtree_serve.model_executor.model_runner import ModelRunner
 
     path = write_tiny_deepseek(tmp_path, int4=True, kimi=True, moe_intermediate_size=64).path
     cfg = ModelConfig.load(

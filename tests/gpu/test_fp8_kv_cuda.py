@@ -1,5 +1,5 @@
 """GPU check (benchmarks/gpu_check.sh, its "fp8 KV cache" part): the fp8 MLA KV cache
-(``--kv-cache-dtype fp8_e4m3``, ddtree_kernels/kv_quant.py) on CUDA with the tiny Kimi INT4 checkpoint and the
+(``--kv-cache-dtype fp8_e4m3``, ddtree_serve/kernels/kv_quant.py) on CUDA with the tiny Kimi INT4 checkpoint and the
 Triton backends (tests/model_executor/test_fp8_kv.py checks the same path on CPU under the interpreter):
 greedy tokens are identical eager and with CUDA graphs, plain and DDTree (scripted drafts around the plain
 tokens: accepted depth >= 2 paths over the fp8 cache), and the cache really is float8."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_kernels.kv_quant import FP8_KV_DTYPE
-from model_executor.sampling_params import SamplingParams
-from server.engine import Engine
+from ddtree_serve.kernels.kv_quant import FP8_KV_DTYPE
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.engine import Engine
 from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
 from tests.speculative.scripted_drafts import greedy_script, install
@@ -34,7 +34,7 @@ def test_fp8_kv_greedy_eager_graphs_plain_ddtree_agree(tmp_path, backend_report)
                                              VOCAB)) if spec else None
             try:
                 assert eng.scheduler.runner.kv.k[0].dtype == FP8_KV_DTYPE
-                if graphs:  # warm-up captured every graph and froze the runner (server/warmup.py)
+                if graphs:  # warm-up captured every graph and froze the runner (ddtree_serve/server/warmup.py)
                     assert eng.scheduler.runner.graphs.frozen and eng.scheduler.runner.graphs.captures > 0
                 outs.append([o.token_ids for o in eng.generate(input_ids=PROMPTS, sampling_params=sp)])
             finally:

@@ -1,4 +1,4 @@
-"""CUDA paths of ddtree_kernels/ (sgl-kernel, flashinfer) against the PyTorch reference run on CPU copies."""
+"""CUDA paths of ddtree_serve/kernels/ (sgl-kernel, flashinfer) against the PyTorch reference run on CPU copies."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from ddtree_kernels.attention import TorchAttentionBackend
-from ddtree_kernels.dispatch import FLASHINFER, SGL_KERNEL, import_cuda_library, use_cuda_kernels
-from ddtree_kernels.sampling import sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
-from model_executor.forward_batch import ForwardMode
-from tests.ddtree_kernels.test_attention_flashinfer_glue import _batch
-from tests.ddtree_kernels.tree_helpers import pack_trees, random_tree, run_greedy, run_sampling
+from ddtree_serve.kernels.attention import TorchAttentionBackend
+from ddtree_serve.kernels.dispatch import FLASHINFER, SGL_KERNEL, import_cuda_library, use_cuda_kernels
+from ddtree_serve.kernels.sampling import sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
+from ddtree_serve.model_executor.forward_batch import ForwardMode
+from tests.kernels.test_attention_flashinfer_glue import _batch
+from tests.kernels.tree_helpers import pack_trees, random_tree, run_greedy, run_sampling
 from tests.gpu.spy import spy
 
 pytestmark = [
@@ -137,7 +137,7 @@ def test_flashinfer_attention_matches_torch_backend(mode, monkeypatch, backend_r
     """Each forward kind on flashinfer (causal prefill, decode, custom-mask prefill) against the torch
     reference, metadata built in inference mode as the engine does, bf16."""
     need(FLASHINFER)
-    from ddtree_kernels.attention_flashinfer import FlashInferAttentionBackend
+    from ddtree_serve.kernels.attention_flashinfer import FlashInferAttentionBackend
 
     kernel = (
         "BatchDecodeWithPagedKVCacheWrapper"
@@ -193,8 +193,8 @@ def test_flashinfer_attention_matches_torch_backend(mode, monkeypatch, backend_r
 
 def test_flashinfer_chosen_for_bf16_and_warm_up_runs(backend_report):
     need(FLASHINFER)
-    from ddtree_kernels.attention_flashinfer import FlashInferAttentionBackend
-    from ddtree_kernels.attention_select import get_attention_backend
+    from ddtree_serve.kernels.attention_flashinfer import FlashInferAttentionBackend
+    from ddtree_serve.kernels.attention_select import get_attention_backend
 
     backend = get_attention_backend("auto", "cuda", torch.bfloat16, 64, 64)
     assert isinstance(backend, FlashInferAttentionBackend)

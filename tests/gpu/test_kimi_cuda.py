@@ -3,16 +3,16 @@ INT4-resident experts (the CUDA default) against the CPU dequantize-at-load path
 (greedy tokens of a random tiny model; GEMM kernels differ, so a near-tie could flip a token: the check
 allows none), and greedy DDTree on CUDA equal to plain greedy on CUDA (lossless). float32 is deliberate:
 flashinfer attention is 16-bit only, so the drafter's attention must select the torch reference here
-(ddtree_kernels/attention_select.py) instead of crashing in flashinfer."""
+(ddtree_serve/kernels/attention_select.py) instead of crashing in flashinfer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddtree_kernels.attention import TorchAttentionBackend
-from model_executor.sampling_params import SamplingParams
-from server.engine import Engine
+from ddtree_serve.kernels.attention import TorchAttentionBackend
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.engine import Engine
 from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
 from tests.speculative.scripted_drafts import greedy_script, install

@@ -1,5 +1,5 @@
 """GPU check, issue 14: mixed greedy + sampled batches on the real sgl-kernel against the CPU reference
-under the kernel's acceptance rule (``coin_rule=PINNED_COIN_RULE``, ddtree_kernels/speculative.py), the same
+under the kernel's acceptance rule (``coin_rule=PINNED_COIN_RULE``, ddtree_serve/kernels/speculative.py), the same
 through the engine on the default model (greedy requests of a mixed DDTree batch equal plain greedy),
 and the KV pool the server sizes on a real device."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_kernels.dispatch import SGL_KERNEL
-from tests.ddtree_kernels.tree_helpers import run_greedy, run_sampling
+from ddtree_serve.kernels.dispatch import SGL_KERNEL
+from tests.kernels.tree_helpers import run_greedy, run_sampling
 from tests.gpu.spy import spy
 from tests.gpu.test_kernels_cuda import compare, cuda, need, random_batch
 from tests.speculative.scripted_drafts import install
@@ -23,12 +23,12 @@ pytestmark = [
 
 
 def _pinned_rule():
-    import ddtree_kernels.speculative as spec
+    import ddtree_serve.kernels.speculative as spec
 
     rule = getattr(spec, "PINNED_COIN_RULE", None)
     if rule is None:
         pytest.fail(
-            "ddtree_kernels.speculative.PINNED_COIN_RULE is missing: the CPU reference cannot state the kernel's rule"
+            "ddtree_serve.kernels.speculative.PINNED_COIN_RULE is missing: the CPU reference cannot state the kernel's rule"
         )
     return rule
 
@@ -63,8 +63,8 @@ def test_mixed_batch_matches_reference_under_the_kernel_rule(greedy_coin, monkey
 
 
 def _default_pair() -> tuple[str, str]:
-    from model_executor.default_drafter import default_drafter_path
-    from model_executor.default_model import default_model_dir
+    from ddtree_serve.model_executor.default_drafter import default_drafter_path
+    from ddtree_serve.model_executor.default_model import default_model_dir
 
     model = default_model_dir()
     if not (Path(model) / "config.json").exists():
@@ -78,7 +78,7 @@ def test_engine_mixed_batch_greedy_rows_equal_plain_greedy(monkeypatch, backend_
     """float32 (attention on the torch reference, sgl-kernel verifying): greedy requests inside a batch
     with sampled ones equal plain greedy decoding token for token."""
     need(SGL_KERNEL)
-    from server.engine import Engine, SamplingParams
+    from ddtree_serve.server.engine import Engine, SamplingParams
 
     model, drafter = _default_pair()
     prompts = ["List three prime numbers.", "Name a color.", "Count to five.", "Say hello."]
@@ -108,7 +108,7 @@ def test_engine_mixed_batch_greedy_rows_equal_plain_greedy(monkeypatch, backend_
 
 def test_kv_pool_sized_on_the_device(backend_report):
     """The KV pool the server sizes on this device with the default cache settings."""
-    from server.engine import Engine
+    from ddtree_serve.server.engine import Engine
 
     model, _ = _default_pair()
     free_before, total = torch.cuda.mem_get_info()

@@ -1,4 +1,4 @@
-"""The DCP Triton MLA kernel (ddtree_kernels/triton_mla_dcp.py) on CUDA at Kimi K2.6's shapes under TP 8 with DCP 8
+"""The DCP Triton MLA kernel (ddtree_serve/kernels/triton_mla_dcp.py) on CUDA at Kimi K2.6's shapes under TP 8 with DCP 8
 (8 local heads x 8 ranks = 64 gathered heads, latent 512 + rope 64): each of the 8 rank shards of a bfloat16
 and of an fp8 cache, merged by log-sum-exp, against the torch reference over the unsharded cache, for decode,
 extend after a prefix and tree verify (slots placed by ``KVSlots`` with 8 shards). Tolerance: bfloat16 2e-2."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_kernels.attention import masked_paged_attention, merge_attention_partials
-from ddtree_kernels.kv_quant import dequantize_latent, quantize_latent
-from model_executor.kv_slots import KVSlots
+from ddtree_serve.kernels.attention import masked_paged_attention, merge_attention_partials
+from ddtree_serve.kernels.kv_quant import dequantize_latent, quantize_latent
+from ddtree_serve.model_executor.kv_slots import KVSlots
 from tests.model_executor.test_dcp_attention import _forwards
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -21,7 +21,7 @@ LAT, ROPE, HEADS, N = 512, 64, 64, 8
 @pytest.mark.parametrize("fp8", [False, True])
 def test_dcp8_kernel_merges_to_full_attention_at_kimi_shapes(fp8: bool, backend_report) -> None:
     pytest.importorskip("triton")
-    from ddtree_kernels.triton_mla_dcp import MLA_DCP_KERNELS
+    from ddtree_serve.kernels.triton_mla_dcp import MLA_DCP_KERNELS
 
     g = torch.Generator().manual_seed(8)
     slots = KVSlots(400, 4, 48, shards=N)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.grammar import GrammarBackend
+from ddtree_serve.model_executor.grammar import GrammarBackend
 
 GRAMMAR_VOCAB = 49152  # SmolLM2's vocabulary (the default model)
 GRAMMAR_EOS = 2  # its <|im_end|>

@@ -1,4 +1,4 @@
-"""A CPU stand-in for CUDA graph capture (``model_executor.cuda_graph_runner.GraphCapture``; torch.cuda graphs
+"""A CPU stand-in for CUDA graph capture (``ddtree_serve.model_executor.cuda_graph_runner.GraphCapture``; torch.cuda graphs
 cannot run without a GPU). It keeps what matters to the runner's correctness:
 
 - ``warm_up(run)`` runs the forward, as the side-stream warm-up does on a GPU, KV writes included;
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from model_executor.models.output import ModelOutput
+from ddtree_serve.model_executor.models.output import ModelOutput
 
 
 class RecordingCapture:

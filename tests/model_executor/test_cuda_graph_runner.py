@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.cuda_graph_runner import CudaGraphRunner, check_graphable, graph_batch_sizes
-from model_executor.forward_batch import ForwardMode, build_forward_batch
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.cuda_graph_runner import CudaGraphRunner, check_graphable, graph_batch_sizes
+from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import ModelRunner
 from tests.model_executor.graph_capture_standin import RecordingCapture
 from tests.model_executor.test_deepseek_v3 import _ids
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek

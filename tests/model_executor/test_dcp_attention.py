@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_kernels.attention import (
+from ddtree_serve.kernels.attention import (
     masked_paged_attention,
     masked_paged_attention_lse,
     merge_attention_partials,
 )
-from model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
-from model_executor.kv_slots import KVSlots
-from model_executor.layers.dcp_attention import local_cache_loc, shard_keys
+from ddtree_serve.model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.kv_slots import KVSlots
+from ddtree_serve.model_executor.layers.dcp_attention import local_cache_loc, shard_keys
 
 W, LAT, HEADS = 12, 8, 3  # latent width (kv_lora 8 + rope 4), query heads
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # node 0: the root (last committed token's successor), then a 6-node tree
@@ -139,12 +139,12 @@ def test_sharded_free_is_exact_and_atomic() -> None:
 
 
 def test_start_up_errors_without_a_second_process(tmp_path) -> None:
-    from model_executor.model_config import ModelConfig
-    from model_executor.model_runner import ModelRunner
-    from model_executor.models.dflash import DFlashDraftModel, drafter_group
-    from model_executor.parallel_state import TPGroup
-    from server.config import ParallelArgs
-    from server.engine import Engine
+    from ddtree_serve.model_executor.model_config import ModelConfig
+    from ddtree_serve.model_executor.model_runner import ModelRunner
+    from ddtree_serve.model_executor.models.dflash import DFlashDraftModel, drafter_group
+    from ddtree_serve.model_executor.parallel_state import TPGroup
+    from ddtree_serve.server.config import ParallelArgs
+    from ddtree_serve.server.engine import Engine
     from tests.conftest import write_tiny_llama_family
 
     with pytest.raises(ValueError, match="decode_context_parallel_size 3 must divide tp_size 4"):

@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.forward_batch import ForwardMode
-from model_executor.layers.mla import MLAAttention
-from model_executor.layers.moe import FusedExperts
-from model_executor.layers.moe_int4 import Int4Experts
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import ModelRunner
-from model_executor.sampling_params import SamplingParams
+from ddtree_serve.model_executor.forward_batch import ForwardMode
+from ddtree_serve.model_executor.layers.mla import MLAAttention
+from ddtree_serve.model_executor.layers.moe_experts import FusedExperts
+from ddtree_serve.model_executor.layers.moe_int4 import Int4Experts
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.sampling_params import SamplingParams
 from tests.model_executor.test_deepseek_v3 import _extend, _fb, _hf, _hf_logits, _ids
 from tests.model_executor.tiny_deepseek import write_reference, write_tiny_deepseek
 
@@ -73,7 +73,7 @@ def test_triton_backends_match_reference_and_transformers(kimi, int4_experts):
 
 
 def test_engine_greedy_triton_equals_transformers_with_and_without_ddtree(kimi, tmp_path):
-    from server.engine import Engine
+    from ddtree_serve.server.engine import Engine
     from tests.model_executor.tiny_deepseek import VOCAB
     from tests.speculative.drafter_utils import write_random_drafter
     from tests.speculative.scripted_drafts import greedy_script, install
@@ -144,7 +144,7 @@ def test_triton_on_cpu_needs_the_interpreter(kimi, monkeypatch):
 def test_cli_flags_reach_the_config():
     import argparse
 
-    from server.cli.args import add_server_arguments, config_from_args
+    from ddtree_serve.server.cli.args import add_server_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_server_arguments(parser)

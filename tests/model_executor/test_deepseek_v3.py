@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 
-from model_executor.forward_batch import ForwardMode, build_forward_batch
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import ModelRunner
 from tests.model_executor.tiny_deepseek import VOCAB, write_reference, write_tiny_deepseek
 
 ATOL, RTOL = 2e-4, 1e-4
@@ -83,7 +83,7 @@ def test_kimi_int4_logits_and_tree_verify_match_dequantized_reference(kimi_int4_
     causal forwards of their root-to-node paths."""
     tiny, ref_path = kimi_int4_ckpt
     ref_model = _hf(ref_path)
-    with caplog.at_level(logging.INFO, logger="model_executor.models.kimi_k25"):
+    with caplog.at_level(logging.INFO, logger="ddtree_serve.model_executor.models.kimi_k25"):
         r = _runner(tiny.path)
     assert any("text model only" in m for m in caplog.messages)
     prompt = _ids(16, 3)
@@ -128,7 +128,7 @@ def test_absorbed_mla_equals_expanded(tmp_path, interleave):
 
 
 def test_greedy_generation_matches_transformers_generate(kimi_int4_ckpt):
-    from server.engine import Engine, SamplingParams
+    from ddtree_serve.server.engine import Engine, SamplingParams
 
     tiny, ref_path = kimi_int4_ckpt
     ref_model = _hf(ref_path)
@@ -152,7 +152,7 @@ def test_router_matches_transformers_grouped_topk():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from model_executor.layers.moe import grouped_topk
+    from ddtree_serve.model_executor.layers.moe import grouped_topk
 
     cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                            routed_scaling_factor=2.5, norm_topk_prob=True)
@@ -171,7 +171,7 @@ def test_router_matches_transformers_grouped_topk():
 
 
 def test_kv_layout_is_latent_only(bf16_ckpt):
-    from model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from ddtree_serve.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 
     m = DeepseekV3ForCausalLM(ModelConfig.load(bf16_ckpt.path, "bfloat16"))
     layout = m.kv_cache_layout()

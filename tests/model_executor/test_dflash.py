@@ -7,16 +7,16 @@ import json
 
 import torch
 
-from ddtree_kernels.attention import TorchAttentionBackend
-from model_executor.forward_batch import ForwardMode, build_forward_batch
-from model_executor.kv_cache import KVCache, TokenSlotAllocator
-from model_executor.model_config import ModelConfig
-from model_executor.models.dflash import (
+from ddtree_serve.kernels.attention import TorchAttentionBackend
+from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.kv_cache import KVCache, TokenSlotAllocator
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.models.dflash import (
     DFlashDraftModel,
     default_target_layer_ids,
 )
-from model_executor.weight_loader import iter_weights
-from speculative.train.export import drafter_config, save_drafter
+from ddtree_serve.model_executor.weight_loader import iter_weights
+from ddtree_serve.speculative.train.export import drafter_config, save_drafter
 
 TARGET_HF = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "num_hidden_layers": 6, "vocab_size": 97, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -77,7 +77,7 @@ def test_dense_mask_hides_later_context_and_other_blocks():
     model, _ = _drafter(seed=3)
     g = torch.Generator().manual_seed(2)
     feats, emb = torch.randn(1, 12, 192, generator=g), torch.randn(1, 2 * BLOCK, 64, generator=g)
-    from speculative.train.objective import block_attention_mask
+    from ddtree_serve.speculative.train.objective import block_attention_mask
 
     anchors = torch.tensor([[5, 9]])
     pos = (anchors[:, :, None] + torch.arange(BLOCK)).reshape(1, -1)
@@ -103,7 +103,7 @@ def test_save_reload_zlab_format_drafts_identically(tmp_path):
             "layers.0.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.down_proj.weight",
             "layers.1.post_attention_layernorm.weight"} <= names
     loaded_cfg = ModelConfig.load(str(tmp_path), "float32")
-    from model_executor.model_registry import get_model_class
+    from ddtree_serve.model_executor.model_registry import get_model_class
 
     reloaded = get_model_class(loaded_cfg.architecture)(loaded_cfg)
     reloaded.load_weights(iter_weights(str(tmp_path)))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.model_config import ModelConfig
-from model_executor.models.dflash import DFlashDraftModel, drafter_group
-from model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.models.dflash import DFlashDraftModel, drafter_group
+from ddtree_serve.model_executor.parallel_state import TPGroup
 from tests.speculative.drafter_utils import write_random_drafter
 
 
@@ -37,8 +37,8 @@ def test_drafter_warm_up_skips_decode() -> None:
     size of 32 query heads per KV head (an unsharded drafter) never reaches flashinfer's decode kernel."""
     import torch
 
-    from ddtree_kernels.attention_flashinfer import FlashInferAttentionBackend
-    from tests.ddtree_kernels.flashinfer_standin import make_flashinfer_standin
+    from ddtree_serve.kernels.attention_flashinfer import FlashInferAttentionBackend
+    from tests.kernels.flashinfer_standin import make_flashinfer_standin
 
     backend = FlashInferAttentionBackend("cpu", flashinfer=make_flashinfer_standin())
     assert backend.warmup(32, 1, 16, 16, torch.float32, "cpu", ("tree",)) == ["tree:masked_prefill"]

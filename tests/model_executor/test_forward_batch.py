@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.forward_batch import ForwardMode, build_forward_batch
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import ModelRunner
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 
 

@@ -1,4 +1,4 @@
-"""FP8 MLA KV cache (``--kv-cache-dtype fp8_e4m3``, ddtree_kernels/kv_quant.py) on CPU.
+"""FP8 MLA KV cache (``--kv-cache-dtype fp8_e4m3``, ddtree_serve/kernels/kv_quant.py) on CPU.
 
 - the format: round-trip error within e4m3's bound (2^-4 relative) per part, the rope part on its own scale,
   zero rows, dequantized values a fixed point; bytes per token (Kimi K2.6: 61 x 584 B, 0.507x bfloat16);
@@ -19,12 +19,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_kernels.kv_quant import FP8_KV_DTYPE, dequantize_latent, quantize_latent, resolve_kv_cache_dtype
-from model_executor.kernel_backends import resolve_kernel_backends
-from model_executor.kv_cache import KVCache, KVCacheLayout
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import ModelRunner
-from model_executor.sampling_params import SamplingParams
+from ddtree_serve.kernels.kv_quant import (
+    FP8_KV_DTYPE,
+    dequantize_latent,
+    quantize_latent,
+    resolve_kv_cache_dtype,
+)
+from ddtree_serve.model_executor.kernel_backends import resolve_kernel_backends
+from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.sampling_params import SamplingParams
 from tests.model_executor.test_deepseek_triton import _tree_logits
 from tests.model_executor.test_deepseek_v3 import _extend, _ids
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
@@ -104,7 +109,7 @@ def test_triton_kernels_over_fp8_cache_match_reference(dense_ds):
 
 
 def test_engine_greedy_fp8_plain_equals_ddtree_and_agrees_with_float32(dense_ds, tmp_path):
-    from server.engine import Engine
+    from ddtree_serve.server.engine import Engine
     from tests.speculative.drafter_utils import write_random_drafter
 
     drafter = write_random_drafter(dense_ds.path, tmp_path / "d", num_layers=1, block_size=4)
@@ -129,7 +134,7 @@ def test_engine_greedy_fp8_plain_equals_ddtree_and_agrees_with_float32(dense_ds,
 def test_bad_inputs(dense_ds, default_model_path):
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is wired for MLA models"):
         ModelConfig.load(default_model_path, "float32", "cpu", kv_cache_dtype="fp8_e4m3")
-    from server.engine import Engine
+    from ddtree_serve.server.engine import Engine
 
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is wired for MLA models"):  # start-up
         Engine(default_model_path, device="cpu", dtype="float32", kv_cache_dtype="fp8_e4m3", max_total_tokens=64)
@@ -153,7 +158,7 @@ def test_plan_reports_fp8_capacity(tmp_path, capsys):
     KV on an MHA model is serve's start-up error."""
     import json
 
-    from server.cli.main import main
+    from ddtree_serve.server.cli.main import main
 
     (tmp_path / "config.json").write_text(open("tests/data/kimi-k2.6-config.json").read())
     base = ["plan", "--config", "configs/kimi-k2.6-8x-b300.yaml", "--model-path", str(tmp_path),

@@ -1,4 +1,4 @@
-"""Grammar masks (model_executor/grammar/) against brute force, with the default model's real tokenizer:
+"""Grammar masks (ddtree_serve/model_executor/grammar/) against brute force, with the default model's real tokenizer:
 per-node tree masks equal the mask after each node's own path, pruning keeps exactly the nodes the grammar
 allows, drafter masking leaves the matcher where it was, and SamplingParams rejects what cannot compile."""
 
@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from model_executor.grammar import (
+from ddtree_serve.model_executor.grammar import (
     GrammarState,
     mask_draft_logits,
     mask_logits,
     prune_popped,
     tree_bitmask,
 )
-from model_executor.grammar.state import stop_only_row
-from model_executor.sampling_params import SamplingParams
-from speculative.ddtree import PoppedNodes, assemble_tree
-from tests.ddtree_kernels.tree_helpers import random_tree
+from ddtree_serve.model_executor.grammar.state import stop_only_row
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.speculative.ddtree import PoppedNodes, assemble_tree
+from tests.kernels.tree_helpers import random_tree
 from tests.model_executor.conftest import GRAMMAR_EOS as EOS
 from tests.model_executor.conftest import GRAMMAR_VOCAB as VOCAB
 
@@ -45,7 +45,7 @@ def brute_row(backend, kind, text, path: list[int]) -> torch.Tensor | None:
 
 
 def make_tree(parents: list[int], tokens: list[int], copies: int = 1):
-    """A DraftTree (speculative/ddtree.py layout) of one (parents, tokens) tree, ``copies`` times."""
+    """A DraftTree (ddtree_serve/speculative/ddtree.py layout) of one (parents, tokens) tree, ``copies`` times."""
     n = len(parents) - 1
     popped = PoppedNodes(np.tile(np.array(tokens[1:]), (copies, 1)), np.tile(np.array(parents[1:]), (copies, 1)),
                          np.zeros((copies, n), dtype=np.int64), np.zeros((copies, n)), np.full(copies, n))
@@ -192,7 +192,7 @@ def test_grammar_queue_reports_compile_errors_and_aborts(backend):
     (the scheduler finishes the request with it: an HTTP 400), a good one with a fresh matcher."""
     from types import SimpleNamespace
 
-    from model_executor.grammar.queue import GrammarQueue
+    from ddtree_serve.model_executor.grammar.queue import GrammarQueue
 
     q = GrammarQueue(lambda: backend)
     bad = SimpleNamespace(rid="bad", params=SamplingParams(regex="(ab"), grammar=None, grammar_future=None)

@@ -11,8 +11,8 @@ import re
 import jsonschema_rs
 import pytest
 
-from server.engine import Engine, SamplingParams
-from server.io_struct import GenerateReq
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.server.io_struct import GenerateReq
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -89,7 +89,7 @@ def test_retraction_keeps_the_matcher(engine, default_model_path, caplog):
     ref = engine.generate(prompts, params)
     small = Engine(default_model_path, dtype="float32", max_total_tokens=48)
     try:
-        with caplog.at_level("INFO", logger="server.scheduling.scheduler"):
+        with caplog.at_level("INFO", logger="ddtree_serve.server.scheduling.scheduler"):
             got = small.generate(prompts, params)
         assert "retracted" in caplog.text, "the pool must force a retraction"
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]

@@ -1,4 +1,4 @@
-"""The reasoning gate of a grammar state (model_executor/grammar/state.py) against brute force, with the
+"""The reasoning gate of a grammar state (ddtree_serve/model_executor/grammar/state.py) against brute force, with the
 default model's real tokenizer: a grammar dormant until the end-of-reasoning token, then the grammar from
 the next token (or from a handoff token itself). Tree masks with the end token at different depths equal a
 per-path reference built on fresh matchers from the gate's definition; pruning keeps exactly the allowed
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from model_executor.grammar import (
+from ddtree_serve.model_executor.grammar import (
     GrammarState,
     ReasoningGate,
     mask_draft_logits,
@@ -20,10 +20,10 @@ from model_executor.grammar import (
     prune_popped,
     tree_bitmask,
 )
-from model_executor.grammar.state import stop_only_row
-from model_executor.sampling_params import SamplingParams
-from speculative.ddtree import PoppedNodes
-from tests.ddtree_kernels.tree_helpers import random_tree
+from ddtree_serve.model_executor.grammar.state import stop_only_row
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.speculative.ddtree import PoppedNodes
+from tests.kernels.tree_helpers import random_tree
 from tests.model_executor.test_grammar import EOS, REGEX, VOCAB, brute_row, make_tree, path_of
 
 W = (VOCAB + 31) // 32

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_executor.quantization import Int4Config, PackedWeightAssembler
-from model_executor.quantization.int4_pack import (
+from ddtree_serve.model_executor.quantization import Int4Config, PackedWeightAssembler
+from ddtree_serve.model_executor.quantization.int4_pack import (
     dequantize_int4,
     pack_int4,
     pack_quantized,

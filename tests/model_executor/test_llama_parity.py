@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.forward_batch import ForwardMode, build_forward_batch
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import ModelRunner
 
 
 def _runner(path: str) -> ModelRunner:

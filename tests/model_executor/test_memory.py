@@ -1,4 +1,4 @@
-"""KV pool sizing and the verify workspace (model_executor/memory.py) through the substitutable probe:
+"""KV pool sizing and the verify workspace (ddtree_serve/model_executor/memory.py) through the substitutable probe:
 fake device totals -> the expected token count, the precedence of the overrides, the CPU default, the
 minimum over two real gloo ranks, and the scheduler sizing its pool (target + drafter bytes) from a probe."""
 
@@ -9,7 +9,7 @@ import multiprocessing as mp
 
 import pytest
 
-from model_executor.memory import (
+from ddtree_serve.model_executor.memory import (
     CPU_KV_CAP_BYTES,
     GIB,
     LOGIT_ROW_BYTES_PER_ENTRY,
@@ -97,8 +97,8 @@ def test_workspace_sizes_the_full_batch_or_caps_a_stated_one() -> None:
 
 
 def _rank_tokens(rank: int, addr: str, totals: tuple[int, ...], out) -> None:
-    from model_executor.parallel_state import destroy_tp, init_tp
-    from server.config import ParallelArgs
+    from ddtree_serve.model_executor.parallel_state import destroy_tp, init_tp
+    from ddtree_serve.server.config import ParallelArgs
 
     tp = init_tp(ParallelArgs(tp_size=2), rank, "cpu", addr)
     try:  # a "CUDA" pool on each rank from its own (fake) device: every rank must end with the minimum
@@ -121,7 +121,7 @@ def _fixed(total: int, dev) -> tuple[int, int]:
 
 
 def test_min_over_two_gloo_ranks() -> None:
-    from model_executor.parallel_state import free_local_addr
+    from ddtree_serve.model_executor.parallel_state import free_local_addr
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -141,8 +141,8 @@ def test_min_over_two_gloo_ranks() -> None:
 
 
 def test_scheduler_sizes_target_plus_drafter_from_the_probe(tiny_llama_factory, tmp_path) -> None:
-    from server.config import ServerConfig
-    from server.scheduling.scheduler import Scheduler
+    from ddtree_serve.server.config import ServerConfig
+    from ddtree_serve.server.scheduling.scheduler import Scheduler
     from tests.speculative.drafter_utils import write_random_drafter
 
     target = tiny_llama_factory("llama")
@@ -173,8 +173,8 @@ def test_scheduler_sizes_target_plus_drafter_from_the_probe(tiny_llama_factory, 
 def test_nccl_and_cuda_graphs_are_reserved_before_the_pool() -> None:
     """NCCL buffers (CUDA, TP) and the CUDA graphs (static inputs counted exactly, pool estimated) come out of
     the measured pool; nothing is reserved off CUDA, and explicit sizes are not touched."""
-    from model_executor.cuda_graph_runner import graph_batch_sizes
-    from model_executor.memory import NCCL_RESERVE_BYTES, runtime_reserve
+    from ddtree_serve.model_executor.cuda_graph_runner import graph_batch_sizes
+    from ddtree_serve.model_executor.memory import NCCL_RESERVE_BYTES, runtime_reserve
 
     sizes = graph_batch_sizes(64)
     assert runtime_reserve("cpu", 8, sizes, 9, 262144, 7168, 2).bytes == 0

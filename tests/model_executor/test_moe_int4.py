@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.layers.moe import FusedExperts
-from model_executor.layers.moe_int4 import Int4Experts
-from model_executor.model_config import ModelConfig
-from model_executor.model_registry import get_model_class
-from model_executor.parallel_state import TPGroup
-from model_executor.weight_loader import iter_weights
+from ddtree_serve.model_executor.layers.moe_experts import FusedExperts
+from ddtree_serve.model_executor.layers.moe_int4 import Int4Experts
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_registry import get_model_class
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.weight_loader import iter_weights
 from tests.model_executor.test_deepseek_v3 import _extend, _ids
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 
@@ -45,7 +45,7 @@ def test_auto_mode_by_device(kimi):
 
 
 def test_packed_logits_equal_dequantized(kimi):
-    from model_executor.model_runner import ModelRunner
+    from ddtree_serve.model_executor.model_runner import ModelRunner
 
     def runner(mode: str) -> ModelRunner:
         cfg = ModelConfig.load(kimi, "float32", "cpu", int4_experts=mode)
@@ -84,8 +84,8 @@ def test_misaligned_tp_slice_is_a_clear_error(tmp_path):
 
 def test_engine_ddtree_on_packed_experts_equals_dequantized(kimi, tmp_path):
     """Through the Engine: greedy DDTree over INT4-resident experts emits the dequantized path's tokens."""
-    from model_executor.sampling_params import SamplingParams
-    from server.engine import Engine
+    from ddtree_serve.model_executor.sampling_params import SamplingParams
+    from ddtree_serve.server.engine import Engine
     from tests.model_executor.tiny_deepseek import VOCAB
     from tests.speculative.drafter_utils import write_random_drafter
     from tests.speculative.scripted_drafts import greedy_script, install

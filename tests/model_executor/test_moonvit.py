@@ -1,4 +1,4 @@
-"""MoonViT + projector (model_executor/models/moonvit.py, loaded by models/kimi_k25.py) against an independent
+"""MoonViT + projector (ddtree_serve/model_executor/models/moonvit.py, loaded by models/kimi_k25.py) against an independent
 reference forward written here from the architecture's definition: the patch convolution as a matmul, the
 position table resized bicubically, attention with 2D rotary positions as complex multiplication, an explicit
 softmax, explicit LayerNorm / GELU formulas, the 2x2 merge by index arithmetic, the projector. float32."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import ModelRunner
-from model_executor.models.moonvit import MoonViTConfig
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.models.moonvit import MoonViTConfig
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 from tests.model_executor.tiny_moonvit import tiny_vision_config
 
@@ -123,7 +123,7 @@ def test_config_from_published_keys_and_parameter_count(tmp_path):
     assert (cfg.patch_size, cfg.merge_kernel, cfg.pos_emb_height, cfg.text_hidden_size) == (14, (2, 2), 64, 7168)
     assert 0.40e9 < cfg.num_parameters() < 0.55e9
     tiny = MoonViTConfig.from_hf(tiny_vision_config(64), 64)
-    from model_executor.models.moonvit import KimiVision
+    from ddtree_serve.model_executor.models.moonvit import KimiVision
 
     assert tiny.num_parameters() == sum(p.numel() for p in KimiVision(tiny, torch.float32).parameters())
     with pytest.raises(ValueError, match="merge_type"):

@@ -1,4 +1,4 @@
-"""Logit bias and repetition / frequency / presence penalties (model_executor/penalties.py): the dense
+"""Logit bias and repetition / frequency / presence penalties (ddtree_serve/model_executor/penalties.py): the dense
 batch form against a scalar transcription of the definitions, and the tree form row by row against the
 dense form with the path's tokens added to the request's tokens (DDTree verification)."""
 
@@ -7,9 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties, apply_tree_penalties
-from model_executor.sampling_params import SamplingParams
-from speculative.ddtree import build_ddtree
+from ddtree_serve.model_executor.penalties import (
+    BatchPenalties,
+    TokenCounts,
+    apply_penalties,
+    apply_tree_penalties,
+)
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.speculative.ddtree import build_ddtree
 
 
 def _scalar_reference(

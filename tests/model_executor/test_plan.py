@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from model_executor.memory import GIB
-from model_executor.model_config import ModelConfig
-from model_executor.parallel_state import TPGroup
-from model_executor.plan import meta_model, module_bytes, rank_models, weight_breakdown
-from server.cli.main import main
+from ddtree_serve.model_executor.memory import GIB
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.plan import meta_model, module_bytes, rank_models, weight_breakdown
+from ddtree_serve.server.cli.main import main
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -99,15 +99,15 @@ def test_uneven_partitions_plan_every_rank(tiny_llama_factory, capsys) -> None:
     """3 KV heads over 2 ranks: rank 0 holds 2 (more KV per token), rank 1 holds 1; the pool is the
     minimum over ranks, and rank 0's line carries it (the real ranks agree on it: tests/model_executor/
     test_memory.py, two gloo ranks)."""
-    from server.cli.args import config_from_args
-    from server.plan import make_plan
+    from ddtree_serve.server.cli.args import config_from_args
+    from ddtree_serve.server.plan import make_plan
     from tests.server.test_plan_vs_startup import _parse
 
     path = tiny_llama_factory(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
     cfg = ModelConfig.load(path, "float32", "cpu")
     assert [m.rank for m in rank_models(cfg, None, 2, False)] == [0, 1]
     assert [m.rank for m in rank_models(cfg, None, 1, False)] == [0]
-    from server.cli import plan as cli_plan
+    from ddtree_serve.server.cli import plan as cli_plan
 
     plan = make_plan(config_from_args(_parse(cli_plan, ["--model-path", path, "--tp-size", "2", "--device", "cpu",
                                                         "--speculative-algorithm", "none"])), 0.01, 0.0)

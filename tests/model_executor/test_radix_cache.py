@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from model_executor.kv_slots import KVSlots
-from model_executor.radix_cache import RadixCache
+from ddtree_serve.model_executor.kv_slots import KVSlots
+from ddtree_serve.model_executor.radix_cache import RadixCache
 
 
 def _setup(n: int = 64) -> tuple[KVSlots, RadixCache]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from model_executor.sampler import BatchSamplingInfo, processed_probs, sample
-from model_executor.sampling_params import SamplingParams
+from ddtree_serve.model_executor.sampler import BatchSamplingInfo, processed_probs, sample
+from ddtree_serve.model_executor.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0])
 
@@ -70,8 +70,8 @@ def test_greedy_rows_and_batch_independence():
 def test_tiny_temperature_is_greedy_not_nan():
     """A positive temperature below 1e-5 (an OpenAI client may send 1e-300) decodes greedily: logits / T
     would overflow to a NaN probability row."""
-    from model_executor.sampler import BatchSamplingInfo, sample
-    from model_executor.sampling_params import SamplingParams
+    from ddtree_serve.model_executor.sampler import BatchSamplingInfo, sample
+    from ddtree_serve.model_executor.sampling_params import SamplingParams
 
     logits = torch.tensor([[0.5, 2.0, -1.0, 1.5]])
     for t in (1e-300, 5e-324, 1e-6):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from model_executor.quantization.int4_pack import dequantize_int4, pack_quantized
+from ddtree_serve.model_executor.quantization.int4_pack import dequantize_int4, pack_quantized
 
 VOCAB = 512
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",

@@ -1,4 +1,4 @@
-"""DCP groups smaller than the TP world (model_executor/parallel_state.py): at TP 4 with
+"""DCP groups smaller than the TP world (ddtree_serve/model_executor/parallel_state.py): at TP 4 with
 ``decode_context_parallel_size=2`` (4 gloo processes) ranks {0, 1} and {2, 3} form the DCP groups; the DCP
 all-gather and reduce-scatter stay inside a group and follow DCP-rank order."""
 
@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 
 def _rank(rank: int, addr: str, out) -> None:  # noqa: ANN001
-    from model_executor.parallel_state import destroy_tp, init_tp
+    from ddtree_serve.model_executor.parallel_state import destroy_tp, init_tp
 
     par = SimpleNamespace(tp_size=4, nnodes=1, node_rank=0, dist_init_addr=addr, expert_parallel=False,
                           startup_timeout_s=120.0, decode_context_parallel_size=2)
@@ -24,7 +24,7 @@ def _rank(rank: int, addr: str, out) -> None:  # noqa: ANN001
 
 
 def test_dcp_subgroups_at_tp4() -> None:
-    from model_executor.parallel_state import free_local_addr
+    from ddtree_serve.model_executor.parallel_state import free_local_addr
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -12,8 +12,8 @@ import pytest
 import tomllib
 from packaging.requirements import Requirement
 
-from server.cli.args import load_yaml
-from server.config import ServerConfig
+from ddtree_serve.server.cli.args import load_yaml
+from ddtree_serve.server.config import ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted((REPO / "configs").glob("*.yaml"))
@@ -85,10 +85,10 @@ def test_every_config_field_is_read_by_the_code() -> None:
     outside the files that only declare and parse the configuration."""
     import dataclasses
 
-    declaring = {REPO / "server/config.py", REPO / "server/cli/args.py"}
+    declaring = {REPO / "ddtree_serve/server/config.py", REPO / "ddtree_serve/server/cli/args.py"}
     sources = [
         p
-        for d in ("server", "model_executor", "speculative", "ddtree_kernels")
+        for d in ("server", "model_executor", "speculative", "ddtree_serve.kernels")
         for p in (REPO / d).rglob("*.py")
         if p not in declaring
     ]

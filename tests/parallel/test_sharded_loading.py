@@ -10,13 +10,13 @@ import re
 import pytest
 import torch
 
-from model_executor.layers.embedding import VocabParallelEmbedding
-from model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-from model_executor.layers.moe import FusedExperts
-from model_executor.model_config import ModelConfig
-from model_executor.model_registry import get_model_class
-from model_executor.parallel_state import TPGroup
-from model_executor.weight_loader import SafetensorsSlice, iter_weights
+from ddtree_serve.model_executor.layers.embedding import VocabParallelEmbedding
+from ddtree_serve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ddtree_serve.model_executor.layers.moe_experts import FusedExperts
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_registry import get_model_class
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.weight_loader import SafetensorsSlice, iter_weights
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 
 
@@ -105,7 +105,7 @@ def test_tiny_kimi_int4_expert_parallel_rank_slices(tmp_path, monkeypatch) -> No
 
 def test_default_model_rank_slices_uneven_heads(monkeypatch) -> None:
     """SmolLM2: 9 query heads over 3 KV heads split 6 + 3 at TP=2; tied embeddings."""
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     path = ensure_default_model()
     _check(path, monkeypatch)

@@ -1,4 +1,4 @@
-"""Start-up collectives wait longer than steady-state ones (model_executor/parallel_state.py).
+"""Start-up collectives wait longer than steady-state ones (ddtree_serve/model_executor/parallel_state.py).
 
 Two real gloo ranks with small timeouts (steady 1 s, start-up 30 s). At start-up rank 1 arrives 5 s late to
 the first control collective (the KV sizing's ``min_int``) and to a device all-reduce: rank 0 waits for it.
@@ -17,8 +17,8 @@ LATE_S = 5.0
 
 
 def _rank(rank: int, addr: str, out) -> None:
-    from model_executor.parallel_state import CollectiveError, destroy_tp, end_startup, init_tp
-    from server.config import ParallelArgs
+    from ddtree_serve.model_executor.parallel_state import CollectiveError, destroy_tp, end_startup, init_tp
+    from ddtree_serve.server.config import ParallelArgs
 
     tp = init_tp(ParallelArgs(tp_size=2, startup_timeout_s=30.0), rank, "cpu", addr, collective_timeout_s=1.0)
     try:
@@ -42,7 +42,7 @@ def _rank(rank: int, addr: str, out) -> None:
 
 
 def test_startup_waits_for_a_late_rank_and_steady_state_does_not() -> None:
-    from model_executor.parallel_state import free_local_addr
+    from ddtree_serve.model_executor.parallel_state import free_local_addr
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

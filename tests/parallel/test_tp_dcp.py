@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.sampling_params import SamplingParams
-from server.engine import Engine
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.engine import Engine
 from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
 from tests.speculative.scripted_drafts import greedy_script, install

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.sampling_params import SamplingParams
-from server.engine import Engine
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.engine import Engine
 from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
 from tests.speculative.scripted_drafts import greedy_script, install
@@ -52,7 +52,7 @@ def _check_model(model_path: str, drafter: str, prompts: list[list[int]], vocab:
 
 
 def test_default_model_tp2_equals_tp1(tmp_path) -> None:
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     path = ensure_default_model()
     drafter = write_random_drafter(path, tmp_path / "drafter", num_layers=1, block_size=4)
@@ -91,11 +91,11 @@ def test_tiny_kimi_tp2_auto_budget(tmp_path) -> None:
 
 def test_dead_follower_fails_clearly() -> None:
     """Killing rank 1 makes rank 0 raise an error naming it (never a hang)."""
-    from server.tp.protocol import TPRankError
+    from ddtree_serve.server.tp.errors import TPRankError
 
     eng = Engine("default", device="cpu", dtype="float32", max_total_tokens=256, tp_size=2)
     try:
-        from server.scheduling.scheduler_factory import SchedulerLike
+        from ddtree_serve.server.scheduling.scheduler_factory import SchedulerLike
 
         assert isinstance(eng.scheduler, SchedulerLike)
         follower = eng.scheduler.followers[0]

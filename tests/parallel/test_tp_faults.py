@@ -1,6 +1,6 @@
-"""Faults under TP=2 (gloo, 2 processes), through the offline Engine (server/scheduling/step_recovery.py, tp_protocol.py).
+"""Faults under TP=2 (gloo, 2 processes), through the offline Engine (ddtree_serve/server/scheduling/step_recovery.py, tp_protocol.py).
 
-- A step that raises on every rank (the test-only fault hook, server/scheduling/fault_injection.py, armed in rank 0
+- A step that raises on every rank (the test-only fault hook, ddtree_serve/server/scheduling/fault_injection.py, armed in rank 0
   and in the follower: the target forward, the drafter forward, the speculative commit) fails that step's
   requests with a clear error; a request streaming meanwhile finishes with its reference tokens, later
   requests too; rank 0 holds no KV afterwards, and the consistency check at shutdown (which hashes the
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.sampling_params import SamplingParams
-from server.engine import Engine
-from server.scheduling.fault_injection import TEST_FAULT_ENV
-from server.tp.protocol import TPDivergence, TPRankError
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.engine import Engine
+from ddtree_serve.server.scheduling.fault_injection import TEST_FAULT_ENV
+from ddtree_serve.server.tp.errors import TPDivergence, TPRankError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 GOOD = [[5, 17, 42, 99, 7, 3], [11, 23, 31, 47, 59]]

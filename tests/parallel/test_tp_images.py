@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.sampling_params import SamplingParams
-from server.engine import Engine
-from server.io_struct import GenerateReq
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.engine import Engine
+from ddtree_serve.server.io_struct import GenerateReq
 from tests.server.kimi_tokenizer_files import write_tiny_kimi
 from tests.server.test_image_prefill import VOCAB, _prompt
 

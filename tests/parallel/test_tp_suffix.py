@@ -7,8 +7,8 @@ from its second token on (SuffixDecoding's cross-request case)."""
 
 from __future__ import annotations
 
-from model_executor.sampling_params import SamplingParams
-from server.engine import Engine
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.engine import Engine
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
 

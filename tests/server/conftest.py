@@ -68,7 +68,7 @@ def start_server(args: list[str], log_path: Path, env: dict[str, str] | None = N
     """``ddtree-serve serve ARGS`` with its output in ``log_path``; ``env``: extra environment variables."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", "server.cli.main", "serve", *args], cwd=REPO, stdout=log,
+    return subprocess.Popen([sys.executable, "-m", "ddtree_serve.server.cli.main", "serve", *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=env)
 
 

@@ -1,6 +1,6 @@
 """``param`` on admission refusals, over real HTTP (issue 38): a 400 about one field names it, in the API's own
 terms, whether the HTTP front end refuses the request (the prompt against the context) or the engine does at
-admission (the prompt against the KV cache: the scheduler's checks, server/scheduling/scheduler.py).
+admission (the prompt against the KV cache: the scheduler's checks, ddtree_serve/server/scheduling/scheduler.py).
 
 A real server process with the default model, a 1024-token context and a 160-token KV cache (no speculation:
 a one-slot margin), so a prompt of ~190 tokens fits the context but not the cache."""
@@ -21,7 +21,7 @@ USER = [{"role": "user", "content": "Say hi."}]
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     args = ["--context-length", "1024", "--max-total-tokens", "160", "--speculative-algorithm", "none",

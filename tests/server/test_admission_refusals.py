@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.sampling_params import SamplingParams
-from server.config import ServerConfig
-from server.http.serving_common import engine_error, param_names
-from server.http.serving_structured import Constraint
-from server.io_struct import GenerateReq, TextOut
-from server.scheduling.request import AdmissionError, rejection_param
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.http.serving_common import engine_error, param_names
+from ddtree_serve.server.http.serving_structured import Constraint
+from ddtree_serve.server.io_struct import GenerateReq, TextOut
+from ddtree_serve.server.scheduling.request import AdmissionError, rejection_param
 
 CONTEXT, KV = 128, 96
 
 
 @pytest.fixture(scope="module")
 def scheduler(tmp_path_factory):
-    from server.scheduling.scheduler import Scheduler
+    from ddtree_serve.server.scheduling.scheduler import Scheduler
     from tests.conftest import write_tiny_llama_family
 
     target = write_tiny_llama_family(tmp_path_factory.mktemp("tiny-llama"), "llama")

@@ -31,7 +31,7 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     args = ["--api-key", KEY, "--max-total-tokens", "8192", "--tool-call-parser", "hermes", "--dtype", "float32"]

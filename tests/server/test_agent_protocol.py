@@ -7,15 +7,16 @@ import json
 
 import pytest
 
-from server.config import ServerConfig
-from server.http.chat_bridge import chat_request
-from server.http.protocol_messages import MessagesRequest
-from server.http.protocol_responses import ResponsesRequest
-from server.http.serving_common import APIError, parse_body
-from server.http.serving_messages import REFUSED as MESSAGES_REFUSED
-from server.http.serving_messages import to_chat as messages_to_chat
-from server.http.serving_responses import REFUSED as RESPONSES_REFUSED
-from server.http.serving_responses import to_chat as responses_to_chat
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.http.chat_bridge import chat_request
+from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.protocol_messages import MessagesRequest
+from ddtree_serve.server.http.protocol_responses import ResponsesRequest
+from ddtree_serve.server.http.serving_common import parse_body
+from ddtree_serve.server.http.serving_messages import REFUSED as MESSAGES_REFUSED
+from ddtree_serve.server.http.serving_messages import to_chat as messages_to_chat
+from ddtree_serve.server.http.serving_responses import REFUSED as RESPONSES_REFUSED
+from ddtree_serve.server.http.serving_responses import to_chat as responses_to_chat
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 

@@ -6,8 +6,13 @@ import argparse
 
 import pytest
 
-from server.cli.args import add_server_arguments, config_field_names, config_from_args, flag_names
-from server.cli.main import build_parser, subcommands
+from ddtree_serve.server.cli.args import (
+    add_server_arguments,
+    config_field_names,
+    config_from_args,
+    flag_names,
+)
+from ddtree_serve.server.cli.main import build_parser, subcommands
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from server.cli.args import add_server_arguments
-from server.config import (
+from ddtree_serve.server.cli.args import add_server_arguments
+from ddtree_serve.server.config import (
     SETTING,
     CacheArgs,
     ModelArgs,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.cli.args import config_from_args
-from server.cli.main import build_parser
+from ddtree_serve.server.cli.args import config_from_args
+from ddtree_serve.server.cli.main import build_parser
 
 
 def _config(*argv: str):
@@ -14,7 +14,7 @@ def _config(*argv: str):
 
 
 def test_default_serve_uses_ddtree_with_shipped_drafter():
-    from model_executor.default_drafter import default_drafter_path
+    from ddtree_serve.model_executor.default_drafter import default_drafter_path
 
     try:
         default_drafter_path()

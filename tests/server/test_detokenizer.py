@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from model_executor.default_model import default_model_dir
-from server.detokenizer import IncrementalDetokenizer
-from server.io_struct import DetokenizeReq, TokenOut
+from ddtree_serve.model_executor.default_model import default_model_dir
+from ddtree_serve.server.detokenizer import IncrementalDetokenizer
+from ddtree_serve.server.io_struct import DetokenizeReq, TokenOut
 
 TEXT = "Héllo wörld — 日本語のテキスト 🎉🎉 done.\n\nUser: hi"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.config import ServerConfig
-from server.startup import resolve_draft_sources
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.startup import resolve_draft_sources
 
 
 def _cfg(**flat) -> ServerConfig:
@@ -39,7 +39,7 @@ def test_sources_are_normalised_and_auto_resolves_by_drafter():
 
 
 def test_settings_of_an_unused_source_are_errors():
-    from server.startup import check_source_settings
+    from ddtree_serve.server.startup import check_source_settings
 
     def spec(**flat):
         cfg = _cfg(model_path="/m", speculative_algorithm="ddtree", **flat)

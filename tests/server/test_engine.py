@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import Engine, SamplingParams
+from ddtree_serve.server.engine import Engine, SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -137,7 +137,7 @@ def test_bad_prompt_and_model_path(engine):
 
 
 def test_engine_drives_a_scheduler_protocol_over_a_resolved_config(engine, default_model_path):
-    from server.scheduling.scheduler_factory import SchedulerLike
+    from ddtree_serve.server.scheduling.scheduler_factory import SchedulerLike
 
     assert isinstance(engine.scheduler, SchedulerLike)
     assert engine.config.model.model_path == default_model_path and engine.config.model.device in ("cpu", "cuda")

@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from server.cli.args import config_from_args
-from server.cli.main import build_parser
-from server.config import SETTING, config_fields, is_default_path
-from server.startup import resolve_config
+from ddtree_serve.server.cli.args import config_from_args
+from ddtree_serve.server.cli.main import build_parser
+from ddtree_serve.server.config import SETTING, config_fields, is_default_path
+from ddtree_serve.server.startup import resolve_config
 
 
 def _help_defaults(command: str) -> dict[str, str]:
@@ -70,7 +70,7 @@ def test_budget_help_matches_what_the_flag_accepts() -> None:
     budget = re.search(r"--speculative-ddtree-budget BUDGET (.*?)\(default", shown).group(1)
     assert "integer >= 1" in budget and "0 =" not in budget
     parser = argparse.ArgumentParser()
-    from server.cli.args import add_server_arguments
+    from ddtree_serve.server.cli.args import add_server_arguments
 
     add_server_arguments(parser)
     for bad in ("0", "-1"):

@@ -1,4 +1,4 @@
-"""Images through the scheduler (server/scheduling/image_prefill.py, the prefix cache's image keys) on a tiny
+"""Images through the scheduler (ddtree_serve/server/scheduling/image_prefill.py, the prefix cache's image keys) on a tiny
 random Kimi K2.6 checkpoint with a MoonViT tower: an image changes the greedy output; chunked prefill that
 splits a prompt inside an image gives the same tokens; the same image resent is a prefix-cache hit past its
 span and a different image is not, with outputs unchanged; ddtree (scripted drafts that accept and reject)
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.sampling_params import SamplingParams
-from server.config import ServerConfig
-from server.io_struct import GenerateReq, ImageInput
-from server.multimodal.frontend import ImageLimits, VisionFrontend
-from server.multimodal.image_processor import ImageProcessorConfig
-from server.scheduling.scheduler import Scheduler
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.io_struct import GenerateReq, ImageInput
+from ddtree_serve.server.multimodal.frontend import ImageLimits, VisionFrontend
+from ddtree_serve.server.multimodal.image_processor import ImageProcessorConfig
+from ddtree_serve.server.scheduling.scheduler import Scheduler
 from tests.server.image_files import data_url, random_image
 from tests.server.kimi_tokenizer_files import special_token_ids, write_tiny_kimi
 from tests.speculative.scripted_drafts import greedy_script, install

@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.config import ServerConfig
-from server.detokenizer import IncrementalDetokenizer
-from server.http.metrics import ServerMetrics
-from server.io_struct import DetokenizeReq, IpcEndpoints, TokenOut
-from server.process_utils import load_tokenizer
-from server.tokenizer_manager import TokenizerManager
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.detokenizer import IncrementalDetokenizer
+from ddtree_serve.server.http.metrics import ServerMetrics
+from ddtree_serve.server.io_struct import DetokenizeReq, IpcEndpoints, TokenOut
+from ddtree_serve.server.process_utils import load_tokenizer
+from ddtree_serve.server.tokenizer_manager import TokenizerManager
 from tests.server.conftest import REPO, free_port, running_server
 from tests.server.kimi_tokenizer_files import special_token_ids, write_tiny_kimi
 from tests.server.tokenization_kimi_standin import SPECIAL_TOKENS
@@ -145,7 +145,7 @@ def test_chat_template_tools_and_tool_turns(tok) -> None:
 
 
 def test_engine_uses_remote_code_tokenizer(kimi_dir) -> None:
-    from server.engine import Engine, SamplingParams
+    from ddtree_serve.server.engine import Engine, SamplingParams
 
     engine = Engine(str(kimi_dir), device="cpu", dtype="float32")
     try:
@@ -158,7 +158,7 @@ def test_engine_uses_remote_code_tokenizer(kimi_dir) -> None:
 
 
 def test_untrusted_remote_code_fails_clearly(kimi_dir) -> None:
-    from server.engine import Engine
+    from ddtree_serve.server.engine import Engine
 
     with pytest.raises(ValueError, match="trust_remote_code"):
         load_tokenizer(str(kimi_dir), trust_remote_code=False)
@@ -166,7 +166,7 @@ def test_untrusted_remote_code_fails_clearly(kimi_dir) -> None:
     with pytest.raises(ValueError, match="trust_remote_code"):
         Engine(str(kimi_dir), device="cpu", trust_remote_code=False)
     assert time.perf_counter() - t0 < 5  # refused before the weights load
-    res = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", "--model-path", str(kimi_dir),
+    res = subprocess.run([sys.executable, "-m", "ddtree_serve.server.cli.main", "serve", "--model-path", str(kimi_dir),
                           "--device", "cpu", "--no-trust-remote-code", "--port", str(free_port())],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]

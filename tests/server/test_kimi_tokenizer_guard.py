@@ -1,4 +1,4 @@
-"""The start-up guard for Kimi tokenizers (server/startup.py ``check_kimi_tokenizer``): with a Kimi parser
+"""The start-up guard for Kimi tokenizers (ddtree_serve/server/startup.py ``check_kimi_tokenizer``): with a Kimi parser
 selected, the markers the parsers rely on must be single tokens with the ids the checkpoint declares. The
 stand-in Kimi tokenizer passes; broken copies of it (a marker split into several tokens, special ids shifted
 against tokenizer_config.json, an eos id that is not ``<|im_end|>``'s) fail with a message naming the token
@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ServerConfig
-from server.startup import KIMI_MARKERS, check_kimi_tokenizer, declared_eos_ids, declared_token_ids
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.startup import (
+    KIMI_MARKERS,
+    check_kimi_tokenizer,
+    declared_eos_ids,
+    declared_token_ids,
+)
 from tests.server.conftest import REPO, free_port
 from tests.server.kimi_tokenizer_files import STANDIN_SOURCE, special_token_ids, write_kimi_tokenizer
 
@@ -87,7 +92,7 @@ def test_broken_copies_fail_naming_the_token(tmp_path, breaks, words) -> None:
 def test_serve_exits_with_the_message(tmp_path) -> None:
     """Before any process starts or weight loads: the checkpoint has no weights at all."""
     path = _split_think(_checkpoint(tmp_path / "split"))
-    res = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", "--model-path", str(path), "--device",
+    res = subprocess.run([sys.executable, "-m", "ddtree_serve.server.cli.main", "serve", "--model-path", str(path), "--device",
                           "cpu", "--reasoning-parser", "kimi_k2", "--port", str(free_port())],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr[-3000:]

@@ -19,7 +19,7 @@ import json
 import httpx
 import pytest
 
-from server.parsers.tool_grammar import literal
+from ddtree_serve.server.parsers.tool_grammar import literal
 from tests.server.conftest import running_server
 from tests.server.kimi_tokenizer_files import write_tiny_kimi
 from tests.server.test_tool_history import CANONICAL, KIMI_TOOL_TEMPLATE, history

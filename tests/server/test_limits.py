@@ -19,7 +19,7 @@ USER = [{"role": "user", "content": "Say hi."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     args = ["--context-length", str(CONTEXT), "--max-running-requests", "1", "--max-waiting-requests", "1",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from model_executor.memory import GIB
-from server.config import ServerConfig
-from server.machines import GPU_MEMORY_GIB, machine_memory_mismatch
-from server.memory_sizing import ModelFacts, size_startup_memory
+from ddtree_serve.model_executor.memory import GIB
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.machines import GPU_MEMORY_GIB, machine_memory_mismatch
+from ddtree_serve.server.memory_sizing import ModelFacts, size_startup_memory
 
 FACTS = ModelFacts(vocab_size=1000, max_context_len=4096, kv_bytes_per_token=70272, budget=8, block_size=8)
 

@@ -1,4 +1,4 @@
-"""Image preprocessing and the HTTP side's image checks (server/multimodal/): the resize / pad / token formula
+"""Image preprocessing and the HTTP side's image checks (ddtree_serve/server/multimodal/): the resize / pad / token formula
 against values computed here from the published rule, patch order and normalisation, decoding limits and
 errors, data: URLs, the content hash, and the placeholder expansion."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from server.multimodal.frontend import ImageLimits, VisionFrontend, image_bytes
-from server.multimodal.image_processor import (
+from ddtree_serve.server.multimodal.frontend import ImageLimits, VisionFrontend, image_bytes
+from ddtree_serve.server.multimodal.image_processor import (
     ImageError,
     ImageProcessorConfig,
     content_hash,

@@ -18,21 +18,22 @@ from typing import Any
 import jsonschema_rs
 import pytest
 
-from server.config import ServerConfig
-from server.http.api import create_app
-from server.http.chat_bridge import chat_request
-from server.http.metrics import ServerMetrics
-from server.http.openapi import openapi_spec
-from server.http.protocol import ChatCompletionRequest, CompletionRequest
-from server.http.protocol_messages import MessagesRequest
-from server.http.protocol_responses import ResponsesRequest
-from server.http.serving_common import APIError, validation_error
-from server.http.serving_messages import chat_of as messages_chat
-from server.http.serving_responses import chat_of as responses_chat
-from server.http.serving_structured import constraint_of
-from server.http.tokenize_routes import DetokenizeRequest, TokenizeRequest
-from server.io_struct import IpcEndpoints
-from server.tokenizer_manager import TokenizerManager
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.http.api import create_app
+from ddtree_serve.server.http.chat_bridge import chat_request
+from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.metrics import ServerMetrics
+from ddtree_serve.server.http.openapi import openapi_spec
+from ddtree_serve.server.http.protocol import ChatCompletionRequest, CompletionRequest
+from ddtree_serve.server.http.protocol_messages import MessagesRequest
+from ddtree_serve.server.http.protocol_responses import ResponsesRequest
+from ddtree_serve.server.http.serving_common import validation_error
+from ddtree_serve.server.http.serving_messages import chat_of as messages_chat
+from ddtree_serve.server.http.serving_responses import chat_of as responses_chat
+from ddtree_serve.server.http.serving_structured import constraint_of
+from ddtree_serve.server.http.tokenize_routes import DetokenizeRequest, TokenizeRequest
+from ddtree_serve.server.io_struct import IpcEndpoints
+from ddtree_serve.server.tokenizer_manager import TokenizerManager
 from tests.server.openapi_fuzz_normalise import normalise
 
 CONFIG = ServerConfig().replace("server", tool_call_parser="hermes", reasoning_parser="deepseek-r1")

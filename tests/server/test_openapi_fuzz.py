@@ -30,7 +30,7 @@ OPERATIONS = {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/mes
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     with running_server(SERVER_ARGS, tmp_path_factory.mktemp("fuzz")) as srv:

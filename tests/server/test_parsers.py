@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, parse_tool_calls
-from server.parsers.tool_call import merge_deltas
+from ddtree_serve.server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, parse_tool_calls
+from ddtree_serve.server.parsers.tool_call import merge_deltas
 
 KIMI_CALL = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
              '{"city": "Paris", "unit": "°C"}<|tool_call_end|><|tool_call_begin|>functions.search:1'
@@ -149,7 +149,7 @@ def test_cut_calls_keep_their_text_and_finish_length() -> None:
     """A reply cut by max_tokens (issue 38): a Kimi call cut inside its header is content, not a call; one cut
     inside its arguments keeps them (already streamed); a cut hermes call is content; the finish reason is
     the engine's ``length`` whatever was parsed, ``tool_calls`` only for a reply that ended by itself."""
-    from server.http.serving_chat import _finish_reason
+    from ddtree_serve.server.http.serving_chat import _finish_reason
 
     text, calls = parse_tool_calls("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_w")
     assert calls == [] and text == "<|tool_call_begin|>functions.get_w"

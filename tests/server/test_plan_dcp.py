@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli.main import main
+from ddtree_serve.server.cli.main import main
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_executor.memory import GIB
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import load_model
-from model_executor.parallel_state import TPGroup
-from model_executor.plan import module_bytes
-from server.cli import plan as cli_plan
-from server.cli import serve as cli_serve
-from server.cli.args import config_from_args
-from server.machines import GPU_MEMORY_GIB
-from server.scheduling.scheduler import Scheduler
-from server.startup import resolve_config
-from speculative.worker_shape import drafter_model_config
+from ddtree_serve.model_executor.memory import GIB
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import load_model
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.plan import module_bytes
+from ddtree_serve.server.cli import plan as cli_plan
+from ddtree_serve.server.cli import serve as cli_serve
+from ddtree_serve.server.cli.args import config_from_args
+from ddtree_serve.server.machines import GPU_MEMORY_GIB
+from ddtree_serve.server.scheduling.scheduler import Scheduler
+from ddtree_serve.server.startup import resolve_config
+from ddtree_serve.speculative.worker_shape import drafter_model_config
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import Engine, SamplingParams
-from server.io_struct import GenerateReq
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.server.io_struct import GenerateReq
 from tests.speculative.drafter_utils import write_random_drafter
 
 VOCAB = 24
@@ -156,7 +156,7 @@ def test_eviction_aborts_and_retractions_leak_nothing(tiny):
 def test_eviction_policy_and_disable_flag(tiny, capsys):
     import argparse
 
-    from server.cli.args import add_server_arguments, config_from_args
+    from ddtree_serve.server.cli.args import add_server_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_server_arguments(parser)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import Engine, SamplingParams
+from ddtree_serve.server.engine import Engine, SamplingParams
 
 CHUNK = 16  # chunked_prefill_size: the long prompt below is prefilled in several chunks
 TOL = 1e-4  # float32, absolute, per token (measured max |diff| ~2e-5 between our forward and transformers')
@@ -131,7 +131,7 @@ def test_only_requests_that_ask_are_scored(engine):
     ],
 )
 def test_chunk_rows(start, n, prompt_len, scored, want):
-    from model_executor.prompt_logprobs import chunk_rows
+    from ddtree_serve.model_executor.prompt_logprobs import chunk_rows
 
     assert chunk_rows(start, n, prompt_len, scored) == want
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from server.http.protocol import ChatCompletionRequest, CompletionRequest, SpecStats, error_body
-from server.http.serving_common import APIError, make_params, parse_body
+from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.protocol import ChatCompletionRequest, CompletionRequest, SpecStats, error_body
+from ddtree_serve.server.http.serving_common import make_params, parse_body
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -95,8 +96,9 @@ def test_spec_stats_and_error_shape() -> None:
 def test_image_parts_parse_and_other_media_are_rejected_clearly() -> None:
     """image_url parts validate (whether the model takes them is the handler's 400: tests/server/test_images.py);
     audio or video parts, and images outside user messages, are 400s naming ``messages``."""
-    from server.http.protocol import ChatCompletionRequest
-    from server.http.serving_common import APIError, parse_body
+    from ddtree_serve.server.http.errors import APIError
+    from ddtree_serve.server.http.protocol import ChatCompletionRequest
+    from ddtree_serve.server.http.serving_common import parse_body
 
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}

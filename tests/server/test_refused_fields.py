@@ -1,13 +1,13 @@
 """Chat fields that would change the reply and cannot be honoured are a 400 naming them, never ignored
-(server/http/protocol.py ``CHAT_REFUSED``); their null forms and text-only ``modalities`` are accepted."""
+(ddtree_serve/server/http/protocol.py ``CHAT_REFUSED``); their null forms and text-only ``modalities`` are accepted."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.http.chat_bridge import chat_request
-from server.http.protocol import CHAT_REFUSED
-from server.http.serving_common import APIError
+from ddtree_serve.server.http.chat_bridge import chat_request
+from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.protocol import CHAT_REFUSED
 
 USER = [{"role": "user", "content": "hi"}]
 

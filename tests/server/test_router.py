@@ -44,7 +44,7 @@ def router_command(port: int, metrics_port: int, workers: list[str]) -> list[str
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     logs = tmp_path_factory.mktemp("router")

@@ -15,7 +15,7 @@ USER = [{"role": "user", "content": "Count from one to ten."}]
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     with running_server(["--max-total-tokens", "8192", "--max-prompt-tokens", "300"],

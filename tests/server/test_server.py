@@ -27,7 +27,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     # float32: greedy in a mixed batch equals greedy alone to the last bit (bfloat16 near ties, docs/DESIGN.md 1)
@@ -110,8 +110,8 @@ def test_completions_async(server, model_name) -> None:
 
 
 def test_greedy_matches_offline_engine(client, model_name) -> None:
-    from model_executor.sampling_params import SamplingParams
-    from server.engine import Engine
+    from ddtree_serve.model_executor.sampling_params import SamplingParams
+    from ddtree_serve.server.engine import Engine
 
     served = client.completions.create(model=model_name, prompt=PROMPTS, max_tokens=8, temperature=0).choices
     msgs = [{"role": "user", "content": "What is 2+2?"}]

@@ -1,4 +1,4 @@
-"""Start-up resolves the model path, drafter path and device once (server/startup.py); everything below
+"""Start-up resolves the model path, drafter path and device once (ddtree_serve/server/startup.py); everything below
 (make_scheduler, Scheduler, the TP ranks) takes the resolved configuration as it is."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from model_executor.default_drafter import default_drafter_path
-from server.config import ServerConfig
-from server.scheduling.scheduler import Scheduler
-from server.scheduling.scheduler_factory import SchedulerLike, make_scheduler
-from server.startup import is_resolved, resolve_config, resolve_device
-from server.tp.protocol import TPScheduler
+from ddtree_serve.model_executor.default_drafter import default_drafter_path
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.scheduling.scheduler import Scheduler
+from ddtree_serve.server.scheduling.scheduler_factory import SchedulerLike, make_scheduler
+from ddtree_serve.server.startup import is_resolved, resolve_config, resolve_device
+from ddtree_serve.server.tp.protocol import TPScheduler
 
 
 def test_resolve_config_once_and_idempotent(default_model_path) -> None:
@@ -56,7 +56,7 @@ KIMI_PRESET = "configs/kimi-k2.6-8x-b300.yaml"
 
 
 def _serve(argv: list[str], capsys) -> tuple[int, str]:
-    from server.cli.main import main
+    from ddtree_serve.server.cli.main import main
 
     rc = main(["serve", *argv])
     return rc, capsys.readouterr().err
@@ -90,8 +90,8 @@ def test_kimi_preset_serves_without_a_drafter_on_suffix_drafts(tmp_path) -> None
     """The documented command for the presets without the drafter: suffix drafts alone, no drafter loaded."""
     import argparse
 
-    from server.cli import serve as cli_serve
-    from server.cli.args import config_from_args
+    from ddtree_serve.server.cli import serve as cli_serve
+    from ddtree_serve.server.cli.args import config_from_args
     from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 
     kimi = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True).path

@@ -1,6 +1,6 @@
 """A scheduler step that raises, on a real server: its requests get an error, everyone else is served.
 
-The server runs with the test-only fault hook (``DDTREE_TEST_FAIL_ON_TOKEN``, server/scheduling/fault_injection.py):
+The server runs with the test-only fault hook (``DDTREE_TEST_FAIL_ON_TOKEN``, ddtree_serve/server/scheduling/fault_injection.py):
 every step whose batch holds the token " kangaroo" raises in its target forward. A prompt holding it fails in prefill
 (HTTP 500 before any output); a request forced to generate it (``logit_bias``) fails in the next
 decode/verify step after it was streamed (an error event ends the stream). The server must stay healthy
@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.scheduling.fault_injection import TEST_FAULT_ENV
+from ddtree_serve.server.scheduling.fault_injection import TEST_FAULT_ENV
 from tests.server.conftest import free_port, start_server, wait_healthy
 
 BAD_WORD = " kangaroo"
@@ -27,8 +27,8 @@ BAD_WORD = " kangaroo"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
-    from server.process_utils import load_tokenizer
+    from ddtree_serve.model_executor.default_model import ensure_default_model
+    from ddtree_serve.server.process_utils import load_tokenizer
 
     path = ensure_default_model()
     bad = load_tokenizer(path, True).encode(BAD_WORD, add_special_tokens=False)

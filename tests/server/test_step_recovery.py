@@ -1,4 +1,4 @@
-"""A scheduler step that raises fails only its batch's requests and leaks no KV (server/scheduling/step_recovery.py).
+"""A scheduler step that raises fails only its batch's requests and leaks no KV (ddtree_serve/server/scheduling/step_recovery.py).
 
 A real ``Scheduler`` over a tiny random Llama (plain decoding, and DDTree with a random drafter whose trees
 are merged with the scripted draft source's, so accepted paths are exercised) is stepped by hand; the step's
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.sampling_params import SamplingParams
-from server.config import ServerConfig
-from server.io_struct import GenerateReq
-from server.scheduling.scheduler import Scheduler
-from server.scheduling.step_recovery import fail_step, orphaned_rids
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.io_struct import GenerateReq
+from ddtree_serve.server.scheduling.scheduler import Scheduler
+from ddtree_serve.server.scheduling.step_recovery import fail_step, orphaned_rids
 from tests.speculative.scripted_drafts import greedy_script, install
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -199,9 +199,9 @@ def test_failed_prefill_chunk_frees_the_earlier_chunks(models, where) -> None:
 
 def test_offline_engine_fails_the_call_and_serves_on(models, monkeypatch) -> None:
     """The offline Engine (one process) recovers too: the call whose step failed raises, the next call works
-    and no KV is held (the test-only hook, server/scheduling/fault_injection.py, fails steps over token 200)."""
-    from server.engine import Engine
-    from server.scheduling.fault_injection import TEST_FAULT_ENV
+    and no KV is held (the test-only hook, ddtree_serve/server/scheduling/fault_injection.py, fails steps over token 200)."""
+    from ddtree_serve.server.engine import Engine
+    from ddtree_serve.server.scheduling.fault_injection import TEST_FAULT_ENV
 
     target, _ = models
     monkeypatch.setenv(TEST_FAULT_ENV, "forward:200")

@@ -13,10 +13,11 @@ import httpx
 import jsonschema_rs
 import pytest
 
-from server.http.protocol import ChatCompletionRequest, CompletionRequest
-from server.http.serving_common import APIError, make_params, parse_body
-from server.http.serving_structured import JSON_OBJECT_SCHEMA, constraint_of
-from server.parsers.tool_grammar import tool_call_ebnf
+from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.protocol import ChatCompletionRequest, CompletionRequest
+from ddtree_serve.server.http.serving_common import make_params, parse_body
+from ddtree_serve.server.http.serving_structured import JSON_OBJECT_SCHEMA, constraint_of
+from ddtree_serve.server.parsers.tool_grammar import tool_call_ebnf
 from tests.server.conftest import running_server
 
 PERSON = {"type": "object", "properties": {
@@ -135,7 +136,7 @@ def test_forced_tool_choice_errors_are_400() -> None:
 # ---- a real server ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from model_executor.default_model import ensure_default_model
+    from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     with running_server(["--max-total-tokens", "8192", "--tool-call-parser", "hermes"], tmp_path_factory.mktemp("server")) as srv:

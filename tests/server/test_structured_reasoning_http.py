@@ -9,7 +9,7 @@ a token it writes a few tokens into its free greedy reply, so that it ends its r
 deterministically. Then: the reasoning (``reasoning_content``) is exactly the model's unconstrained greedy
 text, the answer (``content``, or the forced ``tool_calls``) is valid for the schema, streaming and
 non-streaming agree, and the served reply is the plain engine's greedy reply token for token. With thinking
-off the grammar holds from the first token; ``reasoning_gate`` (server/http/serving_structured.py) leaves
+off the grammar holds from the first token; ``reasoning_gate`` (ddtree_serve/server/http/serving_structured.py) leaves
 the constraint as it is without a reasoning parser, without thinking, or without a single ``</think>``
 token. The server tests are slow-marked (three loads of the tiny model and a server)."""
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.engine import Engine, SamplingParams
-from server.http.serving_structured import Constraint, reasoning_gate
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.server.http.serving_structured import Constraint, reasoning_gate
 from tests.model_executor.test_grammar_engine import check_json
 from tests.server.conftest import running_server
 from tests.server.kimi_tokenizer_files import special_token_ids, write_kimi_tokenizer, write_tiny_kimi

@@ -1,4 +1,4 @@
-"""The thinking fields without a server (server/http/thinking.py and the agent translations): chat's
+"""The thinking fields without a server (ddtree_serve/server/http/thinking.py and the agent translations): chat's
 ``reasoning_effort`` goes through the template's thinking switch or is a 400 naming it; Responses'
 ``reasoning.effort`` becomes it (``reasoning.summary`` is refused); Anthropic ``thinking`` enabled is served
 where its ``budget_tokens`` cannot bind (at least ``max_tokens``) and refused where it would have to."""
@@ -9,14 +9,15 @@ import json
 
 import pytest
 
-from server.config import ServerConfig
-from server.http.chat_bridge import chat_request
-from server.http.protocol_messages import MessagesRequest
-from server.http.protocol_responses import ResponsesRequest
-from server.http.serving_common import APIError, parse_body
-from server.http.serving_messages import to_chat as messages_to_chat
-from server.http.serving_responses import to_chat as responses_to_chat
-from server.http.thinking import EFFORT_LEVELS, apply_reasoning_effort, template_switches
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.http.chat_bridge import chat_request
+from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.protocol_messages import MessagesRequest
+from ddtree_serve.server.http.protocol_responses import ResponsesRequest
+from ddtree_serve.server.http.serving_common import parse_body
+from ddtree_serve.server.http.serving_messages import to_chat as messages_to_chat
+from ddtree_serve.server.http.serving_responses import to_chat as responses_to_chat
+from ddtree_serve.server.http.thinking import EFFORT_LEVELS, apply_reasoning_effort, template_switches
 from tests.server.kimi_tokenizer_files import CHAT_TEMPLATE as KIMI_TEMPLATE
 
 QWEN_STYLE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is false %}<think></think>{% endif %}"

@@ -1,4 +1,4 @@
-"""The request's rules in the tool-call parsers (server/parsers/tool_call.py), both formats, streamed in
+"""The request's rules in the tool-call parsers (ddtree_serve/server/parsers/tool_call.py), both formats, streamed in
 every split and whole: a call whose name is not among the request's tools is text, never a call (bogus or
 malformed Kimi headers included); with ``max_calls`` (``parallel_tool_calls: false``) the first call is
 kept and the later ones dropped; call indices count the calls returned only."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from server.parsers import ToolCallParser, parse_tool_calls
-from server.parsers.tool_call import merge_deltas
+from ddtree_serve.server.parsers import ToolCallParser, parse_tool_calls
+from ddtree_serve.server.parsers.tool_call import merge_deltas
 
 
 def kimi_call(header: str, args: str) -> str:

@@ -1,4 +1,4 @@
-"""The grammar of a forced tool call (server/parsers/tool_grammar.py), compiled by xgrammar over the default
+"""The grammar of a forced tool call (ddtree_serve/server/parsers/tool_grammar.py), compiled by xgrammar over the default
 model's tokenizer: it accepts the calls of each parser's format that the tools' schemas allow, rejects
 the others, and every token path a matcher lets through ends as calls that the tool-call parser reads back
 and that validate against their schemas."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from server.parsers import parse_tool_calls
-from server.parsers.tool_grammar import ToolGrammarError, prefix_rules, tool_call_ebnf
+from ddtree_serve.server.parsers import parse_tool_calls
+from ddtree_serve.server.parsers.tool_grammar import ToolGrammarError, prefix_rules, tool_call_ebnf
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
            "required": ["city"]}
@@ -52,7 +52,7 @@ INVALID = [(("get_weather", '{"unit": "c"}'),),  # a required property missing
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from model_executor.default_model import default_model_dir, ensure_default_model
+    from ddtree_serve.model_executor.default_model import default_model_dir, ensure_default_model
 
     ensure_default_model()
     return AutoTokenizer.from_pretrained(default_model_dir())

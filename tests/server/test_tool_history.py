@@ -1,4 +1,4 @@
-"""Kimi's tool-call ids in the history (server/http/tool_history.py), without a server: every call id becomes
+"""Kimi's tool-call ids in the history (ddtree_serve/server/http/tool_history.py), without a server: every call id becomes
 ``functions.NAME:IDX`` (IDX running over the conversation) and every tool answer the id of the call it
 answers, whatever ids the client sent; rendered through the Kimi stand-in tokenizer with a template that
 shows the ids where Kimi's does (``<|tool_call_begin|>ID`` and ``## Return of ID``)."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from server.http.serving_common import APIError
-from server.http.tool_history import kimi_tool_ids, template_messages
+from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.tool_history import kimi_tool_ids, template_messages
 from tests.server.kimi_tokenizer_files import CHAT_TEMPLATE, write_kimi_tokenizer
 
 # The stand-in's template, with a tool answer rendered as Kimi's template renders it (``## Return of ID``)

@@ -1,4 +1,4 @@
-"""The start-up warm-up (server/warmup.py) runs every forward path serving uses and leaves no trace.
+"""The start-up warm-up (ddtree_serve/server/warmup.py) runs every forward path serving uses and leaves no trace.
 
 Real schedulers over a tiny random Llama: without speculation the warm-up runs the target's extend and
 decode forwards; with DDTree at a fixed budget it runs the drafter and the tree-verify forward too. After
@@ -13,11 +13,11 @@ import logging
 
 import pytest
 
-from model_executor.sampling_params import SamplingParams
-from server.config import ServerConfig
-from server.io_struct import GenerateReq
-from server.scheduling.scheduler import Scheduler
-from server.warmup import warm_up
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.io_struct import GenerateReq
+from ddtree_serve.server.scheduling.scheduler import Scheduler
+from ddtree_serve.server.warmup import warm_up
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +63,10 @@ def test_warm_up_runs_the_serving_paths_and_leaves_no_trace(models, spec, paths)
 
 
 def test_make_scheduler_warms_up_before_it_returns(models, caplog) -> None:
-    from server.scheduling.scheduler_factory import make_scheduler
-    from server.startup import resolve_config
+    from ddtree_serve.server.scheduling.scheduler_factory import make_scheduler
+    from ddtree_serve.server.startup import resolve_config
 
-    with caplog.at_level(logging.INFO, logger="server.warmup"):
+    with caplog.at_level(logging.INFO, logger="ddtree_serve.server.warmup"):
         s = make_scheduler(resolve_config(_config(models, False)))
     assert any("warm-up ran target:extend, target:decode" in r.message for r in caplog.records)
     s.close()

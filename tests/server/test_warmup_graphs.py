@@ -15,13 +15,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.cuda_graph_runner import CudaGraphRunner, graph_batch_sizes, serving_graph_keys
-from model_executor.forward_batch import ForwardMode
-from model_executor.sampling_params import SamplingParams
-from server.config import ServerConfig
-from server.io_struct import GenerateReq
-from server.scheduling.scheduler import Scheduler
-from server.warmup import kernel_shape_plan, run_kernel_shapes, warm_up
+from ddtree_serve.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    graph_batch_sizes,
+    serving_graph_keys,
+)
+from ddtree_serve.model_executor.forward_batch import ForwardMode
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.io_struct import GenerateReq
+from ddtree_serve.server.scheduling.scheduler import Scheduler
+from ddtree_serve.server.warmup import kernel_shape_plan, run_kernel_shapes, warm_up
 from tests.model_executor.graph_capture_standin import RecordingCapture
 from tests.model_executor.tiny_deepseek import VOCAB, write_tiny_deepseek
 from tests.speculative.scripted_drafts import greedy_script, install

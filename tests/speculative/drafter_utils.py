@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from model_executor.model_config import ModelConfig
-from model_executor.models.dflash import (
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.models.dflash import (
     DFlashDraftModel,
     default_target_layer_ids,
 )
-from speculative.train.export import drafter_config, save_drafter
+from ddtree_serve.speculative.train.export import drafter_config, save_drafter
 
 
 def write_random_drafter(target_path: str, out_dir: str | Path, num_layers: int = 1, block_size: int = 8,

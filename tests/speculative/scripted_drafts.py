@@ -1,9 +1,9 @@
 """A test-only draft source with scripted proposals, so any model (tiny random ones included) gets trees with
 accepted and rejected nodes at several depths (issue 37).
 
-``ScriptedProposer`` has the interface of ``speculative.suffix_index.SuffixProposer`` (``propose`` / ``release``
+``ScriptedProposer`` has the interface of ``ddtree_serve.speculative.suffix_index.SuffixProposer`` (``propose`` / ``release``
 / ``observe``): it replaces only where the draft candidates of the suffix source come from. The merge with the
-DFlash pops (``speculative.draft_sources.merge_popped``), the tree build, the verify forward, verification and
+DFlash pops (``ddtree_serve.speculative.draft_sources.merge_popped``), the tree build, the verify forward, verification and
 the commit are the production code. ``install`` puts it in place of rank 0's suffix proposer of an engine (the
 followers of a TP engine never call ``propose``: ``SpecWorker._suffix_drafts`` broadcasts rank 0's drafts, so
 under TP the engine must be configured with suffix drafts, which ``speculative_draft_sources`` auto does for
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from speculative.ddtree import PoppedNodes
+from ddtree_serve.speculative.ddtree import PoppedNodes
 
 # (prompt, output, max_depth) -> nodes in pop order: (parent, token), parent 0 = root, i + 1 = the i-th node
 Script = Callable[[list[int], list[int], int], list[tuple[int, int]]]
@@ -166,7 +166,7 @@ def install(engine, script: Script | None) -> StepLog:
 
 def plain_refs(engine, prompts: list[list[int]], max_tokens: int) -> dict[tuple[int, ...], list[int]]:
     """Plain greedy continuations of ``prompts`` (ignore_eos) from a plain engine, for ``greedy_script``."""
-    from server.engine import SamplingParams
+    from ddtree_serve.server.engine import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = engine.generate(input_ids=prompts, sampling_params=sp)

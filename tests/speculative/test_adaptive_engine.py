@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.engine import Engine, SamplingParams
+from ddtree_serve.server.engine import Engine, SamplingParams
 from tests.speculative.scripted_drafts import install
 from tests.speculative.test_spec_engine import (
     VOCAB,
@@ -212,7 +212,7 @@ def test_auto_drafts_within_the_free_slots(tiny, caplog):
     room = []
     decode = spec.decode
     spec.decode = lambda reqs, eos: (room.append((len(reqs), e.scheduler.runner.slots.num_free)), decode(reqs, eos))[1]
-    with caplog.at_level("INFO", logger="server.scheduling.scheduler"):
+    with caplog.at_level("INFO", logger="ddtree_serve.server.scheduling.scheduler"):
         got = e.generate(input_ids=prompts, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert "retracted" not in caplog.text

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from speculative.budget import BudgetConfig, BudgetController, _band, choose_budgets
-from speculative.ddtree import PoppedNodes, assemble_tree
+from ddtree_serve.speculative.budget import BudgetConfig, BudgetController, _band, choose_budgets
+from ddtree_serve.speculative.ddtree import PoppedNodes, assemble_tree
 
 # Two requests: pops offer 0.9, 0.5, 0.1 and 0.6, 0.3 (then nothing) expected accepted tokens.
 GAINS = np.array([[0.9, 0.5, 0.1], [0.6, 0.3, 0.0]])

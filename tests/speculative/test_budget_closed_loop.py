@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from speculative.budget import BudgetConfig, BudgetController
-from speculative.ddtree import PoppedNodes, assemble_tree
-from speculative.step_cost import StepCostModel
+from ddtree_serve.speculative.budget import BudgetConfig, BudgetController
+from ddtree_serve.speculative.ddtree import PoppedNodes, assemble_tree
+from ddtree_serve.speculative.step_cost import StepCostModel
 
 Q = np.array([0.357, 0.156, 0.080, 0.056, 0.044, 0.035, 0.029, 0.025, 0.021, 0.019, 0.017, 0.016, 0.014, 0.013,
               0.012, 0.011])  # [16] mean path probability of the d-th pop (budget-64 run, batch 1)
@@ -76,7 +76,7 @@ class Steps:
 
     def reach(self, step: int, depths: np.ndarray) -> np.ndarray:
         """[bs, D] the probability that verification accepts each node of a chain tree with ``depths`` [bs, D]
-        (root 1, unused slots 0): what ``speculative.verify.node_reach`` gives the controller for sampled
+        (root 1, unused slots 0): what ``ddtree_serve.speculative.verify.node_reach`` gives the controller for sampled
         requests, the expectation over the draw that ``accepted`` makes."""
         p = TRUE_RATIO * Q ** self.power[step]  # [64] P(reaching depth d + 1)
         out = np.where(depths > 0, p[np.maximum(depths - 1, 0)], 0.0)  # [bs, D]
@@ -194,7 +194,7 @@ def test_sampled_requests_near_break_even_draft_on_reach_probabilities():
     80% plain steps where ddtree@4 paid 1.11x). A sampled step's outcome is one draw of the coins; fed that
     draw, the calibration and the exploration charges are noisy around break-even, and auto reaches 0.977 /
     0.949 / 0.947 / 1.013 of the best fixed budget over these four step sequences. Fed the nodes' reach
-    probabilities (the draw's expectation, ``speculative.verify.node_reach``): 1.008 / 1.025 / 1.021 / 1.008."""
+    probabilities (the draw's expectation, ``ddtree_serve.speculative.verify.node_reach``): 1.008 / 1.025 / 1.021 / 1.008."""
     machine = Machine(base=0.041, per_req=0.002, per_node=0.001, draft=0.010)
     for seed in range(4):
         auto, fixed = _compare(machine, bs=1, seed=seed, sampled=True)

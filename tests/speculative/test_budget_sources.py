@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speculative.allocation import merged_gains
-from speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
-from speculative.ddtree import SUFFIX, PoppedNodes
+from ddtree_serve.speculative.allocation import merged_gains
+from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
+from ddtree_serve.speculative.ddtree import SUFFIX, PoppedNodes
 
 
 class _Cost:

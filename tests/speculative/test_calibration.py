@@ -1,4 +1,4 @@
-"""The acceptance calibrator (speculative/calibration.py): per-depth, per-mode ratios computed by hand."""
+"""The acceptance calibrator (ddtree_serve/speculative/calibration.py): per-depth, per-mode ratios computed by hand."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from speculative.calibration import AcceptanceCalibrator
-from speculative.ddtree import assemble_tree
+from ddtree_serve.speculative.calibration import AcceptanceCalibrator
+from ddtree_serve.speculative.ddtree import assemble_tree
 from tests.speculative.test_budget import _popped
 
 

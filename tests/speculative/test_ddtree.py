@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from speculative.ddtree import DraftTree, build_ddtree
+from ddtree_serve.speculative.ddtree import DraftTree, build_ddtree
 
 
 def _build(logits: torch.Tensor, budgets: list[int], chain: bool = False) -> DraftTree:

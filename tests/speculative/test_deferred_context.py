@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from model_executor.kv_cache import KVCache
-from model_executor.model_config import ModelConfig
-from model_executor.model_runner import load_model
-from model_executor.parallel_state import TPGroup
-from server.engine import Engine, SamplingParams
-from speculative.deferred_context import DeferredContext
+from ddtree_serve.model_executor.kv_cache import KVCache
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import load_model
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.speculative.deferred_context import DeferredContext
 from tests.speculative.test_adaptive_engine import _set_costs
 from tests.speculative.test_spec_engine import _assert_pool_full, _prompts, tiny
 

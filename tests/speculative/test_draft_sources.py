@@ -1,4 +1,4 @@
-"""The merged tree (speculative/draft_sources.py): one best-first order over DFlash pops and suffix drafts."""
+"""The merged tree (ddtree_serve/speculative/draft_sources.py): one best-first order over DFlash pops and suffix drafts."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from speculative.ddtree import DFLASH, SUFFIX, PoppedNodes, assemble_tree, pop_nodes
-from speculative.draft_sources import accepted_by_source, merge_popped, no_pops, parse_sources, tag
+from ddtree_serve.speculative.ddtree import DFLASH, SUFFIX, PoppedNodes, assemble_tree, pop_nodes
+from ddtree_serve.speculative.draft_sources import (
+    accepted_by_source,
+    merge_popped,
+    no_pops,
+    parse_sources,
+    tag,
+)
 
 
 def _popped(rows: list[list[tuple[int, int, int, float]]]) -> PoppedNodes:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.engine import Engine, SamplingParams
+from ddtree_serve.server.engine import Engine, SamplingParams
 from tests.conftest import write_tiny_llama_family
 from tests.speculative.drafter_utils import write_random_drafter
 

@@ -13,11 +13,11 @@ import random
 import pytest
 import torch
 
-from model_executor.grammar import GrammarBackend, GrammarState, mask_tree_logits
-from server.engine import Engine, SamplingParams
-from speculative.verify import verify_tree
-from tests.ddtree_kernels.test_speculative_exactness import exact_outcomes
-from tests.ddtree_kernels.tree_helpers import random_tree
+from ddtree_serve.model_executor.grammar import GrammarBackend, GrammarState, mask_tree_logits
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.speculative.verify import verify_tree
+from tests.kernels.test_speculative_exactness import exact_outcomes
+from tests.kernels.tree_helpers import random_tree
 from tests.model_executor.test_grammar import EOS, REGEX, VOCAB, brute_row, make_tree
 from tests.model_executor.test_grammar_engine import MAX_TOKENS, PROMPTS, SCHEMAS, check_json
 from tests.speculative.scripted_drafts import install
@@ -96,7 +96,7 @@ def test_stop_token_mid_path_keeps_matcher(engines):
 
 
 N_MC = 40_000
-TV_TOL = 0.03  # as tests/ddtree_kernels/test_speculative_exactness.py: expected TV ~0.015 at N_MC, <= 60 outcomes
+TV_TOL = 0.03  # as tests/kernels/test_speculative_exactness.py: expected TV ~0.015 at N_MC, <= 60 outcomes
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine import Engine, SamplingParams
-from speculative.verify import COIN_RULE_ENV
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.speculative.verify import COIN_RULE_ENV
 
 PENALISED = [  # issue 14 item 4 on the real pair: penalties and a bias, greedy
     SamplingParams(

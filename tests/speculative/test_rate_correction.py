@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speculative.budget import BudgetConfig, BudgetController
-from speculative.rate_correction import RateCorrection
+from ddtree_serve.speculative.budget import BudgetConfig, BudgetController
+from ddtree_serve.speculative.rate_correction import RateCorrection
 from tests.speculative.test_budget import _FakeCost
 
 

@@ -8,9 +8,9 @@ import json
 import torch
 from transformers import AutoTokenizer
 
-from server.cli.main import main
-from speculative.train.datagen import make_runner
-from speculative.train.self_prompts import acceptable, self_written_prompts, user_turn_prefix
+from ddtree_serve.server.cli.main import main
+from ddtree_serve.speculative.train.datagen import make_runner
+from ddtree_serve.speculative.train.self_prompts import acceptable, self_written_prompts, user_turn_prefix
 
 
 def test_acceptable_filters_markup_and_length():

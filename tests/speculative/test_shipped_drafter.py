@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from model_executor.default_drafter import default_drafter_path
-from model_executor.model_config import ModelConfig
-from model_executor.models.dflash import DFlashDraftModel
-from model_executor.weight_loader import iter_weights
+from ddtree_serve.model_executor.default_drafter import default_drafter_path
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.models.dflash import DFlashDraftModel
+from ddtree_serve.model_executor.weight_loader import iter_weights
 
 
 def _load() -> DFlashDraftModel:
@@ -37,9 +37,9 @@ def test_shipped_drafter_offline_tau(default_model_path):
     from transformers import AutoTokenizer
 
     from benchmarks.common import CHAT_PROMPTS, chat_ids
-    from speculative.train.datagen import generate_batch, make_runner
-    from speculative.train.evaluate import offline_acceptance
-    from speculative.train.trainer import target_embed_and_head
+    from ddtree_serve.speculative.train.datagen import generate_batch, make_runner
+    from ddtree_serve.speculative.train.evaluate import offline_acceptance
+    from ddtree_serve.speculative.train.trainer import target_embed_and_head
 
     model = _load()
     tok = AutoTokenizer.from_pretrained(default_model_path)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import Engine, SamplingParams
-from server.io_struct import GenerateReq
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.server.io_struct import GenerateReq
 from tests.speculative.drafter_utils import write_random_drafter
 from tests.speculative.law import joint_counts, law_check, rejection_rate, shifted
 from tests.speculative.scripted_drafts import greedy_script, install, plain_refs
@@ -100,7 +100,7 @@ def _exact_law(target: str, prompt: list[int], temperature: float, top_k: int, t
     """(p(t2, t3) [V, V], p(t2 | t1) [V, V], p(t3 | t1, t2) [V, V, V]) of the processed target distribution."""
     from transformers import AutoModelForCausalLM
 
-    from ddtree_kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
+    from ddtree_serve.kernels.sampling import top_k_renorm_prob, top_p_renorm_prob
 
     m = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import Engine, SamplingParams
+from ddtree_serve.server.engine import Engine, SamplingParams
 from tests.speculative.drafter_utils import write_random_drafter
 
 VOCAB = 24

@@ -1,4 +1,4 @@
-"""The step-cost model (speculative/step_cost.py) on hand-set timings: the probe's tables, the online
+"""The step-cost model (ddtree_serve/speculative/step_cost.py) on hand-set timings: the probe's tables, the online
 updates per batch-size table, and the drafted prices following the plain table."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speculative.step_cost import PiecewiseLinear, StepCostModel
+from ddtree_serve.speculative.step_cost import PiecewiseLinear, StepCostModel
 
 
 def test_piecewise_linear_and_online_update():

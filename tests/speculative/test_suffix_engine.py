@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine import Engine, SamplingParams
-from server.io_struct import GenerateReq
-from speculative.suffix_index import SEPARATOR
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.server.io_struct import GenerateReq
+from ddtree_serve.speculative.suffix_index import SEPARATOR
 from tests.speculative.test_spec_engine import (
     VOCAB,
     _assert_pool_full,

@@ -1,4 +1,4 @@
-"""Suffix drafts (speculative/suffix_index.py): the n-gram continuation index, the shared index's cap and
+"""Suffix drafts (ddtree_serve/speculative/suffix_index.py): the n-gram continuation index, the shared index's cap and
 eviction, the per-request tries and their scores, and release."""
 
 from __future__ import annotations
@@ -7,7 +7,13 @@ import math
 
 import numpy as np
 
-from speculative.suffix_index import SEPARATOR, NgramIndex, SharedIndex, SuffixConfig, SuffixProposer
+from ddtree_serve.speculative.suffix_index import (
+    SEPARATOR,
+    NgramIndex,
+    SharedIndex,
+    SuffixConfig,
+    SuffixProposer,
+)
 
 
 def _recount(idx: NgramIndex) -> dict[tuple[int, ...], list[int]]:
@@ -97,7 +103,7 @@ def test_outputs_extend_the_index_incrementally_and_release():
 
 
 def test_long_prompt_is_indexed_over_several_steps(monkeypatch):
-    import speculative.suffix_index as si
+    import ddtree_serve.speculative.suffix_index as si
 
     monkeypatch.setattr(si, "INDEX_CHUNK", 8)
     p = SuffixProposer(SuffixConfig(max_depth=3, min_match=2, max_match=3, cache_tokens=0))
@@ -116,8 +122,8 @@ def test_long_prompt_is_indexed_over_several_steps(monkeypatch):
 
 
 def test_request_record_scales_its_suffix_drafts():
-    from speculative.budget import BudgetConfig, BudgetController
-    from speculative.step_cost import StepCostModel
+    from ddtree_serve.speculative.budget import BudgetConfig, BudgetController
+    from ddtree_serve.speculative.step_cost import StepCostModel
 
     p = SuffixProposer(SuffixConfig(max_depth=2, min_match=2, max_match=2, cache_tokens=0))
     texts = [[1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]

@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from model_executor.model_config import ModelConfig
-from model_executor.models.dflash import DFlashDraftModel
-from model_executor.weight_loader import iter_weights
-from speculative.train.datagen import capture_features, generate_batch, make_runner, write_meta
-from speculative.train.objective import block_attention_mask, make_block_batch
-from speculative.train.trainer import (
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.models.dflash import DFlashDraftModel
+from ddtree_serve.model_executor.weight_loader import iter_weights
+from ddtree_serve.speculative.train.datagen import capture_features, generate_batch, make_runner, write_meta
+from ddtree_serve.speculative.train.objective import block_attention_mask, make_block_batch
+from ddtree_serve.speculative.train.trainer import (
     TrainConfig,
     auto_batch_size,
     build_drafter,
@@ -110,7 +110,7 @@ def test_training_lowers_loss_and_checkpoint_reloads(tiny_data, tmp_path):
     ref.load_state_dict({k: v.bfloat16().float() for k, v in st["model"].items()})
     embed, head = target_embed_and_head(target)
     rec = torch.load(data / "feat" / "eval_00000.pt")[0]
-    from speculative.train.evaluate import draft_hidden_all_anchors
+    from ddtree_serve.speculative.train.evaluate import draft_hidden_all_anchors
 
     torch.testing.assert_close(draft_hidden_all_anchors(loaded, embed, rec) @ head.T,
                                draft_hidden_all_anchors(ref, embed, rec) @ head.T)
@@ -129,7 +129,7 @@ def test_auto_batch_size_scales_with_memory():
 
 
 def test_cli_registers_train_drafter():
-    from server.cli.main import build_parser
+    from ddtree_serve.server.cli.main import build_parser
 
     parser, commands = build_parser()
     assert "train-drafter" in commands

@@ -1,4 +1,4 @@
-"""Tree verification derivation (speculative/verify.py) over ddtree_kernels.speculative / ddtree_kernels.sampling."""
+"""Tree verification derivation (ddtree_serve/speculative/verify.py) over ddtree_serve.kernels.speculative / ddtree_serve.kernels.sampling."""
 
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import ddtree_kernels.speculative as kspec
-from speculative.commit import attach_logprobs
-from speculative.ddtree import DraftTree, build_ddtree
-from speculative.types import DecodeResult
-from speculative.verify import COIN_RULE_ENV, VerifyResult, build_target_probs, verify_coins, verify_tree
+import ddtree_serve.kernels.speculative as kspec
+from ddtree_serve.speculative.commit import attach_logprobs
+from ddtree_serve.speculative.ddtree import DraftTree, build_ddtree
+from ddtree_serve.speculative.types import DecodeResult
+from ddtree_serve.speculative.verify import (
+    COIN_RULE_ENV,
+    VerifyResult,
+    build_target_probs,
+    verify_coins,
+    verify_tree,
+)
 
 
 def _tree(draft_logits: torch.Tensor, budgets: list[int], chain: bool = False) -> DraftTree:

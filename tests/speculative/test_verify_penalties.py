@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from model_executor.penalties import BatchPenalties, TokenCounts
-from model_executor.sampling_params import SamplingParams
-from speculative.ddtree import build_ddtree
-from speculative.verify import verify_tree
+from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.speculative.ddtree import build_ddtree
+from ddtree_serve.speculative.verify import verify_tree
 
 PROMPT, GENERATED = [0, 1], [1, 2, 2]  # the root token is the last generated one (2)
 PARAMS = SamplingParams(
@@ -17,7 +17,7 @@ PARAMS = SamplingParams(
 
 
 def _by_hand(logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
-    """softmax of the penalised logits / T, written out per token (independent of model_executor.penalties)."""
+    """softmax of the penalised logits / T, written out per token (independent of ddtree_serve.model_executor.penalties)."""
     out = logits.double().clone()
     for t, b in PARAMS.logit_bias.items():
         out[t] += b

@@ -1,4 +1,4 @@
-"""``speculative.verify.node_reach``: the probability that sampled verification accepts each tree node, against
+"""``ddtree_serve.speculative.verify.node_reach``: the probability that sampled verification accepts each tree node, against
 the kernel's own acceptance frequencies (Monte Carlo over the coins), by hand, at probabilities of exactly 0
 and 1, and as ``verify_tree(want_reach=True)`` returns it for greedy, sampled and mixed batches."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.ddtree import DraftTree, build_ddtree
-from speculative.verify import COIN_RULE_ENV, build_target_probs, node_reach, verify_tree
+from ddtree_serve.speculative.ddtree import DraftTree, build_ddtree
+from ddtree_serve.speculative.verify import COIN_RULE_ENV, build_target_probs, node_reach, verify_tree
 
 
 def _tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_executor.memory import GIB, LOGIT_ROW_BYTES_PER_ENTRY
-from server.engine import Engine, SamplingParams
+from ddtree_serve.model_executor.memory import GIB, LOGIT_ROW_BYTES_PER_ENTRY
+from ddtree_serve.server.engine import Engine, SamplingParams
 from tests.speculative.drafter_utils import write_random_drafter
 
 VOCAB, BLOCK, BATCH = 24, 5, 2

@@ -1,0 +1,89 @@
+"""The Triton MLA kernel over one rank's shard of a decode-context-parallel KV cache, returning the partial
+output and its log-sum-exp (ddtree_serve/model_executor/layers/dcp_attention.py merges the DCP group's partials).
+
+The metadata is the forward's own, over global slot ids: ``kv_indices[b, j]`` is key ``j`` of request ``b``
+and global slot ``g`` lives on DCP rank ``g % N`` at local row ``g // N`` of that rank's cache. A program
+walks its token's keys with the single-pass kernel's code (ddtree_serve/kernels/triton_mla_keys.py, the same set-up:
+ddtree_serve/kernels/triton_mla_launch.py; decode and causal extend bound the keys by the lengths, tree verify adds
+``tree_mask[b, i, j - prefix]`` for the new keys: a node sees its ancestors and itself) with the key loop's
+shard filter on (``DCP_SIZE`` N): every key whose slot is another rank's is dropped before the online softmax.
+The output is normalised over the local visible keys, ``lse = ln(sum exp(scale * q.k))`` over them; a token
+with no local visible key gets output 0 and lse -inf. fp8 caches dequantize each tile as the main kernel
+does. One pass per token (no key splits: under DCP every rank already walks 1/N of the keys with N times the
+heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ddtree_serve.kernels.triton_mla_keys import mla_attend, mla_token
+from ddtree_serve.kernels.triton_mla_launch import prepare_mla_launch
+from ddtree_serve.kernels.triton_mla_plan import MlaTiles
+
+LN2_C = tl.constexpr(0.6931471805599453)  # ln 2: the kernel's base-2 scores -> a natural-log lse
+
+
+@triton.jit
+def _mla_dcp_kernel(
+    q_ptr, cache_ptr, kv_idx_ptr, mask_ptr, tok_req_ptr, tok_pos_ptr, kv_len_ptr, prefix_ptr, scale_ptr, out_ptr,
+    lse_ptr, sm_scale_log2, num_heads, dcp_rank, stride_qt, stride_qh, stride_slot, stride_scale, stride_kb,
+    stride_mb, stride_mq, stride_ot, stride_oh, stride_lt,
+    L: tl.constexpr, R: tl.constexpr, TREE: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, DCP_SIZE: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b, i, n_kv, pre = mla_token(tok_req_ptr, tok_pos_ptr, kv_len_ptr, prefix_ptr, pid_t)
+    m_i, l_i, acc, offs_h, h_mask, offs_l, l_mask = mla_attend(
+        q_ptr, cache_ptr, kv_idx_ptr, mask_ptr, scale_ptr, pid_t, pid_h, b, i, pre, 0, n_kv, sm_scale_log2,
+        num_heads, dcp_rank, stride_qt, stride_qh, stride_slot, stride_scale, stride_kb, stride_mb, stride_mq, L,
+        R, TREE, FP8, PRECISION, UPCAST_DOT, BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, DCP_SIZE,
+    )  # fmt: skip
+    seen = l_i > 0.0  # [BH] some local key is visible
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)  # [BH, BL]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2_C, float("-inf"))  # [BH] natural log
+    o = out_ptr + pid_t * stride_ot + offs_h[:, None] * stride_oh + offs_l[None, :]
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & l_mask[None, :])
+    tl.store(lse_ptr + pid_t * stride_lt + offs_h, lse, mask=h_mask)
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, attn_mask: torch.Tensor,
+            q_index: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, kv_lora_rank: int,
+            scale: float, tree: bool, tree_mask: torch.Tensor | None, dcp_size: int, dcp_rank: int,
+            k_scale: torch.Tensor | None = None, tiles: MlaTiles | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, L + R] (absorbed; the DCP group's heads); k_cache [local slots + 1, 1, L + R] (this rank's
+    shard); ``kv_indices`` [bs, K] global slots -> (o [T, H, L] in q's dtype, lse [T, H] float32). The
+    DCP size is a constexpr of the kernel (one compile per size; the rank is a runtime argument)."""
+    t, heads, _ = q.shape
+    out = torch.empty(t, heads, kv_lora_rank, dtype=q.dtype, device=q.device)  # [T, H, L]
+    lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)  # [T, H]
+    if t == 0:
+        return out, lse
+    s = prepare_mla_launch(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank,
+                           scale, tree, tree_mask, k_scale, tiles)
+    _mla_dcp_kernel[(t, triton.cdiv(heads, s.tiles.block_h))](
+        *s.inputs(), out, lse, s.scale_log2, heads, dcp_rank, *s.strides(), out.stride(0), out.stride(1),
+        lse.stride(0), DCP_SIZE=dcp_size, **s.meta(),
+    )  # fmt: skip
+    return out, lse
+
+
+def _mode(tree: bool):  # noqa: ANN202
+    def run(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale,
+            tree_mask=None, *, dcp_size, dcp_rank, k_scale=None, tiles=None):  # noqa: ANN001, ANN202
+        return _launch(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale,
+                       tree, tree_mask if tree else None, dcp_size, dcp_rank, k_scale, tiles)
+
+    return run
+
+
+mla_dcp_decode = _mode(False)  # DECODE: one new token per request, the prefix + itself
+mla_dcp_extend = _mode(False)  # EXTEND: causal after the prefix
+mla_dcp_verify = _mode(True)  # TARGET_VERIFY: the prefix and the node's ancestors (tree_mask)
+
+MLA_DCP_KERNELS = {"decode": mla_dcp_decode, "extend": mla_dcp_extend, "target_verify": mla_dcp_verify}

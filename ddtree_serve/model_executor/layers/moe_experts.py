@@ -1,0 +1,107 @@
+"""The routed experts of a DeepSeek-V3 MoE layer as two stacked dense weights (the bf16 path; INT4 experts
+subclass it in moe_int4.py). The router and the layer that calls them: moe.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree_serve.model_executor.layers.activation import silu_and_mul
+from ddtree_serve.model_executor.parallel_state import TPGroup
+
+
+class FusedExperts(nn.Module):
+    """The routed experts of one layer as two stacked weights ``w13 [E_r, 2 * I_r, H]`` = [gate; up] and
+    ``w2 [E_r, H, I_r]``. Tensor parallel (default): every expert, this rank's slice of the intermediate dim
+    (``E_r = E``, ``I_r = I / tp``). Expert parallel (``tp.expert_parallel``): this rank's block of whole
+    experts ``[expert_start, expert_start + E_r)`` (``I_r = I``). Either way the output is a partial sum
+    over ranks: the caller all-reduces it (``reduce=True`` does it here)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype,
+                 backend: str = "torch"):
+        """``backend``: "torch" (the per-expert loop below, every device) or "triton" (the grouped GEMM of
+        ddtree_serve/kernels/triton_moe.py over the same parameters; CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+        super().__init__()
+        self.tp, self.num_experts, self.backend = tp, num_experts, backend
+        if tp.expert_parallel:
+            self.expert_start, self.num_local = tp.partition(num_experts, "routed experts")
+            self.inter, self.inter_start = intermediate, 0
+        else:
+            self.expert_start, self.num_local = 0, num_experts
+            self.inter = tp.shard(intermediate, "moe intermediate size")
+            self.inter_start = tp.rank * self.inter
+        self._make_weights(hidden, dtype)
+
+    def _make_weights(self, hidden: int, dtype: torch.dtype) -> None:
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter, dtype=dtype), requires_grad=False)
+        self.w13.weight_loader = self._load  # type: ignore[attr-defined]
+        self.w2.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded, shard_id: tuple[int | None, str]) -> None:
+        """shard_id = (global expert id, or None for a stacked [E, ...] tensor; "gate" | "up" | "gate_up" |
+        "down"). ``loaded`` is a tensor or a lazy slice (only ``shape``/``narrow`` used): a rank reads its
+        own slice only, and under expert parallelism never touches another rank's experts."""
+        expert, kind = shard_id
+        s, n = self.inter_start, self.inter
+        if expert is None:
+            dst = param.data
+            if self.num_local != self.num_experts:
+                loaded = loaded.narrow(0, self.expert_start, self.num_local)
+        else:
+            local = expert - self.expert_start
+            if not 0 <= local < self.num_local:
+                return  # another rank's expert
+            dst = param.data[local]
+        if kind == "down":  # [.., H, I] -> this rank's input columns
+            dst.copy_(loaded.narrow(-1, s, n))
+        elif kind == "gate_up":  # [.., 2I, H] already merged
+            full = tuple(loaded.shape)[-2] // 2
+            dst[..., :n, :].copy_(loaded.narrow(-2, s, n))
+            dst[..., n:, :].copy_(loaded.narrow(-2, full + s, n))
+        else:
+            off = 0 if kind == "gate" else n
+            dst[..., off:off + n, :].copy_(loaded.narrow(-2, s, n))
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert ``e``'s dense ``w13 [2 * I_r, H]`` and ``w2 [H, I_r]``."""
+        return self.w13[e], self.w2[e]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [T, H], weights [T, k], ids [T, k] (global expert ids) -> [T, H]. The (token, expert) pairs this
+        rank holds are sorted by expert and each expert runs one dense GEMM over its contiguous slice (a
+        loop over the local experts that received tokens; "triton": one grouped GEMM launch per projection)."""
+        if self.backend == "triton":
+            out = self.forward_triton(x, weights, ids)
+            return self.tp.all_reduce(out) if reduce else out
+        t, k = ids.shape
+        flat = ids.reshape(-1) - self.expert_start  # [T*k] local expert id; out of range = another rank's
+        if self.num_local == self.num_experts:
+            rows = torch.arange(t * k, device=ids.device)  # [R = T*k]
+        else:
+            rows = torch.nonzero((flat >= 0) & (flat < self.num_local), as_tuple=True)[0]  # [R]
+        order = rows[torch.argsort(flat[rows], stable=True)]  # [R] flat (token, slot) rows by local expert
+        token_of = order // k  # [R] source token of each sorted row
+        counts = torch.bincount(flat[order], minlength=self.num_local).tolist()  # E_r python ints
+        xs = x[token_of]  # [R, H] gathered in expert order
+        out_sorted = x.new_empty(order.numel(), x.shape[-1])  # [R, H]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            w13, w2 = self.expert_weights(e, x.dtype)
+            h = silu_and_mul(F.linear(xs[start:start + c], w13))  # [c, I_r]
+            out_sorted[start:start + c] = F.linear(h, w2)  # [c, H]
+            start += c
+        w_sorted = weights.reshape(-1)[order].to(x.dtype)  # [R]
+        out = torch.zeros_like(x)  # [T, H]
+        out.index_add_(0, token_of, out_sorted * w_sorted[:, None])
+        return self.tp.all_reduce(out) if reduce else out
+
+
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum through ddtree_serve/kernels/triton_moe.py (dense stacked weights)."""
+        from ddtree_serve.kernels.triton_moe import fused_moe
+
+        return fused_moe(x, weights, ids, self.w13, self.w2, self.expert_start)

@@ -1,0 +1,175 @@
+"""Owns one model on one device (one TP rank): weights, KV cache, its slot owner (``KVSlots``: allocator and
+request->token table) and the attention backend. ``prepare_prefill`` / ``prepare_decode`` place a batch's
+new tokens and build its forward inputs; ``forward(fb)`` runs the model; scheduling lives elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ddtree_serve.kernels.attention import TorchAttentionBackend
+from ddtree_serve.kernels.sampling import warm_up_filters
+from ddtree_serve.model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
+from ddtree_serve.model_executor.kv_slots import KVSlots
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_registry import get_model_class
+from ddtree_serve.model_executor.models.output import ModelOutput
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.weight_loader import iter_weights
+
+logger = logging.getLogger(__name__)
+
+
+def pick_attention_backend(device: torch.device, dtype: torch.dtype, layout: KVCacheLayout, name: str = "auto"):
+    """The attention backend for a model of ``dtype`` whose KV cache has ``layout`` (``name``: auto | torch |
+    flashinfer, from ``--attention-backend``; auto = flashinfer on CUDA when the dtype and head dims fit it,
+    ddtree_serve.kernels.attention_select). A layout without a V buffer (MLA) is a model that runs its own latent
+    attention (torch or triton) and never calls the backend."""
+    if layout.v_dim == 0 or name in ("torch", "triton"):
+        return TorchAttentionBackend()
+    from ddtree_serve.kernels.attention_select import get_attention_backend
+
+    return get_attention_backend(name, device, dtype, layout.k_dim, layout.v_dim)
+
+
+def warm_up_attention(backend, layout: KVCacheLayout, model: torch.nn.Module, dtype: torch.dtype,
+                      device: torch.device, kinds: tuple[str, ...] = ("decode", "extend", "tree")) -> None:
+    """JIT-compile and run each kernel of a compiling backend (flashinfer) once at start-up, so the first
+    request does not pay for it and the server turns healthy only afterwards. No-op for the reference.
+    ``kinds``: the forwards the model runs (decode, causal extend, tree-masked); a DFlash drafter runs
+    tree-masked forwards only."""
+    if not hasattr(backend, "warmup"):
+        return
+    num_q = model.layers[0].self_attn.local_heads  # llama-style models and DFlash drafters
+    t0 = time.time()
+    ran = backend.warmup(num_q, layout.kv_heads, layout.k_dim, layout.v_dim, dtype, device, kinds)
+    logger.info("attention kernels warmed up in %.1fs: %s", time.time() - t0, ", ".join(ran))
+
+
+def load_model(config: ModelConfig, tp: TPGroup, device: torch.device) -> torch.nn.Module:
+    t0 = time.time()
+    cls = get_model_class(config.architecture)
+    with torch.device(device):
+        model = cls(config, tp)
+    model.load_weights(iter_weights(config.path, desc=f"Loading {config.architecture}",
+                                    skip_prefixes=getattr(model, "skip_weight_prefixes", ()), lazy=tp.size > 1))
+    model.eval()
+    logger.info("loaded %s in %.1fs", config.path, time.time() - t0)
+    return model
+
+
+class ModelRunner:
+    """Loads the weights at construction. The KV cache is allocated then when ``max_total_tokens`` is given;
+    otherwise the owner sizes it once everything else is resident (``ddtree_serve.model_executor.memory``) and calls
+    ``allocate_kv``. ``cuda_graph_max_bs > 0``: replay DECODE / TARGET_VERIFY forwards of up to that many
+    requests from CUDA graphs (ddtree_serve/model_executor/cuda_graph_runner.py; MLA models with the Triton backends only)."""
+
+    def __init__(self, config: ModelConfig, max_reqs: int, max_context: int, tp: TPGroup = TPGroup(),
+                 device: str = "cpu", max_total_tokens: int | None = None, cuda_graph_max_bs: int = 0):
+        self.config = config
+        self.device = torch.device(device)
+        self.tp = tp
+        self.max_reqs, self.max_context = max_reqs, max_context
+        self.dcp_size = tp.dcp_size
+        if self.dcp_size > 1 and not getattr(get_model_class(config.architecture), "supports_dcp", False):
+            raise ValueError(f"--decode-context-parallel-size {self.dcp_size} needs an MLA model (DeepSeek-V3 / Kimi "
+                             f"K2 family); {config.architecture} keeps its KV heads split over the TP ranks")
+        self.model = load_model(config, tp, self.device)
+        self.kv_layout = self.model.kv_cache_layout()
+        # the O(Q x K) attention mask only for a model whose attention reads it (forward_batch.py); MHA
+        # models (torch, flashinfer) and DFlash drafters do, the Triton MLA path does not
+        self.dense_mask = bool(getattr(self.model, "reads_attn_mask", True))
+        self.num_slots = 0
+        self.backend = pick_attention_backend(self.device, config.dtype, self.kv_layout, config.attention_backend)
+        warm_up_attention(self.backend, self.kv_layout, self.model, config.dtype, self.device)
+        if self.device.type == "cuda":  # flashinfer's sampling module JIT-compiles at first use
+            logger.info("sampling filters warmed up: %s", warm_up_filters(self.device, config.vocab_size))
+        self.cuda_graph_max_bs = cuda_graph_max_bs
+        self.graphs = None
+        if cuda_graph_max_bs > 0:
+            from ddtree_serve.model_executor.cuda_graph_runner import check_graphable
+
+            check_graphable(config)
+        if max_total_tokens is not None:
+            self.allocate_kv(max_total_tokens)
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The padded batch sizes CUDA graphs are captured for (empty: graphs off)."""
+        if self.cuda_graph_max_bs <= 0:
+            return ()
+        from ddtree_serve.model_executor.cuda_graph_runner import graph_batch_sizes
+
+        return graph_batch_sizes(self.cuda_graph_max_bs)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token of a sequence costs this rank: with DCP (N > 1) a rank stores 1/N of the tokens
+        (rounded up)."""
+        return -(-self.kv_layout.bytes_per_token(self.config.kv_dtype) // self.dcp_size)
+
+    def allocate_kv(self, num_slots: int, table_margin: int = 0) -> None:
+        """Allocate the KV cache, slot allocator and request->token table (once), and the CUDA graph runner
+        over them when enabled. ``table_margin``: extra table columns past ``max_context`` for the temporary
+        slots of a step (a draft block or a tree written after the last cached position of a request at the
+        context limit)."""
+        if self.num_slots:
+            raise RuntimeError("the KV cache is already allocated")
+        if num_slots < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {num_slots}")
+        self.slots = KVSlots(num_slots, self.max_reqs, self.max_context + table_margin, self.device, self.dcp_size)
+        self.num_slots = self.slots.num_slots  # a multiple of the DCP size
+        self.kv = KVCache(self.kv_layout, self.slots.local_slots, self.config.kv_dtype, self.device)
+        if self.cuda_graph_max_bs > 0:
+            from ddtree_serve.model_executor.cuda_graph_runner import CudaGraphRunner, graph_batch_sizes
+
+            self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, graph_batch_sizes(self.cuda_graph_max_bs),
+                                          self.max_context, self.device)
+        logger.info("KV cache: %d tokens x %d bytes (%s)%s", self.num_slots, self.kv_bytes_per_token,
+                    self.config.kv_dtype, f", sharded over {self.dcp_size} DCP ranks ({self.slots.local_slots} "
+                    "each)" if self.dcp_size > 1 else "")
+
+    def prepare_prefill(self, rows: list[int], starts: list[int], lens: list[int], ids: list[int],
+                        capture_layer_ids: tuple[int, ...] = (), logits_indices: torch.Tensor | None = None
+                        ) -> ForwardBatch | None:
+        """An EXTEND forward: request ``rows[b]`` has ``starts[b]`` tokens cached and adds ``lens[b]``; ``ids``
+        are the new tokens, request after request. Places their slots; None when too few are free."""
+        dev = self.device
+        lens_t = torch.tensor(lens, dtype=torch.int64)  # [bs]
+        starts_t = torch.tensor(starts, dtype=torch.int64)  # [bs]
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [bs]
+        loc = self.slots.place(rows_t, starts_t, lens_t)  # [T]
+        if loc is None:
+            return None
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)]).to(dev)  # [T]
+        return build_forward_batch(ForwardMode.EXTEND, torch.tensor(ids, device=dev), pos, loc, self.slots.table,
+                                   rows_t, starts_t, lens_t, logits_indices=logits_indices,
+                                   capture_layer_ids=capture_layer_ids, dense_mask=self.dense_mask)
+
+    def prepare_decode(self, rows: list[int], cached: list[int], ids: list[int],
+                       capture_layer_ids: tuple[int, ...] = ()) -> ForwardBatch | None:
+        """A DECODE forward: one new token ``ids[b]`` per request at position ``cached[b]``. Places its slot;
+        None when too few are free."""
+        dev = self.device
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [bs]
+        cached_t = torch.tensor(cached, dtype=torch.int64, device=dev)  # [bs]
+        ones = torch.ones(len(rows), dtype=torch.int64)  # [bs]
+        loc = self.slots.place(rows_t, cached_t, ones)  # [bs]
+        if loc is None:
+            return None
+        return build_forward_batch(ForwardMode.DECODE, torch.tensor(ids, device=dev), cached_t, loc, self.slots.table,
+                                   rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids,
+                                   dense_mask=self.dense_mask)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.forward(fb)
+        return self.model(fb, self.kv, self.backend)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

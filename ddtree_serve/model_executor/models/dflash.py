@@ -1,0 +1,224 @@
+"""DFlash block-diffusion drafter (arXiv 2602.06036; checkpoint format of github z-lab/dflash, docs/DESIGN.md 4.5).
+
+A few Qwen3-style decoder layers (q/k RMSNorm, RoPE, SwiGLU) without embedding or LM head (the target's
+are used). Conditioning: the target's hidden states at ``target_layer_ids`` (output of decoder layer l)
+are concatenated, projected by ``fc`` and normalised by ``hidden_norm``; this context feature enters
+EVERY draft layer as extra keys/values (that layer's k_proj/v_proj, k_norm and RoPE at the context
+token's position; no input layernorm). Queries come from the block ``[anchor, MASK x (B-1)]`` only; the
+block sees all context before the anchor and itself bidirectionally. Outputs at block positions 1..B-1
+go through the target's LM head.
+
+Two paths share the same weights and math:
+- paged inference: ``write_context`` stores projected context K/V in the drafter's own paged cache at the
+  slot ids the target uses for those tokens; ``forward(fb, kv, backend)`` runs a TARGET_VERIFY-mode batch
+  of blocks whose prefix is the committed context and whose block K/V go to temporary slots;
+- dense training: ``forward_train`` over padded tensors with an explicit attention mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree_serve.kernels.attention import AttentionBackend
+from ddtree_serve.model_executor.forward_batch import ForwardBatch
+from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
+from ddtree_serve.model_executor.layers.activation import silu_and_mul
+from ddtree_serve.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from ddtree_serve.model_executor.layers.norm import RMSNorm
+from ddtree_serve.model_executor.layers.rotary import RotaryEmbedding
+from ddtree_serve.model_executor.model_config import ModelConfig, rope_parameters
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.weight_loader import load_named_weights
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Evenly spaced from 1 to N-3 (z-lab's rule; one feature layer -> the middle layer). A target too shallow
+    for that range (N <= 2, where N-3 < 0) gets its ids clamped into its layers ``[0, N-1]``, so every id is a
+    layer the target has for any N >= 1 (ids may repeat there; the capture serves a repeated id twice)."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    ids = [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+    return [min(max(i, 0), num_target_layers - 1) for i in ids]
+
+
+def check_target_layers(ids: tuple[int, ...], num_target_layers: int, path: str) -> None:
+    """ValueError naming the drafter and its ``target_layer_ids`` that the target does not have (a drafter
+    trained for a deeper target), instead of a failed capture at the first forward."""
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(f"the DFlash drafter at {path} reads target layers {bad} (target_layer_ids "
+                         f"{list(ids)}), but the target has {num_target_layers} layers (0-{num_target_layers - 1}): "
+                         "it was trained for another target")
+
+
+def drafter_group(hf: dict, tp: TPGroup) -> TPGroup:
+    """The TP group a DFlash drafter with config ``hf`` runs in: the target's, when its KV heads split over the
+    ranks (each rank needs one; query heads follow their KV head); otherwise a single-rank group, so the whole
+    drafter runs unsharded on every rank (a K2.6 drafter at TP=8 whatever its head count). Unsharded ranks
+    draft alike: the drafter's inputs (the target's all-reduced captured features and embeddings) and its
+    weights are equal on every rank, and the target's vocab-parallel lm_head projects its states. Decode
+    context parallelism is the target's alone: the drafter keeps its own unsharded cache (no DCP group)."""
+    n_kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+    if n_kv < tp.size:
+        return TPGroup()
+    return tp if tp.dcp_size == 1 else dataclasses.replace(tp, dcp_size=1, dcp_group=None)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: dict, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        bias = bool(cfg.get("attention_bias", False))
+        self.n_heads = cfg["num_attention_heads"]
+        self.n_kv = cfg.get("num_key_value_heads", self.n_heads)
+        self.head_dim = cfg.get("head_dim") or hidden // self.n_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.n_heads, self.n_kv, bias, tp, dtype)
+        self.o_proj = RowParallelLinear(self.n_heads * self.head_dim, hidden, bias, tp, dtype, unit=self.qkv_proj.o_unit)
+        self.local_heads, self.local_kv = self.qkv_proj.local_heads, self.qkv_proj.local_kv
+        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"], dtype)
+
+    def context_kv(self, ctx: torch.Tensor, rotary: RotaryEmbedding, cos_sin: CosSin) -> tuple[torch.Tensor, ...]:
+        """ctx [T, H] (fc + hidden_norm output) -> k, v [T, Hkv, d] (k normed and rotated)."""
+        q_size = self.qkv_proj.q_size
+        bias = self.qkv_proj.bias[q_size:] if self.qkv_proj.bias is not None else None
+        kv = F.linear(ctx, self.qkv_proj.weight[q_size:], bias)  # [T, 2 Hkv d]
+        k, v = kv.view(-1, 2, self.local_kv, self.head_dim).unbind(1)  # [T, Hkv, d] each
+        return rotary.apply(self.k_norm(k), *cos_sin), v
+
+    def block_qkv(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin: CosSin) -> tuple[torch.Tensor, ...]:
+        """x [T, H] (input-layernormed block states) -> q [T, Hq, d], k, v [T, Hkv, d]."""
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.local_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.local_kv, self.head_dim))
+        return rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin), v.view(-1, self.local_kv, self.head_dim)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        self.layer_id = layer_id
+        self.self_attn = DFlashAttention(cfg, tp, dtype)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], False, tp, dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, False, tp, dtype)
+        self.input_layernorm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+
+    def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(h))))
+
+
+class DFlashDraftModel(nn.Module):
+    """Public API for the spec worker: ``block_size``, ``mask_token_id``, ``target_layer_ids``,
+    ``kv_cache_layout()``, ``load_weights``, ``write_context``, ``forward``; ``forward_train`` for training."""
+
+    skip_weight_prefixes = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        if tp.dcp_size > 1:
+            raise ValueError("a DFlash drafter keeps its own unsharded KV cache: decode context parallelism is "
+                             "the target's alone (build the drafter in drafter_group's group)")
+        cfg, dtype = config.hf, config.dtype
+        self.config, self.tp, self.dtype = config, tp, dtype
+        dcfg = cfg.get("dflash_config") or {}
+        self.block_size = int(cfg.get("block_size") or dcfg.get("block_size") or 16)
+        self.mask_token_id = int(dcfg["mask_token_id"])
+        n_target = int(cfg.get("num_target_layers") or 0)
+        ids = dcfg.get("target_layer_ids") or default_target_layer_ids(n_target, cfg["num_hidden_layers"])
+        self.target_layer_ids: tuple[int, ...] = tuple(int(i) for i in ids)
+        hidden = cfg["hidden_size"]
+        self.hidden_size = hidden
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i, tp, dtype) for i in range(cfg["num_hidden_layers"]))
+        self.fc = ReplicatedLinear(len(self.target_layer_ids) * hidden, hidden, False, dtype)
+        self.hidden_norm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+        self.norm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(cfg), cfg.get("max_position_embeddings", 4096))
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        a = self.layers[0].self_attn
+        return KVCacheLayout(len(self.layers), a.local_kv, a.head_dim, a.head_dim)
+
+    def project_context(self, captured: torch.Tensor) -> torch.Tensor:
+        """captured [..., n*H_target] -> hidden_norm(fc(captured)) [..., H]."""
+        return self.hidden_norm(self.fc(captured.to(self.fc.weight.dtype)))
+
+    @torch.no_grad()
+    def write_context(self, captured: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                      kv: KVCache) -> None:
+        """Store per-layer context K/V of tokens at ``positions`` in slots ``out_cache_loc``.
+        captured [T, n*H_target] (ModelOutput.captured), positions [T], out_cache_loc [T]."""
+        ctx = self.project_context(captured)  # [T, H]
+        cos_sin = self.rotary.cos_sin(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(ctx, self.rotary, cos_sin)  # [T, Hkv, d]
+            kv.k[i][out_cache_loc] = k.to(kv.dtype)
+            kv.v[i][out_cache_loc] = v.to(kv.dtype)
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch, kv: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        """Draft blocks over the paged context. ``fb.input_embeds`` [T, H] = target embeddings of
+        ``[root, MASK...]`` per request; returns final-normed hidden states [T, H]."""
+        if fb.input_embeds is None:
+            raise ValueError("DFlash forward needs fb.input_embeds (the target's embeddings of the block)")
+        h = fb.input_embeds.to(self.dtype)  # [T, H]
+        cos_sin = self.rotary.cos_sin(fb.positions)
+        backend.begin_forward(fb.attention_meta())  # one plan for every layer of this forward
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            q, k, v = a.block_qkv(layer.input_layernorm(h), self.rotary, cos_sin)
+            o = backend.forward(q, k, v, kv.k[i], kv.v[i], fb.out_cache_loc, fb.kv_indices, fb.attn_mask,
+                                fb.q_index, a.scale)  # [T, Hq, d]
+            h = layer.mlp_residual(h + a.o_proj(o.reshape(o.shape[0], -1)))
+        return self.norm(h)
+
+    def forward_train(self, ctx_feats: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
+                      block_positions: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """Dense path (training, no cache). ctx_feats [b, S, n*H_target], ctx_positions [b, S],
+        block_embeds [b, Q, H], block_positions [b, Q], attn_mask [b, Q, S + Q] bool (query i may see
+        key j; keys are the S context tokens then the Q block tokens). Returns [b, Q, H] final-normed."""
+        b, s = ctx_positions.shape
+        q_len = block_positions.shape[1]
+        ctx = self.project_context(ctx_feats).reshape(b * s, -1)  # [b*S, H]
+        cs_ctx = self.rotary.cos_sin(ctx_positions.reshape(-1))
+        cs_blk = self.rotary.cos_sin(block_positions.reshape(-1))
+        h = block_embeds.to(self.fc.weight.dtype).reshape(b * q_len, -1)  # [b*Q, H]
+        for layer in self.layers:
+            a = layer.self_attn
+            kc, vc = a.context_kv(ctx, self.rotary, cs_ctx)  # [b*S, Hkv, d]
+            q, kb, vb = a.block_qkv(layer.input_layernorm(h), self.rotary, cs_blk)  # [b*Q, H*, d]
+            keys = torch.cat([kc.view(b, s, a.local_kv, -1), kb.view(b, q_len, a.local_kv, -1)], 1)  # [b, S+Q, Hkv, d]
+            vals = torch.cat([vc.view(b, s, a.local_kv, -1), vb.view(b, q_len, a.local_kv, -1)], 1)
+            o = F.scaled_dot_product_attention(
+                q.view(b, q_len, a.local_heads, -1).transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                attn_mask=attn_mask[:, None], scale=a.scale, enable_gqa=a.local_kv != a.local_heads,
+            )  # [b, Hq, Q, d]
+            h = layer.mlp_residual(h + a.o_proj(o.transpose(1, 2).reshape(b * q_len, -1)))
+        return self.norm(h).view(b, q_len, -1)
+
+    _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+                ("mlp.gate_proj", "gate_up_proj", 0), ("mlp.up_proj", "gate_up_proj", 1),
+                ("mlp.down_proj", "down_proj", None))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """z-lab names: ``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``,
+        ``layers.N.mlp.{gate,up,down}_proj``, layernorms, ``fc``, ``hidden_norm``, ``norm``."""
+        load_named_weights(dict(self.named_parameters()), weights, self._STACKED, "DFlash checkpoint",
+                           skip_prefixes=self.skip_weight_prefixes)

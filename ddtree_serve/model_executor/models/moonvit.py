@@ -1,0 +1,266 @@
+"""MoonViT, Kimi K2.5 / K2.6's vision tower, and its patch-merger projector (plain torch, replicated on every
+TP rank: ~0.4B parameters, exact on every rank without collectives).
+
+Architecture (the published checkpoints' ``vision_config``; names below are the checkpoint's tensor names):
+
+- ``vision_tower.patch_embed.proj``: a 14x14 stride-14 convolution over each patch ``[3, 14, 14]`` -> ``D``;
+  ``vision_tower.patch_embed.pos_emb.weight`` ``[H0, W0, D]`` (64 x 64) is a learned 2D position table,
+  resized bicubically (``align_corners=False``) to the image's patch grid ``(h, w)`` when that differs, and
+  added to the patch embeddings (row-major over the grid). Images are one frame (``t = 1``): no time term.
+- ``vision_tower.encoder.blocks.{i}``: pre-LayerNorm blocks, ``x += wo(attn(norm0(x)))``,
+  ``x += mlp.fc1(gelu_tanh(mlp.fc0(norm1(x))))``; ``wqkv`` packs q, k, v as ``[3, heads, head_dim]`` (with
+  biases). Attention is bidirectional inside one image (never across images), scale ``1/sqrt(head_dim)``.
+  Queries and keys get a 2D rotary embedding: the head dimension is read as ``head_dim/2`` complex pairs
+  (elements ``2k, 2k+1``); pair ``2i`` turns by ``col * f_i`` and pair ``2i+1`` by ``row * f_i``, with
+  ``f_i = 10000^(-4i/head_dim)``, ``i < head_dim/4``, (row, col) the patch's place in the grid.
+- ``vision_tower.encoder.final_layernorm``; then the 2x2 merge: each 2x2 block of neighbouring patches
+  (row-major over the ``h/2 x w/2`` merged grid) becomes one token of ``4 x D`` features, in the order
+  (0,0), (0,1), (1,0), (1,1).
+- ``mm_projector`` (``patchmerger``): ``pre_norm`` LayerNorm over each patch's ``D`` features
+  (``projector_ln_eps``), flatten to ``4D``, ``proj.0`` Linear ``4D -> 4D``, exact GELU, ``proj.2`` Linear
+  ``4D -> text hidden``. One output row per image token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree_serve.model_executor.weight_loader import default_weight_loader
+
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+@dataclass(frozen=True)
+class MoonViTConfig:
+    """The checkpoint's ``vision_config`` (Kimi K2.5 / K2.6 spellings)."""
+
+    patch_size: int = 14
+    hidden_size: int = 1152  # vt_hidden_size
+    num_layers: int = 27  # vt_num_hidden_layers
+    num_heads: int = 16  # vt_num_attention_heads
+    intermediate_size: int = 4304  # vt_intermediate_size
+    pos_emb_height: int = 64  # init_pos_emb_height
+    pos_emb_width: int = 64  # init_pos_emb_width
+    merge_kernel: tuple[int, int] = (2, 2)  # merge_kernel_size
+    text_hidden_size: int = 7168
+    projector_ln_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, vc: dict[str, Any], text_hidden_size: int) -> MoonViTConfig:
+        """From ``config.json``'s ``vision_config``; ValueError for a layout this tower does not implement."""
+        for key, want in (("pos_emb_type", "divided_fixed"), ("merge_type", "sd2_tpool"),
+                          ("mm_projector_type", "patchmerger")):
+            if vc.get(key, want) != want:
+                raise ValueError(f"vision_config.{key} = {vc[key]!r} is not supported (only {want!r})")
+        mm_hidden = vc.get("mm_hidden_size", vc["vt_hidden_size"])
+        if mm_hidden != vc["vt_hidden_size"]:
+            raise ValueError(f"vision_config.mm_hidden_size {mm_hidden} != vt_hidden_size {vc['vt_hidden_size']}")
+        if vc.get("qkv_hidden_size", vc["vt_hidden_size"]) != vc["vt_hidden_size"]:
+            raise ValueError("vision_config.qkv_hidden_size != vt_hidden_size is not supported")
+        merge = vc.get("merge_kernel_size", [2, 2])
+        return cls(patch_size=int(vc["patch_size"]), hidden_size=int(vc["vt_hidden_size"]),
+                   num_layers=int(vc["vt_num_hidden_layers"]), num_heads=int(vc["vt_num_attention_heads"]),
+                   intermediate_size=int(vc["vt_intermediate_size"]),
+                   pos_emb_height=int(vc.get("init_pos_emb_height", 64)),
+                   pos_emb_width=int(vc.get("init_pos_emb_width", 64)),
+                   merge_kernel=(int(merge[0]), int(merge[1])),
+                   text_hidden_size=int(vc.get("text_hidden_size", text_hidden_size)),
+                   projector_ln_eps=float(vc.get("projector_ln_eps", 1e-5)))
+
+    def num_parameters(self) -> int:
+        """Parameters of the tower and projector (what ``plan`` counts)."""
+        d, i, p = self.hidden_size, self.intermediate_size, self.patch_size
+        m = d * self.merge_kernel[0] * self.merge_kernel[1]
+        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (i * d + i) + (d * i + d)
+        return (3 * p * p * d + d + self.pos_emb_height * self.pos_emb_width * d + self.num_layers * block + 2 * d
+                + 2 * d + (m * m + m) + (m * self.text_hidden_size + self.text_hidden_size))
+
+
+def read_vision_config(path: str) -> tuple[MoonViTConfig | None, int | None]:
+    """The vision tower's config and the image placeholder token id from a Kimi K2.5/K2.6 ``config.json``;
+    (None, None) when it has no complete ``vision_config`` (a text-only wrapper, or another model)."""
+    cfg_path = Path(path) / "config.json"
+    if not path or not cfg_path.exists():
+        return None, None
+    full = json.loads(cfg_path.read_text())
+    vc = full.get("vision_config") or {}
+    if "vt_hidden_size" not in vc:
+        return None, None
+    text_hidden = int((full.get("text_config") or full)["hidden_size"])
+    token = full.get("media_placeholder_token_id")
+    return MoonViTConfig.from_hf(vc, text_hidden), (int(token) if token is not None else None)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: MoonViTConfig, dtype: torch.dtype):
+        super().__init__()
+        p = cfg.patch_size
+        self.proj = nn.Conv2d(3, cfg.hidden_size, kernel_size=p, stride=p, dtype=dtype)
+        self.pos_emb = nn.Module()
+        self.pos_emb.weight = nn.Parameter(torch.empty(cfg.pos_emb_height, cfg.pos_emb_width, cfg.hidden_size,
+                                                       dtype=dtype), requires_grad=False)
+
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """``patches`` [h*w, 3, p, p] of one image, row-major over its ``grid`` (h, w) -> [h*w, D]."""
+        x = self.proj(patches.to(self.proj.weight.dtype)).flatten(1)  # [L, D]
+        table = self.pos_emb.weight  # [H0, W0, D]
+        if tuple(grid) != tuple(table.shape[:2]):
+            table = F.interpolate(table.float().permute(2, 0, 1).unsqueeze(0), size=tuple(grid), mode="bicubic",
+                                  align_corners=False).squeeze(0).permute(1, 2, 0)  # [h, w, D]
+        return x + table.reshape(-1, table.shape[-1]).to(x.dtype)
+
+
+def rope_2d(grid: tuple[int, int], head_dim: int, theta: float, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [h*w, head_dim/2] (float32) of the 2D rotary embedding: pair 2i by col*f_i, 2i+1 by row*f_i."""
+    h, w = grid
+    freqs = theta ** (-torch.arange(0, head_dim, 4, device=device)[: head_dim // 4].float() / head_dim)  # [hd/4]
+    rows = torch.arange(h, device=device).repeat_interleave(w).float()  # [L]
+    cols = torch.arange(w, device=device).repeat(h).float()  # [L]
+    angles = torch.stack([cols[:, None] * freqs, rows[:, None] * freqs], dim=-1).flatten(1)  # [L, hd/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [L, heads, hd]: rotate each pair (x[2k], x[2k+1]) by angle k (float32 math, back to x's dtype)."""
+    xf = x.float().unflatten(-1, (-1, 2))  # [L, heads, hd/2, 2]
+    a, b = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]  # [L, 1, hd/2]
+    return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2).to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.fc0 = nn.Linear(d, inter, dtype=dtype)
+        self.fc1 = nn.Linear(inter, d, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, cfg: MoonViTConfig, dtype: torch.dtype):
+        super().__init__()
+        d = cfg.hidden_size
+        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.norm0 = nn.LayerNorm(d, dtype=dtype)
+        self.norm1 = nn.LayerNorm(d, dtype=dtype)
+        self.wqkv = nn.Linear(d, 3 * d, dtype=dtype)
+        self.wo = nn.Linear(d, d, dtype=dtype)
+        self.mlp = MLP(d, cfg.intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [L, D] of one image."""
+        q, k, v = self.wqkv(self.norm0(x)).unflatten(-1, (3, self.heads, self.head_dim)).unbind(1)  # [L, h, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [h, L, hd]
+        x = x + self.wo(o.transpose(0, 1).flatten(1))  # [L, D]
+        return x + self.mlp(self.norm1(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: MoonViTConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(EncoderBlock(cfg, dtype) for _ in range(cfg.num_layers))
+        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        cos, sin = rope_2d(grid, self.cfg.head_dim, self.cfg.rope_theta, x.device)  # [L, hd/2]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.final_layernorm(x)
+
+
+class MoonViT(nn.Module):
+    """The vision tower: one image's patches -> merged groups [h/2 * w/2, 4, D]."""
+
+    def __init__(self, cfg: MoonViTConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg, dtype)
+        self.encoder = Encoder(cfg, dtype)
+
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        h, w = grid
+        kh, kw = self.cfg.merge_kernel
+        x = self.encoder(self.patch_embed(patches, grid), grid)  # [h*w, D]
+        x = x.view(h // kh, kh, w // kw, kw, -1).permute(0, 2, 1, 3, 4)  # [h/kh, w/kw, kh, kw, D]
+        return x.reshape((h // kh) * (w // kw), kh * kw, -1)
+
+
+class PatchMergerProjector(nn.Module):
+    """``mm_projector``: merged groups [N, 4, D] -> image token embeddings [N, text hidden]."""
+
+    def __init__(self, cfg: MoonViTConfig, dtype: torch.dtype):
+        super().__init__()
+        d = cfg.hidden_size
+        m = d * cfg.merge_kernel[0] * cfg.merge_kernel[1]
+        self.pre_norm = nn.LayerNorm(d, eps=cfg.projector_ln_eps, dtype=dtype)
+        self.proj = nn.Sequential(nn.Linear(m, m, dtype=dtype), nn.GELU(),
+                                  nn.Linear(m, cfg.text_hidden_size, dtype=dtype))
+
+    def forward(self, groups: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.pre_norm(groups).flatten(1))  # [N, text hidden]
+
+
+class KimiVision(nn.Module):
+    """Tower + projector under the checkpoint's names (``vision_tower.*``, ``mm_projector.*``)."""
+
+    def __init__(self, cfg: MoonViTConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.vision_tower = MoonViT(cfg, dtype)
+        self.mm_projector = PatchMergerProjector(cfg, dtype)
+
+    @torch.inference_mode()
+    def embed_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Per image: ``pixel_values[i]`` [t*h*w, 3, p, p] (normalised, see ddtree_serve/server/multimodal/image_processor.py)
+        with ``grids[i]`` = (t, h, w) patches -> [h/2 * w/2, text hidden] embeddings. Images only (t = 1)."""
+        out = []
+        for pv, (t, h, w) in zip(pixel_values, grids, strict=True):
+            if t != 1:
+                raise ValueError(f"MoonViT serves images (t = 1), got t = {t}")
+            out.append(self.mm_projector(self.vision_tower(pv, (h, w))))
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy ``vision_tower.*`` / ``mm_projector.*`` tensors (a tensor or a lazy slice) into the modules;
+        ValueError on an unexpected or a missing one."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"unexpected vision weight {name!r}")
+            default_weight_loader(params[name], tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing vision weights: {sorted(missing)[:8]}")
+
+
+def merged_tokens(grid: tuple[int, int], merge: tuple[int, int] = (2, 2)) -> int:
+    """Image tokens of a patch grid (h, w): (h / kh) * (w / kw)."""
+    return (grid[0] // merge[0]) * (grid[1] // merge[1])
+
+
+def encoder_peak_bytes(cfg: MoonViTConfig, max_patches: int, dtype_bytes: int) -> int:
+    """A bound of the tower's activation peak for one image of ``max_patches`` patches with a fused attention
+    kernel (no ``L x L`` scores; the CPU reference's math path holds them, CPU memory is not planned): the
+    residual, the normed input, qkv, the attention output, the MLP hidden, and float32 rotary copies of q, k."""
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    return max_patches * ((6 * d + i) * dtype_bytes + 2 * d * 4)

@@ -1,0 +1,166 @@
+"""Logit penalties and biases per request: ``logit_bias``, ``repetition_penalty``, ``frequency_penalty``,
+``presence_penalty``; the same formula for plain decoding and for every node of a draft tree.
+
+Definitions, applied in this order to the raw logits ``l`` of a request (vLLM v1's order: logit bias,
+then the penalties; temperature and the top-k/top-p/min-p filters come after, in the sampler):
+
+1. ``logit_bias`` {token id: bias}: ``l[t] += bias`` (OpenAI).
+2. ``repetition_penalty`` r (SGLang/vLLM, CTRL arXiv 1909.05858): for every token ``t`` in the prompt
+   or the generated tokens, ``l[t] = l[t] / r`` if ``l[t] > 0`` else ``l[t] * r``.
+3. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI), over the GENERATED tokens only, with
+   ``c[t]`` the number of times ``t`` was generated: ``l[t] -= c[t] * f + (c[t] > 0) * p``.
+
+Tree verification (DDTree): the row of tree node ``i`` is the distribution of the token that follows the
+path root..i, so its counts are the request's counts plus the drafted tokens on that path (the root is the
+last committed token, already counted). ``apply_tree_penalties`` penalises every row with the request's
+``[bs, V]`` state broadcast over the nodes, then recomputes only the logits of path tokens, from a
+``[bs, D, D]`` ancestor-match count; no ``[bs, D, V]`` count tensor is built. With these logits the tree
+walk reproduces plain decoding with penalties (greedy: token for token; sampled: in distribution).
+
+Per-request state (``TokenCounts``) is kept incrementally: created at admission from the prompt and
+updated when tokens are committed, on the device of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+
+
+class TokenCounts:
+    """One request's token statistics over a vocabulary of ``V``: ``generated`` float32 [V] (how often each
+    token was generated) and ``seen`` bool [V] (the token is in the prompt or was generated)."""
+
+    def __init__(self, prompt_ids: Sequence[int], vocab: int, device: torch.device) -> None:
+        self.generated = torch.zeros(vocab, dtype=torch.float32, device=device)  # [V]
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
+        if prompt_ids:
+            self.seen[torch.tensor(list(prompt_ids), device=device)] = True
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Record committed generated tokens."""
+        if tokens:
+            ids = torch.tensor(list(tokens), device=self.generated.device)  # [n]
+            self.generated.index_add_(0, ids, torch.ones(len(tokens), device=ids.device))
+            self.seen[ids] = True
+
+
+@dataclass(frozen=True)
+class BatchPenalties:
+    """The batch's penalty parameters and state as tensors; rows of requests without penalties are neutral."""
+
+    presence: torch.Tensor  # [bs] float32
+    frequency: torch.Tensor  # [bs] float32
+    repetition: torch.Tensor  # [bs] float32 (1 = off)
+    generated: torch.Tensor  # [bs, V] float32 generated-token counts
+    seen: torch.Tensor  # [bs, V] bool prompt or generated
+    bias: torch.Tensor | None  # [bs, V] float32 logit bias, None when no request has one
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        counts: Sequence[TokenCounts | None],
+        vocab: int,
+        device: torch.device,
+    ) -> BatchPenalties | None:
+        """None when no request of the batch has a penalty or a logit bias (the common, free case)."""
+        if not any(p.has_logit_processing for p in params):
+            return None
+        bs = len(params)
+        generated = torch.zeros(bs, vocab, dtype=torch.float32, device=device)  # [bs, V]
+        seen = torch.zeros(bs, vocab, dtype=torch.bool, device=device)  # [bs, V]
+        for b, c in enumerate(counts):
+            if c is not None:
+                generated[b] = c.generated
+                seen[b] = c.seen
+        bias = None
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros(bs, vocab, dtype=torch.float32, device=device)  # [bs, V]
+            for b, p in enumerate(params):
+                if p.logit_bias:
+                    ids = torch.tensor([int(t) for t in p.logit_bias], device=device)
+                    bias[b, ids] = torch.tensor([float(v) for v in p.logit_bias.values()], device=device)
+
+        def col(name: str) -> torch.Tensor:
+            return torch.tensor([float(getattr(p, name)) for p in params], dtype=torch.float32, device=device)
+
+        return cls(
+            col("presence_penalty"),
+            col("frequency_penalty"),
+            col("repetition_penalty"),
+            generated,
+            seen,
+            bias,
+        )
+
+
+def _subtrahend(count: torch.Tensor, pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """Step 3: ``count * frequency + (count > 0) * presence`` (broadcastable tensors)."""
+    return count * freq + (count > 0).to(count.dtype) * pres
+
+
+def _penalise_(x: torch.Tensor, seen: torch.Tensor, rep: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """Steps 2 and 3 in place on ``x`` (biased logits, owned by the caller): seen tokens are scaled by
+    ``1 / rep`` when positive and by ``rep`` otherwise, then ``sub`` is subtracted. One elementwise formula
+    for the dense rows and the path corrections, so both round identically. The result is clamped to float32's
+    finite range: a ``rep`` below float32's range (5e-324 is valid input) is 0 here and ``1 / rep`` infinite,
+    which would turn softmax into NaN (found by the schemathesis fuzz); clamped, the seen positive logits tie at
+    the top instead."""
+    scale = torch.where(seen & (x > 0), 1.0 / rep, torch.where(seen, rep, torch.ones_like(rep)))
+    big = torch.finfo(torch.float32).max
+    return x.mul_(scale).sub_(sub).clamp_(-big, big)
+
+
+def _biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A new float32 tensor: the logits plus the logit bias (step 1); the input is never modified."""
+    x = logits.float()
+    return x + bias if bias is not None else x.clone()
+
+
+def apply_penalties(logits: torch.Tensor, pen: BatchPenalties | None) -> torch.Tensor:
+    """Processed logits [bs, V] (float32, a new tensor) of raw logits [bs, V]; ``pen`` None returns them."""
+    if pen is None:
+        return logits
+    x = _biased(logits, pen.bias)  # [bs, V]
+    sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
+    return _penalise_(x, pen.seen, pen.repetition[:, None], sub)
+
+
+def apply_tree_penalties(
+    logits: torch.Tensor,
+    pen: BatchPenalties | None,
+    candidates: torch.Tensor,
+    ancestors: torch.Tensor,
+    is_node: torch.Tensor,
+) -> torch.Tensor:
+    """Processed logits [bs, D, V] (float32, a new tensor) of a draft tree's raw logits [bs, D, V]: row i
+    counts the request's tokens plus the tokens of the non-root nodes on root..i. Transient memory: the
+    result, one float and one bool tensor of the logits' shape; the raw logits are not modified.
+
+    candidates [bs, D] int64 node tokens; ancestors [bs, D, D] bool, [b, i, j]: j is on root..i (i
+    included); is_node [bs, D] bool: j is a real non-root node (root and padding excluded)."""
+    if pen is None:
+        return logits
+    bias = pen.bias[:, None, :] if pen.bias is not None else None
+    x = _biased(logits, bias)  # [bs, D, V]
+    on_path = ancestors & is_node[:, None, :]  # [bs, D(i), D(j)] j is a non-root node on root..i
+    b, i, j = on_path.nonzero(as_tuple=True)  # [P] each (row i, path node j); P <= bs * D * depth
+    tok = candidates[b, j]  # [P] the path token whose logit in row i changes
+    x_path = x[b, i, tok]  # [P] biased logits of the path tokens, before the base penalties below
+    sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
+    out = _penalise_(x, pen.seen[:, None, :], pen.repetition[:, None, None], sub[:, None, :])  # [bs, D, V]
+    if b.numel() == 0:
+        return out
+    same = (candidates[:, :, None] == candidates[:, None, :]).float()  # [bs, D(k), D(j)] same token
+    path_count = torch.bmm(on_path.float(), same)  # [bs, D(i), D(j)] count of j's token on root..i
+    count = pen.generated[b, tok] + path_count[b, i, j]  # [P]
+    seen = torch.ones_like(count, dtype=torch.bool)  # [P] a path token has been generated
+    out[b, i, tok] = _penalise_(
+        x_path, seen, pen.repetition[b], _subtrahend(count, pen.presence[b], pen.frequency[b])
+    )
+    return out  # duplicates of one token on a path wrote the same value

@@ -1,0 +1,143 @@
+"""Token sampling for a batch with per-request parameters (temperature 0 = greedy, top-k, top-p, min-p)
+and per-request generators: each request draws its coin from its own generator, so seeded output does
+not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ddtree_serve.kernels.sampling import (
+    min_p_renorm_prob,
+    sampling_from_probs,
+    top_k_renorm_prob,
+    top_p_renorm_prob,
+)
+from ddtree_serve.model_executor.grammar.masks import mask_logits
+from ddtree_serve.model_executor.grammar.state import GrammarState
+from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchSamplingInfo:
+    """Per-request sampling parameters as tensors ``[bs]``."""
+
+    temperature: torch.Tensor  # float32; greedy rows hold 1.0 (unused)
+    top_k: torch.Tensor  # int64; vocab size when disabled
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    is_greedy: torch.Tensor  # bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> BatchSamplingInfo:
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                                     dtype=torch.float32, device=device),
+            top_k=torch.tensor([vocab if p.top_k <= 0 else min(p.top_k, vocab) for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.is_greedy.all())
+
+
+def processed_probs(logits: torch.Tensor, info: BatchSamplingInfo) -> torch.Tensor:
+    """softmax(logits / T), then top-k, then top-p, then min-p renormalisation. logits [bs, ..., V] with the
+    per-request parameters broadcast over the middle dims. Greedy rows become one-hot at the argmax."""
+    bs, vocab = logits.shape[0], logits.shape[-1]
+    mid = logits.shape[1:-1]
+    flat = logits.reshape(bs, -1, vocab)  # [bs, n, V]
+    n = flat.shape[1]
+
+    def rep(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(n)  # [bs * n]
+
+    probs = torch.softmax(flat / info.temperature[:, None, None], dim=-1).reshape(bs * n, vocab)
+    if bool((info.top_k < vocab).any()):
+        probs = top_k_renorm_prob(probs, rep(info.top_k))
+    if bool((info.top_p < 1.0).any()):
+        probs = top_p_renorm_prob(probs, rep(info.top_p))
+    if bool((info.min_p > 0).any()):
+        probs = min_p_renorm_prob(probs, rep(info.min_p))
+    if bool(info.is_greedy.any()):
+        one_hot = torch.zeros_like(probs)
+        one_hot.scatter_(1, flat.reshape(bs * n, vocab).argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(rep(info.is_greedy)[:, None], one_hot, probs)
+    return probs.reshape(bs, *mid, vocab)
+
+
+def draw_uniforms(
+    generators: Sequence[torch.Generator | None], counts: Sequence[int], width: int, device: torch.device
+) -> torch.Tensor:
+    """Per-request uniforms on [0, 1): row b holds ``torch.rand(counts[b], generator=generators[b])`` in its
+    first ``counts[b]`` columns and 0 after them (``counts[b] = 0`` draws nothing; a None generator is
+    torch's default one). One small call per request: the generators are per request by contract, and
+    torch has no batched multi-generator draw. The single coin source of the sampler and of tree
+    verification (``ddtree_serve.speculative.verify.verify_coins``). Returns float32 [bs, width] on ``device``."""
+    out = torch.zeros(len(generators), width, dtype=torch.float32)  # [bs, width]
+    for b, (g, n) in enumerate(zip(generators, counts, strict=True)):
+        if n > 0:
+            gdev = g.device if g is not None else torch.device("cpu")
+            out[b, :n] = torch.rand(n, generator=g, device=gdev).cpu()
+    return out.to(device)
+
+
+def sample(
+    logits: torch.Tensor,
+    info: BatchSamplingInfo,
+    generators: list[torch.Generator],
+    penalties: BatchPenalties | None = None,
+) -> torch.Tensor:
+    """logits [bs, V] float32 -> token ids [bs] int64. ``penalties`` (logit bias, repetition, frequency,
+    presence; ``ddtree_serve.model_executor.penalties``) apply first; greedy rows take the argmax of the result."""
+    logits = apply_penalties(logits, penalties)  # [bs, V]
+    if info.all_greedy:
+        return logits.argmax(-1)
+    probs = processed_probs(logits, info)  # [bs, V]
+    coins = draw_uniforms(generators, [1] * len(generators), 1, logits.device)[:, 0]  # [bs] in [0, 1)
+    sampled = sampling_from_probs(probs, coins)
+    return torch.where(info.is_greedy, logits.argmax(-1), sampled)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Raw-model logprobs of ``tokens`` [n] under ``logits`` [n, V] with the top ``top_n`` alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    if top_n > 0:
+        vals, ids = lp.topk(top_n, dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    else:
+        tops = [[] for _ in chosen]
+    return list(zip(chosen, tops, strict=True))
+
+
+class SamplingRequest(Protocol):
+    """What ``sample_requests`` reads from a running request."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    token_counts: TokenCounts | None
+    grammar: GrammarState | None
+
+
+def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor,
+                    ) -> tuple[torch.Tensor, list[list[tuple[float, list[tuple[int, float]]]] | None]]:
+    """One plain sampling step for running requests (the scheduler's decode and prefill, and the speculative
+    worker's all-plain step): grammar masks, logit bias and penalties, then ``sample``. Returns the tokens
+    ``[bs]`` and, per request, the logprobs it asked for (under the raw logits) or None."""
+    vocab, dev = logits.shape[-1], logits.device
+    params = [q.params for q in reqs]
+    pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev)
+    masked = mask_logits([q.grammar for q in reqs], logits)  # a masked copy only when a request has a grammar
+    tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), [q.generator for q in reqs], pen)  # [bs]
+    lps = [None if q.params.logprobs is None else token_logprobs(logits[i:i + 1], tokens[i:i + 1], q.params.logprobs)
+           for i, q in enumerate(reqs)]
+    return tokens, lps

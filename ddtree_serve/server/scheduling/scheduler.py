@@ -1,0 +1,379 @@
+"""The scheduler core: continuous batching over one ModelRunner (TP rank 0 view).
+
+One step reads as ``schedule() -> run(batch) -> process(results)``:
+- schedule: a prefill batch (chunked under ``chunked_prefill_size``) when requests wait and KV admits
+  them, otherwise a decode batch of every running request;
+- run: one target forward (prefill/decode) or one speculative step (draft, tree, verify, commit);
+- process: append tokens, finish on stop/EOS/length, release KV, report ``TokenOut`` deltas.
+A request's KV slots go through ``ReqKVManager`` (ddtree_serve/server/scheduling/kv_manager.py): admission matches the longest
+cached prefix (radix cache), release hands the tokens to the cache. KV exhaustion evicts unused cached
+prefixes first, then retracts the newest request back to the queue (its output is kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ddtree_serve.model_executor.forward_batch import ForwardMode
+from ddtree_serve.model_executor.grammar import GrammarBackend
+from ddtree_serve.model_executor.grammar.queue import GrammarQueue
+from ddtree_serve.model_executor.memory import MemoryProbe, device_memory
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.penalties import TokenCounts
+from ddtree_serve.model_executor.sampler import sample_requests
+from ddtree_serve.model_executor.sampling_params import find_stop
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.io_struct import GenerateReq, SchedulerStats, TokenOut
+from ddtree_serve.server.memory_sizing import ModelFacts, size_startup_memory
+from ddtree_serve.server.scheduling.image_prefill import check_images, prefill_embeds
+from ddtree_serve.server.scheduling.kv_manager import ReqKVManager
+from ddtree_serve.server.scheduling.prompt_scoring import score_prompt_chunk
+from ddtree_serve.server.scheduling.request import AdmissionError, Req
+from ddtree_serve.server.startup import is_resolved
+from ddtree_serve.speculative.spec_worker import SpecWorker
+from ddtree_serve.speculative.types import OutOfKVSlots
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    mode: ForwardMode
+    reqs: list[Req]
+    chunk_lens: list[int]  # new tokens per request (prefill); 1 per request (decode)
+
+
+class Scheduler:
+    def __init__(self, config: ServerConfig, tp: TPGroup | None = None, memory_probe: MemoryProbe = device_memory):
+        """``config`` is resolved (ddtree_serve/server/startup.py: a model directory and a concrete device); ``tp``: this
+        rank's TP group (None: a single process); ``memory_probe``: ``(total, used)`` bytes of a device, read
+        once to size the KV pool."""
+        if not is_resolved(config):
+            raise ValueError("Scheduler needs a resolved config (ddtree_serve.server.startup.resolve_config)")
+        self.config = config
+        self.model_path, device = config.model.model_path, config.model.device
+        self.model_config = ModelConfig.load(self.model_path, config.model.dtype, device, config.model.int4_experts,
+                                             attention_backend=config.model.attention_backend,
+                                             moe_backend=config.model.moe_backend, kv_cache_dtype=config.model.kv_cache_dtype,
+                                             vision=config.server.max_images_per_request > 0)  # 0: text only
+        self.max_context_len = config.model.context_length or self.model_config.max_context_len
+        self.eos_token_ids = self.model_config.eos_token_ids
+        self.vocab_size = self.model_config.vocab_size  # token ids (prompt, logit_bias) are below it
+        sc = config.scheduler
+        tp = tp or TPGroup()
+        self.runner = ModelRunner(self.model_config, sc.max_running_requests + 1, self.max_context_len, tp, device,
+                                  cuda_graph_max_bs=config.model.cuda_graph_max_bs)
+        spec = config.speculative
+        self.spec = SpecWorker.create(spec, self.runner, self.model_config) if spec.enabled else None
+        self._size_memory(config, tp, device, memory_probe)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.outbox: list[TokenOut] = []
+        self.grammars = GrammarQueue(lambda: GrammarBackend.from_model_path(  # structured outputs (lazy)
+            self.model_path, self.model_config.vocab_size, self.eos_token_ids, config.model.trust_remote_code),
+            blocking=tp.size > 1)
+        self.step_batch: Batch | None = None  # the running step's batch (ddtree_serve/server/scheduling/step_recovery.py)
+        self._seed_rng = random.Random(0x5EED)
+        self.total_verify_steps = 0
+        self.total_spec_tokens = 0
+
+    def close(self) -> None:
+        """Nothing to release in a single process (``SchedulerLike.close``; TP rank 0 stops its followers)."""
+
+    def _size_memory(self, config: ServerConfig, tp, device: str, probe: MemoryProbe) -> None:
+        """With the target and drafter weights resident: reserve the step workspace, size the KV pool from
+        what is left (ddtree_serve/model_executor/memory.py), allocate it, and hand the verify cap to the worker."""
+        spec, cache, mc = self.spec, config.cache, self.model_config
+        facts = ModelFacts(mc.vocab_size, self.max_context_len,
+                           self.runner.kv_bytes_per_token + (spec.draft_kv_bytes_per_token if spec else 0),
+                           spec.budget if spec else None, spec.block_size if spec else None,
+                           mc.hidden_size, mc.dtype.itemsize, mc.hidden_size * len(spec.capture_layer_ids) if spec else 0,
+                           getattr(self.runner.model, "encoder_peak_bytes", lambda: 0)())  # vision tower
+        sizing = size_startup_memory(config, facts, device, tp, probe)
+        self.workspace, self.kv_sizing = sizing.workspace, sizing.kv
+        logger.info("%s", sizing.log_line())
+        self.runner.allocate_kv(self.kv_sizing.tokens, table_margin=spec.max_step_tokens if spec else 0)
+        self.kv = ReqKVManager(self.runner.slots, not cache.disable_radix_cache, cache.radix_eviction_policy)
+        if spec is not None:
+            spec.allocate_kv()
+            spec.max_verify_tokens = self.workspace.max_verify_tokens
+
+    # ---------------------------------------------------------------- requests in / out
+    def add_request(self, req: GenerateReq) -> None:
+        p = req.params
+        vocab = self.model_config.vocab_size
+        p.validate(vocab)
+        if not req.input_ids:
+            raise AdmissionError("prompt must not be empty", "prompt")
+        n = len(req.input_ids)
+        if p.max_tokens is None:  # until the request limit: ends with "length" there
+            if n + 1 > self.max_request_tokens:
+                raise AdmissionError(f"the prompt ({n} tokens) leaves no room to generate: a request holds at most "
+                                     f"{self.max_request_tokens} tokens (context length {self.max_context_len}, "
+                                     f"KV cache {self.runner.num_slots} tokens)", "prompt")
+            p = dataclasses.replace(p, max_tokens=self.max_request_tokens - n)
+        if n + p.max_tokens > self.max_context_len:
+            raise AdmissionError(f"prompt ({n} tokens) plus max_tokens ({p.max_tokens}) exceeds the context length "
+                                 f"{self.max_context_len}", "prompt")  # OpenAI names the prompt (messages)
+        if n + p.max_tokens + self._spec_margin() > self.runner.num_slots:
+            raise AdmissionError(f"prompt plus max_tokens exceeds the KV cache capacity ({self.runner.num_slots} "
+                                 "tokens)", "prompt")
+        if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
+            raise AdmissionError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        counts = TokenCounts(req.input_ids, vocab, self.runner.device) if p.needs_token_counts else None
+        check_images(req, self.runner.model)
+        new = Req(req.rid, list(req.input_ids), p, gen, token_counts=counts, images=tuple(req.images))
+        if p.grammar is not None:
+            self.grammars.submit(new)
+        else:
+            self.waiting.append(new)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most prompt + output tokens one request may hold: the context length, or the KV pool less one
+        step's temporary slots, whichever is smaller."""
+        return min(self.max_context_len, self.runner.num_slots - self._spec_margin())
+
+    def abort_request(self, rid: str) -> None:
+        for req in self.grammars.remove(rid):
+            self._finish_out(req, "abort")
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._release(req)
+                self._finish_out(req, "abort")
+        for req in list(self.running):
+            if req.rid == rid:
+                self.running.remove(req)
+                self._release(req)
+                self._finish_out(req, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.outbox or len(self.grammars))
+
+    def stats(self) -> SchedulerStats:
+        kv = self.runner.slots
+        return SchedulerStats(running=len(self.running), waiting=len(self.waiting),
+                              kv_used_tokens=kv.num_slots - self.kv.available, kv_total_tokens=kv.num_slots,
+                              cache_hit_tokens=self.kv.hit_tokens, cache_query_tokens=self.kv.query_tokens,
+                              cache_held_tokens=self.kv.cached_tokens,
+                              spec_verify_steps=self.total_verify_steps,
+                              spec_generated_tokens=self.total_spec_tokens,
+                              spec_budget=self.spec.controller.stats() if self.spec and self.spec.controller else {})
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[TokenOut]:
+        self.step_batch = None  # what ddtree_serve/server/scheduling/step_recovery.py fails if this step raises (None: everything)
+        for req, err in self.grammars.poll(idle=not (self.waiting or self.running)):  # compiled grammars
+            if err is None:
+                self.waiting.append(req)
+            else:
+                self.outbox.append(TokenOut(req.rid, [], finished=True, error=err, prompt_tokens=len(req.prompt_ids),
+                                            error_param=req.params.grammar[0]))  # the grammar's kind
+        batch = self.step_batch = self.schedule()
+        if batch is not None:
+            results = self.run(batch)
+            self.process(batch, results)
+        out, self.outbox = self.outbox, []
+        return out
+
+    def fail_step(self) -> list[str]:
+        """After ``step`` raised: fail that step's requests, free their KV (ddtree_serve/server/scheduling/step_recovery.py)."""
+        from ddtree_serve.server.scheduling.step_recovery import fail_step
+
+        return fail_step(self)
+
+    def schedule(self) -> Batch | None:
+        prefill = self._schedule_prefill()
+        if prefill is not None:
+            return prefill
+        if self.running:
+            return Batch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
+        return None
+
+    def run(self, batch: Batch) -> list[list[int]]:
+        if batch.mode == ForwardMode.EXTEND:
+            return self._run_prefill(batch)
+        if self.spec is not None:
+            return self._run_spec_decode(batch)
+        return self._run_decode(batch)
+
+    def process(self, batch: Batch, results: list[list[int]]) -> None:
+        for req, tokens in zip(batch.reqs, results, strict=True):
+            if not tokens:
+                continue
+            keep, reason = find_stop(tokens, req.params, self.eos_token_ids, req.remaining_tokens)
+            if self.spec is not None and keep < len(tokens):
+                raise AssertionError("the speculative commit must truncate at stops itself")
+            req.output_ids.extend(tokens[:keep])
+            if req.grammar is not None:
+                req.grammar.accept(tokens[:keep])
+            if req.token_counts is not None:
+                req.token_counts.add(tokens[:keep])
+            if reason is None and req.seq_len >= self.max_context_len:
+                reason = "length"
+            if reason is not None:
+                self.running.remove(req)
+                self._release(req, finished=True)
+                self._finish_out(req, reason)
+            else:
+                self._delta_out(req)
+
+    # ---------------------------------------------------------------- prefill
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.config.scheduler.chunked_prefill_size
+        reqs, lens = [], []
+        kv = self.kv
+        headroom = len(self.running) * (self.spec.min_step_tokens if self.spec is not None else 1)
+        planned = 0
+        while self.waiting and budget > 0 and len(self.running) + len(reqs) < self.config.scheduler.max_running_requests:
+            req = self.waiting[0]
+            fresh = req.req_pool_idx is None
+            if fresh and not kv.admit(req, _prefill_len(req)):  # a request row and the cached prefix
+                break
+            n = min(_prefill_len(req) - req.num_cached, budget)
+            if n > kv.available - headroom - planned:
+                if fresh:
+                    kv.release(req)  # no room yet: unlock the matched prefix again
+                break
+            if fresh:
+                kv.count_admission(req)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+            planned += n
+            if req.num_cached + n == _prefill_len(req):
+                self.waiting.popleft()
+            else:
+                break  # a partially prefilled request stays at the head of the queue
+        return Batch(ForwardMode.EXTEND, reqs, lens) if reqs else None
+
+    def _run_prefill(self, batch: Batch) -> list[list[int]]:
+        r = self.runner
+        ids, ends = [], []
+        for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
+            start = req.num_cached
+            ids.extend(req.all_ids[start:start + n])
+            ends.append(start + n == _prefill_len(req) and not req.output_ids)  # needs a first token
+        cum = torch.tensor(batch.chunk_lens).cumsum(0) - 1
+        done = [i for i, e in enumerate(ends) if e]
+        self.kv.ensure_free(sum(batch.chunk_lens))  # evicts unused cached prefixes when short
+        fb = r.prepare_prefill([q.req_pool_idx for q in batch.reqs], [q.num_cached for q in batch.reqs],
+                               batch.chunk_lens, ids,
+                               capture_layer_ids=self.spec.capture_layer_ids if self.spec is not None else ())
+        assert fb is not None, "admission checked free slots"
+        fb.input_embeds = prefill_embeds(r.model, batch.reqs, batch.chunk_lens, fb.input_ids)  # images: [T, H]
+        out = r.forward(fb)
+        if self.spec is not None:
+            self.spec.on_extend(fb, out.captured)
+        score_prompt_chunk(self.runner.logits, batch.reqs, batch.chunk_lens, out.hidden)
+        for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
+            req.num_cached += n
+            self.kv.cache_prefix(req)  # the chunk's tokens become a shareable prefix
+        results: list[list[int]] = [[] for _ in batch.reqs]
+        scored_only = [i for i in done if batch.reqs[i].params.max_tokens == 0]
+        done = [i for i in done if batch.reqs[i].params.max_tokens > 0]
+        if done:
+            tokens = self._sample([batch.reqs[i] for i in done], r.logits(out.hidden[cum[done]]))  # [n_done, V]
+            for j, i in enumerate(done):
+                results[i] = [tokens[j]]
+        for i, req in enumerate(batch.reqs):
+            if i in scored_only:  # max_tokens 0: the prompt is scored, nothing is generated
+                self._release(req)
+                self._finish_out(req, "length")
+            elif req.num_cached == _prefill_len(req):
+                self.running.append(req)  # a retracted request resumes without a new token
+        return results
+
+    # ---------------------------------------------------------------- decode
+    def _run_decode(self, batch: Batch) -> list[list[int]]:
+        r = self.runner
+        self._make_room(batch, 1)
+        reqs = batch.reqs
+        fb = r.prepare_decode([q.req_pool_idx for q in reqs], [q.num_cached for q in reqs],
+                              [q.output_ids[-1] for q in reqs])
+        assert fb is not None, "room was made"
+        out = r.forward(fb)
+        for q in reqs:
+            q.num_cached += 1
+            q.spec_plain_steps += 1
+        tokens = self._sample(reqs, r.logits(out.hidden))
+        return [[t] for t in tokens]
+
+    def _run_spec_decode(self, batch: Batch) -> list[list[int]]:
+        while True:
+            self._make_room(batch, self.spec.min_step_tokens)
+            try:
+                results = self.spec.decode(batch.reqs, self.eos_token_ids)
+                break
+            except OutOfKVSlots:
+                self._retract_one(batch)
+        out = []
+        for req, res in zip(batch.reqs, results, strict=True):
+            self.total_verify_steps += req.record_spec_step(res.accepted, res.accepted_suffix, res.budget)
+            self.total_spec_tokens += len(res.tokens)
+            if req.params.logprobs is not None and res.logprobs is not None:
+                req.pending_logprobs.extend(res.logprobs)
+            out.append(res.tokens)
+        return out
+
+    def _make_room(self, batch: Batch, per_req: int) -> None:
+        """Free slots for ``per_req`` new tokens of every request in ``batch``: evict unused cached prefixes,
+        and retract the newest request only when that is not enough (its tokens become evictable)."""
+        while not self.kv.ensure_free(per_req * len(batch.reqs)):
+            self._retract_one(batch)
+
+    def _retract_one(self, batch: Batch) -> None:
+        if len(batch.reqs) <= 1:
+            raise RuntimeError("KV cache too small for a single request")
+        victim = batch.reqs.pop()
+        self.running.remove(victim)
+        self._release(victim)
+        self.waiting.appendleft(victim)
+        logger.info("KV full: retracted %s back to the queue", victim.rid)
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        tokens, lps = sample_requests(reqs, logits)
+        for q, lp in zip(reqs, lps, strict=True):
+            if lp is not None:
+                q.pending_logprobs.extend(lp)
+        return tokens.tolist()
+
+    # ---------------------------------------------------------------- KV bookkeeping
+    def _spec_margin(self) -> int:
+        return self.spec.max_step_tokens if self.spec is not None else 1
+
+    def _release(self, req: Req, finished: bool = False) -> None:
+        """Free a request's KV and its speculative state; a ``finished`` request's output joins the shared
+        suffix-draft index (not an aborted, retracted or failed one's)."""
+        self.kv.release(req)
+        if self.spec is not None:
+            self.spec.release(req.rid, req.output_ids if finished else None)
+
+    def _delta_out(self, req: Req) -> None:
+        new = req.output_ids[req.sent_tokens:]
+        if new:
+            self.outbox.append(req.take_output(new))
+            req.sent_tokens = len(req.output_ids)
+
+    def _finish_out(self, req: Req, reason: str) -> None:
+        req.finish_reason = reason
+        out = req.take_output(req.output_ids[req.sent_tokens:])
+        out.finished, out.finish_reason = True, reason
+        req.sent_tokens = len(req.output_ids)
+        self.outbox.append(out)
+
+
+def _prefill_len(req: Req) -> int:
+    """Tokens to cache before decoding: all of them, except the last emitted token (the next root)."""
+    return req.seq_len - (1 if req.output_ids else 0)

@@ -1,0 +1,394 @@
+"""Adaptive tree budget: each step, the per-request budgets that maximise the batch's expected emitted tokens per
+second, down to none (a plain decode step).
+
+Expected tokens (DDTree, arXiv 2604.12989): the best-first builder pops prefixes in decreasing path
+probability Q, and a tree's expected accepted length is the sum of Q over its nodes, so ``1 + cumsum(Q over
+the pop order)`` is the expected number of emitted tokens of every budget at once. The drafter's probabilities
+are not calibrated: ``ddtree_serve.speculative.calibration.AcceptanceCalibrator`` scales the Q of a depth-d node by a
+per-mode, per-depth ratio of observed to predicted acceptance (sampled requests observed through the nodes'
+reach probabilities, ``ddtree_serve.speculative.verify.node_reach``).
+
+Decision (``choose_budgets``): with the marginal gains of every request non-increasing along its pop order,
+the best allocation of n extra tree tokens over the batch takes the n largest gains (each request keeps a
+prefix of its pops); one sort and one cumulative sum give the expected tokens of every n, and the step-time
+model (``ddtree_serve.speculative.step_cost``) turns them into a rate; the argmax wins (n = 0: no tree).
+
+A step is two decisions. Before drafting (``BudgetController.plan_draft``) the controller compares a plain
+decode step with the best speculative step predicted from the recent mean gain curve of each sampling mode (a
+running mean over its first ``1 / curve_rate`` drafted steps, then an average of that rate; rescaled by how
+the calibration moved since; a mode without a curve yet borrows the other mode's), drafter forward included,
+scaled by what this band's drafted steps realized against such predictions (``ddtree_serve.speculative.rate_correction``),
+and drafts only if that wins by ``draft_margin`` (timing noise exceeds the gain of a near break-even step;
+docs/BENCHMARKS.md). Otherwise it still drafts now and then to keep the curve fresh (an exploration; the very
+first draft is one too), under a regret budget kept as a balance in seconds, saved before it is spent: every
+step that predicted a plain step and did not explore deposits ``explore_share`` x rho ** ``explore_power`` of
+its time (rho: the predicted speculative rate over the plain rate, at most 1, so the farther speculation is
+from paying, the slower the balance fills); a step explores only when the balance covers the exploration's
+predicted loss (the predicted speculative step's time beyond what plain decoding needs for its predicted
+tokens); every exploration withdraws its measured loss, its step time minus what plain decoding would take for
+the tokens it emitted (a negative loss, an exploration that paid, deposits). Emitted, not the calibrated
+expectation: that is optimistic by design (the prior of ratio 1), and explorations charged by it predicted
+~10% more accepted tokens than they verified and kept coming where they lost (docs/BENCHMARKS.md, session 9).
+For sampled requests "emitted" is the verified expectation given the tree (reach probabilities, above): one
+draw of the coins made a near-break-even step's balance, and with it the exploring, a matter of luck
+(tests/speculative/test_budget_closed_loop.py). So explorations lose at most ``explore_share`` of the time
+spent where speculation does not pay, never before that time was spent (a new batch size does not start with
+an exploration), and continue step after step where they pay on balance (one unlucky step among paying ones
+does not stop them); the balance holds at most ``explore_credit`` exploration step times, so credit earned
+where speculation paid cannot fund a long run of losing explorations elsewhere. There is one balance per
+batch-size band (1, 4, 16, ... to the nearest power of 4): explorations that lose at batch 32 do not keep
+batch 1, where speculation may pay, from exploring. Symmetrically, a step that would draft (planned, or an
+exploration) is a plain step instead once the plain price at its batch size is ``plain_refresh_every`` steps
+old (``StepCostModel.plain_age``), so that the plain-step cost it is compared with stays measured (a start-up
+probe timed under load would otherwise keep it drafting where it loses; a price from before a speed-up kept
+explorations "paying" for hundreds of steps where they lost, tests/speculative/test_budget_closed_loop.py).
+After drafting (``choose``) the drafter's cost is sunk and the budgets come from this step's own pops. Under
+tensor parallelism rank 0's decisions are broadcast (timings differ per rank).
+
+Pops (``BudgetController.pop_and_choose``): popping costs host time per node, so a step pops only twice the
+largest budget the previous drafted step chose (at least ``min_pops``) and re-pops up to ``max_budget`` only
+when the pops it did not make could change the decision: the pops past a cut row have gains at most that row's
+last gain g, so ``(bs + H(n)) / step_time(bs + n)``, with H the batch's sorted popped gains merged with an
+endless supply of g, bounds the rate of every allocation; if no n beats the chosen rate, that choice is the
+one full pops would give.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree_serve.speculative.allocation import choose_budgets, merged_gains
+from ddtree_serve.speculative.calibration import AcceptanceCalibrator
+from ddtree_serve.speculative.ddtree import DFLASH, SUFFIX, DraftTree, PoppedNodes
+from ddtree_serve.speculative.rate_correction import RateCorrection
+from ddtree_serve.speculative.step_cost import StepCostModel
+
+GREEDY, SAMPLED = 0, 1
+PLAIN, SUFFIX_ONLY, DRAFT = 0, 1, 2  # a step's plan (plan_step): no tree, suffix drafts only, the drafter runs
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    max_budget: int = 64  # upper bound of any request's budget
+    prior: float = 4.0  # calibration prior per depth: this much offered Q at the prior's ratio
+    decay: float = 0.995  # forgetting of the calibration evidence per step with a tree
+    curve_rate: float = 0.1  # EMA rate of the mean gain curve used before drafting
+    draft_margin: float = 0.05  # draft only if the predicted rate beats a plain step's by this fraction
+    min_pops: int = 8  # pop at least this many nodes per request (see pop_and_choose)
+    explore_share: float = 0.01  # explorations lose at most this share of run time (module docstring)
+    explore_credit: float = 2.0  # the exploration balance holds at most this many exploration step times
+    explore_power: float = 4.0  # deposits scale with (predicted speculative / plain rate) ** this (docstring)
+    replan_every: int = 16  # plain steps between re-predictions of the speculative rate (calibration drifts)
+    correction_rate: float = 0.05  # forgetting rate of the realized / predicted rate sums (rate_correction.py)
+    correction_prior: float = 8.0  # drafted steps of evidence at which the correction counts half (in log)
+    plain_refresh_every: int = 64  # a step that would draft is a plain step when plain(bs) is this many steps old
+    deferred_context_tokens: int = 1024  # plain steps' drafter context: written in batches of up to this many
+    probe_seconds: float = 3.0  # start-up cost probe budget (step_cost.StepCostModel.probe)
+
+
+def _band(bs: int) -> int:
+    """Batch-size band of the exploration balance: the nearest power of 4 (0: 1, 1: 4, 2: 16, ... 7)."""
+    return min(int(round(math.log(max(bs, 1), 4))), 7)
+
+
+class BudgetController:
+    """Chooses every step's per-request budgets (see the module docstring). Host-side numpy only."""
+
+    def __init__(self, config: BudgetConfig, depth_limit: int, cost: StepCostModel, padded: bool = False):
+        self.config = config
+        self.padded = padded  # whether the verify forward pads every tree to the widest (see choose_budgets)
+        self.cost = cost
+        self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # DFlash's nodes
+        # suffix nodes, by the length of the match that proposed them (ddtree_serve/server/config.py caps it at 64)
+        self.calib_suffix = AcceptanceCalibrator(64, config.prior, config.decay)
+        self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
+        self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
+        self.curve_mass = np.zeros((2, 2, depth_limit + 1))  # [mode, raw/calibrated, depth] mean Q per step
+        self.explore_balance = np.zeros(8)  # [band] seconds of exploration loss still allowed (module docstring)
+        self._exploring = False  # this step drafts only to explore
+        self._planned_plain = False  # this step's prediction was a plain step
+        self._spec_rates: dict[tuple[int, int], tuple[float, float]] = {}  # plan_draft's (rate, seconds) by (bs, sampled)
+        self._plans_since_learn = 0  # plan_draft calls since _spec_rates was cleared (replan_every)
+        self._rho = 1.0  # this step's predicted speculative / plain rate (scales the deposit)
+        self.correction = RateCorrection(8, config.correction_rate, config.correction_prior)  # by band
+        self._plan: tuple[float, float] | None = None  # this step's uncorrected (rate, seconds) prediction
+        self.pop_width = config.max_budget  # nodes per request the next drafted step pops (pop_and_choose)
+        self.chosen: Counter[int] = Counter()  # request-steps per chosen budget (metrics)
+
+    def plan_step(self, sampled: np.ndarray, draft_fits: bool, suffix: PoppedNodes | None,
+                  max_verify_tokens: int | None = None) -> int:
+        """PLAIN, SUFFIX_ONLY or DRAFT for this step (docs/DESIGN.md 4.13). ``draft_fits``: whether the drafter
+        may run (there is one, a node can be of use, its block's slots are free); ``suffix``: this step's suffix
+        drafts (tagged SUFFIX) or None. A suffix-only step costs no drafter forward and its expected tokens come
+        from this step's own candidates, so its rate is known before anything runs; the DFlash step's rate is
+        ``plan_draft``'s prediction, the suffix candidates merged into it. Either must beat a plain step by
+        ``draft_margin``; the plain price is refreshed as for drafting."""
+        bs = len(sampled)
+        s_rate, gains = 0.0, None
+        if suffix is not None and suffix.counts.any():
+            gains = self.gains(suffix, sampled)  # [bs, S]
+            budgets, s_rate = self._suffix_choice(gains, max_verify_tokens)
+            s_rate = s_rate if budgets.any() else 0.0
+        suffix_ok = s_rate > self._plain_rate(bs) * (1 + self.config.draft_margin)
+        self._exploring = self._planned_plain = False
+        if draft_fits and self.plan_draft(sampled, True, gains if suffix_ok else None):
+            corrected = self._plan[0] * self.correction.factor(_band(bs)) if self._plan else math.inf
+            if not suffix_ok or (corrected > s_rate and not self._exploring):
+                return DRAFT
+        self._exploring = False
+        self._plan = None
+        if suffix_ok and self.cost.plain_age(bs) < self.config.plain_refresh_every:
+            self._planned_plain = False  # a suffix-only step: outside the exploration balance
+            return SUFFIX_ONLY
+        return PLAIN
+
+    def scale(self, sampled: np.ndarray, suffix: PoppedNodes) -> tuple[np.ndarray, np.ndarray]:
+        """The merge's calibration ratios (``draft_sources.merge_popped``): DFlash's [bs, L+1] by request (its
+        mode) and depth; the suffix drafts' [bs] (``suffix_ratios``)."""
+        return self.calib.ratios()[sampled.astype(np.int64)], self.suffix_ratios(sampled, suffix)
+
+    def suffix_ratios(self, sampled: np.ndarray, popped: PoppedNodes) -> np.ndarray:
+        """[bs] calibration ratio of each request's suffix drafts: its own record (reached over offered score,
+        ``SuffixProposer.observe``) on a prior of the shared ratio at its match length (all requests' suffix
+        nodes of that length, per mode), worth ``config.prior`` offered score: a request that copies and one
+        that chats differ even at equal match lengths."""
+        keys = popped.match_lens.max(1) if popped.match_lens is not None and popped.match_lens.size else 0  # [bs]
+        shared = self.calib_suffix.ratios()[sampled.astype(np.int64), keys]  # [bs]
+        if popped.evidence is None:
+            return shared
+        hit, offered = popped.evidence[:, 0], popped.evidence[:, 1]  # [bs] each
+        return (hit + self.config.prior * shared) / (offered + self.config.prior)
+
+    def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
+        """Calibrated marginal gains [bs, B] of pops from either source (``AcceptanceCalibrator.gains`` with each
+        node's ratio taken from its source's calibrator), non-increasing along a row."""
+        if popped.sources is None:
+            return self.calib.gains(popped, sampled)
+        mode = sampled.astype(np.int64)[:, None]  # [bs, 1]
+        r = np.where(popped.sources == SUFFIX, self.suffix_ratios(sampled, popped)[:, None],
+                     self.calib.ratios()[mode, popped.depths])  # [bs, B]
+        g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
+        return np.minimum.accumulate(g, axis=1) if g.size else g
+
+    def plan_draft(self, sampled: np.ndarray, fits: bool = True, extra: np.ndarray | None = None) -> bool:
+        """Whether this step should run the drafter (False: a plain decode step). ``fits``: whether a draft
+        can be of use (some request has room for a node) and the KV slots it needs are free (if not, a plain
+        step outside the regret accounting). ``extra`` [bs, S]: gains of this step's suffix drafts, merged into
+        the prediction (it is then not cached)."""
+        bs = len(sampled)
+        self._exploring = self._planned_plain = False
+        self._plan = None
+        if not fits:
+            return False
+        if not self.curve_steps.any():  # the very first draft: an exploration
+            self._exploring = True
+            return True
+        key = (bs, int(sampled.sum()))
+        self._plans_since_learn += 1
+        if self._plans_since_learn > self.config.replan_every:  # the calibration decays meanwhile
+            self._spec_rates.clear()
+            self._plans_since_learn = 0
+        if extra is not None:
+            self._plan = self._predict(sampled, extra)
+        else:
+            if key not in self._spec_rates:  # unchanged while no step drafts (invalidated by record)
+                self._spec_rates[key] = self._predict(sampled)
+            self._plan = self._spec_rates[key]
+        rate, step_s = self._plan
+        rate *= self.correction.factor(_band(bs))  # what drafted steps of this band realized (rate_correction.py)
+        plain = self._plain_rate(bs)
+        self._rho = min(rate / plain, 1.0)
+        draft = rate > plain * (1 + self.config.draft_margin)
+        if not draft:
+            self._planned_plain = True
+            loss = max(step_s * (1.0 - rate / plain), 0.0)  # predicted loss of drafting now (module docstring)
+            self._exploring = draft = bool(self.explore_balance[_band(bs)] >= loss)
+        if draft and self.cost.plain_age(bs) >= self.config.plain_refresh_every:
+            self._exploring = False  # a plain price that is never measured could stay wrong forever: refresh it
+            return False
+        return draft
+
+    def _predict(self, sampled: np.ndarray, extra: np.ndarray | None = None) -> tuple[float, float]:
+        """The best speculative step's predicted rate and seconds, from the mean gain curves (rescaled by the
+        calibration's drift; a mode without a curve yet borrows the other mode's), with ``extra`` [bs, S] gains
+        (suffix drafts) merged in."""
+        bs = len(sampled)
+        curves = self.curve * self._curve_drift()[:, None]  # [2, B]
+        curves = np.where((self.curve_steps > 0)[:, None], curves, curves[::-1])  # [2, B]
+        gains = curves[sampled.astype(np.int64)]  # [bs, B]
+        if extra is not None:  # each pop index's larger gain (merged_gains: the sources may propose alike)
+            gains = merged_gains(gains, extra, self.config.max_budget)
+        budgets, rate = choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded)
+        tokens = bs * (1 + int(budgets.max(initial=0))) if self.padded else bs + int(budgets.sum())
+        return rate, float(self.cost.step_time(bs, tokens, drafted=True))
+
+    def _curve_drift(self) -> np.ndarray:
+        """[mode] how the calibration moved since the curve was learned: the curve's mean Q mass per depth
+        under today's ratios over its mass under the ratios it was learned with (1 without a history)."""
+        raw, cal = self.curve_mass[:, 0], self.curve_mass[:, 1]  # [2, D+1] each
+        now = (raw * self.calib.ratios()).sum(1)  # [2]
+        then = cal.sum(1)  # [2]
+        return np.where(then > 0, now / np.maximum(then, 1e-12), 1.0)
+
+    def _plain_rate(self, bs: int) -> float:
+        """Predicted tokens per second of a plain decode step over ``bs`` requests."""
+        return bs / max(self.cost.plain_time(bs), 1e-12)
+
+    def choose(
+        self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
+    ) -> np.ndarray:
+        """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
+        gains = self.gains(popped, sampled)  # [bs, B]
+        budgets, rate = self._decide(gains, max_verify_tokens)
+        self._learn(gains, popped, sampled)
+        return budgets
+
+    def pop_and_choose(
+        self,
+        pop: Callable[[int], PoppedNodes],
+        sampled: np.ndarray,
+        max_verify_tokens: int | None = None,
+        agree: Callable[[object], object] = lambda x: x,
+    ) -> tuple[PoppedNodes, np.ndarray]:
+        """``choose`` on ``pop(width)`` (the best-first pops of every request up to ``width``), popping fewer
+        than ``max_budget`` nodes when that provably gives the same budgets (module docstring). ``agree``:
+        tensor-parallel ranks take rank 0's re-pop decision and budgets."""
+        width = self.pop_width
+        popped = pop(width)
+        gains = self.gains(popped, sampled)  # [bs, w]
+        budgets, rate = self._decide(gains, max_verify_tokens)
+        if width < self.config.max_budget and agree(self._pops_could_matter(gains, popped, width, rate,
+                                                                             max_verify_tokens)):
+            popped = pop(self.config.max_budget)
+            gains = self.gains(popped, sampled)  # [bs, B]
+            budgets, rate = self._decide(gains, max_verify_tokens)
+        budgets = np.asarray(agree(budgets))
+        self._learn(gains, popped, sampled)
+        self.pop_width = int(np.clip(2 * budgets.max(initial=0), self.config.min_pops, self.config.max_budget))
+        return popped, budgets
+
+    def _decide(self, gains: np.ndarray, max_verify_tokens: int | None) -> tuple[np.ndarray, float]:
+        bs = gains.shape[0]
+        return choose_budgets(
+            gains, lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens, self.padded
+        )
+
+    def _pops_could_matter(self, gains: np.ndarray, popped: PoppedNodes, width: int, rate: float,
+                           max_verify_tokens: int | None) -> bool:
+        """Whether some allocation using pops past ``width`` could beat ``rate`` (the bound of the docstring)."""
+        bs = gains.shape[0]
+        cut = popped.counts >= width  # [bs] rows that may have more pops
+        if self.padded or width == 0 or not cut.any():  # (padded steps: no bound here, always all pops)
+            return bool(cut.any())
+        g = float(gains[cut, width - 1].max())  # no unpopped gain exceeds this
+        if g <= 0:
+            return False
+        flat = np.sort(gains.reshape(-1))[::-1]  # [bs*w] descending
+        extra = bs * self.config.max_budget  # tokens of the largest possible allocation
+        h = np.concatenate([flat[flat >= g], np.full(extra, g)])[:extra]  # [extra] merged, descending
+        tokens = bs + np.arange(extra + 1)  # [extra + 1] verified tokens
+        bound = (bs + np.concatenate([[0.0], np.cumsum(h)])) / np.maximum(
+            self.cost.step_time(bs, tokens, drafted=True), 1e-12)
+        if max_verify_tokens is not None:
+            bound[1:][tokens[1:] > max_verify_tokens] = -np.inf
+        return bool(bound.max() > rate * (1 + 1e-9))
+
+    def _learn(self, gains: np.ndarray, popped: PoppedNodes, sampled: np.ndarray) -> None:
+        """The mean gain curve per mode over the popped width (a running mean, then an EMA), and its Q mass
+        per depth, raw and calibrated (``_curve_drift``)."""
+        self._spec_rates.clear()
+        self._plans_since_learn = 0
+        q, depths = popped.path_probs(), popped.depths  # [bs, B] each
+        if popped.sources is not None:  # the curve is DFlash's own: its nodes, in their order, moved left
+            own = popped.sources == DFLASH  # [bs, B]
+            order = np.argsort(~own, axis=1, kind="stable")  # [bs, B]
+            gains, q, depths = (np.take_along_axis(np.where(own, a, z), order, 1)
+                                for a, z in ((gains, 0.0), (q, 0.0), (depths, 0)))
+        w = min(gains.shape[1], self.config.max_budget)
+        mode = sampled.astype(np.int64)  # [bs]
+        ratios = self.calib.ratios()  # [2, D+1]
+        q, depths = q[:, :w], depths[:, :w]  # [bs, w]
+        nd = self.curve_mass.shape[2]
+        for m in (GREEDY, SAMPLED):
+            sel = mode == m
+            n = int(sel.sum())
+            if n:
+                self.curve_steps[m] += 1
+                r = max(self.config.curve_rate, 1.0 / self.curve_steps[m])
+                self.curve[m, :w] = (1 - r) * self.curve[m, :w] + r * gains[sel, :w].mean(0)
+                raw = np.bincount(depths[sel].reshape(-1), q[sel].reshape(-1), minlength=nd)[:nd] / n  # [D+1]
+                step = np.stack([raw, raw * ratios[m]])  # [2, D+1]
+                self.curve_mass[m] = (1 - r) * self.curve_mass[m] + r * step
+
+    def record(
+        self,
+        budgets: np.ndarray,
+        tree: DraftTree | None,
+        accept_length: np.ndarray,
+        sampled: np.ndarray,
+        bs: int,
+        total_tokens: int,
+        draft_s: float | None,
+        verify_s: float,
+        reach: np.ndarray | None = None,
+    ) -> None:
+        """After the step: the chosen budgets (metrics), the verification outcome (calibration; ``tree``
+        None or without nodes: nothing to calibrate) and the measured phase times (cost model).
+        ``accept_length`` [bs]: accepted tokens, or with ``reach`` [bs, D] (per-node acceptance probabilities,
+        ``ddtree_serve.speculative.verify.node_reach``) their expectation ``reach[:, 1:].sum(1)``, which the worker passes:
+        the rate correction and exploration charges then see a sampled step's expected outcome, not one
+        draw of its coins."""
+        if draft_s is None and tree is None:  # a plain step (the common case where speculation does not pay)
+            self.chosen[0] += bs
+        else:
+            self.chosen.update(budgets.tolist())
+            self._spec_rates.clear()  # the curve and the draft / verify tables move
+        if tree is not None and int(tree.num_nodes.max()) > 0:
+            if tree.sources is None:
+                self.calib.observe(tree, accept_length, sampled, reach)
+            else:  # each source's calibration sees the nodes it proposed (docs/DESIGN.md 4.13)
+                src = tree.sources.cpu().numpy()  # [bs, D]
+                if (src == DFLASH).any():
+                    self.calib.observe(tree, accept_length, sampled, reach, select=src == DFLASH)
+                if (src == SUFFIX).any():  # calibrated by the length of the match that proposed them
+                    keys = tree.match_lens.cpu().numpy() if tree.match_lens is not None else None
+                    self.calib_suffix.observe(tree, accept_length, sampled, reach, select=src == SUFFIX, keys=keys)
+        step_s = (draft_s or 0.0) + verify_s
+        if draft_s is not None and self._plan is not None:  # a drafted step: realized against predicted
+            self.correction.observe(_band(bs), bs + float(np.sum(accept_length)), step_s, *self._plan)
+            self._plan = None
+        if self._exploring:  # its loss: the time beyond what plain decoding takes for the tokens it emitted
+            loss = step_s - (bs + float(np.sum(accept_length))) / self._plain_rate(bs)
+            band = _band(bs)
+            self.explore_balance[band] = min(self.explore_balance[band] - loss, self.config.explore_credit * step_s)
+            self._exploring = False
+        elif self._planned_plain:  # explorations are paid for by the steps that predicted a plain step
+            weight = self._rho ** self.config.explore_power  # the farther from paying, the less explored
+            self.explore_balance[_band(bs)] += self.config.explore_share * weight * step_s
+        self.cost.observe(bs, total_tokens, draft_s, verify_s)
+
+    def stats(self) -> dict:
+        """Cumulative counters for metrics: request-steps per budget, predicted/observed accepted tokens."""
+        return {
+            "budget_counts": dict(self.chosen),
+            "predicted_accepted": self.calib.predicted_total.tolist(),
+            "observed_accepted": self.calib.observed_total.tolist(),
+            "suffix_predicted_accepted": self.calib_suffix.predicted_total.tolist(),
+            "suffix_observed_accepted": self.calib_suffix.observed_total.tolist(),
+        }
+
+    def choose_suffix(self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
+                      ) -> np.ndarray:
+        """Budgets [bs] for a suffix-only step (``plan_step`` chose SUFFIX_ONLY; no drafter cost)."""
+        return self._suffix_choice(self.gains(popped, sampled), max_verify_tokens)[0]
+
+    def _suffix_choice(self, gains: np.ndarray, max_verify_tokens: int | None) -> tuple[np.ndarray, float]:
+        """``choose_budgets`` priced without a drafter forward."""
+        bs = gains.shape[0]
+        return choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=False), max_verify_tokens,
+                              self.padded)

@@ -1,0 +1,168 @@
+"""Start-up probe of the step-cost model: time real drafter and target-verify steps on empty contexts.
+
+Runs once when the worker is built (before any request holds KV): ``bs`` drafter blocks (plus the pops of
+the largest budget) for the drafter table; tree-verify steps over ``bs`` requests holding ``extra`` nodes
+in all (chains under their roots: assembly, verify forward, greedy verification, a drafter-context write)
+for the verify tables; plain decode forwards over ``bs`` one-token requests (target layers captured, as the
+worker's plain step, whose drafter context writes are deferred and batched) for the plain table. Every
+slot and request row it takes is returned.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ddtree_serve.model_executor.sampler import BatchSamplingInfo
+from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.speculative.ddtree import PoppedNodes, assemble_tree, pop_nodes
+from ddtree_serve.speculative.step_cost import StepCostModel
+from ddtree_serve.speculative.verify import verify_tree
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+
+class SpecWorker(Protocol):
+    """What the probe reads of the speculative worker (ddtree_serve/speculative/spec_worker.py, which calls the
+    probe with itself): its shape, runner and drafter, and the three forwards of its step."""
+
+    runner: Any  # ModelRunner
+    drafter: Any  # the DFlash drafter, or None (suffix drafts alone)
+    block_size: int
+    budget: int
+    chain: bool
+    tree_depth: int
+    capture_layer_ids: tuple[int, ...]
+
+    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor: ...
+
+    def _verify_forward(self, tree: Any, idx: torch.Tensor, cached: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def _write_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+
+def _rows(worker: SpecWorker, n: int) -> list[int] | None:
+    kv = worker.runner.slots
+    rows = []
+    for _ in range(n):
+        idx = kv.alloc_row()
+        if idx is None:
+            for i in rows:
+                kv.free_row(i)
+            return None
+        rows.append(idx)
+    return rows
+
+
+@torch.inference_mode()
+def _time_draft(worker: SpecWorker, bs: int) -> float | None:
+    r = worker.runner
+    if worker.drafter is None:  # suffix drafts alone: no drafter forward
+        return 0.0
+    if r.slots.num_free < bs * worker.block_size:
+        return None
+    rows = _rows(worker, bs)
+    if rows is None:
+        return None
+    try:
+        idx = torch.tensor(rows, device=r.device)  # [bs]
+        zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
+        _sync(r.device)
+        t = time.perf_counter()
+        logits = worker._draft(idx, zeros, zeros)  # [bs, L, V]
+        pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain)  # host copy: synchronises
+        return time.perf_counter() - t
+    finally:
+        for i in rows:
+            r.slots.free_row(i)
+
+
+def _chain_pops(bs: int, extra: int, depth_limit: int) -> PoppedNodes:
+    """``extra`` nodes spread evenly over ``bs`` requests, each request's nodes in chains of at most
+    ``depth_limit`` under its root (the depths a real tree can reach)."""
+    counts = np.array([extra // bs + (i < extra % bs) for i in range(bs)], dtype=np.int64)  # [bs]
+    width = int(counts.max(initial=0))
+    j = np.arange(width)  # [B] pop index
+    depths = np.broadcast_to(1 + j % depth_limit, (bs, width)).copy()  # [bs, B]
+    parents = np.broadcast_to(np.where(j % depth_limit == 0, 0, j), (bs, width)).copy()  # [bs, B] slot j = pop j-1
+    used = j[None, :] < counts[:, None]  # [bs, B]
+    return PoppedNodes(tokens=np.zeros((bs, width), dtype=np.int64), parents=np.where(used, parents, -1),
+                       depths=np.where(used, depths, 0), logws=np.where(used, 0.0, -np.inf), counts=counts)
+
+
+@torch.inference_mode()
+def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
+    """A tree-verify step over ``bs`` requests holding ``extra`` nodes in all (spread evenly, chains under
+    each root): the tree's assembly, the ragged verify forward with its logits, greedy verification and the
+    drafter-context write of one kept token per request, as ``SpecWorker.decode`` runs them."""
+    r = worker.runner
+    if r.slots.num_free < bs + extra:
+        return None
+    rows = _rows(worker, bs)
+    if rows is None:
+        return None
+    idx = torch.tensor(rows, device=r.device)  # [bs]
+    zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs] tokens and positions
+    popped = _chain_pops(bs, extra, max(worker.tree_depth, 1))
+    slots = None
+    try:
+        _sync(r.device)
+        t = time.perf_counter()
+        tree = assemble_tree(popped, torch.from_numpy(popped.counts), zeros, zeros, r.device)
+        logits, captured, slots = worker._verify_forward(tree, idx, zeros)  # [bs, D, V], [bs*D, F], [bs, D]
+        info = BatchSamplingInfo.build([GREEDY] * bs, logits.shape[-1], r.device)
+        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy, [None] * bs,
+                          want_reach=True)
+        res.accept_length.tolist()  # the commit's host copy: synchronises
+        res.node_reach.cpu()  # the controller's copy (spec_worker)
+        d = slots.shape[1]
+        if captured is not None:  # (no drafter: no context)
+            worker._write_context(captured[torch.arange(bs, device=r.device) * d], zeros, slots[:, 0])
+        return time.perf_counter() - t
+    finally:
+        if slots is not None:
+            r.slots.free(slots[slots >= 0])
+        for i in rows:
+            r.slots.free_row(i)
+
+
+@torch.inference_mode()
+def _time_plain(worker: SpecWorker, bs: int) -> float | None:
+    r = worker.runner
+    if r.slots.num_free < bs:
+        return None
+    rows = _rows(worker, bs)
+    if rows is None:
+        return None
+    zeros = [0] * bs  # tokens and positions
+    fb = r.prepare_decode(rows, zeros, zeros, worker.capture_layer_ids)  # [bs] slots placed
+    try:
+        _sync(r.device)
+        t = time.perf_counter()
+        out = r.forward(fb)  # (the drafter context it captures is written later, in batches: deferred_context.py)
+        r.logits(out.hidden).argmax(-1).tolist()  # the sampler's host copy: synchronises
+        return time.perf_counter() - t
+    finally:
+        r.slots.free(fb.out_cache_loc)
+        for i in rows:
+            r.slots.free_row(i)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def probe_step_cost(worker: SpecWorker, cost: StepCostModel, seconds: float) -> None:
+    tp = worker.runner.tp
+    cost.probe(
+        lambda bs: _time_draft(worker, bs),
+        lambda bs: _time_plain(worker, bs),
+        lambda bs, extra: _time_verify(worker, bs, extra),
+        seconds,
+        agree=lambda stop: bool(tp.broadcast_object(stop)),
+    )

@@ -1,0 +1,397 @@
+"""The speculative decode step: DFlash draft -> DDTree build -> one target verify forward -> greedy or
+sampled verification -> one unified commit (docs/DESIGN.md section 3; DFlash arXiv 2602.06036, DDTree arXiv
+2604.12989).
+
+KV bookkeeping invariant (shared with the scheduler): a running request has ``num_cached = seq_len - 1``
+tokens in the target cache; its last emitted token is the root of the next tree and gets its KV in the
+verify forward. The drafter's context cache uses the same slot ids as the target's cache and holds the
+projected target hidden states of every cached token, so a prefix matched in the prefix cache (its slots
+placed in the request's row by the scheduler) carries its drafter features too. Only the committed path
+(``num_cached``) ever leaves a step; draft-block and tree slots are temporary (``KVSlots``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ddtree_serve.model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.grammar import (
+    draft_pop_budgets,
+    mask_draft_logits,
+    mask_tree_logits,
+    prune_popped,
+)
+from ddtree_serve.model_executor.kv_cache import KVCache
+from ddtree_serve.model_executor.memory import step_budget
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.model_runner import (
+    ModelRunner,
+    load_model,
+    pick_attention_backend,
+    warm_up_attention,
+)
+from ddtree_serve.model_executor.models.dflash import check_target_layers, drafter_group
+from ddtree_serve.model_executor.penalties import BatchPenalties
+from ddtree_serve.model_executor.sampler import BatchSamplingInfo, sample_requests
+from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
+from ddtree_serve.speculative.commit import attach_logprobs, commit
+from ddtree_serve.speculative.ddtree import (
+    SUFFIX,
+    DraftTree,
+    PoppedNodes,
+    assemble_tree,
+    draft_topk,
+    pop_nodes,
+)
+from ddtree_serve.speculative.deferred_context import DeferredContext
+from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, resolve_sources, tag
+from ddtree_serve.speculative.step_cost import StepCostModel
+from ddtree_serve.speculative.suffix_index import SuffixConfig, SuffixProposer
+from ddtree_serve.speculative.types import DecodeResult, OutOfKVSlots, SpecRequest, SpecSettings
+from ddtree_serve.speculative.verify import verify_tree
+from ddtree_serve.speculative.worker_shape import drafter_model_config, resolve_block, step_shape
+
+logger = logging.getLogger(__name__)
+
+
+class StepTimer:
+    """Accumulates wall time per phase of the speculative step (for benchmarks)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self._t = 0.0
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> float:
+        """Close the current phase; returns its seconds."""
+        now = time.perf_counter()
+        dt = now - self._t
+        self.totals[phase] += dt
+        self._t = now
+        return dt
+
+
+class SpecWorker:
+    """budget: an int (fixed tree size) or "auto" (``ddtree_serve.speculative.budget``: per step and request, from measured
+    cost and calibrated expected acceptance, at most ``max_budget``; 0 everywhere = a plain decode step).
+    drafter: the DFlash drafter, or None (suffix drafts alone); suffix: the suffix-draft settings, or None
+    (no suffix drafts). At least one of the two is given."""
+
+    def __init__(self, algorithm: str, drafter: torch.nn.Module | None, budget: int | str, block_size: int,
+                 runner: ModelRunner, max_budget: int = 64, accept_thresholds: tuple[float, float] = (1.0, 1.0),
+                 budget_config: BudgetConfig | None = None, suffix: SuffixConfig | None = None):
+        auto = budget == "auto"  # the values were checked once, by the configuration (ddtree_serve/server/config.py)
+        self.chain = algorithm == "dflash"
+        self.drafter = drafter
+        self.runner = runner
+        self.block_size, self.budget = step_shape(algorithm, budget, max_budget, block_size if drafter is not None
+                                                  else None)
+        self.depth_limit = self.block_size - 1  # the drafter's deepest level
+        self.suffix = SuffixProposer(suffix) if suffix is not None else None
+        self.tree_depth = max(self.depth_limit, suffix.max_depth if suffix is not None else 0)  # any source's
+        self.accept_thresholds = accept_thresholds
+        self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
+        self.capture_layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        self.draft_kv: KVCache | None = None
+        self.draft_backend = None
+        if drafter is not None:  # the drafter's own attention backend: its head dims may differ from the target's
+            layout = drafter.kv_cache_layout()
+            self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, layout)
+            # the drafter runs tree-masked (custom-mask prefill) forwards only, never decode: warming decode
+            # up would compile it for a query/KV group size it never uses (flashinfer's decode has a fixed set)
+            warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device, ("tree",))
+        self.timer = StepTimer()
+        self.auto, self.budget_config = auto, budget_config
+        self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
+        self.mask_drafts = True  # grammar masks on the drafter's logits + pruning of rejected nodes
+        self.deferred: DeferredContext | None = None  # plain steps' drafter context (allocate_kv)
+        if runner.num_slots:
+            self.allocate_kv()
+
+    @property
+    def draft_kv_bytes_per_token(self) -> int:
+        if self.drafter is None:
+            return 0
+        return self.drafter.kv_cache_layout().bytes_per_token(self.runner.config.dtype)
+
+    def allocate_kv(self) -> None:
+        """The drafter's context cache, one slot per target KV slot (after the runner's ``allocate_kv``); then,
+        for the auto budget, the step-cost model and its start-up probe (which runs real forwards)."""
+        r = self.runner
+        if self.drafter is not None:
+            # indexed by target slot id: unsharded under DCP too (every global id, padding ones included)
+            self.draft_kv = KVCache(self.drafter.kv_cache_layout(), r.slots.id_space - 1, r.config.dtype, r.device)
+        if self.auto:
+            from ddtree_serve.speculative.cost_probe import probe_step_cost
+
+            cfg = self.budget_config or BudgetConfig(max_budget=self.budget)
+            if self.drafter is not None:
+                self.deferred = DeferredContext(
+                    lambda c, p, s: self.drafter.write_context(c, p, s, self.draft_kv), cfg.deferred_context_tokens)
+            max_reqs = r.slots.max_rows - 1
+            cost = StepCostModel(max_reqs, self.budget)
+            self.controller = BudgetController(cfg, self.tree_depth, cost)  # ragged verify: padded=False
+            probe_step_cost(self, cost, cfg.probe_seconds)
+
+    @classmethod
+    def create(cls, settings: SpecSettings, runner: ModelRunner, target_config: ModelConfig) -> SpecWorker:
+        """Load the drafter at ``settings.draft_model_path`` (a resolved directory) onto the target's ranks
+        and device when the draft sources name DFlash, and build the worker; warns when the accept thresholds
+        make sampling lossy."""
+        has = settings.draft_model_path is not None  # auto (a config not from ddtree_serve/server/startup.py): sources from it
+        sources = resolve_sources(settings.draft_sources, settings.algorithm, has).split(",")
+        drafter, bsz, path = None, 0, settings.draft_model_path
+        if "dflash" in sources:
+            if path is None:
+                raise ValueError("speculative_draft_model_path is unset (ddtree_serve/server/startup.py resolves 'default')")
+            cfg = drafter_model_config(path, target_config, str(runner.device))
+            group = drafter_group(cfg.hf, runner.tp)  # unsharded when its KV heads do not split over the ranks
+            if group.size != runner.tp.size:
+                logger.info("drafter: %s KV heads < tp_size %d: the drafter runs unsharded on every rank",
+                            cfg.hf.get("num_key_value_heads"), runner.tp.size)
+            drafter = load_model(cfg, group, runner.device)
+            check_target_layers(drafter.target_layer_ids, target_config.num_layers, path)
+            bsz = resolve_block(settings.block_size, drafter)
+        suffix = None
+        if "suffix" in sources:
+            suffix = SuffixConfig(settings.suffix_max_depth, settings.suffix_min_match, settings.suffix_max_match,
+                                  cache_tokens=settings.suffix_cache_tokens)
+        budget, max_budget = settings.ddtree_budget, settings.ddtree_max_budget
+        logger.info("speculative %s: sources %s, drafter %s, block %d, budget %s (max %d)", settings.algorithm,
+                    settings.draft_sources, path if drafter is not None else None, bsz, budget, max_budget)
+        thresholds = (settings.accept_threshold_single, settings.accept_threshold_acc)
+        if settings.lossy:
+            logger.warning("speculative accept thresholds single=%g acc=%g are below 1: sampled verification is "
+                           "LOSSY (outputs no longer follow the target distribution)", *thresholds)
+        return cls(settings.algorithm, drafter, budget, bsz, runner, max_budget, thresholds, suffix=suffix)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """KV slots one request may hold temporarily during a step."""
+        return max(self.block_size, self.budget + 1)
+
+    @property
+    def min_step_tokens(self) -> int:
+        """KV slots per request a step needs free. Fixed budgets: ``max_step_tokens``. Auto: 1, a plain decode
+        step; it drafts only when the draft block fits and caps the trees at the slots that are free, so
+        speculation never takes KV (prefix cache, admissions) from plain decoding."""
+        return 1 if self.auto else self.max_step_tokens
+
+    # ---------------------------------------------------------------- prefill hook
+    @torch.inference_mode()
+    def on_extend(self, fb: ForwardBatch, captured: torch.Tensor) -> None:
+        """Write drafter context features for the tokens a target extend forward just cached."""
+        self._write_context(captured, fb.positions, fb.out_cache_loc)
+
+    def _write_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store context features in the drafter's cache, after every deferred write (their order kept)."""
+        if self.drafter is None:
+            return
+        self.flush_context()
+        self.drafter.write_context(captured, positions, slots, self.draft_kv)
+
+    def release(self, rid: str, output: list[int] | None = None) -> None:
+        """A request left the running set (finished, aborted, retracted, failed): free its suffix index;
+        ``output``: a finished request's generated tokens, which the shared suffix index keeps."""
+        if self.suffix is not None:
+            self.suffix.release(rid, output)
+
+    def flush_context(self) -> None:
+        """Write the plain steps' deferred drafter context (before anything reads the drafter's cache)."""
+        if self.deferred is not None:
+            self.deferred.flush()
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def decode(self, reqs: Sequence[SpecRequest], eos_ids: tuple[int, ...]) -> list[DecodeResult]:
+        r = self.runner
+        bs = len(reqs)
+        room = r.slots.num_free
+        if room < bs * self.min_step_tokens:
+            raise OutOfKVSlots()
+        t = self.timer
+        t.start()
+        t0 = time.perf_counter()
+        dev = r.device
+        rows = [q.req_pool_idx for q in reqs]  # [bs] host lists: a plain step needs no tensors of them
+        root_pos = [q.num_cached for q in reqs]  # [bs] = root position
+        root_ids = [q.output_ids[-1] for q in reqs]  # [bs]
+        sampled = np.array([not q.params.is_greedy for q in reqs])  # [bs] bool
+        ctl = self.controller  # auto budget; under TP rank 0 decides (timings differ per rank) and broadcasts
+        cap = self.max_verify_tokens  # tree tokens, roots included: the verify workspace, and (auto) the free slots
+        # a request with one token left can take no tree node: where none can, no source would be of use
+        max_depths = [q.remaining_tokens - 1 for q in reqs]  # deeper nodes could never be emitted
+        useful = max(max_depths) > 0
+        suffix = self._suffix_drafts(reqs, max_depths) if useful and self.suffix is not None else None
+        draft_fits = useful and self.drafter is not None
+        if ctl is not None:
+            cap = room if cap is None else min(cap, room)
+            draft_fits = draft_fits and room >= bs * self.block_size  # the block (freed before the verify forward)
+            plan = int(r.tp.broadcast_object(ctl.plan_step(sampled, draft_fits, suffix, cap)))
+        else:
+            plan = DRAFT if draft_fits else SUFFIX_ONLY if suffix is not None else PLAIN
+        if plan == PLAIN:
+            return self._plain_step(reqs, rows, root_pos, root_ids, sampled, None)
+        grammars = [q.grammar for q in reqs]
+        mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
+        idx = torch.tensor(rows, device=dev)  # [bs]
+        cached = torch.tensor(root_pos, device=dev)  # [bs]
+        roots = torch.tensor(root_ids, device=dev)  # [bs]
+        draft_logits = topk = None
+        if plan == DRAFT:
+            draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
+                mask_draft_logits(grammars, draft_logits)
+            t.lap("draft")
+            # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
+            k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
+            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] host arrays
+        depths = torch.tensor(max_depths)  # [bs]
+        scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
+
+        def pop(width: int) -> PoppedNodes:  # best-first pops of both sources, grammar-pruned when masked
+            widths = torch.full((bs,), width)  # [bs]
+            wide = draft_pop_budgets(grammars, widths) if mask_drafts else widths  # [bs]
+            popped = pop_nodes(draft_logits, wide, chain=self.chain, max_depths=depths, topk=topk) \
+                if draft_logits is not None else no_pops(bs)
+            if suffix is not None:  # one best-first order over both (ddtree_serve/speculative/draft_sources.py)
+                popped = merge_popped(popped, suffix, int(wide.max()), scale)
+            return prune_popped(popped, grammars, widths) if mask_drafts else popped
+
+        if ctl is not None and plan == DRAFT:  # pops only as many nodes as can matter to its choice
+            popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
+            budgets = torch.from_numpy(chosen)
+        elif ctl is not None:  # suffix drafts alone: no drafter cost
+            popped = pop(self.budget)
+            budgets = torch.from_numpy(np.asarray(r.tp.broadcast_object(ctl.choose_suffix(popped, sampled, cap))))
+        else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
+            popped = pop(self.budget)
+            budgets = torch.full((bs,), self.budget if cap is None else step_budget(self.budget, bs, cap))  # [bs]
+        draft_s = time.perf_counter() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
+        if not (np.minimum(budgets.numpy(), popped.counts) > 0).any():  # every tree is its root alone
+            return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
+        tree = assemble_tree(popped, budgets, roots, cached, dev)
+        t.lap("build")
+        built_at = time.perf_counter() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
+        draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
+        logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
+        t.lap("verify_forward")
+        info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
+        want_lp = any(q.params.logprobs is not None for q in reqs)
+        pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
+        single, acc = self.accept_thresholds
+        # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
+        vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
+        res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy,
+                          [q.generator for q in reqs], min_p=info.min_p, penalties=pen,
+                          threshold_single=single, threshold_acc=acc, want_reach=ctl is not None)
+        t.lap("verify")
+        out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context)
+        if want_lp:
+            attach_logprobs(reqs, res, logits, out)
+        t.lap("commit")
+        t.steps += 1
+        n_used = tree.num_nodes.cpu()  # [bs]
+        for o, n in zip(out, n_used.tolist(), strict=True):
+            o.budget = n
+        if ctl is not None:  # the (ragged) verify forward ran bs + sum(nodes) tokens
+            reach = res.node_reach.cpu().numpy()  # [bs, D] sampled rows: expected, not one draw of the coins
+            if self.suffix is not None and tree.sources is not None:  # each request's own suffix record
+                mine = tree.sources.cpu().numpy() == SUFFIX  # [bs, D]
+                q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * mine  # [bs, D]
+                self.suffix.observe([q_.rid for q_ in reqs], (reach * mine).sum(1), q.sum(1))
+            ctl.record(n_used.numpy(), tree, reach[:, 1:].sum(1), sampled, bs, bs + int(n_used.sum()),
+                       draft_s, time.perf_counter() - built_at, reach)
+        return out
+
+    def _plain_step(self, reqs, rows: list[int], root_pos: list[int], root_ids: list[int], sampled: np.ndarray,
+                    draft_s: float | None) -> list[DecodeResult]:
+        """A step whose trees are all the root alone, at the cost of the scheduler's plain decode step: one
+        causal decode forward over the roots (their KV kept) that also captures the target layers the
+        drafter's context needs, so speculation can resume at any later step; then the plain sampler
+        (``ddtree_serve.model_executor.sampler.sample``: logit bias and penalties, temperature, top-k / top-p / min-p, one
+        uniform per sampled request from its own generator) and plain logprobs. Greedy tokens are plain
+        decoding's; sampled tokens are drawn exactly as plain decoding draws them."""
+        r, bs = self.runner, len(reqs)
+        start = time.perf_counter()
+        fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids)  # roots' KV
+        assert fb is not None, "decode() checked free slots for the whole step"
+        out = r.forward(fb)
+        if self.deferred is not None:  # written before the drafter next reads its cache (deferred_context.py)
+            self.deferred.add(out.captured, fb.positions, fb.out_cache_loc)
+        else:
+            self._write_context(out.captured, fb.positions, fb.out_cache_loc)
+        logits = r.logits(out.hidden)  # [bs, V]
+        tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
+        results = []
+        for q, tok, lp in zip(reqs, tokens.tolist(), lps, strict=True):
+            q.num_cached += 1  # a running request has a token left: ``tok`` is always kept
+            results.append(DecodeResult([tok], 0, lp))
+        self.timer.lap("plain")
+        self.timer.steps += 1
+        if self.controller is not None:
+            zeros = np.zeros(bs, dtype=np.int64)
+            self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, time.perf_counter() - start)
+        return results
+
+    def _suffix_drafts(self, reqs: Sequence[SpecRequest], max_depths: list[int]) -> PoppedNodes | None:
+        """This step's suffix drafts (tagged SUFFIX; rank 0's under TP), or None when no request has one."""
+        r = self.runner
+        suffix = None
+        if r.tp.rank == 0:
+            suffix = self.suffix.propose([q.rid for q in reqs], [q.prompt_ids for q in reqs],
+                                         [q.output_ids for q in reqs], max_depths)
+            suffix = tag(suffix, SUFFIX) if suffix.counts.any() else None
+        return r.tp.broadcast_object(suffix)
+
+    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+        """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]."""
+        r, bsz, bs = self.runner, self.block_size, idx.shape[0]
+        self.flush_context()
+        block = r.slots.place_block(idx, cached, bsz)  # [bs, B] temporary slots for the block's own K/V
+        slots = block.view(-1)  # [bs*B]
+        offs = torch.arange(bsz, device=r.device)  # [B]
+        ids = torch.full((bs, bsz), int(self.drafter.mask_token_id), device=r.device)  # [bs, B]
+        ids[:, 0] = roots
+        fb = build_forward_batch(
+            ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.slots.table,
+            idx, cached, torch.full((bs,), bsz), tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool),
+            input_embeds=r.model.embed(ids.view(-1)))
+        hidden = self.drafter(fb, self.draft_kv, self.draft_backend).view(bs, bsz, -1)  # [bs, B, H]
+        r.slots.free(slots)
+        return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
+
+    def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor):
+        """Target forward over every used tree slot (root included) with the ancestor-only mask: ragged, a
+        request with fewer nodes than the widest tree costs only its own tokens. Returns logits and captured
+        features in the padded ``[bs, D]`` layout (rows of unused slots are zero and no link reaches them)
+        and the KV slots ``[bs, D]`` (-1 for unused slots)."""
+        r = self.runner
+        bs, d = tree.candidates.shape
+        lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
+        used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
+        # [T] row after row at table columns cached[b]..cached[b]+lens[b]-1; DCP: each node on its position's rank
+        flat = r.slots.place(idx, cached, lens, positions=tree.positions[used])
+        slots = torch.full((bs, d), -1, dtype=torch.int64, device=r.device)  # [bs, D]
+        slots[used] = flat
+        fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
+            ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.slots.table, idx, cached,
+            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask)
+        out = r.forward(fb)
+        rows = r.logits(out.hidden)  # [T, V]
+        logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
+        logits[used.view(-1)] = rows
+        captured = None  # no drafter: nothing captured
+        if out.captured is not None:
+            captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
+            captured[used.view(-1)] = out.captured
+        return logits.view(bs, d, -1), captured, slots
