@@ -28,7 +28,7 @@ predicted loss (the predicted speculative step's time beyond what plain decoding
 tokens); every exploration withdraws its measured loss, its step time minus what plain decoding would take for
 the tokens it emitted (a negative loss, an exploration that paid, deposits). Emitted, not the calibrated
 expectation: that is optimistic by design (the prior of ratio 1), and explorations charged by it predicted
-~10% more accepted tokens than they verified and kept coming where they lost (docs/BENCHMARKS.md, session 9).
+~10% more accepted tokens than they verified and kept coming where they lost (session 9 measurements, in the git history of docs/BENCHMARKS.md).
 For sampled requests "emitted" is the verified expectation given the tree (reach probabilities, above): one
 draw of the coins made a near-break-even step's balance, and with it the exploring, a matter of luck
 (tests/speculative/test_budget_closed_loop.py). So explorations lose at most ``explore_share`` of the time

@@ -17,7 +17,7 @@ small trees at large batch far too low (docs/BENCHMARKS.md).
 Each table learns only from the steps it prices. An earlier model learned a tree table of ``verify -
 plain``, the measured verify step minus the plain table: while every step drafts, the plain table is
 measured one step in ``plain_refresh_every``, so a slowdown of the machine went into the tree table alone
-and, once a plain step measured it, was charged twice (docs/BENCHMARKS.md, session 8). Instead the
+and, once a plain step measured it, was charged twice (session 8 measurements, in the git history of docs/BENCHMARKS.md). Instead the
 drafter point and the verify table at a batch-size grid point follow the plain table there, one way, by
 what they have not seen: each point keeps the step at which it was measured (blended as its value is), and
 a plain observation that moves the plain value by a factor f scales a point by ``1 + u (f - 1)``, u the

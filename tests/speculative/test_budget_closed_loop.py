@@ -7,7 +7,7 @@ speculation that loses, and a machine that runs twice as slow for a stretch whil
 and the step-cost model are the real ones (probe included); only the forwards are replaced by a clock.
 
 Simulated draft: one chain per request whose node d has the drafter's path probability ``Q_d`` (the measured
-mean Q of the d-th pop of the shipped drafter at batch 1, docs/BENCHMARKS.md session 8) raised to a per-step
+mean Q of the d-th pop of the shipped drafter at batch 1, session 8, in the git history of docs/BENCHMARKS.md) raised to a per-step
 power (easy and hard steps); verification reaches depth d with probability ``0.7 Q_d`` (the drafter is
 overconfident, as measured). Tolerances: auto must reach 0.95x the best fixed budget (the issue's bar) and
 0.97x plain decoding where speculation loses or nearly pays (explorations spend at most 1% of the time;
@@ -15,7 +15,7 @@ the start-up exploration, the probe's empty-context prices and near-ties cost th
 over three step sequences where a slowdown comes while no step drafts. Measured with the verify-minus-plain
 tree table of session 7, the slowdown-while-drafting case gives 0.915x the best fixed budget; with verify
 tables that did not follow the plain table (session 8's), the slowdown-while-plain cases give 0.981x and
-0.971x plain decoding (docs/BENCHMARKS.md, session 9).
+0.971x plain decoding (session 9, in the git history of docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
