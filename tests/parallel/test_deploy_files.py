@@ -86,12 +86,8 @@ def test_every_config_field_is_read_by_the_code() -> None:
     import dataclasses
 
     declaring = {REPO / "ddtree_serve/server/config.py", REPO / "ddtree_serve/server/cli/args.py"}
-    sources = [
-        p
-        for d in ("server", "model_executor", "speculative", "ddtree_serve.kernels")
-        for p in (REPO / d).rglob("*.py")
-        if p not in declaring
-    ]
+    sources = [p for p in (REPO / "ddtree_serve").rglob("*.py") if p not in declaring]
+    assert len(sources) > 100, "the package's sources were not found"
     text = "\n".join(p.read_text() for p in sources)
     config = ServerConfig()
     unread = [
