@@ -1,6 +1,12 @@
-"""Token sampling for a batch with per-request parameters (temperature 0 = greedy, top-k, top-p, min-p)
-and per-request generators: each request draws its coin from its own generator, so seeded output does
-not depend on what else is in the batch."""
+"""Token sampling for a batch with per-request parameters (temperature 0 = greedy, top-k, top-p, min-p).
+
+The logits pipeline, one order for every step (plain decode, prefill's first token, every node of a
+verified tree): grammar mask (``grammar.masks``; per node in a tree) -> logit bias and repetition /
+frequency / presence penalties (``penalties``; per node's own path in a tree) -> ``draw_tokens``:
+temperature, top-k, top-p, min-p (``processed_probs``) and the inverse-CDF draw with the row's
+position-keyed uniform (``position_uniforms``: u(seed, output position)); greedy rows take the argmax.
+So a seeded request's token at output position t depends on its seed, t and its logits alone: not on the
+batch, the step kind, or the tree that proposed it (docs/DESIGN.md 4.14)."""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from ddtree_serve.kernels.sampling import (
 from ddtree_serve.model_executor.grammar.masks import mask_logits
 from ddtree_serve.model_executor.grammar.state import GrammarState
 from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties
+from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 
 
@@ -47,6 +54,16 @@ class BatchSamplingInfo:
     @property
     def all_greedy(self) -> bool:
         return bool(self.is_greedy.all())
+
+    def repeat(self, n: int) -> BatchSamplingInfo:
+        """Each request's parameters for ``n`` consecutive rows (``[bs * n]``: a tree's nodes)."""
+        return BatchSamplingInfo(*(x.repeat_interleave(n) for x in (self.temperature, self.top_k, self.top_p,
+                                                                      self.min_p, self.is_greedy)))
+
+    def take(self, rows: torch.Tensor) -> BatchSamplingInfo:
+        """The parameters of ``rows`` (an index tensor)."""
+        return BatchSamplingInfo(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+                                 self.is_greedy[rows])
 
 
 def processed_probs(logits: torch.Tensor, info: BatchSamplingInfo) -> torch.Tensor:
@@ -90,21 +107,40 @@ def draw_uniforms(
     return out.to(device)
 
 
-def sample(
-    logits: torch.Tensor,
-    info: BatchSamplingInfo,
-    generators: list[torch.Generator],
-    penalties: BatchPenalties | None = None,
-) -> torch.Tensor:
-    """logits [bs, V] float32 -> token ids [bs] int64. ``penalties`` (logit bias, repetition, frequency,
-    presence; ``ddtree_serve.model_executor.penalties``) apply first; greedy rows take the argmax of the result."""
+PROBS_BUDGET_BYTES = 256 << 20  # largest float32 probability block ``draw_tokens`` holds at once
+
+
+def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.Tensor,
+                budget_bytes: int = PROBS_BUDGET_BYTES) -> torch.Tensor:
+    """The shared last stage of the logits pipeline. logits ``[n, V]`` (float, masks and penalties already
+    applied), ``info`` per row ``[n]``, ``uniforms [n]`` (float64 in [0, 1)) -> token ids ``[n]`` int64:
+    greedy rows the argmax; sampled rows ``F^-1(u)``, the first vocabulary index whose cumulative processed
+    probability (softmax(logits / T), then top-k, top-p, min-p renormalisation) exceeds ``u`` times the row's
+    total (``kernels.sampling.sampling_from_probs``). Rows run in blocks so that no more than
+    ``budget_bytes`` of probabilities exist at once (a tree's ``[bs * D, V]`` never does)."""
+    n, vocab = logits.shape
+    out = logits.argmax(-1)  # [n]
+    sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample
+    if sampled.numel() == 0:
+        return out
+    step = max(1, budget_bytes // (vocab * 4 * 3))  # probs + cumsum + masks of one block
+    for lo in range(0, sampled.numel(), step):
+        rows = sampled[lo:lo + step]  # [k]
+        probs = processed_probs(logits[rows].float(), info.take(rows))  # [k, V]
+        out[rows] = sampling_from_probs(probs, uniforms[rows].to(probs.device).float().clamp(max=1.0))
+    return out
+
+
+def sample(logits: torch.Tensor, info: BatchSamplingInfo, keys: SampleKeys,
+           penalties: BatchPenalties | None = None) -> torch.Tensor:
+    """logits [bs, V] float32 -> token ids [bs] int64 at each request's next output position
+    (``keys.positions``). ``penalties`` (logit bias, repetition, frequency, presence;
+    ``ddtree_serve.model_executor.penalties``) apply first."""
     logits = apply_penalties(logits, penalties)  # [bs, V]
     if info.all_greedy:
         return logits.argmax(-1)
-    probs = processed_probs(logits, info)  # [bs, V]
-    coins = draw_uniforms(generators, [1] * len(generators), 1, logits.device)[:, 0]  # [bs] in [0, 1)
-    sampled = sampling_from_probs(probs, coins)
-    return torch.where(info.is_greedy, logits.argmax(-1), sampled)
+    u = keys.uniforms(torch.zeros(logits.shape[0], 1, dtype=torch.int64, device=keys.seeds.device))[:, 0]  # [bs]
+    return draw_tokens(logits, info, u.to(logits.device))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -123,7 +159,8 @@ class SamplingRequest(Protocol):
     """What ``sample_requests`` reads from a running request."""
 
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # concrete (drawn at admission when the request gave none)
+    output_ids: list[int]
     token_counts: TokenCounts | None
     grammar: GrammarState | None
 
@@ -137,7 +174,8 @@ def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor,
     params = [q.params for q in reqs]
     pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev)
     masked = mask_logits([q.grammar for q in reqs], logits)  # a masked copy only when a request has a grammar
-    tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), [q.generator for q in reqs], pen)  # [bs]
+    keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
+    tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), keys, pen)  # [bs]
     lps = [None if q.params.logprobs is None else token_logprobs(logits[i:i + 1], tokens[i:i + 1], q.params.logprobs)
            for i, q in enumerate(reqs)]
     return tokens, lps

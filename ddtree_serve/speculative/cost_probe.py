@@ -115,7 +115,7 @@ def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
         tree = assemble_tree(popped, torch.from_numpy(popped.counts), zeros, zeros, r.device)
         logits, captured, slots = worker._verify_forward(tree, idx, zeros)  # [bs, D, V], [bs*D, F], [bs, D]
         info = BatchSamplingInfo.build([GREEDY] * bs, logits.shape[-1], r.device)
-        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy, [None] * bs,
+        res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy, None,
                           want_reach=True)
         res.accept_length.tolist()  # the commit's host copy: synchronises
         res.node_reach.cpu()  # the controller's copy (spec_worker)

@@ -38,6 +38,7 @@ from ddtree_serve.model_executor.model_runner import (
 )
 from ddtree_serve.model_executor.models.dflash import check_target_layers, drafter_group
 from ddtree_serve.model_executor.penalties import BatchPenalties
+from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampler import BatchSamplingInfo, sample_requests
 from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
 from ddtree_serve.speculative.commit import attach_logprobs, commit
@@ -291,9 +292,10 @@ class SpecWorker:
         single, acc = self.accept_thresholds
         # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
         vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
-        res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy,
-                          [q.generator for q in reqs], min_p=info.min_p, penalties=pen,
-                          threshold_single=single, threshold_acc=acc, want_reach=ctl is not None)
+        keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
+        res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy, keys,
+                          min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
+                          want_reach=ctl is not None, generators=[q.generator for q in reqs])
         t.lap("verify")
         out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context)
         if want_lp:
@@ -318,8 +320,8 @@ class SpecWorker:
         """A step whose trees are all the root alone, at the cost of the scheduler's plain decode step: one
         causal decode forward over the roots (their KV kept) that also captures the target layers the
         drafter's context needs, so speculation can resume at any later step; then the plain sampler
-        (``ddtree_serve.model_executor.sampler.sample``: logit bias and penalties, temperature, top-k / top-p / min-p, one
-        uniform per sampled request from its own generator) and plain logprobs. Greedy tokens are plain
+        (``ddtree_serve.model_executor.sampler.sample``: logit bias and penalties, temperature, top-k / top-p / min-p, the
+        request's position-keyed uniform) and plain logprobs. Greedy tokens are plain
         decoding's; sampled tokens are drawn exactly as plain decoding draws them."""
         r, bs = self.runner, len(reqs)
         start = time.perf_counter()

@@ -80,7 +80,10 @@ class SpecRequest(Protocol):
 
     rid: str
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator  # relaxed acceptance's coins only
+
+    @property
+    def seed(self) -> int: ...  # concrete; position-keyed draws (model_executor/position_uniforms.py)
     prompt_ids: list[int]
     output_ids: list[int]
     req_pool_idx: int | None

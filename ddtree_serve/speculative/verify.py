@@ -1,27 +1,24 @@
 """Verification of a batch of draft trees against the target (DDTree, arXiv 2604.12989, Sec. verification).
 
 One target forward gives logits for every tree node (row i = the target's distribution for the token that
-follows node i). Walking from the root, a request accepts the child that matches the target's own choice
-and stops at the first mismatch; the target's choice there is the bonus token. Greedy requests choose the
-argmax; sampled requests draw from ``softmax(logits / T)`` after top-k then top-p renormalisation, with
-the sibling walk + residual draw of ``ddtree_serve.kernels.speculative.tree_speculative_sampling_target_only``
-(``draft_probs`` zero: the draft tree is deterministic), which is exact sampling from the target.
+follows node i). Every node then gets the token the target itself would emit there, ``y_i``: the argmax
+for a greedy request; for a sampled request the inverse-CDF draw ``F_i^-1(u(seed, position + depth_i))``
+from the node's processed distribution (temperature, top-k, top-p, min-p after masks and penalties;
+``ddtree_serve.model_executor.sampler.draw_tokens``) with the request's position-keyed uniform
+(``model_executor/position_uniforms.py``). Walking from the root, a request accepts the child whose token
+equals its parent's ``y`` and stops where none does; ``y`` of the last accepted node is the bonus token.
+One walk (``verify_tree_greedy``'s) serves greedy and sampled rows of a mixed batch. Along the accepted
+path every ``y`` is the token plain decoding draws at that position with the same seed, so the output is
+plain decoding's, token for token; a node is accepted with probability the product of its path's target
+probabilities, the target-only rule with thresholds 1 (docs/DESIGN.md 4.14).
 
-A batch may mix both: when every request is greedy the argmax kernel ``verify_tree_greedy`` runs; else
-the sampling kernel runs for all, greedy rows carrying one-hot argmax distributions (a one-hot child is
-accepted by ``p >= threshold_single = 1``, and the residual of a one-hot row is the argmax itself), so
-both branches return the same structure and the same greedy tokens. Contracts: docs/DESIGN.md 4.1, 4.2, 4.4.
-
-Coins are exact under both acceptance rules of the sampling kernel (``coin <= acc`` of the pinned AOT
-sgl-kernel, ``coin < acc`` of JIT builds; ``ddtree_serve.kernels.speculative.PINNED_COIN_RULE``): greedy rows carry
-coin 1 (a one-hot row's non-argmax children keep ``acc = 0``, so only the argmax child is accepted), sampled
-tree coins lie in (0, 1] (``1 - U``, U uniform on [0, 1)), where ``u <= acc`` and ``u < acc`` have the
-same probability ``acc``. The final (bonus) coin is an inverse-CDF coin and stays in [0, 1): 0 selects
-the first positive residual entry, whereas a coin of exactly 1 would fall on the kernel's "no index past
-the threshold" fallback; greedy rows use 0.5 there (a one-hot residual returns its argmax for any coin in
-(0, 1)). The rule the PyTorch reference applies is ``PINNED_COIN_RULE`` unless the environment variable
-``DDTREE_REFERENCE_COIN_RULE`` (``le`` / ``lt``) names another (tests run mixed batches under both); it
-never changes what a CUDA kernel does.
+Relaxed acceptance (``threshold_single`` / ``threshold_acc`` below 1, the lossy mode) keeps sgl-kernel's
+coin rule: ``ddtree_serve.kernels.speculative.tree_speculative_sampling_target_only`` with ``draft_probs`` zero
+and coins from the request's own generator (``verify_coins``). Its coins are exact under both acceptance rules
+of the kernel (``coin <= acc`` of the pinned AOT sgl-kernel, ``coin < acc`` of JIT builds;
+``PINNED_COIN_RULE``): greedy rows carry coin 1, sampled tree coins lie in (0, 1] (``1 - U``), the final
+(bonus) coin in [0, 1) (greedy rows 0.5). The rule the PyTorch reference applies is ``PINNED_COIN_RULE``
+unless ``DDTREE_REFERENCE_COIN_RULE`` (``le`` / ``lt``) names another; it never changes a CUDA kernel.
 """
 
 from __future__ import annotations
@@ -33,7 +30,14 @@ from dataclasses import dataclass
 import torch
 
 from ddtree_serve.model_executor.penalties import BatchPenalties, apply_tree_penalties
-from ddtree_serve.model_executor.sampler import BatchSamplingInfo, draw_uniforms, processed_probs
+from ddtree_serve.model_executor.position_uniforms import SampleKeys
+from ddtree_serve.model_executor.sampler import (
+    PROBS_BUDGET_BYTES,
+    BatchSamplingInfo,
+    draw_tokens,
+    draw_uniforms,
+    processed_probs,
+)
 from ddtree_serve.speculative.ddtree import DraftTree
 
 
@@ -64,11 +68,17 @@ def node_reach(tree: DraftTree, target_probs: torch.Tensor) -> torch.Tensor:
 
     tree: D slots per request; target_probs [bs, D, V] (row i: the distribution after node i)."""
     bs, d = tree.candidates.shape
-    dev = target_probs.device
-    node = tree.parents >= 0  # [bs, D] non-root used slots
-    rows = torch.arange(bs, device=dev)[:, None] * d + tree.parents.clamp(min=0)  # [bs, D] parent rows
+    rows = torch.arange(bs, device=target_probs.device)[:, None] * d + tree.parents.clamp(min=0)  # [bs, D]
     flat = target_probs.reshape(bs * d, -1)  # [bs*D, V]
     p = flat[rows.reshape(-1), tree.candidates.reshape(-1)].reshape(bs, d)  # [bs, D] p_target at the parent
+    return reach_from_child_probs(tree, p)
+
+
+def reach_from_child_probs(tree: DraftTree, p: torch.Tensor) -> torch.Tensor:
+    """``node_reach`` from ``p [bs, D]``: each node's token probability under its parent's row."""
+    d = tree.candidates.shape[1]
+    dev = p.device
+    node = tree.parents >= 0  # [bs, D] non-root used slots
     p = torch.where(node, p.float(), torch.ones_like(p, dtype=torch.float32))  # [bs, D] root / unused: 1
     anc = tree.tree_mask.float()  # [bs, D, D] ancestors and self
     log_path = torch.bmm(anc, p.clamp_min(1e-30).log()[:, :, None])[:, :, 0]  # [bs, D]
@@ -78,12 +88,54 @@ def node_reach(tree: DraftTree, target_probs: torch.Tensor) -> torch.Tensor:
     return torch.where(used, reach, 0.0)
 
 
+def child_probs(tree: DraftTree, logits: torch.Tensor, info: BatchSamplingInfo,
+                budget_bytes: int = PROBS_BUDGET_BYTES) -> torch.Tensor:
+    """``[bs, D]`` float32: each node's token probability under its parent's processed distribution
+    (``logits [bs, D, V]`` after masks and penalties), built in row blocks of at most ``budget_bytes``."""
+    bs, d, vocab = logits.shape
+    flat = logits.reshape(bs * d, vocab)  # [bs*D, V]
+    rows = (torch.arange(bs, device=logits.device)[:, None] * d + tree.parents.clamp(min=0)).reshape(-1)  # [bs*D]
+    cols = tree.candidates.reshape(-1).clamp(min=0)  # [bs*D]
+    per_row = info.repeat(d)
+    out = torch.zeros(bs * d, dtype=torch.float32, device=logits.device)  # [bs*D]
+    step = max(1, budget_bytes // (vocab * 4 * 3))
+    for lo in range(0, bs * d, step):
+        sl = slice(lo, lo + step)
+        probs = processed_probs(flat[rows[sl]].float(), per_row.take(rows[sl]))  # [k, V] parents' rows
+        out[sl] = probs.gather(1, cols[sl, None])[:, 0]
+    return out.reshape(bs, d)
+
+
 def _path_indicator(accept_index: torch.Tensor, num_slots: int) -> torch.Tensor:
     """[bs, D] float32: 1 on the accepted path (root included), from local ``accept_index`` [bs, S]."""
     bs = accept_index.shape[0]
     out = torch.zeros(bs, num_slots + 1, device=accept_index.device)  # [bs, D + 1] (column D: padding)
     out.scatter_(1, torch.where(accept_index >= 0, accept_index, num_slots), 1.0)
     return out[:, :num_slots]
+
+
+def verify_info(
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    is_greedy: torch.Tensor,
+    min_p: torch.Tensor | None,
+    vocab: int,
+    device: torch.device,
+) -> BatchSamplingInfo:
+    """The sampler's per-request parameters from verification's tensors (``top_k <= 0`` or past the
+    vocabulary: off; temperature of greedy rows unused)."""
+    greedy = is_greedy.to(device=device, dtype=torch.bool)  # [bs]
+    temp = temperature.to(device=device, dtype=torch.float32)  # [bs]
+    k = top_k.to(device=device, dtype=torch.int64)  # [bs]
+    return BatchSamplingInfo(
+        temperature=torch.where(greedy | (temp <= 0), torch.ones_like(temp), temp),
+        top_k=torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k),
+        top_p=top_p.to(device=device, dtype=torch.float32),
+        min_p=torch.zeros(len(greedy), device=device) if min_p is None else min_p.to(device=device,
+                                                                                       dtype=torch.float32),
+        is_greedy=greedy,
+    )
 
 
 def build_target_probs(
@@ -100,19 +152,22 @@ def build_target_probs(
 
     target_logits [bs, D, V]; temperature/top_p float [bs]; top_k int [bs] (<= 0 disables);
     is_greedy bool [bs]; min_p float [bs] or None. Returns float32 [bs, D, V]."""
-    bs, _, vocab = target_logits.shape
-    dev = target_logits.device
-    greedy = is_greedy.to(device=dev, dtype=torch.bool)  # [bs]
-    temp = temperature.to(device=dev, dtype=torch.float32)  # [bs]
-    k = top_k.to(device=dev, dtype=torch.int64)  # [bs]
-    info = BatchSamplingInfo(
-        temperature=torch.where(greedy | (temp <= 0), torch.ones_like(temp), temp),
-        top_k=torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k),
-        top_p=top_p.to(device=dev, dtype=torch.float32),
-        min_p=torch.zeros(bs, device=dev) if min_p is None else min_p.to(device=dev, dtype=torch.float32),
-        is_greedy=greedy,
-    )
+    info = verify_info(temperature, top_k, top_p, is_greedy, min_p, target_logits.shape[-1], target_logits.device)
     return processed_probs(target_logits.float(), info).contiguous()
+
+
+def node_tokens(logits: torch.Tensor, info: BatchSamplingInfo, depths: torch.Tensor, keys: SampleKeys | None
+                ) -> torch.Tensor:
+    """``y [bs, D]``: the token the target emits after each node: the argmax for greedy rows, else
+    ``F^-1(u(seed, position + depth))`` of the node's processed distribution (``draw_tokens``).
+    logits [bs, D, V] after masks and penalties; depths [bs, D] (root 0)."""
+    bs, d, vocab = logits.shape
+    if info.all_greedy:
+        return logits.argmax(-1)
+    if keys is None:
+        raise ValueError("sampled rows need their sample keys (seed and output position) for verification")
+    u = keys.uniforms(depths.clamp(min=0).to(keys.seeds.device)).reshape(-1)  # [bs*D] float64
+    return draw_tokens(logits.reshape(bs * d, vocab), info.repeat(d), u.to(logits.device)).reshape(bs, d)
 
 
 COIN_RULE_ENV = "DDTREE_REFERENCE_COIN_RULE"
@@ -157,54 +212,50 @@ def verify_tree(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     is_greedy: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
+    keys: SampleKeys | None = None,
     min_p: torch.Tensor | None = None,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     penalties: BatchPenalties | None = None,
     want_reach: bool = False,
+    generators: Sequence[torch.Generator | None] | None = None,
 ) -> VerifyResult:
-    """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification, lossless with
-    thresholds 1).
+    """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification; with thresholds
+    1, sampled rows give plain decoding's tokens for the same seed).
 
     tree: from ``build_ddtree``; target_logits [bs, D, V] float (row i: after node i); temperature,
-    top_p [bs] float; top_k [bs] int (<= 0: off); is_greedy [bs] bool; generators: one per request
-    (None: torch's default generator), only used by sampled requests. ``penalties``: logit bias and
-    repetition / frequency / presence penalties (``ddtree_serve.model_executor.penalties.apply_tree_penalties``: node i
-    counts the tokens on its own path root..i), applied before the argmax and the target probabilities.
-    ``want_reach``: also return ``node_reach`` (sampled rows: the exact reach probabilities, ``node_reach``;
-    greedy rows and thresholds below 1: the realized path, 0 / 1)."""
+    top_p [bs] float; top_k [bs] int (<= 0: off); is_greedy [bs] bool; ``keys``: each request's seed and
+    output position (needed when a row samples). ``penalties``: logit bias and repetition / frequency /
+    presence penalties (``ddtree_serve.model_executor.penalties.apply_tree_penalties``: node i counts the tokens
+    on its own path root..i), applied before the tokens are drawn. Thresholds below 1 (relaxed, lossy):
+    sgl-kernel's coin rule with ``generators`` (one per request; None: torch's default generator).
+    ``want_reach``: also return ``node_reach`` (sampled rows with thresholds 1: the exact reach probabilities;
+    greedy rows and relaxed acceptance: the realized path, 0 / 1)."""
     from ddtree_serve.kernels import speculative as kspec
 
     bs, d = tree.candidates.shape
     if target_logits.shape[:2] != (bs, d):
         raise ValueError(f"target_logits {tuple(target_logits.shape)} does not match tree [{bs}, {d}]")
-    if len(generators) != bs:
-        raise ValueError(f"need {bs} generators, got {len(generators)}")
     dev = target_logits.device
     s = 1 + (int(tree.depths.max()) if tree.depths.numel() else 0)
     predicts = torch.full((bs * d,), -1, dtype=torch.int32, device=dev)  # [bs*D]
     accept_index = torch.full((bs, s), -1, dtype=torch.int32, device=dev)  # [bs, S], global rows
     accept_num = torch.zeros(bs, dtype=torch.int32, device=dev)  # [bs]
-    greedy = is_greedy.to(device=dev, dtype=torch.bool)  # [bs]
+    info = verify_info(temperature, top_k, top_p, is_greedy, min_p, target_logits.shape[-1], dev)
     logits = apply_tree_penalties(
         target_logits, penalties, tree.candidates, tree.tree_mask, tree.parents >= 0
     )  # [bs, D, V] processed (target_logits itself without penalties)
+    lossless = threshold_single >= 1.0 and threshold_acc >= 1.0
 
-    if bool(greedy.all()):
-        kspec.verify_tree_greedy(
-            predicts,
-            accept_index,
-            accept_num,
-            tree.candidates,
-            tree.retrive_index,
-            tree.retrive_next_token,
-            tree.retrive_next_sibling,
-            logits.argmax(dim=-1),  # [bs, D] int64
-        )
+    if lossless or info.all_greedy:
+        y = node_tokens(logits, info, tree.depths, keys)  # [bs, D]
+        kspec.verify_tree_greedy(predicts, accept_index, accept_num, tree.candidates, tree.retrive_index,
+                                 tree.retrive_next_token, tree.retrive_next_sibling, y)
     else:
-        target_probs = build_target_probs(logits, temperature, top_k, top_p, greedy, min_p)  # [bs, D, V]
-        coins, final_coins = verify_coins(generators, tree.num_nodes, d, greedy, dev)
+        if generators is None or len(generators) != bs:
+            raise ValueError(f"relaxed acceptance needs {bs} generators")
+        target_probs = build_target_probs(logits, temperature, top_k, top_p, info.is_greedy, min_p)  # [bs, D, V]
+        coins, final_coins = verify_coins(generators, tree.num_nodes, d, info.is_greedy, dev)
         kspec.tree_speculative_sampling_target_only(
             predicts,
             accept_index,
@@ -231,8 +282,9 @@ def verify_tree(
     reach = None
     if want_reach:
         reach = _path_indicator(local, d)  # [bs, D]
-        if not bool(greedy.all()) and threshold_single >= 1.0 and threshold_acc >= 1.0:
-            reach = torch.where(greedy[:, None], reach, node_reach(tree, target_probs))  # [bs, D]
+        if not info.all_greedy and lossless:
+            expected = reach_from_child_probs(tree, child_probs(tree, logits, info))  # [bs, D]
+            reach = torch.where(info.is_greedy[:, None], reach, expected)  # [bs, D]
     return VerifyResult(
         accept_index=local,
         accept_length=accept_num.long(),

@@ -12,9 +12,9 @@ from ddtree_serve.kernels.attention import TorchAttentionBackend
 from ddtree_serve.kernels.dispatch import FLASHINFER, SGL_KERNEL, import_cuda_library, use_cuda_kernels
 from ddtree_serve.kernels.sampling import sampling_from_probs, top_k_renorm_prob, top_p_renorm_prob
 from ddtree_serve.model_executor.forward_batch import ForwardMode
+from tests.gpu.spy import spy
 from tests.kernels.test_attention_flashinfer_glue import _batch
 from tests.kernels.tree_helpers import pack_trees, random_tree, run_greedy, run_sampling
-from tests.gpu.spy import spy
 
 pytestmark = [
     pytest.mark.gpu,

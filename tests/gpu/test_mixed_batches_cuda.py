@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ddtree_serve.kernels.dispatch import SGL_KERNEL
-from tests.kernels.tree_helpers import run_greedy, run_sampling
 from tests.gpu.spy import spy
 from tests.gpu.test_kernels_cuda import compare, cuda, need, random_batch
+from tests.kernels.tree_helpers import run_greedy, run_sampling
 from tests.speculative.scripted_drafts import install
 
 pytestmark = [

@@ -36,3 +36,25 @@ def test_tiny_kimi_tp2_suffix_drafts_accept_and_match_tp1(tmp_path) -> None:
         assert [o.token_ids for o in first] == [o.token_ids for o in second] == ref_ids, kw
         assert all(o.spec_accepted_suffix >= 10 for o in second), [o.spec_accepted_suffix for o in second]
         assert max(o.acceptance_length for o in second) > 2.0, kw  # depth >= 2 paths committed
+
+
+def test_tiny_kimi_tp2_seeded_sampling_equals_tp1_plain(tmp_path) -> None:
+    """Seeded sampled requests under TP=2 with suffix drafts: token for token TP=1 plain decoding's output
+    (position-keyed draws: every rank draws the same tokens, and speculation changes none), drafts accepted."""
+    ckpt = write_tiny_deepseek(tmp_path / "kimi", int4=True, kimi=True)
+    path = str(ckpt.path)
+    sampled = [SamplingParams(temperature=0.8, top_k=50, seed=s, max_tokens=24, ignore_eos=True) for s in (3, 4)]
+    plain = Engine(path, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=8)
+    try:
+        ref = [o.token_ids for o in plain.generate(input_ids=PROMPTS, sampling_params=sampled)]
+    finally:
+        plain.shutdown()
+    eng = Engine(path, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=8, tp_size=2,
+                 speculative_algorithm="ddtree", ddtree_budget=6)
+    try:
+        first = eng.generate(input_ids=PROMPTS, sampling_params=sampled)
+        second = eng.generate(input_ids=PROMPTS, sampling_params=sampled)
+    finally:
+        eng.shutdown()
+    assert [o.token_ids for o in first] == [o.token_ids for o in second] == ref
+    assert all(o.spec_accepted_suffix >= 10 for o in second), [o.spec_accepted_suffix for o in second]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts
+from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.speculative.ddtree import build_ddtree
 from ddtree_serve.speculative.verify import verify_tree
@@ -56,7 +57,7 @@ def test_sampled_verification_with_penalties_matches_penalised_distribution() ->
             for t in (one.presence, one.frequency, one.repetition, one.generated, one.seen, one.bias)
         )
     )
-    gens = [torch.Generator().manual_seed(5000 + i) for i in range(n)]
+    keys = SampleKeys.build([5000 + i for i in range(n)], [len(GENERATED)] * n, torch.device("cpu"))
     res = verify_tree(
         tree,
         target,
@@ -64,7 +65,7 @@ def test_sampled_verification_with_penalties_matches_penalised_distribution() ->
         torch.full((n,), -1),
         torch.ones(n),
         torch.zeros(n, dtype=torch.bool),
-        gens,
+        keys,
         penalties=pen,
     )
     assert res.accept_length.float().mean() > 0.3  # the trees are actually used

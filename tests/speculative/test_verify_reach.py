@@ -1,14 +1,29 @@
-"""``ddtree_serve.speculative.verify.node_reach``: the probability that sampled verification accepts each tree node, against
-the kernel's own acceptance frequencies (Monte Carlo over the coins), by hand, at probabilities of exactly 0
-and 1, and as ``verify_tree(want_reach=True)`` returns it for greedy, sampled and mixed batches."""
+"""``ddtree_serve.speculative.verify.node_reach``: the probability that sampled verification accepts each tree node,
+against the acceptance frequencies of both rules that verify with it: the coupled walk over position-keyed
+tokens (N seeds) and sgl-kernel's target-only coin rule (Monte Carlo over the coins, both coin conventions):
+the two rules accept each node equally often. Also by hand, at probabilities of exactly 0 and 1, and as
+``verify_tree(want_reach=True)`` returns it for greedy, sampled and mixed batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import ddtree_serve.kernels.speculative as kspec
+from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.speculative.ddtree import DraftTree, build_ddtree
-from ddtree_serve.speculative.verify import COIN_RULE_ENV, build_target_probs, node_reach, verify_tree
+from ddtree_serve.speculative.verify import (
+    COIN_RULE_ENV,
+    build_target_probs,
+    node_reach,
+    reference_coin_rule,
+    verify_coins,
+    verify_tree,
+)
+
+
+def _keys(seeds: list[int]) -> SampleKeys:
+    return SampleKeys.build(seeds, [0] * len(seeds), torch.device("cpu"))
 
 
 def _tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
@@ -28,12 +43,31 @@ def _on_path(accept_index: torch.Tensor, num_slots: int) -> torch.Tensor:
     return (accept_index[:, :, None] == ar[None, None, :]).any(1)
 
 
+def _coin_rule_paths(tree: DraftTree, target: torch.Tensor, temp: float, top_k: int, n: int) -> torch.Tensor:
+    """accept_index of sgl-kernel's target-only coin rule (thresholds 1, draft_probs 0), coins per request."""
+    bs, d = tree.candidates.shape
+    probs = build_target_probs(target, *_params(bs, temp, top_k))  # [bs, D, V]
+    coins, final = verify_coins([torch.Generator().manual_seed(s) for s in range(n)], tree.num_nodes, d,
+                                torch.zeros(bs, dtype=torch.bool), target.device)
+    predicts = torch.full((bs * d,), -1, dtype=torch.int32)
+    accept_index = torch.full((bs, 1 + int(tree.depths.max())), -1, dtype=torch.int32)
+    accept_num = torch.zeros(bs, dtype=torch.int32)
+    kspec.tree_speculative_sampling_target_only(
+        predicts, accept_index, accept_num, tree.candidates, tree.retrive_index, tree.retrive_next_token,
+        tree.retrive_next_sibling, coins, final, probs, torch.zeros_like(probs), deterministic=True,
+        coin_rule=reference_coin_rule())
+    base = (torch.arange(bs) * d)[:, None]
+    return torch.where(accept_index >= 0, accept_index.long() - base, -1)
+
+
 @pytest.mark.parametrize("rule", ["le", "lt"])
 @pytest.mark.parametrize("top_k", [-1, 3])
-def test_reach_is_the_kernels_acceptance_frequency(monkeypatch: pytest.MonkeyPatch, rule: str, top_k: int) -> None:
-    """One tree of 8 nodes over a vocabulary of 6, verified N = 20000 times with independent coins: each
-    node's acceptance frequency matches ``node_reach`` within 4.5 binomial standard deviations (+ 1e-3), under
-    both coin rules of the kernel, with and without top-k (top-k zeroes tokens: reach exactly 0 there)."""
+def test_reach_is_the_acceptance_frequency_of_both_rules(monkeypatch: pytest.MonkeyPatch, rule: str,
+                                                         top_k: int) -> None:
+    """One tree of 8 nodes over a vocabulary of 6, verified N = 20000 times: by the coupled walk (one seed
+    each) and by the kernel's coin rule (independent coins, under both coin conventions). Each node's
+    acceptance frequency matches ``node_reach`` within 4.5 binomial standard deviations (+ 1e-3) under both,
+    with and without top-k (top-k zeroes tokens: reach exactly 0 there)."""
     monkeypatch.setenv(COIN_RULE_ENV, rule)
     gen = torch.Generator().manual_seed(3)
     n, vocab, depth = 20000, 6, 3
@@ -42,18 +76,19 @@ def test_reach_is_the_kernels_acceptance_frequency(monkeypatch: pytest.MonkeyPat
     d = one.num_slots
     target = torch.randn(1, d, vocab, generator=gen) * 1.3  # [1, D, V]
     tree = _tree(draft.expand(n, -1, -1).contiguous(), 8)
-    res = verify_tree(tree, target.expand(n, -1, -1).contiguous(), *_params(n, 0.8, top_k),
-                      [torch.Generator().manual_seed(s) for s in range(n)], want_reach=True)
-    freq = _on_path(res.accept_index, d).double().mean(0)  # [D]
+    many = target.expand(n, -1, -1).contiguous()
+    res = verify_tree(tree, many, *_params(n, 0.8, top_k), _keys(list(range(n))), want_reach=True)
     probs = build_target_probs(target, *_params(1, 0.8, top_k))  # [1, D, V]
     reach = node_reach(one, probs)[0].double()  # [D]
     assert torch.allclose(res.node_reach, reach.float().expand(n, -1))  # every replica: the same reach
     assert reach[0] == 1.0 and float(reach[1:].sum()) > 0.3  # the tree is used
     tol = 4.5 * (reach * (1 - reach) / n).sqrt() + 1e-3
-    assert ((freq - reach).abs() <= tol).all(), (freq.tolist(), reach.tolist())
-    if top_k > 0:  # some node's token is filtered out at its parent: never accepted, and exactly 0 predicted
-        zero = reach == 0
-        assert zero.any() and (freq[zero] == 0).all()
+    for paths in (res.accept_index, _coin_rule_paths(tree, many, 0.8, top_k, n)):
+        freq = _on_path(paths, d).double().mean(0)  # [D]
+        assert ((freq - reach).abs() <= tol).all(), (freq.tolist(), reach.tolist())
+        if top_k > 0:  # some node's token is filtered out at its parent: never accepted, and exactly 0 predicted
+            zero = reach == 0
+            assert zero.any() and (freq[zero] == 0).all()
 
 
 def test_reach_by_hand() -> None:
@@ -92,14 +127,14 @@ def test_greedy_and_mixed_rows_get_the_realized_path() -> None:
     tree = _tree(draft, 10)
     target = torch.randn(bs, tree.num_slots, vocab, generator=gen)
     gens = [torch.Generator().manual_seed(s) for s in range(bs)]
-    greedy = verify_tree(tree, target, *_params(bs, 0.0, greedy=True), gens, want_reach=True)
+    greedy = verify_tree(tree, target, *_params(bs, 0.0, greedy=True), want_reach=True)
     assert torch.equal(greedy.node_reach, _on_path(greedy.accept_index, tree.num_slots).float())
     temp, top_k, top_p, is_greedy = _params(bs, 1.0)
     is_greedy[::2] = True
-    mixed = verify_tree(tree, target, temp, top_k, top_p, is_greedy, gens, want_reach=True)
+    mixed = verify_tree(tree, target, temp, top_k, top_p, is_greedy, _keys(list(range(bs))), want_reach=True)
     assert torch.equal(mixed.node_reach[::2], greedy.node_reach[::2])
     sampled_rows = mixed.node_reach[1::2]
     assert ((sampled_rows > 0) & (sampled_rows < 1)).any()  # probabilities, not the draw
-    lossy = verify_tree(tree, target, *_params(bs, 1.0), gens, threshold_acc=0.5, want_reach=True)
+    lossy = verify_tree(tree, target, *_params(bs, 1.0), None, threshold_acc=0.5, want_reach=True, generators=gens)
     assert torch.equal(lossy.node_reach, _on_path(lossy.accept_index, tree.num_slots).float())
-    assert verify_tree(tree, target, *_params(bs, 1.0), gens).node_reach is None  # only when asked for
+    assert verify_tree(tree, target, *_params(bs, 1.0), _keys(list(range(bs)))).node_reach is None  # when asked

@@ -45,7 +45,7 @@ class Req:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator  # coins of relaxed acceptance only (thresholds below 1), seeded from the seed
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     num_cached: int = 0  # tokens whose target KV is in the cache (req_to_token[idx, :num_cached])
@@ -67,6 +67,12 @@ class Req:
     grammar_future: Future | None = None  # its compilation, until the request leaves the grammar queue
     images: tuple[ImageInput, ...] = ()  # the prompt's images (placeholder spans), in order
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> [tokens, H], while prefill needs it
+
+    @property
+    def seed(self) -> int:
+        """The request's concrete seed (the scheduler draws one at admission when the request gave none)."""
+        assert self.params.seed is not None, "admission sets a concrete seed"
+        return self.params.seed
 
     @property
     def all_ids(self) -> list[int]:

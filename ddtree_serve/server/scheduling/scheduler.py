@@ -128,8 +128,9 @@ class Scheduler:
                                  "tokens)", "prompt")
         if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
-        gen = torch.Generator().manual_seed(seed)
+        if p.seed is None:  # a concrete seed for every request: its draws are position-keyed (sampler.py)
+            p = dataclasses.replace(p, seed=self._seed_rng.getrandbits(63))
+        gen = torch.Generator().manual_seed(p.seed % (1 << 63))  # relaxed acceptance's coins only (verify.py)
         counts = TokenCounts(req.input_ids, vocab, self.runner.device) if p.needs_token_counts else None
         check_images(req, self.runner.model)
         new = Req(req.rid, list(req.input_ids), p, gen, token_counts=counts, images=tuple(req.images))

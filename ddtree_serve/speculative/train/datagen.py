@@ -6,7 +6,7 @@ decode steps that drop finished requests) with ``capture_layer_ids`` set on ever
 features of every token come out of the generating forward itself and no second prefill pass is needed
 (on a shared 2-core machine that halves the data cost). Greedy decoding is the same argmax over the same
 float32 logits the Engine uses; sampled responses (T = 1) are drawn by the engine's own sampler
-(``ddtree_serve.model_executor.sampler.sample``), one generator per response seeded from the shard's generator.
+(``ddtree_serve.model_executor.sampler.sample``), one seed per response drawn from the shard's generator (position-keyed draws).
 
 Layout of a data directory (resumable: finished shards are skipped):
 - ``feat/eval_00000.pt`` (held-out prompts, answered greedily) and ``feat/train_NNNNN.pt`` (other prompt
@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampler import BatchSamplingInfo, sample
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 
@@ -129,7 +130,7 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
     feats: list[list[torch.Tensor]] = [[] for _ in prompts]
     cached = [0] * n  # tokens of each request whose KV is placed
     params = [SamplingParams(temperature=t) for t in temps]  # temperature 0: greedy
-    gens = [torch.Generator().manual_seed(int(torch.randint(1 << 62, (1,), generator=gen))) for _ in prompts]
+    seeds = [int(torch.randint(1 << 62, (1,), generator=gen)) for _ in prompts]
     try:
         active = list(range(n))
         new = [list(p) for p in prompts]  # tokens to run per request this forward
@@ -153,7 +154,9 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
                 for i, f in zip(active, out.captured.float().cpu().split(lens.tolist()), strict=True):
                     feats[i].append(f)
             info = BatchSamplingInfo.build([params[i] for i in active], logits.shape[-1], logits.device)
-            nxt = sample(logits, info, [gens[i] for i in active])  # [bs]: the engine's sampler
+            keys = SampleKeys.build([seeds[i] for i in active], [len(seqs[i]) - len(prompts[i]) for i in active],
+                                    logits.device)
+            nxt = sample(logits, info, keys)  # [bs]: the engine's sampler
             still = []
             for i, t in zip(active, nxt.tolist(), strict=True):
                 seqs[i].append(t)
