@@ -10,7 +10,7 @@ shifts by masking), so CPU and CUDA give the same bits; ``position_uniform_refer
 in plain Python integers (the test oracle). The top 53 bits make a float64 in [0, 1).
 
 Sampling a token as ``F^-1(u(seed, t))`` (inverse CDF of the processed distribution at output position
-``t``) gives plain decoding and tree verification the same draw at the same position: docs/DESIGN.md 4.14.
+``t``) gives plain decoding and tree verification the same draw at the same position: docs/DESIGN.md 4.16.
 """
 
 from __future__ import annotations

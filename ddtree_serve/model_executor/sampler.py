@@ -6,7 +6,7 @@ frequency / presence penalties (``penalties``; per node's own path in a tree) ->
 temperature, top-k, top-p, min-p (``processed_probs``) and the inverse-CDF draw with the row's
 position-keyed uniform (``position_uniforms``: u(seed, output position)); greedy rows take the argmax.
 So a seeded request's token at output position t depends on its seed, t and its logits alone: not on the
-batch, the step kind, or the tree that proposed it (docs/DESIGN.md 4.14)."""
+batch, the step kind, or the tree that proposed it (docs/DESIGN.md 4.16)."""
 
 from __future__ import annotations
 

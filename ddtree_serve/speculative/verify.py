@@ -10,7 +10,7 @@ equals its parent's ``y`` and stops where none does; ``y`` of the last accepted 
 One walk (``verify_tree_greedy``'s) serves greedy and sampled rows of a mixed batch. Along the accepted
 path every ``y`` is the token plain decoding draws at that position with the same seed, so the output is
 plain decoding's, token for token; a node is accepted with probability the product of its path's target
-probabilities, the target-only rule with thresholds 1 (docs/DESIGN.md 4.14).
+probabilities, the target-only rule with thresholds 1 (docs/DESIGN.md 4.16).
 
 Relaxed acceptance (``threshold_single`` / ``threshold_acc`` below 1, the lossy mode) keeps sgl-kernel's
 coin rule: ``ddtree_serve.kernels.speculative.tree_speculative_sampling_target_only`` with ``draft_probs`` zero

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ddtree_serve.model_executor.grammar import GrammarBackend, GrammarState, mask_tree_logits
+from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.server.engine import Engine, SamplingParams
 from ddtree_serve.speculative.verify import verify_tree
 from tests.kernels.test_speculative_exactness import exact_outcomes
@@ -144,11 +145,11 @@ def test_masked_sampled_verification_is_exact(backend, seed):
             rows[i] = torch.where(allowed, small[i].double() / temperature, -torch.inf).softmax(-1)
     s = 1 + max(int(x) for x in tree.depths[0])
     exact = exact_outcomes(parents, local, rows, s, na)
-    # Monte Carlo: N copies of the tree in the local alphabet, one generator each
+    # Monte Carlo: N copies of the tree in the local alphabet, one seed each
     batch = make_tree(parents, local, copies=N_MC)
     res = verify_tree(batch, masked.expand(N_MC, -1, -1).contiguous(), torch.full((N_MC,), temperature),
                       torch.full((N_MC,), -1), torch.ones(N_MC), torch.zeros(N_MC, dtype=torch.bool),
-                      [torch.Generator().manual_seed(seed * N_MC + i) for i in range(N_MC)])
+                      SampleKeys.build([seed * N_MC + i for i in range(N_MC)], [0] * N_MC, torch.device("cpu")))
     ar = torch.arange(N_MC)
     last = res.accept_index[ar, res.accept_length]
     bonus = res.emitted_tokens[ar, res.accept_length]

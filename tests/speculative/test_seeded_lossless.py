@@ -1,6 +1,6 @@
 """Seeded speculation is exact: a seeded sampled request gives the same tokens with DDTree as with plain
 decoding (float32), at fixed budgets, auto, suffix drafts alone, with penalties, logit bias, a grammar, the
-prefix cache and in a mixed greedy / sampled batch, each with drafts accepted (docs/DESIGN.md 4.14).
+prefix cache and in a mixed greedy / sampled batch, each with drafts accepted (docs/DESIGN.md 4.16).
 
 Every sampled token is ``F^-1(u(seed, t))`` of its processed distribution at output position t, in plain
 decoding and at every tree node alike, so equality holds token for token, not only in distribution. Each
