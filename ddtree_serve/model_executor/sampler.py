@@ -117,11 +117,19 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
     greedy rows the argmax; sampled rows ``F^-1(u)``, the first vocabulary index whose cumulative processed
     probability (softmax(logits / T), then top-k, top-p, min-p renormalisation) exceeds ``u`` times the row's
     total (``kernels.sampling.sampling_from_probs``). Rows run in blocks so that no more than
-    ``budget_bytes`` of probabilities exist at once (a tree's ``[bs * D, V]`` never does)."""
+    ``budget_bytes`` of probabilities exist at once (a tree's ``[bs * D, V]`` never does); on CUDA the Triton
+    kernel ``kernels.triton_sampling`` draws them without writing probabilities at all."""
     n, vocab = logits.shape
     out = logits.argmax(-1)  # [n]
     sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample
     if sampled.numel() == 0:
+        return out
+    if logits.is_cuda:  # one Triton program per row: no probability row is ever written
+        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled
+
+        sub = info.take(sampled)
+        out[sampled] = triton_draw_sampled(logits[sampled], sub.temperature, sub.top_k, sub.top_p, sub.min_p,
+                                           uniforms[sampled])
         return out
     step = max(1, budget_bytes // (vocab * 4 * 3))  # probs + cumsum + masks of one block
     for lo in range(0, sampled.numel(), step):
