@@ -11,6 +11,7 @@ metadata; derived values are properties. No module-level mutable configuration a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import types
 import typing
@@ -266,6 +267,27 @@ class SpeculativeArgs(Area):
         return self.algorithm != "none"
 
 
+def imply_speculation(given: dict[str, Any]) -> None:
+    """The speculative settings a user gave (``given``: field name -> value, updated in place). Any of them
+    without an algorithm implies ``ddtree`` (a drafter path or draft sources are what a user sets to get
+    speculation); with the algorithm ``none`` they would be ignored, so that is a ValueError naming them, and so
+    is a fixed ``ddtree_budget`` together with ``ddtree_max_budget`` (the bound of the auto budget)."""
+    others = sorted(k for k, v in given.items() if k != "algorithm" and not (k == "draft_model_path" and v == ""))
+    algorithm = given.get("algorithm")
+    if others and algorithm == "none":
+        names = ", ".join(flat_name(SpeculativeArgs, k) for k in others)
+        raise ValueError(f"{names} set, but speculative_algorithm is 'none': the settings would be ignored "
+                         "(drop them, or choose ddtree or dflash)")
+    if others and algorithm is None:
+        given["algorithm"] = "ddtree"
+        logging.getLogger(__name__).info("speculative_algorithm ddtree, implied by %s",
+                                         ", ".join(flat_name(SpeculativeArgs, k) for k in others))
+    budget = given.get("ddtree_budget")
+    if "ddtree_max_budget" in given and budget is not None and budget != "auto":
+        raise ValueError(f"speculative_ddtree_max_budget bounds the auto budget; speculative_ddtree_budget is fixed "
+                         f"at {budget}: give one of them")
+
+
 @dataclass(frozen=True)
 class ParallelArgs(Area):
     tp_size: int = setting(1, "Tensor-parallel size (GPUs per model replica).", low=1)
@@ -341,6 +363,7 @@ class ServerConfig:
             per_area[area][name] = value
         if unknown:
             raise ValueError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+        imply_speculation(per_area["speculative"])
         return cls(**{area: klass(**per_area[area]) for area, klass in area_classes().items()})
 
     def replace(self, area: str, **changes: Any) -> ServerConfig:

@@ -55,3 +55,44 @@ def test_settings_of_an_unused_source_are_errors():
     check_source_settings(spec(speculative_draft_model_path="default", speculative_draft_sources="suffix"))
     check_source_settings(spec(speculative_suffix_max_depth=4))  # used: no error
     check_source_settings(spec(speculative_draft_model_path="/d", speculative_block_size=4))
+
+
+@pytest.mark.parametrize("flat", [
+    {"speculative_draft_model_path": "/some/drafter"},
+    {"speculative_draft_sources": "suffix"},
+    {"speculative_ddtree_budget": 7},
+])
+def test_a_speculative_setting_implies_ddtree(flat, caplog):
+    """A drafter path, draft sources or a budget without an algorithm serve ddtree (issue 46 item 4: they ran
+    plain decoding before, silently), and the start-up log says why."""
+    with caplog.at_level("INFO", logger="ddtree_serve.server.config"):
+        assert _cfg(**flat).speculative.algorithm == "ddtree"
+    assert "implied by " + next(iter(flat)) in caplog.text
+
+
+@pytest.mark.parametrize(("flat", "match"), [
+    ({"speculative_algorithm": "none", "speculative_draft_model_path": "/d", "speculative_ddtree_budget": 7},
+     "speculative_ddtree_budget, speculative_draft_model_path set, but speculative_algorithm is 'none'"),
+    ({"speculative_algorithm": "ddtree", "speculative_ddtree_budget": 7, "speculative_ddtree_max_budget": 16},
+     "give one of them"),
+])
+def test_ignored_speculative_settings_are_errors(flat, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(**flat)
+
+
+def test_cli_and_engine_names_follow_the_same_rule():
+    """The CLI (``plan`` and ``serve`` parse the same flags) and Engine's short keyword names."""
+    import argparse
+
+    from ddtree_serve.server.cli.args import add_server_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    args = parser.parse_args(["--model-path", "/m", "--speculative-draft-model-path", "/d",
+                              "--speculative-ddtree-budget", "7"])
+    assert config_from_args(args).speculative.algorithm == "ddtree"
+    with pytest.raises(ValueError, match="speculative_algorithm is 'none'"):
+        config_from_args(parser.parse_args(["--model-path", "/m", "--speculative-algorithm", "none",
+                                            "--speculative-ddtree-budget", "7"]))
+    assert ServerConfig.from_flat({"ddtree_budget": 5}, short_names=True).speculative.algorithm == "ddtree"
