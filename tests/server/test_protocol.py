@@ -121,3 +121,21 @@ def test_two_tool_answers_to_one_assistant_turn_are_accepted() -> None:
     assert [m.role for m in r.messages] == ["user", "assistant", "tool", "tool"]
     with pytest.raises(APIError, match="must answer a preceding assistant"):
         _chat(messages=[*MSG, {"role": "tool", "tool_call_id": "c1", "content": "1"}])
+
+
+def test_null_means_the_default_and_the_spec_says_so():
+    """OpenAI accepts null for temperature, top_p, n, stream, logprobs, max_tokens, echo, ... and means the
+    default (issue 46 item 6): so does the server, and the published schema allows null for each."""
+    from ddtree_serve.server.http.protocol import NULL_MEANS_DEFAULT, ChatCompletionRequest, CompletionRequest
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    nulls = {k: None for k in NULL_MEANS_DEFAULT}
+    for model, base in ((ChatCompletionRequest, chat), (CompletionRequest, {"prompt": "x"})):
+        fields = {k: v for k, v in nulls.items() if k in model.model_fields}
+        got, default = model.model_validate({**base, **fields}), model.model_validate(base)
+        for k in fields:
+            assert getattr(got, k) == getattr(default, k), k
+        props = model.model_json_schema()["properties"]
+        for k in fields:
+            assert {"type": "null"} in props[k].get("anyOf", []), k
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens == 16

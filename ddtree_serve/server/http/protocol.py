@@ -155,11 +155,37 @@ class ChatMessage(BaseModel):
         return []
 
 
+# OpenAI accepts null for these and means the default; so does this server (the spec publishes null for each)
+NULL_MEANS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "logprobs",
+                      "max_tokens", "echo", "separate_reasoning")
+
+
+def null_default_schema(extra: dict[str, Any] | None = None) -> Any:
+    """A model-level ``json_schema_extra``: merge ``extra`` and publish null for ``NULL_MEANS_DEFAULT``."""
+    def apply(schema: dict[str, Any]) -> None:
+        schema.update(extra or {})
+        for name in NULL_MEANS_DEFAULT:
+            prop = schema.get("properties", {}).get(name)
+            if prop is None or any(alt.get("type") == "null" for alt in prop.get("anyOf", [])):
+                continue
+            inner = {k: prop.pop(k) for k in list(prop) if k not in ("title", "description", "default")}
+            prop["anyOf"] = [inner, {"type": "null"}]
+    return apply
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints. ``best_of`` (completions) is accepted only where it means nothing
-    more than ``n``: no candidates are ranked server-side."""
+    more than ``n``: no candidates are ranked server-side. null for a field of ``NULL_MEANS_DEFAULT`` is its
+    default, as OpenAI's API treats it."""
 
-    model_config = _REQ
+    model_config = ConfigDict(**{**_REQ, "json_schema_extra": null_default_schema()})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -238,9 +264,9 @@ class ChatCompletionRequest(_SamplingFields):
     ``tool_choice`` must be one of ``tools``, a ``tool`` message must answer an assistant turn with
     ``tool_calls``, and ``reasoning_effort`` needs a model with a thinking switch (docs/API.md)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=null_default_schema({"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}, *CHAT_TOOL_RULES]})
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}, *CHAT_TOOL_RULES]}))
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
@@ -315,10 +341,10 @@ class CompletionRequest(_SamplingFields):
     """Cross-field rules, published in the spec: ``max_tokens: 0`` only with ``echo``; at most one output
     constraint; ``best_of`` equal to ``n`` (published: 1, with ``n`` 1)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=null_default_schema({"allOf": [
         {"if": {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}},  # max_tokens 0: echo only
          "then": {"properties": {"max_tokens": {"minimum": 1}}}},
-        *at_most_one(JSON_FORMAT, REGEX, EBNF), if_then(has("best_of", {"const": 1}), {"properties": {"n": {"const": 1}}})]})
+        *at_most_one(JSON_FORMAT, REGEX, EBNF), if_then(has("best_of", {"const": 1}), {"properties": {"n": {"const": 1}}})]}))
     prompt: _Text | Annotated[list[_Text], Field(min_length=1)] | _Ids | Annotated[list[_Ids], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 16  # 0 only with echo: score the prompt alone (checked by the handler)
     logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
