@@ -9,6 +9,9 @@ then the penalties; temperature and the top-k/top-p/min-p filters come after, in
    or the generated tokens, ``l[t] = l[t] / r`` if ``l[t] > 0`` else ``l[t] * r``.
 3. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI), over the GENERATED tokens only, with
    ``c[t]`` the number of times ``t`` was generated: ``l[t] -= c[t] * f + (c[t] > 0) * p``.
+4. ``min_tokens`` m (vLLM): while fewer than m tokens are generated, ``l[t] = -inf`` for the stop ids
+   (``min_tokens_ban``: EOS and ``stop_token_ids``). A tree node at depth d samples output position
+   ``generated + d``, so its row is banned while ``generated + d < m``.
 
 Tree verification (DDTree): the row of tree node ``i`` is the distribution of the token that follows the
 path root..i, so its counts are the request's counts plus the drafted tokens on that path (the root is the
@@ -59,6 +62,8 @@ class BatchPenalties:
     generated: torch.Tensor  # [bs, V] float32 generated-token counts
     seen: torch.Tensor  # [bs, V] bool prompt or generated
     bias: torch.Tensor | None  # [bs, V] float32 logit bias, None when no request has one
+    ban: torch.Tensor | None = None  # [bs, V] bool min_tokens' stop ids, None when no request has min_tokens
+    ban_left: torch.Tensor | None = None  # [bs] int64 outputs still short of min_tokens (<= 0: no ban)
 
     @classmethod
     def build(
@@ -67,8 +72,10 @@ class BatchPenalties:
         counts: Sequence[TokenCounts | None],
         vocab: int,
         device: torch.device,
+        lengths: Sequence[int] | None = None,
     ) -> BatchPenalties | None:
-        """None when no request of the batch has a penalty or a logit bias (the common, free case)."""
+        """None when no request of the batch has a penalty, a logit bias or min_tokens (the common, free
+        case). ``lengths``: each request's generated tokens so far (min_tokens)."""
         if not any(p.has_logit_processing for p in params):
             return None
         bs = len(params)
@@ -89,6 +96,16 @@ class BatchPenalties:
         def col(name: str) -> torch.Tensor:
             return torch.tensor([float(getattr(p, name)) for p in params], dtype=torch.float32, device=device)
 
+        ban = ban_left = None
+        if any(p.min_tokens > 0 and p.min_tokens_ban for p in params):
+            ban = torch.zeros(bs, vocab, dtype=torch.bool, device=device)  # [bs, V]
+            for b, p in enumerate(params):
+                if p.min_tokens > 0 and p.min_tokens_ban:
+                    ban[b, torch.tensor([t for t in p.min_tokens_ban if 0 <= t < vocab], dtype=torch.int64,
+                                        device=device)] = True
+            done = list(lengths) if lengths is not None else [0] * bs
+            ban_left = torch.tensor([p.min_tokens - n for p, n in zip(params, done, strict=True)],
+                                    dtype=torch.int64, device=device)  # [bs]
         return cls(
             col("presence_penalty"),
             col("frequency_penalty"),
@@ -96,6 +113,8 @@ class BatchPenalties:
             generated,
             seen,
             bias,
+            ban,
+            ban_left,
         )
 
 
@@ -128,7 +147,10 @@ def apply_penalties(logits: torch.Tensor, pen: BatchPenalties | None) -> torch.T
         return logits
     x = _biased(logits, pen.bias)  # [bs, V]
     sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
-    return _penalise_(x, pen.seen, pen.repetition[:, None], sub)
+    out = _penalise_(x, pen.seen, pen.repetition[:, None], sub)
+    if pen.ban is not None:  # step 4
+        out.masked_fill_(pen.ban & (pen.ban_left > 0)[:, None], float("-inf"))
+    return out
 
 
 def apply_tree_penalties(
@@ -155,7 +177,7 @@ def apply_tree_penalties(
     sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
     out = _penalise_(x, pen.seen[:, None, :], pen.repetition[:, None, None], sub[:, None, :])  # [bs, D, V]
     if b.numel() == 0:
-        return out
+        return _ban_tree_(out, pen, on_path)
     same = (candidates[:, :, None] == candidates[:, None, :]).float()  # [bs, D(k), D(j)] same token
     path_count = torch.bmm(on_path.float(), same)  # [bs, D(i), D(j)] count of j's token on root..i
     count = pen.generated[b, tok] + path_count[b, i, j]  # [P]
@@ -163,4 +185,13 @@ def apply_tree_penalties(
     out[b, i, tok] = _penalise_(
         x_path, seen, pen.repetition[b], _subtrahend(count, pen.presence[b], pen.frequency[b])
     )
-    return out  # duplicates of one token on a path wrote the same value
+    return _ban_tree_(out, pen, on_path)  # duplicates of one token on a path wrote the same value
+
+
+def _ban_tree_(out: torch.Tensor, pen: BatchPenalties, on_path: torch.Tensor) -> torch.Tensor:
+    """Step 4 on tree rows [bs, D, V], in place: row i samples output position generated + depth(i)."""
+    if pen.ban is None:
+        return out
+    depth = on_path.sum(-1)  # [bs, D] non-root nodes on root..i
+    banned = depth < pen.ban_left[:, None]  # [bs, D]
+    return out.masked_fill_(pen.ban[:, None, :] & banned[:, :, None], float("-inf"))

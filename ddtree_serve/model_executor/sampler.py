@@ -180,7 +180,7 @@ def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor,
     ``[bs]`` and, per request, the logprobs it asked for (under the raw logits) or None."""
     vocab, dev = logits.shape[-1], logits.device
     params = [q.params for q in reqs]
-    pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev)
+    pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev, [len(q.output_ids) for q in reqs])
     masked = mask_logits([q.grammar for q in reqs], logits)  # a masked copy only when a request has a grammar
     keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
     tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), keys, pen)  # [bs]

@@ -56,6 +56,8 @@ class SamplingParams:
     ebnf: str | None = None
     reasoning_end_ids: tuple[int, ...] = ()
     reasoning_handoff_ids: tuple[int, ...] = ()
+    min_tokens: int = 0  # no stop token before this many output tokens (vLLM's min_tokens)
+    min_tokens_ban: tuple[int, ...] = ()  # the ids banned until then: EOS and stop_token_ids (set at admission)
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -79,8 +81,8 @@ class SamplingParams:
 
     @property
     def has_logit_processing(self) -> bool:
-        """Logits are modified before sampling (a penalty or a logit bias)."""
-        return self.needs_token_counts or bool(self.logit_bias)
+        """Logits are modified before sampling (a penalty, a logit bias, or min_tokens' ban)."""
+        return self.needs_token_counts or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_ban))
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the offending field."""
@@ -100,6 +102,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -127,13 +127,17 @@ class TokenizerManager:
             self.dead = self.dead or message
 
     # ---- tokenization --------------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None,
-                    template_kwargs: dict[str, Any] | None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any] | None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """The prompt ids of a chat through the model's template (vLLM's two flags: the assistant header after
+        the messages, or the reply continuing the last assistant message)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InputError("this model has no chat template; use /v1/completions")
         kwargs = dict(template_kwargs or {})
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
                                                       tokenize=False, **kwargs)
         except Exception as e:  # noqa: BLE001 - template errors are input errors
             raise InputError(f"cannot apply the chat template: {e}") from e

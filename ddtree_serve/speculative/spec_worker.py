@@ -288,7 +288,8 @@ class SpecWorker:
         t.lap("verify_forward")
         info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
         want_lp = any(q.params.logprobs is not None for q in reqs)
-        pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev)
+        pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev,
+                                   [len(q.output_ids) for q in reqs])
         single, acc = self.accept_thresholds
         # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
         vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)

@@ -21,6 +21,9 @@ this normalisation, must be accepted. Each step names the rule it stands for:
   model; the default model's has none): removed.
 - a Messages ``thinking.budget_tokens``: at least ``max_tokens`` (a comparison between fields): removed when
   below.
+- ``min_tokens``: at most the output limit (a comparison between fields): capped at it.
+- chat ``continue_final_message``: the last message must be an assistant's (the last item of a list): set
+  false when it is not (with ``add_generation_prompt`` true again if it was left out).
 - grammars (``regex``, ``ebnf``, a ``response_format`` / ``output_config.format`` / ``text.format`` JSON
   schema): must compile (a regular expression's or a grammar's syntax): replaced by ones that do.
 
@@ -62,6 +65,14 @@ def normalise(label: str, body: Any) -> Any:
             body[limit] = MAX_NEW if body.get(limit) != 0 else 0
     if isinstance(body.get("n"), int):
         body["n"] = min(body["n"], MAX_N)
+    if isinstance(body.get("min_tokens"), int) and limit is not None:
+        cap = body.get("max_completion_tokens") if isinstance(body.get("max_completion_tokens"), int) \
+            else body.get(limit)
+        body["min_tokens"] = min(body["min_tokens"], cap if isinstance(cap, int) else MAX_NEW)
+    msgs = body.get("messages")
+    if label == "POST /v1/chat/completions" and body.get("continue_final_message") is True and isinstance(msgs, list) \
+            and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") != "assistant":
+        body["continue_final_message"] = False
     _grammars(label, body)
     _without_images(label, body)
     body.pop("reasoning_effort", None)

@@ -42,12 +42,14 @@ from ddtree_serve.server.http.protocol_outputs import (  # noqa: F401 - re-expor
 )
 from ddtree_serve.server.http.protocol_rules import (
     CHAT_TOOL_RULES,
+    CONTINUE_RULE,
     EBNF,
     INT64_MAX,
     INT64_MIN,
     JSON_FORMAT,
     JSON_SAFE_INT,
     REGEX,
+    STREAM_OPTIONS_RULE,
     at_most_one,
     has,
     if_then,
@@ -210,6 +212,12 @@ class _SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     regex: str | None = Field(None, min_length=1)  # SGLang extension: the output matches this regex
     ebnf: str | None = Field(None, min_length=1)  # SGLang extension: the output matches this EBNF grammar
+    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0  # vLLM: no EOS / stop_token_ids before this many tokens
+    skip_special_tokens: bool = True  # vLLM: special tokens are left out of the text
+    # OpenAI fields this server cannot honour: refused when set (a 400 naming the field), never ignored
+    store: Literal[False] | None = None  # no stored completions
+    metadata: Annotated[dict[str, str], Field(max_length=0)] | None = None  # only with store
+    service_tier: Literal["auto", "default"] | None = None  # one tier: auto / default mean the same here
 
     @field_validator("top_k")
     @classmethod
@@ -248,6 +256,25 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @field_validator("store", "metadata", "service_tier", mode="before")
+    @classmethod
+    def _refused_sampling(cls, v: Any, info: ValidationInfo) -> Any:
+        why = {"store": "stored completions are not kept (send store: false or leave it out)",
+               "metadata": "metadata is kept only with stored completions, which this server does not keep",
+               "service_tier": "one service tier: 'auto' or 'default'"}
+        bad = {"store": v is not None and v is not False, "metadata": bool(v),
+               "service_tier": v is not None and v not in ("auto", "default")}
+        if bad[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported: {why[info.field_name]}")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options needs stream: true")
+        return v
+
 
 CHAT_REFUSED = {  # chat fields refused whenever set (field -> why)
     "audio": "no audio output (this server serves a text model)",
@@ -266,7 +293,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=null_default_schema({"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}, *CHAT_TOOL_RULES]}))
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}, *CHAT_TOOL_RULES,
+        STREAM_OPTIONS_RULE, CONTINUE_RULE]}))
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
@@ -278,6 +306,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None  # none/minimal: thinking off; else on (or a 400)
     separate_reasoning: bool = True
+    add_generation_prompt: bool = True  # vLLM: the template's assistant header after the messages
+    continue_final_message: bool = False  # vLLM: the reply continues the last (assistant) message
+    prediction: None = None  # OpenAI predicted outputs: refused (a 400), see docs/API.md
     # OpenAI's deprecated forms of tools / tool_choice: refused (400), never ignored; send tools instead
     functions: list[dict[str, Any]] | None = Field(None, max_length=0, json_schema_extra={"deprecated": True})
     function_call: None = Field(None, json_schema_extra={"deprecated": True})
@@ -286,6 +317,22 @@ class ChatCompletionRequest(_SamplingFields):
     audio: None = None
     web_search_options: None = None
     verbosity: None = None
+
+    @model_validator(mode="after")
+    def _continue_final_message(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be an assistant message")
+        return self
+
+    @field_validator("prediction", mode="before")
+    @classmethod
+    def _no_prediction(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("prediction is not supported: predicted outputs are not used as drafts yet; leave it "
+                             "out (suffix drafts already copy what the prompt repeats)")
+        return v
 
     @field_validator("audio", "web_search_options", "verbosity", mode="before")
     @classmethod
@@ -344,7 +391,8 @@ class CompletionRequest(_SamplingFields):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=null_default_schema({"allOf": [
         {"if": {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}},  # max_tokens 0: echo only
          "then": {"properties": {"max_tokens": {"minimum": 1}}}},
-        *at_most_one(JSON_FORMAT, REGEX, EBNF), if_then(has("best_of", {"const": 1}), {"properties": {"n": {"const": 1}}})]}))
+        *at_most_one(JSON_FORMAT, REGEX, EBNF), if_then(has("best_of", {"const": 1}), {"properties": {"n": {"const": 1}}}),
+        STREAM_OPTIONS_RULE]}))
     prompt: _Text | Annotated[list[_Text], Field(min_length=1)] | _Ids | Annotated[list[_Ids], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 16  # 0 only with echo: score the prompt alone (checked by the handler)
     logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None

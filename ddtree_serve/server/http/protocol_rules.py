@@ -54,3 +54,9 @@ SOME_TOOLS = has("tools", {"type": "array", "minItems": 1})
 # chat: one constraint; a forced tool_choice needs tools (parallel_tool_calls false goes with any tool_choice:
 # with auto the first call is kept)
 CHAT_TOOL_RULES = [*at_most_one(JSON_FORMAT, REGEX, EBNF, FORCED_TOOL), if_then(FORCED_TOOL, SOME_TOOLS)]
+
+# stream_options only with stream: true (both endpoints)
+STREAM_OPTIONS_RULE = if_then(needs("stream_options"), has("stream", {"const": True}))
+# chat: continue_final_message only with add_generation_prompt false (its last message must be an assistant's:
+# the last item of a list, which JSON Schema cannot single out; docs/API.md)
+CONTINUE_RULE = if_then(has("continue_final_message", {"const": True}), has("add_generation_prompt", {"const": False}))

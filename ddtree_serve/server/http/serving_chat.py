@@ -116,7 +116,9 @@ class ChatHandler:
         images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
         try:
             messages = template_messages(_messages(req, images.marker), self.config.server.tool_call_parser)
-            ids, image_inputs = images.expand(self.tm.encode_chat(messages, tools, req.chat_template_kwargs))
+            ids, image_inputs = images.expand(self.tm.encode_chat(messages, tools, req.chat_template_kwargs,
+                                                                  req.add_generation_prompt,
+                                                                  req.continue_final_message))
             max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
             self.tm.check_length(len(ids), max_tokens)
         except InputError as e:  # the template's or the prompt's length: both come from 'messages'
@@ -124,7 +126,8 @@ class ChatHandler:
         reasoning, tool_parser, thinking, constraint = self._parsers(req, constraint)
         base = uuid.uuid4().hex
         det_common = dict(stop=tuple(req.stop_list()), stop_token_ids=tuple(req.stop_token_ids or ()),
-                          skip_special_tokens=not (reasoning or tool_parser), logprobs=req.logprobs)
+                          skip_special_tokens=req.skip_special_tokens and not (reasoning or tool_parser),
+                          logprobs=req.logprobs)
         group = [(GenerateReq(f"{base}-{i}", ids, make_params(req, max_tokens, i, req.num_logprobs,
                                                               constraint=constraint, vocab_size=self.tm.vocab_size),
                               image_inputs),

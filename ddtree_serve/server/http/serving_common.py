@@ -119,7 +119,7 @@ def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | N
         presence_penalty=float(req.presence_penalty or 0.0), frequency_penalty=float(req.frequency_penalty or 0.0),
         repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
         logit_bias=req.logit_bias_ids(),
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt_logprobs, min_tokens=int(getattr(req, "min_tokens", 0) or 0),
         **(constraint.fields() if constraint is not None else {}),
     )
     try:

@@ -95,7 +95,8 @@ class CompletionHandler:
                 group.append((GenerateReq(rid, ids, params),
                               DetokenizeReq(rid, stop=tuple(req.stop_list()),
                                             stop_token_ids=tuple(req.stop_token_ids or ()),
-                                            logprobs=req.logprobs is not None)))
+                                            logprobs=req.logprobs is not None,
+                                            skip_special_tokens=req.skip_special_tokens)))
         prompt_tokens = sum(len(p) for p in prompts)
         run = await start_generation(request, self.tm, group, param_names("prompt", constraint=constraint))
         echo = [texts[i // req.n] if req.echo else "" for i in range(len(group))]

@@ -128,6 +128,8 @@ class Scheduler:
                                  "tokens)", "prompt")
         if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if p.min_tokens > 0:  # min_tokens bans the stop ids until then (model_executor/penalties.py)
+            p = dataclasses.replace(p, min_tokens_ban=tuple(sorted({*self.eos_token_ids, *p.stop_token_ids})))
         if p.seed is None:  # a concrete seed for every request: its draws are position-keyed (sampler.py)
             p = dataclasses.replace(p, seed=self._seed_rng.getrandbits(63))
         gen = torch.Generator().manual_seed(p.seed % (1 << 63))  # relaxed acceptance's coins only (verify.py)
