@@ -81,6 +81,10 @@ class SchedulerStats:
     cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache (cumulative)
     cache_query_tokens: int = 0  # prompt tokens of admitted requests (cumulative)
     cache_held_tokens: int = 0  # KV slots the prefix cache holds now
+    spec_drafts: int = 0  # request-steps that verified a draft tree (cumulative; vLLM's num_drafts)
+    spec_draft_tokens: int = 0  # tree nodes offered in them (cumulative)
+    spec_accepted_tokens: int = 0  # draft tokens accepted (cumulative)
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: request-steps that accepted draft position i (cumulative)
     extra: dict = field(default_factory=dict)
 
 

@@ -338,6 +338,39 @@ def test_default_server_copies_with_suffix_drafts(server, client, model_name) ->
     assert sum(by_source.values()) - before >= stats["accepted_tokens"]
 
 
+def test_vllm_metric_names(server) -> None:
+    """vLLM's names beside ddtree_* (issue 46 item 9), with vLLM's meanings, after the copy request above
+    accepted drafts: counters consistent with each other and with ddtree_*'s."""
+    names = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:time_to_first_token_seconds": "histogram",
+             "vllm:inter_token_latency_seconds": "histogram", "vllm:prefix_cache_queries": "counter",
+             "vllm:prefix_cache_hits": "counter", "vllm:spec_decode_num_drafts": "counter",
+             "vllm:spec_decode_num_draft_tokens": "counter", "vllm:spec_decode_num_accepted_tokens": "counter",
+             "vllm:spec_decode_num_accepted_tokens_per_pos": "counter"}
+    deadline = time.time() + 30
+    while True:  # the scheduler's stats reach the front end every few steps
+        text = httpx.get(server["base"] + "/metrics", timeout=30).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        m = read_metrics(server["base"])
+        if m.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    for name, kind in names.items():
+        assert families[name].type == kind, name
+        assert all(s.labels.get("model_name") for s in families[name].samples), name
+    drafts, offered = m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
+    per_pos = {p: v for (n, p), v in read_metrics(server["base"], "position").items()
+               if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert 0 < accepted <= offered and drafts <= offered
+    assert sum(per_pos.values()) == accepted and per_pos["0"] <= drafts
+    assert per_pos["0"] >= per_pos.get("1", 0) >= per_pos.get("2", 0)
+    assert m["vllm:prefix_cache_queries_total"] > 0 and m["vllm:prefix_cache_queries_total"] >= m["vllm:prefix_cache_hits_total"]
+    assert m["vllm:prefix_cache_hits_total"] == m["ddtree_cached_prompt_tokens_total"]
+    assert 0 <= m["vllm:kv_cache_usage_perc"] <= 1
+    assert m["vllm:time_to_first_token_seconds_count"] == m["ddtree_time_to_first_token_seconds_count"] > 0
+
+
 def test_bench_multiturn_against_the_server(server, tmp_path) -> None:
     """benchmarks/bench_multiturn.py's logic on a short run: histories grow turn by turn, every turn is timed."""
     from benchmarks.bench_multiturn import main as bench_multiturn

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ddtree_serve.server.http.metrics_vllm import VllmMetrics
 from ddtree_serve.server.io_struct import SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
@@ -64,6 +65,7 @@ class ServerMetrics:
         self.inflight = Gauge(f"{p}_num_inflight_http_reqs", "Requests held by the HTTP front end", labels,
                               registry=reg)
         self._export_zeros()
+        self.vllm = VllmMetrics(reg, model_name)  # vLLM's names beside ours (metrics_vllm.py)
 
     def _export_zeros(self) -> None:
         """Create every series up front, so /metrics lists each one at 0 before its first increment (a
@@ -83,6 +85,7 @@ class ServerMetrics:
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self._model).observe(seconds)
+        self.vllm.observe_first_token(seconds)
 
     def observe_tokens(self, n: int, seconds: float | None) -> None:
         """``n`` new tokens arrived ``seconds`` after the previous ones (None: the first tokens)."""
@@ -93,6 +96,7 @@ class ServerMetrics:
             h = self.itl.labels(self._model)
             for _ in range(n):
                 h.observe(seconds / n)
+                self.vllm.observe_inter_token(seconds / n)
 
     def observe_finished(self, finish_reason: str | None, prompt_tokens: int, e2e_seconds: float,
                          verify_steps: int, accepted_tokens: int, accepted_suffix: int = 0) -> None:
@@ -110,6 +114,7 @@ class ServerMetrics:
 
     def update_scheduler(self, stats: SchedulerStats) -> None:
         m = self._model
+        self.vllm.update_scheduler(stats)
         self.running.labels(m).set(stats.running)
         self.queued.labels(m).set(stats.waiting)
         self.kv_used.labels(m).set(stats.kv_used_tokens)

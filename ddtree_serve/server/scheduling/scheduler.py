@@ -37,6 +37,7 @@ from ddtree_serve.server.scheduling.image_prefill import check_images, prefill_e
 from ddtree_serve.server.scheduling.kv_manager import ReqKVManager
 from ddtree_serve.server.scheduling.prompt_scoring import score_prompt_chunk
 from ddtree_serve.server.scheduling.request import AdmissionError, Req
+from ddtree_serve.server.scheduling.spec_counters import SpecCounters
 from ddtree_serve.server.startup import is_resolved
 from ddtree_serve.speculative.spec_worker import SpecWorker
 from ddtree_serve.speculative.types import OutOfKVSlots
@@ -84,6 +85,7 @@ class Scheduler:
         self._seed_rng = random.Random(0x5EED)
         self.total_verify_steps = 0
         self.total_spec_tokens = 0
+        self.spec_counters = SpecCounters()
 
     def close(self) -> None:
         """Nothing to release in a single process (``SchedulerLike.close``; TP rank 0 stops its followers)."""
@@ -172,6 +174,9 @@ class Scheduler:
                               cache_held_tokens=self.kv.cached_tokens,
                               spec_verify_steps=self.total_verify_steps,
                               spec_generated_tokens=self.total_spec_tokens,
+                              spec_drafts=self.spec_counters.drafts, spec_draft_tokens=self.spec_counters.draft_tokens,
+                              spec_accepted_tokens=self.spec_counters.accepted,
+                              spec_accepted_per_pos=tuple(self.spec_counters.per_pos),
                               spec_budget=self.spec.controller.stats() if self.spec and self.spec.controller else {})
 
     # ---------------------------------------------------------------- the step
@@ -325,6 +330,7 @@ class Scheduler:
         for req, res in zip(batch.reqs, results, strict=True):
             self.total_verify_steps += req.record_spec_step(res.accepted, res.accepted_suffix, res.budget)
             self.total_spec_tokens += len(res.tokens)
+            self.spec_counters.record(res.accepted, res.budget)
             if req.params.logprobs is not None and res.logprobs is not None:
                 req.pending_logprobs.extend(res.logprobs)
             out.append(res.tokens)
