@@ -30,10 +30,21 @@ def default_model_dir() -> Path:
     return cache_root() / "models" / DEFAULT_MODEL_NAME
 
 
+def default_model_config_dir() -> Path:
+    """A directory holding the default model's config.json alone (shipped in the package): what ``plan`` reads
+    when the model itself was never converted, so planning downloads nothing."""
+    return Path(__file__).resolve().parent / "default_model_config"
+
+
+def default_model_present() -> bool:
+    out = default_model_dir()
+    return (out / "model.safetensors").exists() and (out / "config.json").exists()
+
+
 def ensure_default_model() -> str:
     """Return the HF directory of the default model, converting it on first use."""
     out = default_model_dir()
-    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+    if default_model_present():
         return str(out)
     print(f"[ddtree-serve] preparing the default model {DEFAULT_MODEL_NAME} in {out} (once) ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from ddtree_serve.model_executor.default_model import default_model_config_dir, default_model_present
 from ddtree_serve.model_executor.memory import GIB, device_memory
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_registry import get_model_class
 from ddtree_serve.model_executor.plan import (
+    BUDGETS,
     BudgetRow,
     best_row,
     budget_rows,
@@ -33,7 +35,7 @@ from ddtree_serve.model_executor.plan import (
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.machines import GPU_MEMORY_GIB
 from ddtree_serve.server.memory_sizing import ModelFacts, StartupSizing, size_startup_memory
-from ddtree_serve.server.startup import resolve_config
+from ddtree_serve.server.startup import is_default_path, resolve_config
 from ddtree_serve.speculative.worker_shape import drafter_model_config, resolve_block, step_shape
 
 
@@ -137,11 +139,21 @@ def _device_total(config: ServerConfig, gpu_memory_gb: float | None) -> tuple[in
     return None, "device memory unknown"
 
 
+def plan_budgets(budget: int | str, max_budget: int) -> tuple[int, ...]:
+    """The budgets the table shows: a fixed budget alone; for ``auto`` the powers of two up to the configured
+    bound (it is what the auto budget can choose), the bound itself included."""
+    if budget != "auto":
+        return (int(budget),)
+    return tuple(sorted({b for b in BUDGETS if b < max_budget} | {max_budget}))
+
+
 def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead_gb: float = 2.0) -> Plan:
     """Plan ``config`` (unresolved, as ``serve`` receives it). ValueError as serve's start-up raises it (the
     pool too small, no memory left), or when the device memory is needed and unknown."""
     if gpu_memory_gb is not None and gpu_memory_gb <= 0 or overhead_gb < 0:
         raise ValueError("--gpu-memory-gb must be > 0 and --overhead-gb >= 0")
+    if is_default_path(config.model.model_path) and not default_model_present():  # config.json alone: no download
+        config = config.replace("model", model_path=str(default_model_config_dir()))
     config = resolve_config(config)
     m, spec = config.model, config.speculative
     target = ModelConfig.load(m.model_path, m.dtype, m.device, m.int4_experts, attention_backend=m.attention_backend,
@@ -192,5 +204,6 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
                                      lambda _d: (total or 0, r0.weight_bytes + r0.draft_bytes + overhead))
     else:
         sizing = sizings[0]
-    rows = budget_rows(sizing.kv.tokens, max_context, sizing.workspace.max_verify_tokens)
+    rows = budget_rows(sizing.kv.tokens, max_context, sizing.workspace.max_verify_tokens,
+                       plan_budgets(spec.ddtree_budget, spec.ddtree_max_budget) if spec.enabled else BUDGETS)
     return Plan(config, target.architecture, source, overhead, tuple(ranks), sizing, rows)

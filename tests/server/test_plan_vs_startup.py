@@ -116,3 +116,18 @@ def test_plan_prints_the_servers_startup_kv_line(preset, mode, checkpoints, capl
         kv.tokens, kv.bytes_per_token, kv.total_bytes, kv.used_bytes, ws.bytes, ws.max_verify_tokens)
     if mode == "gpu_memory_gb":
         assert kv.tokens < 5 * 256  # sized by the memory figure, below the (requests + 1) x context cap
+
+
+def test_plan_of_the_default_model_downloads_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """`ddtree-serve plan` on the default model reads the shipped config.json when the model was never
+    converted (issue 46 item 7): nothing is fetched, the cache stays empty; the budget table honours the
+    configured bound of the auto budget (and shows a fixed budget alone)."""
+    monkeypatch.setenv("DDTREE_SERVE_CACHE", str(tmp_path / "cache"))
+    assert cli_plan.run(_parse(cli_plan, ["--gpu-memory-gb", "24", "--speculative-ddtree-max-budget", "24",
+                                          "--json"])) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert not (tmp_path / "cache").exists()
+    assert [r["budget"] for r in plan["rows"]] == [8, 16, 24]
+    assert cli_plan.run(_parse(cli_plan, ["--gpu-memory-gb", "24", "--speculative-ddtree-budget", "6",
+                                          "--json"])) == 0
+    assert [r["budget"] for r in json.loads(capsys.readouterr().out)["rows"]] == [6]

@@ -90,7 +90,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """YAML preset (if any), then the flags given on the command line, into one validated ServerConfig."""
     flat: dict[str, Any] = load_yaml(args.config) if getattr(args, "config", None) else {}
     known = config_field_names()
-    flat.update({key: value for key, value in vars(args).items() if key in known})
+    given = {key: value for key, value in vars(args).items() if key in known}
+    if given.get("speculative_ddtree_budget", "auto") != "auto" and "speculative_ddtree_max_budget" not in given:
+        flat.pop("speculative_ddtree_max_budget", None)  # a fixed budget flag replaces the preset's auto bound
+    flat.update(given)
     apply_default_speculation(flat)
     return ServerConfig.from_flat(flat)
 
