@@ -132,6 +132,7 @@ def flat_name(area: type[Area], name: str) -> str:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flashinfer")
+_MOE_BACKENDS = ("auto", "torch", "triton")  # no flashinfer MoE is wired: not offered
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class ModelArgs(Area):
                                      "flashinfer (MHA models); auto = the fast one on CUDA, torch on CPU.",
                                      choices=_BACKENDS)
     moe_backend: str = setting("auto", "Routed-expert kernels: torch (reference) or triton (grouped GEMM, dense "
-                               "or INT4); auto = triton on CUDA, torch on CPU.", choices=_BACKENDS)
+                               "or INT4); auto = triton on CUDA, torch on CPU.", choices=_MOE_BACKENDS)
     kv_cache_dtype: str = setting("auto", "KV cache dtype: auto (the model's dtype), bfloat16, or fp8_e4m3 (MLA "
                                   "models: the latent stored in float8 e4m3 with per-token scales, about half "
                                   "the bytes of bfloat16).", choices=("auto", "bfloat16", "fp8_e4m3"))

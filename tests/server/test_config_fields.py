@@ -131,3 +131,29 @@ def test_cli_checks_ranges_at_parse_time() -> None:
             p.parse_args(argv)
     ns = p.parse_args(["--kv-memory-gb", "3", "--speculative-ddtree-budget", "12", "--no-expert-parallel"])
     assert ns.kv_memory_gb == 3.0 and ns.speculative_ddtree_budget == 12 and ns.expert_parallel is False
+
+
+def test_moe_backend_offers_only_what_is_wired():
+    """`--moe-backend flashinfer` always failed at load (issue 46 item 7): it is no longer offered."""
+    import argparse
+
+    from ddtree_serve.server.cli.args import add_server_arguments
+
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    assert "flashinfer" not in parser.format_help().split("--moe-backend", 1)[1].split("--", 1)[0]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-backend", "flashinfer"])
+    with pytest.raises(ValueError, match="moe_backend"):
+        ServerConfig.from_flat({"moe_backend": "flashinfer"})
+
+
+def test_train_drafter_help_shows_defaults(capsys):
+    from ddtree_serve.server.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["train-drafter", "--help"])
+    out = capsys.readouterr().out
+    for flag, default in (("--steps", "1000"), ("--num-layers", "1"), ("--block-size", "8"), ("--lr", "0.0006"),
+                          ("--prompts-jsonl", "none")):
+        assert f"(default: {default})" in out.split("\n  " + flag, 1)[1].split("\n  --", 1)[0], flag

@@ -66,8 +66,8 @@ def check_target_layers(ids: tuple[int, ...], num_target_layers: int, path: str)
 
 def drafter_group(hf: dict, tp: TPGroup) -> TPGroup:
     """The TP group a DFlash drafter with config ``hf`` runs in: the target's, when its KV heads split over the
-    ranks (each rank needs one; query heads follow their KV head); otherwise a single-rank group, so the whole
-    drafter runs unsharded on every rank (a K2.6 drafter at TP=8 whatever its head count). Unsharded ranks
+    ranks (at least one KV head per rank; query heads follow their KV head); otherwise, with fewer KV heads
+    than ranks, a single-rank group, so the whole drafter runs unsharded on every rank. Unsharded ranks
     draft alike: the drafter's inputs (the target's all-reduced captured features and embeddings) and its
     weights are equal on every rank, and the target's vocab-parallel lm_head projects its states. Decode
     context parallelism is the target's alone: the drafter keeps its own unsharded cache (no DCP group)."""

@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--eval-budget", type=int, default=16, help="DDTree budget of the offline evaluation")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--seed", type=int, default=0)
+    for action in p._actions:  # every option's --help line names its default, as serve's do
+        if action.option_strings and action.default is not argparse.SUPPRESS and not action.required \
+                and action.dest != "help":
+            shown = "none" if action.default is None else action.default
+            action.help = f"{action.help + ' ' if action.help else ''}(default: {shown})"
 
 
 def _layer_ids(args: argparse.Namespace, model_path: str) -> list[int]:
