@@ -184,7 +184,7 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
         layers = len(getattr(models.drafter, "target_layer_ids", ())) if models.drafter is not None else 0
         facts = ModelFacts(target.vocab_size, max_context, kv_bytes, budget, block, target.hidden_size,
                            target.dtype.itemsize, target.hidden_size * layers,
-                           getattr(models.target, "encoder_peak_bytes", lambda: 0)())
+                           getattr(models.target, "encoder_peak_bytes", lambda _d: 0)(m.device))
         weights, draft = module_bytes(models.target), module_bytes(models.drafter)
         in_use = weights + draft + overhead
 

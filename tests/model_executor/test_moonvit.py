@@ -128,3 +128,39 @@ def test_config_from_published_keys_and_parameter_count(tmp_path):
     assert tiny.num_parameters() == sum(p.numel() for p in KimiVision(tiny, torch.float32).parameters())
     with pytest.raises(ValueError, match="merge_type"):
         MoonViTConfig.from_hf(tiny_vision_config(64, merge_type="other"), 64)
+
+
+def test_attention_is_4d_so_fused_kernels_apply(vision_ckpt, monkeypatch):
+    """The tower hands SDPA [1, heads, L, head_dim] (fused kernels take 4-D inputs; 3-D ones ruled them out):
+    every call is 4-D, and its result equals the reference (test above)."""
+    tiny, runner = vision_ckpt
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        seen.append(q.dim())
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    runner.model.embed_images([torch.rand(16, 3, 14, 14)], [(1, 4, 4)])
+    assert seen and set(seen) == {4}
+
+
+def test_encoder_reserve_follows_the_kernel_and_the_checkpoints_patch_limit(tmp_path, vision_ckpt):
+    """The reserve counts [heads, L, L] scores only for the math path; the patch bound comes from the
+    checkpoint's preprocessor_config.json (in_patch_limit, the side limit, the merge padding), with the
+    published 16384 when absent."""
+    import json
+
+    from ddtree_serve.model_executor.models.moonvit import encoder_peak_bytes, max_image_patches
+
+    cfg = MoonViTConfig.from_hf(tiny_vision_config(64), 64)
+    fused, math_path = encoder_peak_bytes(cfg, 1000, 2), encoder_peak_bytes(cfg, 1000, 2, fused=False)
+    assert math_path - fused == 2 * cfg.num_heads * 1000 * 1000 * 2
+    assert max_image_patches(str(tmp_path)) == 16384 + 2 * 512 + 1
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"media_proc_cfg": {"in_patch_limit": 4096, "patch_limit_on_one_side": 256, "merge_kernel_size": 2}}))
+    assert max_image_patches(str(tmp_path)) == 4096 + 2 * 256 + 1
+    tiny, runner = vision_ckpt
+    model = runner.model
+    assert model.encoder_peak_bytes("cpu") == encoder_peak_bytes(model.vision.cfg, model.max_image_patches, 4)

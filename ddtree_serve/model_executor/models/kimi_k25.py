@@ -24,6 +24,8 @@ from ddtree_serve.model_executor.models.moonvit import (
     VISION_PREFIXES,
     KimiVision,
     encoder_peak_bytes,
+    fused_attention_available,
+    max_image_patches,
     read_vision_config,
 )
 from ddtree_serve.model_executor.parallel_state import TPGroup
@@ -31,7 +33,6 @@ from ddtree_serve.model_executor.parallel_state import TPGroup
 logger = logging.getLogger(__name__)
 
 _OTHER_VISION_PREFIXES = ("multi_modal_projector.", "vision_model.")
-MAX_IMAGE_PATCHES = 16384 + 2048  # the published in_patch_limit, plus the merge padding of a 512-patch side
 
 
 class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
@@ -46,6 +47,7 @@ class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
                 raise ValueError(f"vision_config.text_hidden_size {vision_cfg.text_hidden_size} != the text "
                                  f"model's hidden_size {self.config.hidden_size}")
             self.vision = KimiVision(vision_cfg, config.dtype)
+            self.max_image_patches = max_image_patches(config.path, vision_cfg.merge_kernel[0])
         # the loader skips these before they reach load_weights (a vision tower, when built, takes its own)
         self.skip_weight_prefixes = _OTHER_VISION_PREFIXES + (() if self.vision is not None else VISION_PREFIXES)
 
@@ -76,12 +78,15 @@ class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
         embeds = self.vision.embed_images([pv.to(dev) for pv in pixel_values], grids)
         return [e.to(self.config.dtype) for e in embeds]
 
-    def encoder_peak_bytes(self) -> int:
-        """The vision tower's activation peak for the largest image (0 without a tower): start-up sizing
-        keeps it out of the KV pool (ddtree_serve/server/memory_sizing.py)."""
+    def encoder_peak_bytes(self, device: torch.device | str | None = None) -> int:
+        """The vision tower's activation peak for the largest image the checkpoint's preprocessor admits (0
+        without a tower), with the attention kernel SDPA runs on ``device`` (default: the tower's): start-up
+        sizing keeps it out of the KV pool (ddtree_serve/server/memory_sizing.py)."""
         if self.vision is None:
             return 0
-        return encoder_peak_bytes(self.vision.cfg, MAX_IMAGE_PATCHES, self.config.dtype.itemsize)
+        dev = device if device is not None else next(self.vision.parameters()).device
+        return encoder_peak_bytes(self.vision.cfg, self.max_image_patches, self.config.dtype.itemsize,
+                                  fused=fused_attention_available(dev))
 
     def _after_load(self, skipped: int) -> None:
         if self.vision is None:

@@ -24,6 +24,7 @@ Architecture (the published checkpoints' ``vision_config``; names below are the 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +168,9 @@ class EncoderBlock(nn.Module):
         """``x`` [L, D] of one image."""
         q, k, v = self.wqkv(self.norm0(x)).unflatten(-1, (3, self.heads, self.head_dim)).unbind(1)  # [L, h, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [h, L, hd]
+        # 4-D [1, h, L, hd]: the fused kernels (flash / memory-efficient) take it, no [h, L, L] scores on CUDA
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None])[0]  # [h, L, hd]
         x = x + self.wo(o.transpose(0, 1).flatten(1))  # [L, D]
         return x + self.mlp(self.norm1(x))
 
@@ -258,9 +261,46 @@ def merged_tokens(grid: tuple[int, int], merge: tuple[int, int] = (2, 2)) -> int
     return (grid[0] // merge[0]) * (grid[1] // merge[1])
 
 
-def encoder_peak_bytes(cfg: MoonViTConfig, max_patches: int, dtype_bytes: int) -> int:
-    """A bound of the tower's activation peak for one image of ``max_patches`` patches with a fused attention
-    kernel (no ``L x L`` scores; the CPU reference's math path holds them, CPU memory is not planned): the
-    residual, the normed input, qkv, the attention output, the MLP hidden, and float32 rotary copies of q, k."""
+def encoder_peak_bytes(cfg: MoonViTConfig, max_patches: int, dtype_bytes: int, fused: bool = True) -> int:
+    """A bound of the tower's activation peak for one image of ``max_patches`` patches: the residual, the normed
+    input, qkv, the attention output, the MLP hidden, and float32 rotary copies of q, k; with ``fused`` False
+    (SDPA's math path) also the ``[heads, L, L]`` scores and their softmax."""
     d, i = cfg.hidden_size, cfg.intermediate_size
-    return max_patches * ((6 * d + i) * dtype_bytes + 2 * d * 4)
+    scores = 0 if fused else 2 * cfg.num_heads * max_patches * max_patches * dtype_bytes
+    return max_patches * ((6 * d + i) * dtype_bytes + 2 * d * 4) + scores
+
+
+def fused_attention_available(device: torch.device | str) -> bool:
+    """Whether SDPA runs a fused kernel (no ``[heads, L, L]`` scores) for the tower's 4-D attention on
+    ``device``: on CUDA when the flash or memory-efficient backend is enabled (MoonViT's head dim, 72, suits
+    both), else the math path; on CPU torch's fused CPU kernel takes 4-D inputs without a mask."""
+    if not str(device).startswith("cuda"):
+        return True
+    return bool(torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled())
+
+
+def read_media_config(path: str) -> dict[str, Any]:
+    """``media_proc_cfg`` of the checkpoint's ``preprocessor_config.json`` ({} when absent)."""
+    f = Path(path) / "preprocessor_config.json" if path else None
+    if f is None or not f.exists():
+        return {}
+    return json.loads(f.read_text()).get("media_proc_cfg") or {}
+
+
+DEFAULT_IN_PATCH_LIMIT = 16384  # Kimi K2.5 / K2.6's published in_patch_limit
+DEFAULT_SIDE_LIMIT = 512  # patch_limit_on_one_side
+
+
+def max_image_patches(path: str, merge: int = 2) -> int:
+    """The most patches one image reaches after resizing and padding: ``in_patch_limit`` (read from the
+    checkpoint's preprocessor config; the published default, logged, when absent) plus the padding of each
+    side to a multiple of the merge kernel (h*w <= limit and h, w <= the side limit:
+    (h + m - 1)(w + m - 1) <= limit + 2 (m - 1) side + (m - 1)^2)."""
+    media = read_media_config(path)
+    if "in_patch_limit" not in media:
+        logging.getLogger(__name__).info("no in_patch_limit in %s/preprocessor_config.json: sizing the vision tower "
+                                         "for the published %d patches", path, DEFAULT_IN_PATCH_LIMIT)
+    limit = int(media.get("in_patch_limit", DEFAULT_IN_PATCH_LIMIT))
+    side = int(media.get("patch_limit_on_one_side", DEFAULT_SIDE_LIMIT))
+    m = int(media.get("merge_kernel_size", merge))
+    return limit + 2 * (m - 1) * min(side, limit) + (m - 1) ** 2

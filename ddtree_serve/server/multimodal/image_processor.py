@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from ddtree_serve.model_executor.models.moonvit import read_media_config
 
 IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
 
@@ -44,10 +44,7 @@ class ImageProcessorConfig:
         """``media_proc_cfg`` of ``preprocessor_config.json`` when the checkpoint has one, else the defaults
         (with the tower's patch size and merge kernel)."""
         base = cls(patch_size=patch_size, merge_kernel=merge_kernel)
-        f = Path(path) / "preprocessor_config.json"
-        if not f.exists():
-            return base
-        cfg = json.loads(f.read_text()).get("media_proc_cfg") or {}
+        cfg = read_media_config(path)
         return cls(patch_size=int(cfg.get("patch_size", base.patch_size)),
                    merge_kernel=int(cfg.get("merge_kernel_size", base.merge_kernel)),
                    in_patch_limit=int(cfg.get("in_patch_limit", base.in_patch_limit)),
