@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ddtree_serve.server.http.errors import APIError
@@ -24,6 +25,20 @@ class ChatImages:
     @property
     def marker(self) -> str:
         return self.vision.marker if self.vision is not None else ""
+
+    def render(self, encode: Callable[[bool, str], list[int]]) -> list[int]:
+        """The prompt ids of the chat, its images rendered by the checkpoint's own template.
+        ``encode(image_parts, marker)``: with ``image_parts`` the template gets text and image parts, else one
+        string per message with ``marker`` where each image stands. A template that renders image parts adds
+        placeholders to what the text alone holds (``encode(False, "")``): its rendering is used; one that
+        ignores them gets the marker written into the text (``expand`` then checks one placeholder per image)."""
+        ids = encode(True, self.marker)
+        if self.vision is None or not self.images:
+            return ids
+        pad = self.vision.placeholder_id
+        if ids.count(pad) > encode(False, "").count(pad):  # the template rendered the image parts
+            return ids
+        return encode(False, self.marker)
 
     def expand(self, ids: list[int]) -> tuple[list[int], tuple[ImageInput, ...]]:
         """InputError (a 400 of ``messages``) when the placeholders do not match the images."""

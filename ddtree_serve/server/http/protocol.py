@@ -151,6 +151,13 @@ class ChatMessage(BaseModel):
             return "".join(p.text if isinstance(p, TextPart) else image_marker for p in self.content)
         return self.content
 
+    def parts(self) -> list[dict[str, Any]]:
+        """The content as the chat template takes a multimodal message (transformers' and vLLM's convention):
+        ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts in order."""
+        if not isinstance(self.content, list):
+            return [{"type": "text", "text": self.content or ""}]
+        return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in self.content]
+
     def image_urls(self) -> list[str]:
         if isinstance(self.content, list):
             return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]

@@ -48,10 +48,14 @@ from ddtree_serve.server.parsers import ReasoningParser, ToolCallParser, parse_r
 from ddtree_serve.server.tokenizer_manager import InputError, TokenizerManager
 
 
-def _messages(req: ChatCompletionRequest, image_marker: str = "") -> list[dict]:
+def _messages(req: ChatCompletionRequest, image_marker: str = "", image_parts: bool = False) -> list[dict]:
+    """The messages as the template takes them. A message with images: with ``image_parts``, a list of text
+    and image parts (the checkpoint's template renders each image, e.g. Kimi's ``render_content``); else one
+    string with ``image_marker`` where each image stands (for a template that renders no image parts)."""
     out = []
     for m in req.messages:
-        d: dict = {"role": m.role, "content": m.text(image_marker) or ""}
+        content = m.parts() if image_parts and m.image_urls() else (m.text(image_marker) or "")
+        d: dict = {"role": m.role, "content": content}
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
@@ -115,10 +119,12 @@ class ChatHandler:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
         images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
         try:
-            messages = template_messages(_messages(req, images.marker), self.config.server.tool_call_parser)
-            ids, image_inputs = images.expand(self.tm.encode_chat(messages, tools, req.chat_template_kwargs,
-                                                                  req.add_generation_prompt,
-                                                                  req.continue_final_message))
+            def encode(image_parts: bool, marker: str) -> list[int]:
+                messages = template_messages(_messages(req, marker, image_parts), self.config.server.tool_call_parser)
+                return self.tm.encode_chat(messages, tools, req.chat_template_kwargs, req.add_generation_prompt,
+                                           req.continue_final_message)
+
+            ids, image_inputs = images.expand(images.render(encode))
             max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
             self.tm.check_length(len(ids), max_tokens)
         except InputError as e:  # the template's or the prompt's length: both come from 'messages'

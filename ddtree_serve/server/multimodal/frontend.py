@@ -3,8 +3,9 @@ and the prompt's placeholder expansion. Nothing here reaches the scheduler befor
 
 A model takes images when its checkpoint is Kimi K2.5 / K2.6 with a complete ``vision_config`` and a
 ``media_placeholder_token_id`` that the tokenizer spells ``<|media_pad|>``. A chat message's image part is
-rendered into the prompt text as ``IMAGE_MARKER`` (Kimi's chat-template marker) where it stands; after
-tokenization each image's one placeholder token is expanded to the image's ``num_tokens`` tokens
+rendered by the checkpoint's chat template (ddtree_serve/server/http/chat_images.py; ``IMAGE_MARKER``, Kimi's
+marker, is written into the text only for a template that renders no image parts); after tokenization each
+image's one placeholder token is expanded to the image's ``num_tokens`` tokens
 (image_processor.py), and the request carries the preprocessed pixels (``ddtree_serve.server.io_struct.ImageInput``).
 
 URLs: ``data:image/png|jpeg|webp;base64,...`` only. http(s) URLs are refused with a 400: this server does not
