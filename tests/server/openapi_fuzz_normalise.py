@@ -114,15 +114,18 @@ def _ids_in_vocab(prompt: Any) -> Any:
 
 
 def _without_images(label: str, body: dict) -> None:
-    """The default model has no vision tower: image parts (chat, /tokenize) and image blocks (Messages) become
-    text."""
-    key = {"POST /v1/chat/completions": "image_url", "POST /tokenize": "image_url", "POST /v1/messages": "image"}
+    """The default model has no vision tower: image parts (chat, /tokenize), image blocks (Messages) and
+    ``input_image`` parts (Responses) become text."""
+    key = {"POST /v1/chat/completions": "image_url", "POST /tokenize": "image_url", "POST /v1/messages": "image",
+           "POST /v1/responses": "input_image"}
     kind = key.get(label)
-    for m in body.get("messages") or [] if kind and isinstance(body.get("messages"), list) else []:
+    field = "input" if label == "POST /v1/responses" else "messages"
+    texts = "input_text" if label == "POST /v1/responses" else "text"
+    for m in body.get(field) or [] if kind and isinstance(body.get(field), list) else []:
         content = m.get("content") if isinstance(m, dict) else None
         for k, part in enumerate(content if isinstance(content, list) else []):
             if isinstance(part, dict) and part.get("type") == kind:
-                content[k] = {"type": "text", "text": "An image."}
+                content[k] = {"type": texts, "text": "An image."}
 
 
 def _named_tool(choice: Any, tools: Any, rename: Any) -> None:

@@ -123,3 +123,21 @@ def test_anthropic_image_block_gives_the_chat_answer(base, oai):
     with pytest.raises(anthropic.BadRequestError, match="not fetched"):
         ant.messages.create(model="default", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+
+
+def test_responses_input_image_gives_the_chat_answer(base, oai):
+    """OpenAI Responses `input_image` parts (issue 46 item 3) through the official SDK: the same prompt and
+    answer as chat's image_url part; a file_id is a 400."""
+    url = data_url(random_image(12), "PNG")
+    r = oai.responses.create(model="default", max_output_tokens=8, temperature=0, input=[{
+        "role": "user", "content": [{"type": "input_image", "image_url": url, "detail": "auto"},
+                                    {"type": "input_text", "text": "What is this?"}]}],
+    )
+    chat = oai.chat.completions.create(model="default", max_tokens=8, temperature=0, messages=[{
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                    {"type": "text", "text": "What is this?"}]}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == (chat.choices[0].message.content or "")
+    with pytest.raises(openai.BadRequestError, match="file_id"):
+        oai.responses.create(model="default", max_output_tokens=4, input=[{
+            "role": "user", "content": [{"type": "input_image", "file_id": "file-1", "image_url": url}]}])

@@ -31,16 +31,44 @@ class TextContent(BaseModel):
     text: str
 
 
+class ImageContent(BaseModel):
+    """An image part of a user message (``input_image``): a ``data:`` URL, served as chat's ``image_url`` part
+    (models with a vision tower; docs/API.md, Images). ``file_id`` (uploaded files) is refused: no file store."""
+
+    model_config = _REQ
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's own resize rule applies
+    file_id: Any = Field(None, json_schema_extra=only_null("no file store: send the image as a data: URL"))
+
+    @field_validator("file_id", mode="before")
+    @classmethod
+    def _no_file_id(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("file_id is not supported: this server keeps no files; send image_url as a data: URL")
+        return v
+
+
 class MessageItem(BaseModel):
     model_config = _REQ
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextContent]
+    content: str | list[Annotated[TextContent | ImageContent, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextContent))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: text parts, and image parts as ``image_url`` parts."""
+        if isinstance(self.content, str):
+            return self.content
+        return [{"type": "text", "text": p.text} if isinstance(p, TextContent)
+                else {"type": "image_url", "image_url": {"url": p.image_url, "detail": p.detail}}
+                for p in self.content]
 
 
 class FunctionCallItem(BaseModel):

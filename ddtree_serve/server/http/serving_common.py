@@ -35,12 +35,13 @@ _MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "input_audio",
 def validation_error(errors: list[dict]) -> APIError:
     """The 400 for a request body that failed validation (pydantic errors, as FastAPI reports them with a
     leading ``"body"`` in each location): names the parameter, never a 422."""
-    for err in errors:
+    served = [e for e in errors if "input_image" in e["loc"] and e["loc"][-1] != "type"]  # Responses' own part
+    for err in [] if served else errors:
         if err["loc"][-1:] == ("type",) and err.get("input") in _MEDIA_PARTS and err["input"] != "image_url":
             return APIError(400, f"{err['input']} content is not supported: send text parts, or images as "
                                  "image_url parts with a data: URL (models with a vision tower)",
                             param="messages", code="unsupported_content")
-    err = errors[0]
+    err = (served or errors)[0]
     loc = [str(x) for x in err["loc"]][1 if err["loc"][:1] == ("body",) else 0:]
     if err["type"] == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", err["msg"])

@@ -74,9 +74,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         if it.type == "reasoning":
             reasoning += it.text()
         elif it.type == "message":
-            content = it.content if isinstance(it.content, str) else [{"type": "text", "text": p.text}
-                                                                      for p in it.content]
-            messages.append({"role": it.role, "content": content})
+            messages.append({"role": it.role, "content": it.chat_content()})
             if it.role == "assistant" and reasoning:
                 messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif it.type == "function_call":
