@@ -251,3 +251,27 @@ def test_tokenize_matches_chat_prompt_and_detokenize_inverts(base, oai) -> None:
     for path, body in (("/tokenize", {"prompt": "a", "messages": msgs}), ("/detokenize", {"tokens": [-1]})):
         r = httpx.post(base + path, json=body)
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+def test_messages_count_tokens_and_documents(base, ant) -> None:
+    """POST /v1/messages/count_tokens (Claude Code calls it; issue 46 item 8) through the official SDK: the
+    prompt /v1/messages sends, system, tools and a plain-text document block included; PDF and URL document
+    sources and citations are 400s in Anthropic's shape."""
+    doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Paris is sunny."},
+           "title": "Report"}
+    messages = [{"role": "user", "content": [doc, {"type": "text", "text": QUESTION}]}]
+    counted = ant.messages.count_tokens(model="default", system=SYSTEM, tools=A_TOOLS, messages=messages)
+    m = ant.messages.create(model="default", system=SYSTEM, tools=A_TOOLS, messages=messages, max_tokens=2,
+                            extra_body=GREEDY)
+    assert counted.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) > 0
+    bare = ant.messages.count_tokens(model="default", system=SYSTEM, tools=A_TOOLS,
+                                     messages=[{"role": "user", "content": QUESTION}])
+    assert counted.input_tokens > bare.input_tokens  # the document's title and text are in the prompt
+    for bad in ({"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+                {"type": "url", "url": "https://example.invalid/a.pdf"}):
+        r = _post(base, "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [
+            {"type": "document", "source": bad}]}]})
+        assert r.status_code == 400 and r.json()["type"] == "error" and "plain-text" in r.text, r.text
+    r = _post(base, "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {**doc, "citations": {"enabled": True}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

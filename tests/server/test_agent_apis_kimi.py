@@ -97,3 +97,29 @@ def test_tool_history_renders_like_chat_on_kimi_template(base) -> None:
     assert [o["content"][0]["text"] for o in resp["output"] if o["type"] == "reasoning"] == [
         msg["reasoning_content"]]
 
+
+
+def test_kimi_tool_ids_round_trip_unchanged(base) -> None:
+    """An id as Kimi emits it (``functions.NAME:IDX``, numbered the model's own way: here 3 for the first call of
+    the conversation) comes back unchanged through chat and Messages (issue 46 item 8; it was renumbered to 0):
+    in the prompt /tokenize renders for chat, and /v1/messages/count_tokens counts that same prompt."""
+    model = _model(base)
+    tools_c = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    call = {"id": "functions.get_weather:3", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps(CALL["input"])}}
+    history = [{"role": "user", "content": QUESTION},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees"}]
+    tok = httpx.post(f"{base}/tokenize", timeout=60, json={"model": model, "messages": history, "tools": tools_c,
+                                                           "chat_template_kwargs": {"thinking": False}}).json()
+    text = httpx.post(f"{base}/detokenize", timeout=60, json={"model": model, "tokens": tok["tokens"]}).json()["prompt"]
+    assert text.count(call["id"]) >= 1 and "functions.get_weather:0" not in text
+    ant_history = [{"role": "user", "content": QUESTION},
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": call["id"], "name": "get_weather",
+                                                      "input": CALL["input"]}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"],
+                                                 "content": "18 degrees"}]}]
+    counted = httpx.post(f"{base}/v1/messages/count_tokens", timeout=60, json={
+        "model": model, "tools": [{"name": "get_weather", "input_schema": WEATHER}], "messages": ant_history,
+        "thinking": {"type": "disabled"}}).json()
+    assert counted["input_tokens"] == tok["count"]

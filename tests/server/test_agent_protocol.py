@@ -114,3 +114,20 @@ def test_responses_refused_fields(extra, param) -> None:
 
 def test_store_false_and_empty_include_are_fine() -> None:
     assert _responses({"input": "hi", "store": False, "include": [], "truncation": "disabled"})["messages"]
+
+
+def test_messages_document_blocks_become_text() -> None:
+    chat = _messages({"messages": [{"role": "user", "content": [
+        {"type": "document", "title": "T", "context": "C", "source": {"type": "text", "data": "body"}},
+        {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text", "text": "b"}]}},
+        {"type": "text", "text": "Summarise."}]}]})
+    assert chat["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "T\n\nC\n\nbody"}, {"type": "text", "text": "ab"},
+        {"type": "text", "text": "Summarise."}]}]
+    for source in ({"type": "base64", "media_type": "application/pdf", "data": "x"}, {"type": "url", "url": "u"}):
+        with pytest.raises(APIError, match="plain-text documents"):
+            _messages({"messages": [{"role": "user", "content": [{"type": "document", "source": source}]}]})
+    with pytest.raises(APIError):  # a document is the user's
+        _messages({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "document", "source": {"type": "text", "data": "d"}}]}]})

@@ -1,6 +1,6 @@
 """Kimi's tool-call ids in the history (ddtree_serve/server/http/tool_history.py), without a server: every call id becomes
-``functions.NAME:IDX`` (IDX running over the conversation) and every tool answer the id of the call it
-answers, whatever ids the client sent; rendered through the Kimi stand-in tokenizer with a template that
+``functions.NAME:IDX`` (IDX running over the conversation; ids the model itself wrote are kept) and every tool
+answer the id of the call it answers, whatever ids the client sent; rendered through the Kimi stand-in tokenizer with a template that
 shows the ids where Kimi's does (``<|tool_call_begin|>ID`` and ``## Return of ID``)."""
 
 from __future__ import annotations
@@ -44,15 +44,20 @@ CANONICAL = ("functions.get_weather:0", "functions.get_time:1", "functions.get_w
              "functions.get_weather:2")
 
 
-@pytest.mark.parametrize("ids", [
-    ("call_a1", "call_b2", "call_c3", "call_c3"),  # OpenAI-style
-    ("toolu_01", "toolu_02", "toolu_01", "toolu_01"),  # Anthropic-style, an id reused by a later turn
-    ("functions.get_weather:7", "x", "functions.get_time:0", "functions.get_time:0"),  # misleading Kimi-like ids
-    CANONICAL,
+@pytest.mark.parametrize(("ids", "want"), [
+    (("call_a1", "call_b2", "call_c3", "call_c3"), CANONICAL),  # OpenAI-style
+    (("toolu_01", "toolu_02", "toolu_01", "toolu_01"), CANONICAL),  # Anthropic-style, an id reused by a later turn
+    (CANONICAL, CANONICAL),
+    # Kimi's own ids (as the model emitted them, numbered its own way) round-trip unchanged; an id in Kimi's
+    # form for another function, or already used, is rewritten after the highest IDX
+    (("functions.get_weather:7", "x", "functions.get_time:0", "functions.get_time:0"),
+     ("functions.get_weather:7", "functions.get_time:8", "functions.get_weather:9", "functions.get_weather:9")),
+    (("functions.get_weather:0", "functions.get_time:1", "functions.get_weather:0", "functions.get_weather:0"),
+     ("functions.get_weather:0", "functions.get_time:1", "functions.get_weather:2", "functions.get_weather:2")),
 ])
-def test_ids_rewritten_consistently(ids) -> None:
+def test_ids_rewritten_consistently(ids, want) -> None:
     sent = history(ids)
-    assert kimi_tool_ids(sent) == history(CANONICAL)
+    assert kimi_tool_ids(sent) == history(want)
     assert sent == history(ids)  # the client's messages are not modified in place
     assert template_messages(history(ids), "hermes") == history(ids)  # other parsers: as sent
 

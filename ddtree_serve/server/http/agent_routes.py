@@ -22,7 +22,11 @@ from starlette.responses import Response
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.http.errors import APIError
 from ddtree_serve.server.http.protocol import ErrorResponse
-from ddtree_serve.server.http.protocol_messages import MessagesRequest
+from ddtree_serve.server.http.protocol_messages import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+)
 from ddtree_serve.server.http.protocol_responses import ResponsesRequest
 from ddtree_serve.server.http.serving_common import validation_error
 from ddtree_serve.server.http.serving_messages import MessagesHandler, messages_error
@@ -70,6 +74,13 @@ def add_agent_routes(app: FastAPI, config: ServerConfig, tm: TokenizerManager, s
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         """Anthropic Messages (docs/API.md); ``stream: true`` answers with Anthropic's event stream."""
         return await messages.handle(request, body)
+
+    @router.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses={
+        **{code: {"description": f"{d}, in Anthropic's error shape"} for code, d in errors.items() if code != 503}})
+    async def count_tokens(body: CountTokensRequest) -> Response:
+        """Anthropic's token count of a Messages request: the prompt /v1/messages would send (Claude Code
+        calls it); no generation."""
+        return await messages.count_tokens(body)
 
     app.include_router(router)
 

@@ -76,6 +76,44 @@ class ToolResultBlock(BaseModel):
         return f"Error: {body}" if self.is_error else body
 
 
+class PlainTextSource(BaseModel):
+    model_config = _REQ
+    type: Literal["text"]
+    media_type: Literal["text/plain"] = "text/plain"
+    data: str
+
+
+class ContentSource(BaseModel):
+    model_config = _REQ
+    type: Literal["content"]
+    content: str | list[TextBlock]
+
+
+class DocumentCitations(BaseModel):
+    model_config = _REQ
+    enabled: Literal[False] = False  # citations are not produced: true is a 400
+
+
+class DocumentBlock(BaseModel):
+    """A document in a user message: plain text (``text`` source) or text blocks (``content`` source), given
+    to the model as text (title, context, then the document). PDF (``base64``) and ``url`` sources are a 400:
+    this server does not read PDFs or fetch URLs. ``citations`` are not produced: enabling them is a 400."""
+
+    model_config = _REQ
+    type: Literal["document"]
+    source: Annotated[PlainTextSource | ContentSource, Field(discriminator="type")]
+    title: str | None = None
+    context: str | None = None
+    citations: DocumentCitations | None = None
+    cache_control: dict[str, Any] | None = None
+
+    def text(self) -> str:
+        s = self.source
+        body = s.data if isinstance(s, PlainTextSource) else (
+            s.content if isinstance(s.content, str) else "".join(b.text for b in s.content))
+        return "\n\n".join(x for x in (self.title, self.context, body) if x)
+
+
 class ThinkingBlock(BaseModel):
     model_config = _REQ
     type: Literal["thinking"]
@@ -83,8 +121,8 @@ class ThinkingBlock(BaseModel):
     signature: str | None = None
 
 
-BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking")
-ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+BLOCK_TYPES = ("text", "image", "document", "tool_use", "tool_result", "thinking")
+ContentBlock = Annotated[TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
                          Field(discriminator="type")]
 
 
@@ -95,25 +133,29 @@ def _blocks_not(*kinds: str) -> dict:
 
 
 class InputMessage(BaseModel):
-    """``_blocks_of_role``, published: tool_use and thinking blocks only in assistant messages, tool_result
-    and image blocks only in user messages."""
+    """``_blocks_of_role``, published: tool_use and thinking blocks only in assistant messages, tool_result,
+    image and document blocks only in user messages."""
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         if_then(has("role", {"const": "user"}), _blocks_not("tool_use", "thinking")),
-        if_then(has("role", {"const": "assistant"}), _blocks_not("tool_result", "image"))]})
+        if_then(has("role", {"const": "assistant"}), _blocks_not("tool_result", "image", "document"))]})
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
     @model_validator(mode="before")
     @classmethod
     def _known_blocks(cls, data: Any) -> Any:
-        """A clear 400 for the block types this server does not take (documents, server tool blocks)."""
+        """A clear 400 for the block types this server does not take (server tool blocks) and for documents it
+        cannot read (PDF, URL and file sources)."""
         content = data.get("content") if isinstance(data, dict) else None
         for block in content if isinstance(content, list) else []:
             kind = block.get("type") if isinstance(block, dict) else None
+            src = block.get("source") if kind == "document" else None
+            if isinstance(src, dict) and src.get("type") in ("base64", "url", "file"):
+                raise ValueError(f"document source {src['type']!r} is not supported: this server reads plain-text "
+                                 "documents (source type 'text' or 'content'); send a PDF's text instead")
             if isinstance(kind, str) and kind not in BLOCK_TYPES:
-                what = " (this server takes text and images)" if kind == "document" else ""
-                raise ValueError(f"content block type {kind!r} is not supported{what}; send one of "
+                raise ValueError(f"content block type {kind!r} is not supported; send one of "
                                  f"{', '.join(BLOCK_TYPES)}")
         return data
 
@@ -123,7 +165,7 @@ class InputMessage(BaseModel):
         for block in self.content if isinstance(self.content, list) else []:
             if block.type in ("tool_use", "thinking") and self.role != "assistant":
                 raise ValueError(f"a {block.type!r} block belongs in an 'assistant' message")
-            if block.type in ("tool_result", "image") and self.role != "user":
+            if block.type in ("tool_result", "image", "document") and self.role != "user":
                 raise ValueError(f"a {block.type!r} block belongs in a 'user' message")
         return self
 
@@ -227,6 +269,17 @@ class MessagesRequest(BaseModel):
     diagnostics: Any = Field(None, json_schema_extra=only_null("no diagnostics"))
     user_profile_id: Any = Field(None, json_schema_extra=only_null("no user profiles"))
     workspace_id: Any = Field(None, json_schema_extra=only_null("no workspaces"))
+
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages body without ``max_tokens`` (Anthropic's; given, it is
+    accepted and unused). The prompt is rendered exactly as /v1/messages renders it."""
+
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] = 1
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
 
 
 # ---- errors -------------------------------------------------------------------------------------------

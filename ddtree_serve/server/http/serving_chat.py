@@ -43,7 +43,7 @@ from ddtree_serve.server.http.serving_common import (
 from ddtree_serve.server.http.serving_structured import Constraint, constraint_of, reasoning_gate
 from ddtree_serve.server.http.thinking import apply_reasoning_effort, reasoning_tokens
 from ddtree_serve.server.http.tool_history import template_messages
-from ddtree_serve.server.io_struct import DetokenizeReq, GenerateReq
+from ddtree_serve.server.io_struct import DetokenizeReq, GenerateReq, ImageInput
 from ddtree_serve.server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, parse_tool_calls
 from ddtree_serve.server.tokenizer_manager import InputError, TokenizerManager
 
@@ -106,6 +106,22 @@ class ChatHandler:
         thinking = thinking and (constraint.after_reasoning or not constraint.active)
         return reasoning, tools, thinking, constraint
 
+    async def prompt(self, req: ChatCompletionRequest) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt ids of ``req`` as the model's template renders it (tools, images expanded to their tokens)
+        and the images; a template or image error is a 400 naming ``messages``. Also Anthropic's count_tokens."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+        images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
+
+        def encode(image_parts: bool, marker: str) -> list[int]:
+            messages = template_messages(_messages(req, marker, image_parts), self.config.server.tool_call_parser)
+            return self.tm.encode_chat(messages, tools, req.chat_template_kwargs, req.add_generation_prompt,
+                                       req.continue_final_message)
+
+        try:
+            return images.expand(images.render(encode))
+        except InputError as e:  # the template's: it comes from 'messages'
+            raise APIError(400, str(e), param="messages", code=e.code) from None
+
     async def handle(self, request: Request, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (ddtree_serve/server/http/api.py)."""
         check_admission(self.tm, req.model, self.served, req.n)
@@ -116,18 +132,11 @@ class ChatHandler:
             raise APIError(400, "tools need a tool-call format to parse the reply's calls: start the server with "
                                 "--tool-call-parser (kimi_k2 or hermes), or send tool_choice 'none'",
                            param="tools", code="unsupported_value")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
-        images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
+        ids, image_inputs = await self.prompt(req)
+        max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
         try:
-            def encode(image_parts: bool, marker: str) -> list[int]:
-                messages = template_messages(_messages(req, marker, image_parts), self.config.server.tool_call_parser)
-                return self.tm.encode_chat(messages, tools, req.chat_template_kwargs, req.add_generation_prompt,
-                                           req.continue_final_message)
-
-            ids, image_inputs = images.expand(images.render(encode))
-            max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
             self.tm.check_length(len(ids), max_tokens)
-        except InputError as e:  # the template's or the prompt's length: both come from 'messages'
+        except InputError as e:  # the prompt's length comes from 'messages'
             raise APIError(400, str(e), param="messages", code=e.code) from None
         reasoning, tool_parser, thinking, constraint = self._parsers(req, constraint)
         base = uuid.uuid4().hex

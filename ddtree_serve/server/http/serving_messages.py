@@ -28,6 +28,9 @@ from ddtree_serve.server.http.chat_bridge import ChatRun, ChatTap, chat_request,
 from ddtree_serve.server.http.errors import APIError
 from ddtree_serve.server.http.protocol import ChatCompletionRequest
 from ddtree_serve.server.http.protocol_messages import InputMessage, MessagesRequest, anthropic_error
+from ddtree_serve.server.http.serving_chat import ChatHandler
+from ddtree_serve.server.http.serving_common import check_admission
+from ddtree_serve.server.http.thinking import apply_reasoning_effort
 from ddtree_serve.server.tokenizer_manager import TokenizerManager
 
 REFUSED = {
@@ -52,8 +55,9 @@ def _user(m: InputMessage) -> list[dict[str, Any]]:
         return [{"role": "user", "content": m.content}]
     out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                                  for b in m.content if b.type == "tool_result"]
-    texts = [{"type": "text", "text": b.text} if b.type == "text" else {"type": "image_url", "image_url": {
-        "url": b.url()}} for b in m.content if b.type in ("text", "image")]  # images: models with a vision tower
+    texts = [{"type": "text", "text": b.text} if b.type == "text" else {"type": "text", "text": b.text()}
+             if b.type == "document" else {"type": "image_url", "image_url": {"url": b.url()}}
+             for b in m.content if b.type in ("text", "document", "image")]  # images: models with a vision tower
     if texts or not out:
         out.append({"role": "user", "content": texts})
     return out
@@ -268,6 +272,16 @@ class MessagesHandler:
         if body.stream:
             return StreamingResponse(stream_of(run, body, self.served), media_type="text/event-stream")
         return JSONResponse(message_of(run, body, self.served))
+
+
+    async def count_tokens(self, body: MessagesRequest) -> JSONResponse:
+        """Anthropic's ``{"input_tokens": N}``: the prompt /v1/messages would send (system, tools, images)."""
+        req = chat_of(body, self.config)
+        check_admission(self.tm, body.model, self.served, 1)
+        chat = ChatHandler(self.config, self.tm, self.served)
+        ids, _ = await chat.prompt(apply_reasoning_effort(req, self.config.server.reasoning_parser,
+                                                          getattr(self.tm.tokenizer, "chat_template", None)))
+        return JSONResponse({"input_tokens": len(ids)})
 
 
 def messages_error(status: int, message: str) -> JSONResponse:
