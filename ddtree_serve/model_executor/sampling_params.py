@@ -58,6 +58,7 @@ class SamplingParams:
     reasoning_handoff_ids: tuple[int, ...] = ()
     min_tokens: int = 0  # no stop token before this many output tokens (vLLM's min_tokens)
     min_tokens_ban: tuple[int, ...] = ()  # the ids banned until then: EOS and stop_token_ids (set at admission)
+    draft_hint: tuple[int, ...] = ()  # a predicted output (OpenAI's prediction): a suffix-draft source, never output
 
     @property
     def grammar(self) -> tuple[str, str] | None:

@@ -351,8 +351,9 @@ class SpecWorker:
         r = self.runner
         suffix = None
         if r.tp.rank == 0:
-            suffix = self.suffix.propose([q.rid for q in reqs], [q.prompt_ids for q in reqs],
-                                         [q.output_ids for q in reqs], max_depths)
+            texts = [q.prompt_ids + list(q.params.draft_hint) if q.params.draft_hint else q.prompt_ids
+                     for q in reqs]  # a predicted output is indexed after the prompt (OpenAI's prediction)
+            suffix = self.suffix.propose([q.rid for q in reqs], texts, [q.output_ids for q in reqs], max_depths)
             suffix = tag(suffix, SUFFIX) if suffix.counts.any() else None
         return r.tp.broadcast_object(suffix)
 

@@ -18,7 +18,7 @@ SECTION = DOC[DOC.index("## Request fields"):DOC.index("\n## ", DOC.index("## Re
 REFUSED_LIST = SECTION.split("never silently dropped:", 1)[1].split("\n\n", 1)[0]
 # a value of each refused field that the server refuses (a field's default or null is accepted)
 REFUSED = {"store": True, "metadata": {"k": "v"}, "service_tier": "flex", "stream_options": {"include_usage": True},
-           "prediction": {"type": "content", "content": "x"}, "best_of": 3, "suffix": "tail",
+           "best_of": 3, "suffix": "tail",
            "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},
            "web_search_options": {}, "verbosity": "low", "modalities": ["audio"], "top_logprobs": 2}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

@@ -52,9 +52,8 @@ def test_skip_special_tokens_false_keeps_them(server, model_name) -> None:  # no
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("store", True), ("metadata", {"k": "v"}), ("service_tier", "flex"), ("prediction", {"type": "content",
-                                                                                          "content": "x"}),
-    ("stream_options", {"include_usage": True}),
+    ("store", True), ("metadata", {"k": "v"}), ("service_tier", "flex"), ("stream_options", {"include_usage": True}),
+    ("prediction", {"type": "file", "content": "x"}),
 ])
 def test_refused_fields_name_themselves(server, model_name, field, value) -> None:  # noqa: F811
     r = _post(server, "/v1/chat/completions", {"model": model_name, "messages": SHORT, "max_tokens": 2, field: value})
@@ -64,7 +63,7 @@ def test_refused_fields_name_themselves(server, model_name, field, value) -> Non
 
 def test_accepted_defaults_of_refused_fields(server, model_name) -> None:  # noqa: F811
     body = {"model": model_name, "messages": SHORT, "max_tokens": 2, "store": False, "metadata": None,
-            "service_tier": "auto", "prediction": None}
+            "service_tier": "auto", "prediction": {"type": "content", "content": "yes"}}
     assert _post(server, "/v1/chat/completions", body).status_code == 200
 
 
@@ -88,3 +87,27 @@ def test_min_tokens_plain_equals_ddtree(default_model_path) -> None:
     assert [o.token_ids for o in outs["plain"]] == [o.token_ids for o in outs["ddtree"]]
     assert all(len(o.token_ids) >= 30 for o in outs["plain"])
     assert sum(o.spec_accepted_tokens for o in outs["ddtree"]) > 0
+
+
+def test_prediction_is_a_draft_source_that_changes_nothing_else(default_model_path) -> None:
+    """A predicted output (OpenAI's prediction) is indexed for suffix drafts: the reply is the same, and the
+    drafts copy it (suffix drafts alone, no shared index of earlier outputs, so only the prediction can
+    propose the answer's text)."""
+    from ddtree_serve.model_executor.sampling_params import SamplingParams
+    from ddtree_serve.server.engine import Engine
+
+    eng = Engine(default_model_path, dtype="float32", max_total_tokens=8192, speculative_algorithm="ddtree",
+                 draft_sources="suffix", suffix_cache_tokens=0, ddtree_budget=8)
+    try:
+        prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about rain."}],
+                                                   add_generation_prompt=True, tokenize=False)
+        ids = eng.tokenizer.encode(prompt, add_special_tokens=False)
+        sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        first = eng.generate(input_ids=[ids], sampling_params=sp)[0]
+        hinted = eng.generate(input_ids=[ids], sampling_params=SamplingParams(
+            temperature=0, max_tokens=32, ignore_eos=True, draft_hint=tuple(first.token_ids)))[0]
+    finally:
+        eng.shutdown()
+    assert hinted.token_ids == first.token_ids
+    assert hinted.spec_accepted_tokens >= first.spec_accepted_tokens + 10, (hinted.spec_accepted_tokens,
+                                                                           first.spec_accepted_tokens)

@@ -182,6 +182,18 @@ def null_default_schema(extra: dict[str, Any] | None = None) -> Any:
     return apply
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the reply is expected to repeat. It changes speed only: with ddtree and
+    suffix drafts its tokens are indexed after the prompt, so the reply's copies of it are drafted."""
+
+    model_config = _REQ
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints. ``best_of`` (completions) is accepted only where it means nothing
     more than ``n``: no candidates are ranked server-side. null for a field of ``NULL_MEANS_DEFAULT`` is its
@@ -315,7 +327,7 @@ class ChatCompletionRequest(_SamplingFields):
     separate_reasoning: bool = True
     add_generation_prompt: bool = True  # vLLM: the template's assistant header after the messages
     continue_final_message: bool = False  # vLLM: the reply continues the last (assistant) message
-    prediction: None = None  # OpenAI predicted outputs: refused (a 400), see docs/API.md
+    prediction: Prediction | None = None  # OpenAI predicted output: a suffix-draft source (docs/API.md)
     # OpenAI's deprecated forms of tools / tool_choice: refused (400), never ignored; send tools instead
     functions: list[dict[str, Any]] | None = Field(None, max_length=0, json_schema_extra={"deprecated": True})
     function_call: None = Field(None, json_schema_extra={"deprecated": True})
@@ -332,14 +344,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be an assistant message")
         return self
-
-    @field_validator("prediction", mode="before")
-    @classmethod
-    def _no_prediction(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("prediction is not supported: predicted outputs are not used as drafts yet; leave it "
-                             "out (suffix drafts already copy what the prompt repeats)")
-        return v
 
     @field_validator("audio", "web_search_options", "verbosity", mode="before")
     @classmethod

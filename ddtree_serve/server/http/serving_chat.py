@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -143,9 +144,11 @@ class ChatHandler:
         det_common = dict(stop=tuple(req.stop_list()), stop_token_ids=tuple(req.stop_token_ids or ()),
                           skip_special_tokens=req.skip_special_tokens and not (reasoning or tool_parser),
                           logprobs=req.logprobs)
-        group = [(GenerateReq(f"{base}-{i}", ids, make_params(req, max_tokens, i, req.num_logprobs,
-                                                              constraint=constraint, vocab_size=self.tm.vocab_size),
-                              image_inputs),
+        hint = tuple(self.tm.tokenizer.encode(req.prediction.text(), add_special_tokens=False)) \
+            if req.prediction is not None else ()
+        group = [(GenerateReq(f"{base}-{i}", ids, dataclasses.replace(
+                      make_params(req, max_tokens, i, req.num_logprobs, constraint=constraint,
+                                  vocab_size=self.tm.vocab_size), draft_hint=hint), image_inputs),
                   DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         run = await start_generation(request, self.tm, group,
