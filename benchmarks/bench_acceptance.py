@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/acceptance.json")
     args = ap.parse_args()
     print(f"[bench] {machine()}", flush=True)
-    engine = Engine("default", speculative_algorithm="ddtree", ddtree_budget=args.budget, ddtree_max_budget=args.budget)
+    engine = Engine("default", speculative_algorithm="ddtree", ddtree_budget=args.budget)
     ids = (chat_ids(engine.tokenizer, CHAT_PROMPTS) * args.prompts)[: args.prompts]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
     stats = RankStats(args.budget)

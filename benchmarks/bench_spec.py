@@ -104,7 +104,9 @@ def configs_from(args) -> list[tuple[str, str, int | str]]:
 
 def build_engine(alg: str, budget: int | str, args) -> Engine:
     kw = {} if alg == "none" else {"speculative_algorithm": alg, "draft_model_path": args.draft_model_path,
-                                   "ddtree_budget": budget or 1, "ddtree_max_budget": args.max_budget}
+                                   "ddtree_budget": budget or 1}
+    if budget == "auto":  # the bound of the auto budget (with a fixed budget it is a configuration error)
+        kw["ddtree_max_budget"] = args.max_budget
     engine = Engine("default", dtype=args.dtype, max_total_tokens=args.kv_tokens, **kw)
     ids = chat_ids(engine.tokenizer, CHAT_PROMPTS)
     # warm-up, the same for every engine: one request of --max-tokens (first-call allocations; auto's

@@ -273,7 +273,9 @@ def imply_speculation(given: dict[str, Any]) -> None:
     without an algorithm implies ``ddtree`` (a drafter path or draft sources are what a user sets to get
     speculation); with the algorithm ``none`` they would be ignored, so that is a ValueError naming them, and so
     is a fixed ``ddtree_budget`` together with ``ddtree_max_budget`` (the bound of the auto budget)."""
-    others = sorted(k for k, v in given.items() if k != "algorithm" and not (k == "draft_model_path" and v == ""))
+    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeArgs)}
+    others = sorted(k for k, v in given.items()  # a value equal to the default (or an empty drafter path) sets nothing
+                    if k != "algorithm" and v != defaults.get(k) and not (k == "draft_model_path" and v == ""))
     algorithm = given.get("algorithm")
     if others and algorithm == "none":
         names = ", ".join(flat_name(SpeculativeArgs, k) for k in others)

@@ -55,7 +55,9 @@ def test_b300_preset_plan_kimi_weights_kv_and_pool(kimi_dir, capsys) -> None:
     # the MoonViT tower (replicated, BF16) and its activation peak for the largest image
     assert 0.85e9 < plan["weight_breakdown"]["vision tower+proj"] < 1.0e9
     encoder = plan["encoder_reserve_bytes"]
-    assert encoder == (16384 + 2048) * ((6 * 1152 + 4304) * 2 + 2 * 1152 * 4)
+    # the largest image: in_patch_limit 16384 (no preprocessor_config.json here: the published default) plus the
+    # merge padding of a 512-patch side, (16384 + 2 * 512 + 1) patches, with a fused attention kernel
+    assert encoder == (16384 + 2 * 512 + 1) * ((6 * 1152 + 4304) * 2 + 2 * 1152 * 4)
     expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace - GIB - encoder) // (61 * 576 * 2)
     assert plan["kv_tokens"] == expect and plan["kv_source"] == "mem_fraction_static"
     assert plan["log_line"].startswith(f"KV pool: {expect} tokens x 70272 B")

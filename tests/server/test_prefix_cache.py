@@ -26,8 +26,8 @@ def tiny(tmp_path_factory):
 
 def _engine(target: str, drafter: str | None = None, alg: str = "none", **kw) -> Engine:
     kw.setdefault("max_total_tokens", 4096)
-    return Engine(target, dtype="float32", speculative_algorithm=alg, draft_model_path=drafter, ddtree_budget=6,
-                  **kw)
+    spec = {} if alg == "none" else {"draft_model_path": drafter, "ddtree_budget": 6}  # none: no speculative settings
+    return Engine(target, dtype="float32", speculative_algorithm=alg, **spec, **kw)
 
 
 def _conversation(e: Engine, params: list[SamplingParams], turns: int = 3) -> list[tuple]:
@@ -55,8 +55,10 @@ def _accounting(e: Engine) -> None:
     assert kv.num_free + held + private == kv.num_slots
 
 
+# the sampled request's draws are position-keyed, so its outcome is fixed: temperature 0.3 and seed 1 make the
+# random DFlash chain's drafts accepted (the assertion below needs accepted paths in every algorithm)
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-          SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, seed=11, ignore_eos=True)]
+          SamplingParams(temperature=0.3, top_p=0.95, max_tokens=10, seed=1, ignore_eos=True)]
 
 
 @pytest.mark.parametrize("alg", ["none", "dflash", "ddtree"])

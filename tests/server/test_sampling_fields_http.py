@@ -167,8 +167,10 @@ def test_openapi_publishes_the_validation_constraints(base) -> None:
     schemas = spec["components"]["schemas"]
     assert "HTTPValidationError" not in schemas
     chat, completion = schemas["ChatCompletionRequest"], schemas["CompletionRequest"]
-    assert chat["properties"]["top_k"]["minimum"] == -1 and chat["properties"]["top_k"]["not"] == {"const": 0}
-    assert chat["properties"]["n"]["maximum"] == 64 and chat["required"] == ["messages"]
+    top_k, n = chat["properties"]["top_k"]["anyOf"][0], chat["properties"]["n"]["anyOf"][0]  # null: the default
+    assert {"type": "null"} in chat["properties"]["top_k"]["anyOf"]
+    assert top_k["minimum"] == -1 and top_k["not"] == {"const": 0}
+    assert n["maximum"] == 64 and chat["required"] == ["messages"]
     bias = chat["properties"]["logit_bias"]["anyOf"][0]
     assert bias["additionalProperties"] is False and bias["patternProperties"]["^[0-9]+$"]["maximum"] == 100
     assert chat["allOf"][0]["then"]["properties"]["logprobs"] == {"const": True}  # top_logprobs needs logprobs

@@ -27,8 +27,8 @@ def tiny(tmp_path_factory):
 
 
 def _engine(target: str, drafter: str | None, alg: str = "none", budget: int = 8, **kw) -> Engine:
-    return Engine(target, dtype="float32", max_total_tokens=16384, speculative_algorithm=alg,
-                  draft_model_path=drafter, ddtree_budget=budget, **kw)
+    spec = {} if alg == "none" else {"draft_model_path": drafter, "ddtree_budget": budget}  # none: no settings
+    return Engine(target, dtype="float32", max_total_tokens=16384, speculative_algorithm=alg, **spec, **kw)
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -40,14 +40,8 @@ def tiny(tmp_path_factory):
 
 
 def _engine(target: str, drafter: str | None = None, alg: str = "none", budget: int = 8) -> Engine:
-    return Engine(
-        target,
-        dtype="float32",
-        max_total_tokens=8192,
-        speculative_algorithm=alg,
-        draft_model_path=drafter,
-        ddtree_budget=budget,
-    )
+    spec = {} if alg == "none" else {"draft_model_path": drafter, "ddtree_budget": budget}  # none: no settings
+    return Engine(target, dtype="float32", max_total_tokens=8192, speculative_algorithm=alg, **spec)
 
 
 def _prompts() -> list[list[int]]:
