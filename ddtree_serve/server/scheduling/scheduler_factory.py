@@ -77,6 +77,11 @@ def make_scheduler(config: ServerConfig) -> SchedulerLike:
         return install_test_faults(scheduler)
     if par.node_rank != 0:
         raise ValueError("only node_rank 0 runs the scheduler; other nodes run run_node_followers")
+    if str(config.model.device).startswith("cuda"):  # before NCCL's first collective (server/topology.py)
+        from ddtree_serve.model_executor.parallel_state import ranks_per_node
+        from ddtree_serve.server.topology import log_topology
+
+        log_topology(ranks_per_node(par))
     addr = par.dist_init_addr or free_local_addr()
     followers = start_followers(config, addr)
     try:
