@@ -22,6 +22,8 @@ this normalisation, must be accepted. Each step names the rule it stands for:
 - a Messages ``thinking.budget_tokens``: at least ``max_tokens`` (a comparison between fields): removed when
   below.
 - ``min_tokens``: at most the output limit (a comparison between fields): capped at it.
+- chat ``stream_options`` needs ``stream: true`` (published for completions; left out of the chat schema, whose
+  if/then rules would then be more than schemathesis canonicalises): removed without ``stream: true``.
 - chat ``continue_final_message``: the last message must be an assistant's (the last item of a list): set
   false when it is not (with ``add_generation_prompt`` true again if it was left out).
 - grammars (``regex``, ``ebnf``, a ``response_format`` / ``output_config.format`` / ``text.format`` JSON
@@ -69,6 +71,8 @@ def normalise(label: str, body: Any) -> Any:
         cap = body.get("max_completion_tokens") if isinstance(body.get("max_completion_tokens"), int) \
             else body.get(limit)
         body["min_tokens"] = min(body["min_tokens"], cap if isinstance(cap, int) else MAX_NEW)
+    if label == "POST /v1/chat/completions" and body.get("stream") is not True:
+        body.pop("stream_options", None)
     msgs = body.get("messages")
     if label == "POST /v1/chat/completions" and body.get("continue_final_message") is True and isinstance(msgs, list) \
             and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") != "assistant":
