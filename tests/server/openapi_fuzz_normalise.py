@@ -52,6 +52,8 @@ def normalise(label: str, body: Any) -> Any:
     normalised in place as the module docstring says; returned."""
     if not isinstance(body, dict):
         return body
+    if label == "POST /v1/messages/count_tokens":  # the same body as /v1/messages (max_tokens unused)
+        label = "POST /v1/messages"
     body.pop("model", None)
     if isinstance(body.get("logit_bias"), dict):
         body["logit_bias"] = {str(int(k) % VOCAB): v for k, v in body["logit_bias"].items()}
@@ -67,10 +69,10 @@ def normalise(label: str, body: Any) -> Any:
             body[limit] = MAX_NEW if body.get(limit) != 0 else 0
     if isinstance(body.get("n"), int):
         body["n"] = min(body["n"], MAX_N)
-    if isinstance(body.get("min_tokens"), int) and limit is not None:
-        cap = body.get("max_completion_tokens") if isinstance(body.get("max_completion_tokens"), int) \
+    if isinstance(body.get("min_tokens"), (int, float)) and limit is not None:  # integral floats are integers
+        cap = body.get("max_completion_tokens") if isinstance(body.get("max_completion_tokens"), (int, float)) \
             else body.get(limit)
-        body["min_tokens"] = min(body["min_tokens"], cap if isinstance(cap, int) else MAX_NEW)
+        body["min_tokens"] = min(int(body["min_tokens"]), int(cap) if isinstance(cap, (int, float)) else MAX_NEW)
     if label == "POST /v1/chat/completions" and body.get("stream") is not True:
         body.pop("stream_options", None)
     msgs = body.get("messages")
