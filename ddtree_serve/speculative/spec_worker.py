@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,32 +52,13 @@ from ddtree_serve.speculative.ddtree import (
 from ddtree_serve.speculative.deferred_context import DeferredContext
 from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, resolve_sources, tag
 from ddtree_serve.speculative.step_cost import StepCostModel
+from ddtree_serve.speculative.step_timer import StepTimer
 from ddtree_serve.speculative.suffix_index import SuffixConfig, SuffixProposer
 from ddtree_serve.speculative.types import DecodeResult, OutOfKVSlots, SpecRequest, SpecSettings
 from ddtree_serve.speculative.verify import verify_tree
 from ddtree_serve.speculative.worker_shape import drafter_model_config, resolve_block, step_shape
 
 logger = logging.getLogger(__name__)
-
-
-class StepTimer:
-    """Accumulates wall time per phase of the speculative step (for benchmarks)."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = defaultdict(float)
-        self.steps = 0
-        self._t = 0.0
-
-    def start(self) -> None:
-        self._t = time.perf_counter()
-
-    def lap(self, phase: str) -> float:
-        """Close the current phase; returns its seconds."""
-        now = time.perf_counter()
-        dt = now - self._t
-        self.totals[phase] += dt
-        self._t = now
-        return dt
 
 
 class SpecWorker:

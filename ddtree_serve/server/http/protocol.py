@@ -14,6 +14,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ddtree_serve.server.http.protocol_chat_message import (  # noqa: F401 - re-exported
+    ChatMessage,
+    ImagePart,
+    ImageURL,
+    Prediction,
+    TextPart,
+)
 from ddtree_serve.server.http.protocol_outputs import (  # noqa: F401 - re-exported: the OpenAI models' public home
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -53,7 +60,6 @@ from ddtree_serve.server.http.protocol_rules import (
     at_most_one,
     has,
     if_then,
-    needs,
 )
 from ddtree_serve.server.http.protocol_tools import (  # noqa: F401 - re-exported: the request models' public home
     INTEGRAL,
@@ -79,91 +85,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
-    model_config = _REQ
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(BaseModel):
-    model_config = _REQ
-    url: str  # a data: URL (ddtree_serve/server/multimodal/frontend.py)
-    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's own resize rule applies
-
-
-class ImagePart(BaseModel):
-    """An image (models with a vision tower; a 400 otherwise), in 'user' messages."""
-
-    model_config = _REQ
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-def _if_role(roles: list[str], then: dict) -> dict:
-    return {"if": {"properties": {"role": {"enum": roles}}, "required": ["role"]}, "then": then}
-
-
-# the role rules of ChatMessage._role_rules, published in the OpenAPI spec (JSON Schema if/then)
-_ROLE_RULES = [
-    _if_role(["tool"], needs("content", "tool_call_id")),
-    _if_role(["system", "developer", "user"], needs("content")),
-    _if_role(["assistant"], {"anyOf": [needs("content"), {"required": ["tool_calls"],
-                                                           "properties": {"tool_calls": {"type": "array",
-                                                                                         "minItems": 1}}}]}),
-    _if_role(["system", "developer", "user", "tool"], {"properties": {"tool_calls": {"type": "null"}}}),
-    # image parts only in user messages (ddtree_serve/server/multimodal/frontend.py)
-    _if_role(["system", "developer", "assistant", "tool"], {"properties": {"content": {"anyOf": [
-        {"type": "string"}, {"type": "null"}, {"type": "array", "items": {
-            "not": {"properties": {"type": {"const": "image_url"}}, "required": ["type"]}}}]}}}),
-]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": _ROLE_RULES})
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallMsg] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-    @model_validator(mode="after")
-    def _role_rules(self) -> ChatMessage:
-        """OpenAI's per-role rules: a tool message answers a call (content and tool_call_id); an assistant
-        message has content or tool_calls; other roles have content; only assistants make tool calls."""
-        if self.role == "tool":
-            if self.content is None or self.tool_call_id is None:
-                raise ValueError("a 'tool' message needs 'content' and 'tool_call_id'")
-        elif self.role == "assistant":
-            if self.content is None and not self.tool_calls:
-                raise ValueError("an 'assistant' message needs 'content' or 'tool_calls'")
-        elif self.content is None:
-            raise ValueError(f"a {self.role!r} message needs 'content'")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"only 'assistant' messages carry 'tool_calls' (got role {self.role!r})")
-        if self.role != "user" and self.image_urls():
-            raise ValueError(f"image_url parts belong in 'user' messages (got role {self.role!r})")
-        return self
-
-    def text(self, image_marker: str = "") -> str | None:
-        """The content as one string; each image part becomes ``image_marker`` where it stands."""
-        if isinstance(self.content, list):
-            return "".join(p.text if isinstance(p, TextPart) else image_marker for p in self.content)
-        return self.content
-
-    def parts(self) -> list[dict[str, Any]]:
-        """The content as the chat template takes a multimodal message (transformers' and vLLM's convention):
-        ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts in order."""
-        if not isinstance(self.content, list):
-            return [{"type": "text", "text": self.content or ""}]
-        return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in self.content]
-
-    def image_urls(self) -> list[str]:
-        if isinstance(self.content, list):
-            return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
-        return []
-
-
 # OpenAI accepts null for these and means the default; so does this server (the spec publishes null for each)
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "logprobs",
                       "max_tokens", "echo", "separate_reasoning")
@@ -180,18 +101,6 @@ def null_default_schema(extra: dict[str, Any] | None = None) -> Any:
             inner = {k: prop.pop(k) for k in list(prop) if k not in ("title", "description", "default")}
             prop["anyOf"] = [inner, {"type": "null"}]
     return apply
-
-
-class Prediction(BaseModel):
-    """OpenAI's predicted output: text the reply is expected to repeat. It changes speed only: with ddtree and
-    suffix drafts its tokens are indexed after the prompt, so the reply's copies of it are drafted."""
-
-    model_config = _REQ
-    type: Literal["content"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class _SamplingFields(BaseModel):
