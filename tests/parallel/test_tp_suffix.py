@@ -11,6 +11,7 @@ from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.server.engine import Engine
 from tests.model_executor.tiny_deepseek import write_tiny_deepseek
 from tests.speculative.drafter_utils import write_random_drafter
+from tests.speculative.scripted_drafts import install
 
 PROMPTS = [[3, 17, 42, 99, 7], [5, 6, 7, 8]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -52,9 +53,11 @@ def test_tiny_kimi_tp2_seeded_sampling_equals_tp1_plain(tmp_path) -> None:
     eng = Engine(path, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=8, tp_size=2,
                  speculative_algorithm="ddtree", ddtree_budget=6)
     try:
+        log = install(eng, None)  # rank 0's steps
         first = eng.generate(input_ids=PROMPTS, sampling_params=sampled)
         second = eng.generate(input_ids=PROMPTS, sampling_params=sampled)
     finally:
         eng.shutdown()
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == ref
     assert all(o.spec_accepted_suffix >= 10 for o in second), [o.spec_accepted_suffix for o in second]
+    assert max(log.accepted) >= 2

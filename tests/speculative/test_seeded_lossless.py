@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from ddtree_serve.server.engine import Engine, SamplingParams
+from tests.speculative.scripted_drafts import install
 
 N_TOKENS = 20
 
@@ -48,6 +49,7 @@ def plain_refs(default_model_path):
 
 
 def _check(spec: Engine, ids: list[list[int]], refs: dict, names: list[str]) -> None:
+    log = install(spec, None)  # logs every step's accepted nodes (the engine's own draft sources)
     for name in names:
         accepted = 0
         for run in range(2):
@@ -55,6 +57,7 @@ def _check(spec: Engine, ids: list[list[int]], refs: dict, names: list[str]) -> 
             assert [o.token_ids for o in outs] == refs[name], (name, run)
             accepted += sum(o.spec_accepted_tokens for o in outs)
         assert accepted > 0, f"{name}: no draft accepted"
+    assert max(log.accepted) >= 2, "no path of depth >= 2 accepted"
     st = spec.stats()
     assert st.kv_used_tokens == 0 and st.running == 0 and st.waiting == 0
 
@@ -109,9 +112,11 @@ def test_tiny_deepseek_mla_seeded_equals_plain(tmp_path):
     base.shutdown()
     spec = Engine(path, speculative_algorithm="ddtree", ddtree_budget=6, **kw)
     try:
+        log = install(spec, None)
         first = spec.generate(input_ids=prompts, sampling_params=params)
         second = spec.generate(input_ids=prompts, sampling_params=params)
         assert [o.token_ids for o in first] == [o.token_ids for o in second] == ref
         assert all(o.spec_accepted_tokens >= 10 for o in second), [o.spec_accepted_tokens for o in second]
+        assert max(log.accepted) >= 2
     finally:
         spec.shutdown()
