@@ -12,6 +12,9 @@ _ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "ddtree_serve.model_executor.models.deepseek_v3:DeepseekV3ForCausalLM",
     "KimiK25ForConditionalGeneration": "ddtree_serve.model_executor.models.kimi_k25:KimiK25ForConditionalGeneration",
     "DFlashDraftModel": "ddtree_serve.model_executor.models.dflash:DFlashDraftModel",
+    # the simulated device (ddtree_serve/sim/): modelled forwards for host-side measurements at GPU scale
+    "DDTreeSimulatedTarget": "ddtree_serve.model_executor.models.simulated:SimulatedTarget",
+    "DDTreeSimulatedDrafter": "ddtree_serve.model_executor.models.simulated:SimulatedDrafter",
 }
 
 

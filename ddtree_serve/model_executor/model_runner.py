@@ -170,6 +170,13 @@ class ModelRunner:
             return self.graphs.forward(fb)
         return self.model(fb, self.kv, self.backend)
 
+    def wait_device(self) -> None:
+        """Where the host reads a step's results back: a simulated device (ddtree_serve/sim/) blocks here until
+        its modelled work is done; a real device synchronises in the read itself (nothing to do)."""
+        wait = getattr(self.model, "wait_device", None)
+        if wait is not None:
+            wait()
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

@@ -73,7 +73,8 @@ def check_drafter(path: str, target_path: str) -> None:
             cfg = json.loads(cfg_file.read_text())
         except (OSError, ValueError) as e:
             cfg, problem = {}, f"has an unreadable config.json ({e})"
-        if problem is None and "DFlashDraftModel" not in (cfg.get("architectures") or []):
+        drafters = ("DFlashDraftModel", "DDTreeSimulatedDrafter")  # the latter: the simulated device's (sim/)
+        if problem is None and not set(drafters) & set(cfg.get("architectures") or []):
             problem = f"is not a DFlash drafter (config.json architectures {cfg.get('architectures')})"
         elif problem is None and "mask_token_id" not in (cfg.get("dflash_config") or {}):
             problem = "is not a DFlash drafter (config.json has no dflash_config.mask_token_id)"

@@ -24,11 +24,12 @@ budget (also when the budget exceeds the number of distinct prefixes, sum_d K^d)
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ddtree_serve.speculative.ddtree_pop import batched_chain, batched_pops, reference_pops
 
 _NEG_INF = float("-inf")
 DFLASH, SUFFIX = 0, 1  # draft sources of a node (ddtree_serve/speculative/draft_sources.py)
@@ -65,9 +66,10 @@ class DraftTree:
         return int(self.candidates.shape[1])
 
 
-def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k draft log-probs and tokens per (request, depth), ordered (value desc, token asc): host arrays
-    [bs, L, K] that ``pop_nodes`` can reuse for every width up to ``k`` (the adaptive budget pops twice).
+def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k draft log-probs (float64) and tokens per (request, depth), ordered (value desc, token asc):
+    [bs, L, K] tensors on the logits' device that ``pop_nodes`` can reuse for every width up to ``k`` (the
+    adaptive budget pops twice).
 
     One batched topk on raw logits minus one logsumexp (the full log_softmax is never materialised)."""
     logits = draft_logits.float()  # [bs, L, V]
@@ -78,62 +80,24 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarr
     top_lp = top_lp.gather(-1, id_order)
     top_ids = top_ids.gather(-1, id_order)
     val_order = torch.argsort(top_lp, dim=-1, descending=True, stable=True)  # [bs, L, K]
-    top_lp = top_lp.gather(-1, val_order)
-    top_ids = top_ids.gather(-1, val_order)
-    return top_lp.cpu().numpy().astype(np.float64), top_ids.cpu().numpy()
+    return top_lp.gather(-1, val_order).double(), top_ids.gather(-1, val_order)
 
 
-def _best_first(
-    lp: list[list[float]], tok: list[list[int]], budget: int, k: int
-) -> tuple[list[int], list[int], list[int], list[float]]:
-    """Algorithm 1 for one request: pop ``budget`` prefixes best-first. Returns per-node token, parent
-    slot, depth and cumulative log-weight, in pop order (slot = position + 1).
-
-    This Python loop is the sequential heart of the algorithm (O(B log B) per request). Measured on the
-    2-core dev CPU, bs=8, budget 64, L=15, V=49152: ~0.7 ms for the 8 heaps (~90 us per request,
-    ~1.4 us per node) against ~16 ms for the batched top-K + logsumexp over the vocabulary, which
-    dominates ``build_ddtree`` on CPU (see benchmarks/bench_ddtree.py)."""
-    depth_limit = len(lp)
-    tokens: list[int] = []
-    parents: list[int] = []
-    depths: list[int] = []
-    logws: list[float] = []
-    if budget <= 0 or depth_limit == 0 or lp[0][0] == _NEG_INF:
-        return tokens, parents, depths, logws
-    # Entry: (-logw, depth, parent_slot, rank, parent_logw); ties -> shallower, earlier parent, lower rank.
-    heap = [(-lp[0][0], 1, 0, 0, 0.0)]
-    push, pop = heapq.heappush, heapq.heappop
-    while heap and len(tokens) < budget:
-        neg_logw, depth, parent, rank, parent_logw = pop(heap)
-        logw = -neg_logw
-        row_lp = lp[depth - 1]
-        tokens.append(tok[depth - 1][rank])
-        parents.append(parent)
-        depths.append(depth)
-        logws.append(logw)
-        slot = len(tokens)
-        if rank + 1 < k:
-            sib = parent_logw + row_lp[rank + 1]
-            if sib != _NEG_INF:
-                push(heap, (-sib, depth, parent, rank + 1, parent_logw))
-        if depth < depth_limit:
-            child = logw + lp[depth][0]
-            if child != _NEG_INF:
-                push(heap, (-child, depth + 1, slot, 0, logw))
-    return tokens, parents, depths, logws
-
-
-def _chain(lp: np.ndarray, tok: np.ndarray, budget: int) -> tuple[list[int], list[int], list[int], list[float]]:
-    """Chain mode (plain DFlash): the top-1 path of length min(L, budget), cut at a zero-prob token."""
-    n = min(int(lp.shape[0]), budget)
-    cum = np.cumsum(lp[:n, 0])  # [n]
-    n = int(np.searchsorted(-cum, np.inf)) if n else 0  # first -inf (cum is non-increasing)
-    return (
-        tok[:n, 0].tolist(),
-        list(range(n)),
-        list(range(1, n + 1)),
-        cum[:n].tolist(),
-    )
+def _host_pops(top_lp: np.ndarray, top_ids: np.ndarray, budgets: np.ndarray, depth_limits: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``batched_pops``' result from Algorithm 1's heap, one request at a time: on a CPU this Python loop is
+    the faster of the two (docs/BENCHMARKS.md, benchmarks/bench_ddtree.py: ~2x at batch 128, budget 64)."""
+    bs, _, k = top_lp.shape
+    width = int(budgets.max()) if bs else 0
+    tokens, parents = np.zeros((bs, width), dtype=np.int64), np.full((bs, width), -1, dtype=np.int64)
+    depths, logws = np.zeros((bs, width), dtype=np.int64), np.full((bs, width), _NEG_INF)
+    counts = np.zeros(bs, dtype=np.int64)
+    for b in range(bs):
+        kb, lim = min(int(budgets[b]), k), int(depth_limits[b])
+        t, p, dep, w = reference_pops(top_lp[b, :lim, :kb].tolist(), top_ids[b, :lim, :kb].tolist(), int(budgets[b]), kb)
+        n = counts[b] = len(t)
+        tokens[b, :n], parents[b, :n], depths[b, :n], logws[b, :n] = t, p, dep, w
+    return tokens, parents, depths, logws, counts
 
 
 def _link_and_mask(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,7 +158,7 @@ def pop_nodes(
     budgets: torch.Tensor,
     chain: bool = False,
     max_depths: torch.Tensor | None = None,
-    topk: tuple[np.ndarray, np.ndarray] | None = None,
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PoppedNodes:
     """Algorithm 1's pops for every request (see ``build_ddtree`` for the arguments). ``topk``: this
     ``draft_logits``'s ``draft_topk`` at a K of at least the widest budget (1 in chain mode), or None."""
@@ -217,23 +181,15 @@ def pop_nodes(
         logws=np.full((bs, width), _NEG_INF, dtype=np.float64),
         counts=np.zeros(bs, dtype=np.int64),
     )
-    for b in range(bs if width > 0 else 0):
+    if width > 0:
+        args = (np.asarray(budget_list, dtype=np.int64), np.asarray(depth_list, dtype=np.int64))
         if chain:
-            t, p, dep, w = _chain(top_lp[b, : depth_list[b]], top_ids[b, : depth_list[b]], budget_list[b])
-        else:
-            kb = min(budget_list[b], vocab)
-            t, p, dep, w = _best_first(
-                top_lp[b, : depth_list[b], :kb].tolist(),
-                top_ids[b, : depth_list[b], :kb].tolist(),
-                budget_list[b],
-                kb,
-            )
-        n = len(t)
-        out.counts[b] = n
-        out.tokens[b, :n] = t
-        out.parents[b, :n] = p
-        out.depths[b, :n] = dep
-        out.logws[b, :n] = w
+            popped = batched_chain(top_lp.cpu().numpy(), top_ids.cpu().numpy(), *args)
+        elif top_lp.device.type == "cpu":  # the heap beats the batched ops on a CPU (_host_pops)
+            popped = _host_pops(top_lp.numpy(), top_ids.numpy(), *args)
+        else:  # on the accelerator, no Python loop over requests or nodes; one copy of [bs, W] results
+            popped = batched_pops(top_lp, top_ids, *(torch.from_numpy(a).to(top_lp.device) for a in args))
+        out.tokens, out.parents, out.depths, out.logws, out.counts = popped
     return out
 
 

@@ -140,6 +140,8 @@ class SpecWorker:
                 logger.info("drafter: %s KV heads < tp_size %d: the drafter runs unsharded on every rank",
                             cfg.hf.get("num_key_value_heads"), runner.tp.size)
             drafter = load_model(cfg, group, runner.device)
+            if hasattr(drafter, "share_device"):  # a simulated drafter runs on the target's modelled device
+                drafter.share_device(runner.model)
             check_target_layers(drafter.target_layer_ids, target_config.num_layers, path)
             bsz = resolve_block(settings.block_size, drafter)
         suffix = None
@@ -230,12 +232,12 @@ class SpecWorker:
         draft_logits = topk = None
         if plan == DRAFT:
             draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+            self._wait("draft")  # the pops read the draft on the host
             if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
                 mask_draft_logits(grammars, draft_logits)
-            t.lap("draft")
             # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
             k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
-            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] host arrays
+            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] on the device
         depths = torch.tensor(max_depths)  # [bs]
         scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
 
@@ -265,7 +267,7 @@ class SpecWorker:
         built_at = time.perf_counter() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
         draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
         logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
-        t.lap("verify_forward")
+        self._wait("verify_forward")
         info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
         want_lp = any(q.params.logprobs is not None for q in reqs)
         pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev,
@@ -309,6 +311,7 @@ class SpecWorker:
         fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids)  # roots' KV
         assert fb is not None, "decode() checked free slots for the whole step"
         out = r.forward(fb)
+        self._wait("plain")
         if self.deferred is not None:  # written before the drafter next reads its cache (deferred_context.py)
             self.deferred.add(out.captured, fb.positions, fb.out_cache_loc)
         else:
@@ -325,6 +328,13 @@ class SpecWorker:
             zeros = np.zeros(bs, dtype=np.int64)
             self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, time.perf_counter() - start)
         return results
+
+    def _wait(self, phase: str) -> None:
+        """Close ``phase`` (its host work and launches), then block until the device is done: a simulated
+        device's modelled time (ddtree_serve/sim/) is the ``device_wait`` lap; a real device waits in its reads."""
+        self.timer.lap(phase)
+        self.runner.wait_device()
+        self.timer.lap("device_wait")
 
     def _suffix_drafts(self, reqs: Sequence[SpecRequest], max_depths: list[int]) -> PoppedNodes | None:
         """This step's suffix drafts (tagged SUFFIX; rank 0's under TP), or None when no request has one."""
@@ -349,7 +359,7 @@ class SpecWorker:
         fb = build_forward_batch(
             ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.slots.table,
             idx, cached, torch.full((bs,), bsz), tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool),
-            input_embeds=r.model.embed(ids.view(-1)))
+            input_embeds=r.model.embed(ids.view(-1)), dense_mask=getattr(self.drafter, "reads_attn_mask", True))
         hidden = self.drafter(fb, self.draft_kv, self.draft_backend).view(bs, bsz, -1)  # [bs, B, H]
         r.slots.free(slots)
         return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)

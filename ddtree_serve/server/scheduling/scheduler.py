@@ -282,6 +282,7 @@ class Scheduler:
         assert fb is not None, "admission checked free slots"
         fb.input_embeds = prefill_embeds(r.model, batch.reqs, batch.chunk_lens, fb.input_ids)  # images: [T, H]
         out = r.forward(fb)
+        r.wait_device()  # a simulated device's modelled time (ddtree_serve/sim/)
         if self.spec is not None:
             self.spec.on_extend(fb, out.captured)
         score_prompt_chunk(self.runner.logits, batch.reqs, batch.chunk_lens, out.hidden)
@@ -312,6 +313,7 @@ class Scheduler:
                               [q.output_ids[-1] for q in reqs])
         assert fb is not None, "room was made"
         out = r.forward(fb)
+        r.wait_device()
         for q in reqs:
             q.num_cached += 1
             q.spec_plain_steps += 1

@@ -1,0 +1,135 @@
+"""Models of the simulated device (ddtree_serve/sim/): a synthetic target and drafter whose forwards cost modelled
+device time (``DeviceClock``) instead of computing, so the host side of serving (scheduling, tree build,
+verification, commit, output) can be measured at GPU scale on a CPU (benchmarks/bench_scale.py).
+
+Target: the greedy continuation is known, ``next_token(token, position)`` (a fixed hash of the last token and its
+position), so a request's output is its prompt's last token iterated through the rule; its logits are a peak of
+``peak`` at that token over a flat floor (vocabulary ``vocab_size``, small: the rows the host touches stay small,
+the full vocabulary's cost is modelled). Drafter: for depth d of a block rooted at (token, position) it ranks the
+true token first with probability ``accept_prob`` (a fixed hash of token, position and depth against it) and
+second otherwise, under a wrong token, so the acceptance of chain and tree drafts is set by one number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ddtree_serve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
+from ddtree_serve.model_executor.model_config import ModelConfig
+from ddtree_serve.model_executor.models.output import ModelOutput
+from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.sim.device_clock import DeviceClock, DeviceCostModel
+
+_M = (1 << 31) - 1  # the hashes' modulus
+
+
+def next_token(tokens: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The target's greedy token after ``tokens`` at ``positions`` (same shapes): in 1..vocab-2 (0 is the
+    drafter's mask token, vocab-1 the end of sequence, never produced)."""
+    return 1 + (tokens * 7919 + positions * 104729 + 13) % (vocab - 2)
+
+
+def _uniform(tokens: torch.Tensor, positions: torch.Tensor, depth: torch.Tensor, seed: int) -> torch.Tensor:
+    """A fixed pseudo-random number in [0, 1) per (token, position, depth): whether the drafter is right."""
+    h = (tokens * 1_000_003 + positions * 998_244_353 + depth * 19_260_817 + seed) % _M
+    h = (h * 48_271) % _M
+    return (h * 48_271 % _M).double() / _M
+
+
+def _cost(hf: dict) -> DeviceCostModel:
+    return DeviceCostModel(**hf.get("simulated_device", {}))
+
+
+class SimulatedTarget(nn.Module):
+    """Architecture ``DDTreeSimulatedTarget``: hidden states are the logits (hidden_size == vocab_size)."""
+
+    reads_attn_mask = False  # attention is modelled, not run: no O(Q x K) mask is built
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()) -> None:
+        super().__init__()
+        self.vocab = config.vocab_size
+        self.peak = float(config.hf.get("simulated_peak", 12.0))
+        self.clock = DeviceClock(_cost(config.hf))
+        self.dummy = nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        return KVCacheLayout(num_layers=1, kv_heads=1, k_dim=1, v_dim=1)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for _ in weights:  # the checkpoint holds one placeholder tensor
+            pass
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(ids.shape[0], 1, device=ids.device)  # [N, 1]: the drafter reads tokens, not embeddings
+
+    def forward(self, fb: ForwardBatch, kv: KVCache, backend: object) -> ModelOutput:
+        ids, pos = fb.input_ids, fb.positions  # [T]
+        rows = ids.shape[0] if fb.logits_indices is None else fb.logits_indices.shape[0]
+        reads = int((fb.prefix_lens * fb.extend_lens).sum()) + int((fb.extend_lens ** 2).sum()) // 2
+        self.clock.launch(self.clock.cost.target_s(int(ids.shape[0]), reads, rows))
+        hidden = torch.zeros(ids.shape[0], self.vocab, device=ids.device)  # [T, V]
+        hidden.scatter_(1, next_token(ids, pos, self.vocab)[:, None], self.peak)
+        captured = torch.zeros(ids.shape[0], 1, device=ids.device) if fb.capture_layer_ids else None  # [T, 1]
+        return ModelOutput(hidden, captured)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float()  # [T, V]
+
+    def wait_device(self) -> None:
+        self.clock.wait()
+
+
+class SimulatedDrafter(nn.Module):
+    """Architecture ``DDTreeSimulatedDrafter``: a DFlash-shaped drafter (block of root + masks) whose depth-d
+    top token is the target's with probability ``accept_prob``; it shares the target's clock."""
+
+    target_layer_ids = (0,)
+    reads_attn_mask = False
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()) -> None:
+        super().__init__()
+        hf = config.hf
+        self.vocab = config.vocab_size
+        self.block_size = int(hf.get("block_size", 16))
+        self.mask_token_id = 0
+        self.accept_prob = float(hf.get("accept_prob", 0.8))
+        self.seed = int(hf.get("seed", 0))
+        self.clock = DeviceClock(_cost(hf))  # replaced by the target's (share_device)
+        self.dummy = nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def share_device(self, target: nn.Module) -> None:
+        """Run on the target's device timeline (one accelerator)."""
+        self.clock = target.clock
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        return KVCacheLayout(num_layers=1, kv_heads=1, k_dim=1, v_dim=1)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for _ in weights:
+            pass
+
+    def write_context(self, captured: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                      kv: KVCache) -> None:
+        """Context features cost nothing extra: their write is part of the target forward's modelled time."""
+
+    def forward(self, fb: ForwardBatch, kv: KVCache, backend: object) -> torch.Tensor:
+        assert fb.mode == ForwardMode.TARGET_VERIFY
+        bsz, v = self.block_size, self.vocab
+        ids = fb.input_ids.view(-1, bsz)  # [bs, B]
+        bs = ids.shape[0]
+        self.clock.launch(self.clock.cost.draft_s(bs * bsz, bs * (bsz - 1)))
+        root, pos0 = ids[:, 0], fb.positions.view(bs, bsz)[:, 0]  # [bs]
+        hidden = torch.zeros(bs, bsz, v, device=ids.device)  # [bs, B, V]
+        tok = root
+        for d in range(1, bsz):  # the true chain from the root, one depth at a time (B - 1 vector steps)
+            true = next_token(tok, pos0 + d - 1, v)  # [bs]
+            wrong = 1 + (true + 1 + d) % (v - 2)  # [bs] a token that is not the target's
+            right = _uniform(root, pos0, torch.full_like(root, d), self.seed) < self.accept_prob  # [bs]
+            hidden[:, d].scatter_(1, torch.where(right, true, wrong)[:, None], 12.0)  # ~0.95 of the mass
+            hidden[:, d].scatter_(1, torch.where(right, wrong, true)[:, None], 9.0)  # ~0.05
+            tok = true
+        return hidden.view(bs * bsz, v)

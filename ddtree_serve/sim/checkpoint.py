@@ -1,0 +1,36 @@
+"""Writes the simulated device's checkpoints (ddtree_serve/model_executor/models/simulated.py) in the Hugging Face
+layout the engine loads: a config.json and one placeholder safetensors file per model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ddtree_serve.sim.device_clock import DeviceCostModel
+
+
+def write_simulated_pair(root: str | Path, vocab: int = 512, accept_prob: float = 0.8, block_size: int = 16,
+                         cost: DeviceCostModel = DeviceCostModel(), max_context: int = 32768, seed: int = 0
+                         ) -> tuple[str, str]:
+    """A simulated target and drafter under ``root`` (``target/``, ``drafter/``): returns their paths.
+    ``accept_prob``: the drafter's per-depth chance of ranking the target's token first; ``cost``: the
+    modelled device (both models run on its one timeline)."""
+    root = Path(root)
+    common = dict(vocab_size=vocab, hidden_size=vocab, num_hidden_layers=1, num_attention_heads=1,
+                  num_key_value_heads=1, max_position_embeddings=max_context, eos_token_id=vocab - 1,
+                  torch_dtype="float32", simulated_device=asdict(cost))
+    paths = []
+    for name, extra in (("target", dict(architectures=["DDTreeSimulatedTarget"])),
+                        ("drafter", dict(architectures=["DDTreeSimulatedDrafter"], block_size=block_size,
+                                         accept_prob=accept_prob, seed=seed,
+                                         dflash_config=dict(mask_token_id=0)))):
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps({**common, **extra}, indent=1))
+        save_file({"dummy": torch.zeros(1)}, str(d / "model.safetensors"))
+        paths.append(str(d))
+    return paths[0], paths[1]

@@ -1,0 +1,168 @@
+"""DDTree's best-first pops (arXiv 2604.12989, Algorithm 1) for a whole batch at once, with no Python loop over
+requests or nodes: a loop over the L draft depths of array operations over ``[bs, candidates]``.
+
+Algorithm 1 pops the ``B`` most probable prefixes with a heap, one request at a time (``reference_pops``, kept
+as the oracle of the tests). The same set, in the same order, follows level by level:
+
+* every tree node is among the top ``B`` nodes of its own depth, and its parent is among the top ``B`` of the
+  depth above (a parent ranks above its child: draft log-probs are <= 0 and ties go to the shallower node);
+* the depth-d candidates are (parent i, rank r) pairs over depth d-1's kept nodes (sorted best first) and the
+  depth-d top-K tokens (sorted best first); the pair (i, r) is dominated by the ``(i + 1)(r + 1) - 1`` pairs
+  (i' <= i, r' <= r), so only pairs with ``(i + 1)(r + 1) <= B`` can be among the top ``B`` (~B ln B pairs,
+  not B x K);
+* a stable sort of each depth's candidates (laid out in (i, r) order) by log-weight keeps the heap's
+  tie-breaking (equal weight: earlier parent, then lower rank), and a stable sort of all kept nodes (laid out
+  depth by depth) gives the heap's pop order (equal weight: shallower first).
+
+Log-weights are the same float64 sums the heap forms (``parent + lp[rank]``), so the output equals the heap's
+bit for bit, ties included (tests/speculative/test_ddtree_pop.py). The first ``b`` pops are the optimal tree of
+budget ``b``, so rows with different budgets share one pass at the widest budget and are cut after it.
+
+It runs where the draft logits are: on an accelerator it is ~10 small kernels per depth and one copy of the
+[bs, W] result, whatever the batch; on a CPU the heap is measured faster (~2x at batch 128, budget 64:
+benchmarks/bench_ddtree.py), so ``ddtree_serve.speculative.ddtree.pop_nodes`` runs the heap there.
+"""
+
+from __future__ import annotations
+
+import heapq
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+_NEG_INF = float("-inf")
+
+
+@lru_cache(maxsize=64)
+def _pairs(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(parent index, rank) pairs with (i + 1)(r + 1) <= width, r < k, in (i, r) order: two [P] int64 arrays."""
+    ii, rr = [], []
+    for i in range(width):
+        for r in range(min(k, width // (i + 1))):
+            ii.append(i)
+            rr.append(r)
+    return np.asarray(ii, dtype=np.int64), np.asarray(rr, dtype=np.int64)
+
+
+def _best_w(cand: torch.Tensor, width: int) -> torch.Tensor:
+    """Column indices of each row's ``width`` largest entries in stable descending order (equal values by
+    ascending column), as a stable argsort gives: [bs, width]. One ``torch.topk``; rows where two kept
+    values are equal, or a value equal to the smallest kept one is left out, are sorted in full (exact ties
+    are rare for a trained drafter's log-probs)."""
+    if cand.shape[1] <= width:
+        return torch.sort(cand, dim=1, descending=True, stable=True).indices
+    vals, order = torch.topk(cand, width, dim=1)  # [bs, W] descending, ties in no set order
+    fin = torch.isfinite(vals)  # [bs, W]
+    tied = ((vals[:, 1:] == vals[:, :-1]) & fin[:, 1:]).any(1)  # [bs] a tie among the kept
+    tied |= ((cand >= vals[:, -1:]).sum(1) > width) & fin[:, -1]  # [bs] a tie across the cut
+    if tied.any():
+        rows = tied.nonzero()[:, 0]
+        order[rows] = torch.sort(cand[rows], dim=1, descending=True, stable=True).indices[:, :width]
+    return order
+
+
+def batched_pops(
+    top_lp: torch.Tensor, top_ids: torch.Tensor, budgets: torch.Tensor, depth_limits: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Algorithm 1's pops for every request, on the device of its inputs. top_lp / top_ids [bs, L, K]: per-depth
+    top-K draft log-probs (float64, sorted descending, ties by token id) and tokens; budgets [bs] >= 0;
+    depth_limits [bs] in 0..L (int64 tensors).
+
+    Returns host arrays tokens, parents (slot: 0 = root, pop i is slot i + 1), depths, logws ([bs, W], W = max
+    budget) and counts [bs]; entries past a row's count are token 0, parent -1, depth 0, log-weight -inf."""
+    bs, depth_limit, k = top_lp.shape
+    width = int(budgets.max()) if bs else 0
+    dev = top_lp.device
+    if width == 0 or depth_limit == 0:
+        return (np.zeros((bs, width), dtype=np.int64), np.full((bs, width), -1, dtype=np.int64),
+                np.zeros((bs, width), dtype=np.int64), np.full((bs, width), _NEG_INF), np.zeros(bs, dtype=np.int64))
+    lp, ids, limits = top_lp, top_ids, depth_limits  # [bs, L, K], [bs, L, K], [bs]
+    kw = min(k, width)
+    lvl_w = torch.full((bs, width), _NEG_INF, dtype=torch.float64, device=dev)  # [bs, W] a depth's kept weights
+    lvl_w[:, :kw] = lp[:, 0, :kw]
+    lvl_w[limits < 1] = _NEG_INF
+    lvl_rank = torch.zeros((bs, width), dtype=torch.int64, device=dev)  # [bs, W]
+    lvl_rank[:, :kw] = torch.arange(kw, device=dev)
+    kept_w, kept_par = [lvl_w], [torch.zeros((bs, width), dtype=torch.int64, device=dev)]
+    kept_tok = [ids[:, 0].gather(1, lvl_rank)]
+    pi, pr = (torch.from_numpy(a).to(dev) for a in _pairs(width, kw))  # [P]
+    for d in range(1, depth_limit):
+        if not torch.isfinite(lvl_w[:, 0]).any():
+            break
+        cand = lvl_w.index_select(1, pi) + lp[:, d].index_select(1, pr)  # [bs, P] the heap's float64 sums
+        cand[limits <= d] = _NEG_INF
+        order = _best_w(cand, width)  # [bs, W] best first, ties in (parent, rank) order
+        lvl_w = cand.gather(1, order)  # [bs, W]
+        lvl_rank = pr.take(order)  # [bs, W]
+        kept_w.append(lvl_w)
+        kept_par.append(pi.take(order))
+        kept_tok.append(ids[:, d].gather(1, lvl_rank))
+    all_w = torch.cat(kept_w, dim=1)  # [bs, levels * W], depth-major
+    order = _best_w(all_w, width)  # [bs, W] pop order; ties: shallower first
+    slot = torch.zeros_like(all_w, dtype=torch.int64)  # [bs, levels * W] pop slot of every kept node
+    slot.scatter_(1, order, torch.arange(1, width + 1, device=dev).expand(bs, width))
+    depth0 = order // width  # [bs, W] 0-based depth
+    par = torch.cat(kept_par, dim=1).gather(1, order)  # [bs, W] parent's index in the depth above
+    parent_slot = torch.where(depth0 == 0, 0, slot.gather(1, (depth0 - 1).clamp(min=0) * width + par))  # [bs, W]
+    w = all_w.gather(1, order)  # [bs, W]
+    counts = torch.minimum(torch.isfinite(w).sum(1), budgets)  # [bs]
+    used = torch.arange(width, device=dev)[None, :] < counts[:, None]  # [bs, W]
+    tokens = torch.where(used, torch.cat(kept_tok, dim=1).gather(1, order), 0)
+    out = torch.stack([tokens, torch.where(used, parent_slot, -1), torch.where(used, depth0 + 1, 0)]).cpu().numpy()
+    return out[0], out[1], out[2], torch.where(used, w, _NEG_INF).cpu().numpy(), counts.cpu().numpy()
+
+
+def batched_chain(
+    top_lp: np.ndarray, top_ids: np.ndarray, budgets: np.ndarray, depth_limits: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Chain mode (plain DFlash) for every request: the top-1 path of length min(depth limit, budget), cut at
+    the first zero-probability token. Same arrays as ``batched_pops``."""
+    bs, depth_limit, _ = top_lp.shape
+    width = int(budgets.max()) if bs else 0
+    n = min(width, depth_limit)
+    cum = np.cumsum(top_lp[:, :n, 0], axis=1)  # [bs, n]
+    counts = np.minimum(np.minimum(budgets, depth_limits), np.isfinite(cum).sum(1)).astype(np.int64)  # [bs]
+    tokens = np.zeros((bs, width), dtype=np.int64)
+    parents = np.full((bs, width), -1, dtype=np.int64)
+    depths = np.zeros((bs, width), dtype=np.int64)
+    logws = np.full((bs, width), _NEG_INF, dtype=np.float64)
+    used = np.arange(n)[None, :] < counts[:, None]  # [bs, n]
+    tokens[:, :n] = np.where(used, top_ids[:, :n, 0], 0)
+    parents[:, :n] = np.where(used, np.arange(n), -1)
+    depths[:, :n] = np.where(used, np.arange(1, n + 1), 0)
+    logws[:, :n] = np.where(used, cum, _NEG_INF)
+    return tokens, parents, depths, logws, counts
+
+
+def reference_pops(lp: list[list[float]], tok: list[list[int]], budget: int, k: int
+                   ) -> tuple[list[int], list[int], list[int], list[float]]:
+    """Algorithm 1 for one request with a heap, as the paper states it: pop ``budget`` prefixes best first.
+    Returns per-node token, parent slot, depth and cumulative log-weight in pop order (slot = position + 1).
+    The oracle of ``batched_pops``; benchmarks/bench_ddtree.py times both."""
+    depth_limit = len(lp)
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    logws: list[float] = []
+    if budget <= 0 or depth_limit == 0 or lp[0][0] == _NEG_INF:
+        return tokens, parents, depths, logws
+    # Entry: (-logw, depth, parent_slot, rank, parent_logw); ties -> shallower, earlier parent, lower rank.
+    heap = [(-lp[0][0], 1, 0, 0, 0.0)]
+    while heap and len(tokens) < budget:
+        neg_logw, depth, parent, rank, parent_logw = heapq.heappop(heap)
+        logw = -neg_logw
+        tokens.append(tok[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        logws.append(logw)
+        slot = len(tokens)
+        if rank + 1 < k:
+            sib = parent_logw + lp[depth - 1][rank + 1]
+            if sib != _NEG_INF:
+                heapq.heappush(heap, (-sib, depth, parent, rank + 1, parent_logw))
+        if depth < depth_limit:
+            child = logw + lp[depth][0]
+            if child != _NEG_INF:
+                heapq.heappush(heap, (-child, depth + 1, slot, 0, logw))
+    return tokens, parents, depths, logws

@@ -1,0 +1,93 @@
+"""The simulated device (ddtree_serve/sim/): exact where it can be. Greedy output under it, plain and DDTree, equals
+the synthetic target's known continuation at batch 1, 32 and 128 with drafts accepted; the drafter's
+acceptance follows its ``accept_prob``; the clock runs device work off the host thread; the cost model holds its
+calibration points."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ddtree_serve.model_executor.models.simulated import next_token
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.sim.checkpoint import write_simulated_pair
+from ddtree_serve.sim.device_clock import DeviceClock, DeviceCostModel
+
+VOCAB = 512
+N_TOKENS = 24
+
+
+def _continuation(prompt: list[int], n: int) -> list[int]:
+    tok, pos, out = prompt[-1], len(prompt) - 1, []
+    for _ in range(n):
+        tok = int(next_token(torch.tensor(tok), torch.tensor(pos), VOCAB))
+        out.append(tok)
+        pos += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return write_simulated_pair(tmp_path_factory.mktemp("sim"), vocab=VOCAB, accept_prob=0.8)
+
+
+@pytest.mark.parametrize("batch", [1, 32, 128])
+def test_greedy_equals_the_known_continuation(pair, batch: int) -> None:
+    target, drafter = pair
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + i % 3)] for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", max_running_requests=batch, max_total_tokens=batch * 64 + 1024,
+              disable_radix_cache=True)
+    for spec in ({}, dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=16,
+                          speculative_draft_sources="dflash")):
+        eng = Engine(target, **kw, **spec)
+        try:
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            assert [o.token_ids for o in outs] == [_continuation(p, N_TOKENS) for p in prompts]
+            if spec:
+                accepted = [o.spec_accepted_tokens for o in outs]
+                assert min(accepted) > 0 and sum(accepted) >= batch * N_TOKENS // 2, accepted
+            clock = eng.scheduler.runner.model.clock
+            assert clock.launches > 0 and clock.device_s > 0
+        finally:
+            eng.shutdown()
+
+
+def test_acceptance_follows_accept_prob(tmp_path) -> None:
+    """More often right, more tokens per step: tau rises with accept_prob (the same prompts, budget 16)."""
+    prompts = [[i + 1, 2, 3] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    taus = []
+    for p in (0.3, 0.9):
+        target, drafter = write_simulated_pair(tmp_path / str(p), vocab=VOCAB, accept_prob=p)
+        eng = Engine(target, device="cpu", dtype="float32", max_running_requests=8, max_total_tokens=4096,
+                     disable_radix_cache=True, speculative_algorithm="ddtree", speculative_draft_model_path=drafter,
+                     ddtree_budget=16, speculative_draft_sources="dflash")
+        try:
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            steps = sum(o.spec_verify_steps for o in outs)
+            taus.append(sum(len(o.token_ids) for o in outs) / steps)
+        finally:
+            eng.shutdown()
+    assert taus[0] < 3.0 < taus[1], taus
+
+
+def test_clock_runs_off_the_host_thread() -> None:
+    clock = DeviceClock(DeviceCostModel())
+    t0 = time.perf_counter()
+    clock.launch(0.05)
+    clock.launch(0.05)  # queued behind the first
+    assert time.perf_counter() - t0 < 0.05  # launches return at once
+    clock.wait()
+    assert time.perf_counter() - t0 >= 0.1 and clock.device_s == pytest.approx(0.1)
+    assert clock.waited_s > 0
+
+
+def test_cost_model_calibration() -> None:
+    """Kimi K2.6 on 8 GPUs: a decode step of ~10 ms at batch 1 and ~57 ms at batch 128 (docstring)."""
+    cost = DeviceCostModel()
+    assert 10.0 <= cost.target_s(1, 0, 1) * 1e3 <= 11.0
+    assert 56.0 <= cost.target_s(128, 0, 128) * 1e3 <= 59.0
+    assert cost.target_s(128 * 65, 0, 128 * 65) > 5 * cost.target_s(128, 0, 128)  # wide verify: FLOP-bound
