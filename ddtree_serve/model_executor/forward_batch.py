@@ -107,7 +107,7 @@ def build_forward_batch(
     q_max = int(extend_lens.max().item()) if bs else 0
     k_max = int(total.max().item()) if bs else 0
     jj = torch.arange(k_max, device=device)  # [K]
-    kv_indices = req_to_token[req_pool_indices.to(device)][:, :k_max].to(torch.int64)  # [bs, K]
+    kv_indices = req_to_token[:, :k_max][req_pool_indices.to(device)].to(torch.int64)  # [bs, K] (K columns only)
     kv_indices = torch.where(jj[None, :] < total[:, None], kv_indices, torch.zeros_like(kv_indices))
     ii = torch.arange(q_max, device=device)  # [Q]
     q_valid = ii[None, :] < extend_lens[:, None]  # [bs, Q]
