@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -170,12 +171,24 @@ class ModelRunner:
             return self.graphs.forward(fb)
         return self.model(fb, self.kv, self.backend)
 
+    @property
+    def accelerated(self) -> bool:
+        """Whether tensor work runs off the host: a GPU, or the simulated device (ddtree_serve/sim/), under which
+        the speculative step runs its device-side paths (the batched tree build) as on a GPU."""
+        return self.device.type != "cpu" or bool(getattr(self.model, "simulated_device", False))
+
     def wait_device(self) -> None:
         """Where the host reads a step's results back: a simulated device (ddtree_serve/sim/) blocks here until
         its modelled work is done; a real device synchronises in the read itself (nothing to do)."""
         wait = getattr(self.model, "wait_device", None)
         if wait is not None:
             wait()
+
+    def on_device(self) -> AbstractContextManager:
+        """Wraps tensor work that runs on the device in deployment (vocabulary top-k, sampling, verification):
+        a simulated device (ddtree_serve/sim/) books its CPU seconds as device work; otherwise nothing."""
+        section = getattr(self.model, "on_device", None)
+        return section() if section is not None else nullcontext()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

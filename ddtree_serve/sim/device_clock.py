@@ -15,6 +15,8 @@ tokens). Every field can be overridden in the simulated checkpoint's config.json
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -32,7 +34,7 @@ class DeviceCostModel:
     flop_token_ms: float = 0.032  # each token's FLOPs
     context_us: float = 0.002  # each cached key a query token's attention reads
     logits_row_us: float = 2.0  # each logits row: vocabulary-wide softmax, top-k / top-p, sampling or verification
-    draft_step_ms: float = 1.5  # a drafter forward's fixed cost (one small layer block)
+    draft_step_ms: float = 2.0  # a drafter forward's fixed cost (one small layer block) and the batched tree build
     draft_token_ms: float = 0.004  # each drafter token (block position)
 
     def target_s(self, tokens: int, context_reads: int, logits_rows: int) -> float:
@@ -54,6 +56,7 @@ class DeviceClock:
         self.busy_until = 0.0  # perf_counter time the queued work ends
         self.device_s = 0.0  # modelled device seconds launched so far
         self.waited_s = 0.0  # host seconds spent blocked in ``wait``
+        self.device_ops_s = 0.0  # host seconds spent running device ops (``on_device``)
         self.launches = 0
 
     def launch(self, seconds: float) -> None:
@@ -70,3 +73,14 @@ class DeviceClock:
             t0 = time.perf_counter()
             time.sleep(left)
             self.waited_s += time.perf_counter() - t0
+
+    @contextmanager
+    def on_device(self) -> Iterator[None]:
+        """Code that is device work in deployment (vocabulary top-k, sampling, verification kernels) but that the
+        CPU must run here to produce its results, at the simulator's small vocabulary: its seconds are booked
+        as ``device_ops_s``, not host work (their full-size cost is in the forwards' modelled time)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.device_ops_s += time.perf_counter() - t0

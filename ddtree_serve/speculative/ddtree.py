@@ -73,8 +73,11 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 
     One batched topk on raw logits minus one logsumexp (the full log_softmax is never materialised)."""
     logits = draft_logits.float()  # [bs, L, V]
-    top_vals, top_ids = torch.topk(logits, k, dim=-1)  # [bs, L, K]
+    top_vals, top_ids = torch.topk(logits, k, dim=-1)  # [bs, L, K] descending
     top_lp = top_vals - torch.logsumexp(logits, dim=-1, keepdim=True)  # [bs, L, K]
+    tie_free = not bool((top_vals[..., 1:] == top_vals[..., :-1]).any())  # no two kept values equal
+    if tie_free and (k == logits.shape[-1] or not bool((logits >= top_vals[..., -1:]).sum(-1).gt(k).any())):
+        return top_lp.double(), top_ids  # the order is already (value desc, token asc): nothing to re-sort
     # Deterministic order among equal values: ascending token id (stable sort of an id-sorted view).
     id_order = torch.argsort(top_ids, dim=-1)  # [bs, L, K]
     top_lp = top_lp.gather(-1, id_order)
@@ -159,9 +162,11 @@ def pop_nodes(
     chain: bool = False,
     max_depths: torch.Tensor | None = None,
     topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    batched: bool | None = None,
 ) -> PoppedNodes:
     """Algorithm 1's pops for every request (see ``build_ddtree`` for the arguments). ``topk``: this
-    ``draft_logits``'s ``draft_topk`` at a K of at least the widest budget (1 in chain mode), or None."""
+    ``draft_logits``'s ``draft_topk`` at a K of at least the widest budget (1 in chain mode), or None.
+    ``batched``: pop with ``batched_pops`` (device ops) rather than the heap; None: on an accelerator only."""
     bs, depth_limit, vocab = draft_logits.shape
     budget_list = [int(x) for x in budgets.tolist()]
     if any(b < 0 for b in budget_list):
@@ -185,7 +190,7 @@ def pop_nodes(
         args = (np.asarray(budget_list, dtype=np.int64), np.asarray(depth_list, dtype=np.int64))
         if chain:
             popped = batched_chain(top_lp.cpu().numpy(), top_ids.cpu().numpy(), *args)
-        elif top_lp.device.type == "cpu":  # the heap beats the batched ops on a CPU (_host_pops)
+        elif not (batched if batched is not None else top_lp.device.type != "cpu"):  # heap: faster on a CPU
             popped = _host_pops(top_lp.numpy(), top_ids.numpy(), *args)
         else:  # on the accelerator, no Python loop over requests or nodes; one copy of [bs, W] results
             popped = batched_pops(top_lp, top_ids, *(torch.from_numpy(a).to(top_lp.device) for a in args))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -232,20 +233,24 @@ class SpecWorker:
         draft_logits = topk = None
         if plan == DRAFT:
             draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
-            self._wait("draft")  # the pops read the draft on the host
+            self.timer.wait(self.runner, "draft")  # the pops read the draft on the host
             if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
                 mask_draft_logits(grammars, draft_logits)
             # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
             k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
-            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] on the device
+            with self.timer.device_ops(self.runner, "build"):
+                topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] on the device
         depths = torch.tensor(max_depths)  # [bs]
         scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
 
         def pop(width: int) -> PoppedNodes:  # best-first pops of both sources, grammar-pruned when masked
             widths = torch.full((bs,), width)  # [bs]
             wide = draft_pop_budgets(grammars, widths) if mask_drafts else widths  # [bs]
-            popped = pop_nodes(draft_logits, wide, chain=self.chain, max_depths=depths, topk=topk) \
-                if draft_logits is not None else no_pops(bs)
+            popped = no_pops(bs)
+            if draft_logits is not None:  # on an accelerator, batched device ops (ddtree_pop.py); else the heap
+                with t.device_ops(r, "build") if r.accelerated else nullcontext():
+                    popped = pop_nodes(draft_logits, wide, chain=self.chain, max_depths=depths, topk=topk,
+                                       batched=r.accelerated)
             if suffix is not None:  # one best-first order over both (ddtree_serve/speculative/draft_sources.py)
                 popped = merge_popped(popped, suffix, int(wide.max()), scale)
             return prune_popped(popped, grammars, widths) if mask_drafts else popped
@@ -267,18 +272,20 @@ class SpecWorker:
         built_at = time.perf_counter() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
         draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
         logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
-        self._wait("verify_forward")
-        info = BatchSamplingInfo.build([q.params for q in reqs], logits.shape[-1], dev)
-        want_lp = any(q.params.logprobs is not None for q in reqs)
-        pen = BatchPenalties.build([q.params for q in reqs], [q.token_counts for q in reqs], logits.shape[-1], dev,
-                                   [len(q.output_ids) for q in reqs])
-        single, acc = self.accept_thresholds
-        # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
-        vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
+        # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
+        params, vocab = [q.params for q in reqs], logits.shape[-1]
+        info = BatchSamplingInfo.build(params, vocab, dev)
+        want_lp = any(p.logprobs is not None for p in params)
+        pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev, [len(q.output_ids) for q in reqs])
         keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
-        res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy, keys,
-                          min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
-                          want_reach=ctl is not None, generators=[q.generator for q in reqs])
+        single, acc = self.accept_thresholds
+        self.timer.wait(self.runner, "verify_forward")
+        with self.timer.device_ops(self.runner, "verify"):
+            # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
+            vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
+            res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy, keys,
+                              min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
+                              want_reach=ctl is not None, generators=[q.generator for q in reqs])
         t.lap("verify")
         out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context)
         if want_lp:
@@ -311,13 +318,14 @@ class SpecWorker:
         fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids)  # roots' KV
         assert fb is not None, "decode() checked free slots for the whole step"
         out = r.forward(fb)
-        self._wait("plain")
+        self.timer.wait(self.runner, "plain")
         if self.deferred is not None:  # written before the drafter next reads its cache (deferred_context.py)
             self.deferred.add(out.captured, fb.positions, fb.out_cache_loc)
         else:
             self._write_context(out.captured, fb.positions, fb.out_cache_loc)
-        logits = r.logits(out.hidden)  # [bs, V]
-        tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
+        with self.timer.device_ops(self.runner, "plain"):
+            logits = r.logits(out.hidden)  # [bs, V]
+            tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
         results = []
         for q, tok, lp in zip(reqs, tokens.tolist(), lps, strict=True):
             q.num_cached += 1  # a running request has a token left: ``tok`` is always kept
@@ -328,13 +336,6 @@ class SpecWorker:
             zeros = np.zeros(bs, dtype=np.int64)
             self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, time.perf_counter() - start)
         return results
-
-    def _wait(self, phase: str) -> None:
-        """Close ``phase`` (its host work and launches), then block until the device is done: a simulated
-        device's modelled time (ddtree_serve/sim/) is the ``device_wait`` lap; a real device waits in its reads."""
-        self.timer.lap(phase)
-        self.runner.wait_device()
-        self.timer.lap("device_wait")
 
     def _suffix_drafts(self, reqs: Sequence[SpecRequest], max_depths: list[int]) -> PoppedNodes | None:
         """This step's suffix drafts (tagged SUFFIX; rank 0's under TP), or None when no request has one."""
@@ -381,11 +382,12 @@ class SpecWorker:
             ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.slots.table, idx, cached,
             lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask)
         out = r.forward(fb)
-        rows = r.logits(out.hidden)  # [T, V]
-        logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
-        logits[used.view(-1)] = rows
-        captured = None  # no drafter: nothing captured
-        if out.captured is not None:
-            captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
-            captured[used.view(-1)] = out.captured
+        with self.timer.device_ops(self.runner, "verify_forward"):
+            rows = r.logits(out.hidden)  # [T, V]
+            logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
+            logits[used.view(-1)] = rows
+            captured = None  # no drafter: nothing captured
+            if out.captured is not None:
+                captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
+                captured[used.view(-1)] = out.captured
         return logits.view(bs, d, -1), captured, slots

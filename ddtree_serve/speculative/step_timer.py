@@ -1,9 +1,22 @@
-"""Wall time per phase of the speculative step (benchmarks/bench_spec.py reads ``SpecWorker.timer``)."""
+"""Wall time per phase of the speculative step (benchmarks/bench_spec.py and bench_scale.py read
+``SpecWorker.timer``), with the step's two kinds of device time kept out of its phases: ``device_wait`` (the host
+blocked on the device) and ``device_ops`` (tensor work that is device work in deployment)."""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
+
+
+class DeviceSync(Protocol):
+    """What the timer needs of a ModelRunner (ddtree_serve/model_executor/model_runner.py)."""
+
+    def wait_device(self) -> None: ...
+
+    def on_device(self) -> AbstractContextManager: ...
 
 
 class StepTimer:
@@ -24,3 +37,19 @@ class StepTimer:
         self.totals[phase] += dt
         self._t = now
         return dt
+
+    def wait(self, runner: DeviceSync, phase: str) -> None:
+        """Close ``phase`` (its host work and launches), then block until the device is done: a simulated
+        device's modelled time (ddtree_serve/sim/) is the ``device_wait`` lap; a real device waits in its reads."""
+        self.lap(phase)
+        runner.wait_device()
+        self.lap("device_wait")
+
+    @contextmanager
+    def device_ops(self, runner: DeviceSync, phase: str) -> Iterator[None]:
+        """Close ``phase``, then run the enclosed device work (``ModelRunner.on_device``: a simulated device books
+        its CPU seconds to the device) as the ``device_ops`` lap."""
+        self.lap(phase)
+        with runner.on_device():
+            yield
+        self.lap("device_ops")

@@ -48,6 +48,7 @@ class SimulatedTarget(nn.Module):
     """Architecture ``DDTreeSimulatedTarget``: hidden states are the logits (hidden_size == vocab_size)."""
 
     reads_attn_mask = False  # attention is modelled, not run: no O(Q x K) mask is built
+    simulated_device = True  # ModelRunner.accelerated: the step takes its device-side paths
 
     def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
@@ -81,6 +82,9 @@ class SimulatedTarget(nn.Module):
 
     def wait_device(self) -> None:
         self.clock.wait()
+
+    def on_device(self):  # noqa: ANN201 - a context manager
+        return self.clock.on_device()
 
 
 class SimulatedDrafter(nn.Module):

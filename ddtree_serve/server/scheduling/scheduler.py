@@ -317,7 +317,8 @@ class Scheduler:
         for q in reqs:
             q.num_cached += 1
             q.spec_plain_steps += 1
-        tokens = self._sample(reqs, r.logits(out.hidden))
+        with r.on_device():  # sampling is device work (a simulated device books it so: ddtree_serve/sim/)
+            tokens = self._sample(reqs, r.logits(out.hidden))
         return [[t] for t in tokens]
 
     def _run_spec_decode(self, batch: Batch) -> list[list[int]]:
