@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -90,6 +91,7 @@ class ModelRunner:
             logger.info("sampling filters warmed up: %s", warm_up_filters(self.device, config.vocab_size))
         self.cuda_graph_max_bs = cuda_graph_max_bs
         self.graphs = None
+        self.while_busy: Callable[[], None] | None = None  # the overlap window's host work (wait_device)
         if cuda_graph_max_bs > 0:
             from ddtree_serve.model_executor.cuda_graph_runner import check_graphable
 
@@ -177,9 +179,18 @@ class ModelRunner:
         the speculative step runs its device-side paths (the batched tree build) as on a GPU."""
         return self.device.type != "cpu" or bool(getattr(self.model, "simulated_device", False))
 
+    def booked_device_seconds(self) -> float:
+        """Seconds of device work the CPU ran so far (a simulated device's ``on_device`` sections); 0 otherwise."""
+        booked = getattr(self.model, "booked_device_seconds", None)
+        return booked() if booked is not None else 0.0
+
     def wait_device(self) -> None:
-        """Where the host reads a step's results back: a simulated device (ddtree_serve/sim/) blocks here until
-        its modelled work is done; a real device synchronises in the read itself (nothing to do)."""
+        """Where the host reads a step's results back, right after launching its forward: first the overlap
+        window (``while_busy``: host work that needs no result of this step, set by the scheduler loop), then
+        a simulated device (ddtree_serve/sim/) blocks until its modelled work is done; a real device synchronises
+        in the read itself."""
+        if self.while_busy is not None:
+            self.while_busy()
         wait = getattr(self.model, "wait_device", None)
         if wait is not None:
             wait()

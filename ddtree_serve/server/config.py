@@ -195,6 +195,9 @@ class SchedulerArgs(Area):
     max_running_requests: int = setting(64, "Most requests decoded at once.", low=1)
     chunked_prefill_size: int = setting(512, "Prefill token budget per scheduler step, summed over the batch's "
                                         "requests (long prompts are chunked).", low=1)
+    disable_overlap_schedule: bool = setting(False, "Send the previous step's outputs and take in new requests "
+                                             "after each step, not while the device runs it (for debugging; "
+                                             "outputs then stream without the one-step delay).")
 
 
 @dataclass(frozen=True)

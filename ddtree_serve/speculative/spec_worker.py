@@ -91,7 +91,7 @@ class SpecWorker:
             # the drafter runs tree-masked (custom-mask prefill) forwards only, never decode: warming decode
             # up would compile it for a query/KV group size it never uses (flashinfer's decode has a fixed set)
             warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device, ("tree",))
-        self.timer = StepTimer()
+        self.timer = StepTimer(runner.booked_device_seconds)
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
         self.mask_drafts = True  # grammar masks on the drafter's logits + pruning of rejected nodes

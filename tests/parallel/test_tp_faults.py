@@ -1,4 +1,5 @@
-"""Faults under TP=2 (gloo, 2 processes), through the offline Engine (ddtree_serve/server/scheduling/step_recovery.py, tp_protocol.py).
+"""Faults under TP=2 (gloo, 2 processes), through the offline Engine (ddtree_serve/server/scheduling/step_recovery.py,
+ddtree_serve/server/tp/protocol.py, ddtree_serve/server/tp/step_agreement.py).
 
 - A step that raises on every rank (the test-only fault hook, ddtree_serve/server/scheduling/fault_injection.py, armed in rank 0
   and in the follower: the target forward, the drafter forward, the speculative commit) fails that step's
@@ -7,12 +8,19 @@
   KV state of every rank) passes: the follower recovered to the same state.
 - The drafter has one KV head, fewer than the ranks: it loads and runs unsharded on both ranks
   (``drafter_group``), and speculative greedy output equals plain TP=1 output.
-- A step that fails on rank 0 alone (rank 0's sampler, after the step's last collective) leaves the ranks
-  disagreeing: the follower stops at the next step's inputs and rank 0 raises ``TPRankError``.
+- A forward that fails on one rank only (``forward@1:N``, then ``forward@0:N``: before the forward's
+  collectives, as an out-of-memory there would) and a step that fails on rank 0 alone after the step's last
+  collective (its sampler) are agreed by every rank: the step's requests fail with an error naming the
+  rank, in seconds (not the 120 s collective timeout), and serving goes on with identical states.
+- A fault on rank 0 alone between two collectives of a forward cannot be agreed (the follower waits in a
+  collective rank 0 never joins): rank 0 raises ``TPRankError`` within the agreement's grace, not the
+  collective timeout, and the follower exits.
 - Ranks whose outputs differ (rank 0's tokens altered) are caught by the consistency check: ``TPDivergence``.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -89,7 +97,40 @@ def test_tp2_failed_steps_fail_their_requests_and_serving_goes_on(models) -> Non
     assert [p.exitcode for p in eng.scheduler.followers] == [0]
 
 
-def test_tp2_ranks_that_disagree_end_the_engine(models) -> None:
+def _serves_on(eng: Engine, refs: list[list[int]]) -> None:
+    outs = eng.generate(input_ids=GOOD, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    _no_kv_held(eng)
+
+
+def test_tp2_one_rank_forward_faults_are_agreed_and_serving_goes_on(models) -> None:
+    target, _, refs, (t_rank1, t_rank0, _) = models
+    with pytest.MonkeyPatch.context() as mp:  # the follower inherits the environment
+        mp.setenv(TEST_FAULT_ENV, f"forward@1:{t_rank1},forward@0:{t_rank0}")
+        eng = _engine(target, tp_size=2)
+    try:
+        stream = eng.generate_stream(input_ids=[GOOD[0]], sampling_params=GREEDY)
+        got = []
+        for d in stream:  # the good request is decoding when the bad ones fail in their prefill
+            got += d.token_ids
+            if len(got) >= 2:
+                break
+        for rank, tok in ((1, t_rank1), (0, t_rank0)):
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=f"step failed on TP rank {rank} of 2") as e:
+                eng.generate(input_ids=[[3, tok, 9]], sampling_params=GREEDY)
+            assert time.monotonic() - start < 30  # agreed at once, not after the 120 s collective timeout
+            assert f"injected step failure (forward@{rank}, token {tok})" in str(e.value)
+        for d in stream:
+            got += d.token_ids
+        assert got == refs[0]
+        _serves_on(eng, refs)
+    finally:
+        eng.shutdown()  # the last consistency check: raises TPDivergence if the follower's state differs
+    assert [p.exitcode for p in eng.scheduler.followers] == [0]
+
+
+def test_tp2_rank0_failure_after_the_last_collective_is_agreed(models) -> None:
     target, _, refs, _ = models
     eng = _engine(target, tp_size=2)
     rank0 = eng.scheduler.scheduler
@@ -98,18 +139,41 @@ def test_tp2_ranks_that_disagree_end_the_engine(models) -> None:
 
     def fail_once(reqs, logits):  # noqa: ANN001, ANN202 - after the step's last collective, on rank 0 only
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 2:  # the first decode step: the follower runs it to the end
             raise RuntimeError("rank 0 alone fails")
         return sample(reqs, logits)
 
     rank0._sample = fail_once
     try:
-        with pytest.raises(RuntimeError, match="rank 0 alone fails"):
+        with pytest.raises(RuntimeError, match="step failed on TP rank 0 of 2 \\(rank 0: RuntimeError: rank 0 alone"):
             eng.generate(input_ids=[GOOD[0]], sampling_params=GREEDY)
-        with pytest.raises(TPRankError):  # the follower saw rank 0's failure differ from its own outcome
-            eng.generate(input_ids=[GOOD[1]], sampling_params=GREEDY)
+        _no_kv_held(eng)
+        _serves_on(eng, refs)
     finally:
         eng.shutdown()
+    assert [p.exitcode for p in eng.scheduler.followers] == [0]
+
+
+def test_tp2_one_rank_fault_between_collectives_ends_the_engine_in_seconds(models) -> None:
+    target, _, _, _ = models
+    eng = _engine(target, tp_size=2)
+    eng.scheduler._agreement.grace_s = 2.0
+    armed = [True]
+
+    def fail(module, args):  # noqa: ANN001, ANN202 - rank 0's first MLP: after the embedding's and attention's all-reduces
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("rank 0 fails inside its forward")
+
+    eng.scheduler.scheduler.runner.model.layers[0].mlp.register_forward_pre_hook(fail)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TPRankError, match="never joins"):
+            eng.generate(input_ids=[GOOD[0]], sampling_params=GREEDY)
+        assert time.monotonic() - start < 30
+    finally:
+        eng.shutdown()
+    assert time.monotonic() - start < 40  # the follower, waiting in the forward's collective, failed at once
     assert [p.exitcode for p in eng.scheduler.followers] == [1]
 
 

@@ -72,9 +72,10 @@ class SimulatedTarget(nn.Module):
         rows = ids.shape[0] if fb.logits_indices is None else fb.logits_indices.shape[0]
         reads = int((fb.prefix_lens * fb.extend_lens).sum()) + int((fb.extend_lens ** 2).sum()) // 2
         self.clock.launch(self.clock.cost.target_s(int(ids.shape[0]), reads, rows))
-        hidden = torch.zeros(ids.shape[0], self.vocab, device=ids.device)  # [T, V]
-        hidden.scatter_(1, next_token(ids, pos, self.vocab)[:, None], self.peak)
-        captured = torch.zeros(ids.shape[0], 1, device=ids.device) if fb.capture_layer_ids else None  # [T, 1]
+        with self.clock.on_device():  # the synthetic outputs stand for the device's: not host work
+            hidden = torch.zeros(ids.shape[0], self.vocab, device=ids.device)  # [T, V]
+            hidden.scatter_(1, next_token(ids, pos, self.vocab)[:, None], self.peak)
+            captured = torch.zeros(ids.shape[0], 1, device=ids.device) if fb.capture_layer_ids else None  # [T, 1]
         return ModelOutput(hidden, captured)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -85,6 +86,9 @@ class SimulatedTarget(nn.Module):
 
     def on_device(self):  # noqa: ANN201 - a context manager
         return self.clock.on_device()
+
+    def booked_device_seconds(self) -> float:
+        return self.clock.device_ops_s
 
 
 class SimulatedDrafter(nn.Module):
@@ -122,11 +126,18 @@ class SimulatedDrafter(nn.Module):
 
     def forward(self, fb: ForwardBatch, kv: KVCache, backend: object) -> torch.Tensor:
         assert fb.mode == ForwardMode.TARGET_VERIFY
-        bsz, v = self.block_size, self.vocab
+        bsz = self.block_size
         ids = fb.input_ids.view(-1, bsz)  # [bs, B]
         bs = ids.shape[0]
         self.clock.launch(self.clock.cost.draft_s(bs * bsz, bs * (bsz - 1)))
-        root, pos0 = ids[:, 0], fb.positions.view(bs, bsz)[:, 0]  # [bs]
+        with self.clock.on_device():  # the synthetic outputs stand for the device's: not host work
+            return self._draft_hidden(ids, fb.positions.view(bs, bsz)[:, 0])
+
+    def _draft_hidden(self, ids: torch.Tensor, pos0: torch.Tensor) -> torch.Tensor:
+        """ids [bs, B] (root, masks), pos0 [bs] the roots' positions -> hidden [bs * B, V]."""
+        bs, bsz = ids.shape
+        v = self.vocab
+        root = ids[:, 0]  # [bs]
         hidden = torch.zeros(bs, bsz, v, device=ids.device)  # [bs, B, V]
         tok = root
         for d in range(1, bsz):  # the true chain from the root, one depth at a time (B - 1 vector steps)

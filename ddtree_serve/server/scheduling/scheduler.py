@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +195,11 @@ class Scheduler:
             self.process(batch, results)
         out, self.outbox = self.outbox, []
         return out
+
+    def set_host_window(self, work: Callable[[], None] | None) -> None:
+        """Host work to run while the device runs a step's forward (the overlap window, ``ModelRunner.wait_device``);
+        it must not change the running step's requests (adding new ones is fine). None: no window."""
+        self.runner.while_busy = work
 
     def fail_step(self) -> list[str]:
         """After ``step`` raised: fail that step's requests, free their KV (ddtree_serve/server/scheduling/step_recovery.py)."""

@@ -8,7 +8,7 @@ directory and device, and nothing below resolves them again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from ddtree_serve.server.config import ServerConfig
@@ -55,6 +55,8 @@ class SchedulerLike(Protocol):
 
     def close(self) -> None: ...
 
+    def set_host_window(self, work: Callable[[], None] | None) -> None: ...  # the overlap window's host work
+
 
 def make_scheduler(config: ServerConfig) -> SchedulerLike:
     """``Scheduler`` for tp_size 1; otherwise spawn the local followers, join the TP world as rank 0 and
@@ -89,6 +91,7 @@ def make_scheduler(config: ServerConfig) -> SchedulerLike:
         scheduler = TPScheduler(Scheduler(config, tp=tp), tp, followers)
         warm_up(scheduler.scheduler)  # as every follower does, before the steady-state timeouts
         end_startup(tp)
+        scheduler.start_agreement()  # the TP step agreement (ddtree_serve/server/tp/step_agreement.py)
         return install_test_faults(scheduler)
     except BaseException as e:
         dead = [f"rank {rank_of(p)} exited with status {p.exitcode}" for p in followers if not p.is_alive()]

@@ -41,7 +41,14 @@ IDLE_POLL_MS = 200
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: SchedulerLike, recv: zmq.Socket, send: zmq.Socket, guard: ChildGuard) -> None:
+    """Receives requests, steps the scheduler, sends its outputs. With ``overlap`` (the default; SGLang's overlap
+    scheduling, ``--disable-overlap-schedule`` turns it off) the host work that needs no result of the running
+    step runs while the device runs its forward (``Scheduler.set_host_window``): sending the previous step's
+    outputs (so they stream one step later) and, in a single process, taking in new requests (aborts wait for
+    the step's end: they change the running batch)."""
+
+    def __init__(self, scheduler: SchedulerLike, recv: zmq.Socket, send: zmq.Socket, guard: ChildGuard,
+                 overlap: bool = True) -> None:
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
@@ -49,6 +56,12 @@ class SchedulerLoop:
         self.inflight: set[str] = set()
         self._last_stats = None
         self._last_stats_time = 0.0
+        self._pending: list[TokenOut] = []  # the last step's outputs, sent in the next step's window
+        self._in_step = False
+        self._deferred_aborts: list[str] = []  # aborts received inside a step, applied after it
+        self._intake_in_window = not hasattr(scheduler, "followers")  # TP: requests join between steps only
+        if overlap:
+            scheduler.set_host_window(self._window)
 
     def run(self) -> None:
         while not self.guard.should_stop():
@@ -57,7 +70,20 @@ class SchedulerLoop:
                 self._drain()
             if self.scheduler.has_work():
                 self._step()
+            if not self.scheduler.has_work():
+                self._flush()  # no step will open a window soon
             self._maybe_send_stats()
+
+    def _window(self) -> None:
+        """The overlap window: runs inside a step while the device works."""
+        self._flush()
+        if self._intake_in_window and self.recv.poll(0):
+            self._drain()
+
+    def _flush(self) -> None:
+        if self._pending:
+            outs, self._pending = self._pending, []
+            self.send.send_pyobj(BatchTokenOut(outs))
 
     def _drain(self) -> None:
         while True:
@@ -68,7 +94,10 @@ class SchedulerLoop:
             if isinstance(msg, TokenizedGenerateReq):
                 self._add(msg)
             elif isinstance(msg, AbortReq):
-                self._abort(msg.rid)
+                if self._in_step:
+                    self._deferred_aborts.append(msg.rid)
+                else:
+                    self._abort(msg.rid)
             else:
                 logger.warning("unexpected message %s", type(msg).__name__)
 
@@ -100,19 +129,27 @@ class SchedulerLoop:
     def _step(self) -> None:
         from ddtree_serve.server.scheduling.step_recovery import is_fatal
 
+        self._in_step = True
         try:
             outs = self.scheduler.step()
         except Exception as e:  # noqa: BLE001
             if is_fatal(e):
                 raise  # the device or the TP world cannot be trusted any more: the server answers 503 and exits
             logger.error("scheduler step failed:\n%s", traceback.format_exc())
+            self._flush()  # the previous step's outputs go ahead of this step's errors
             self._fail_step(e)
             return
+        finally:
+            self._in_step = False
+            aborts, self._deferred_aborts = self._deferred_aborts, []
+            for rid in aborts:
+                self._abort(rid)
+        self._flush()  # a step that opened no window (no forward): its predecessor's outputs go now
         if outs:
             for o in outs:
                 if o.finished:
                     self.inflight.discard(o.rid)
-            self.send.send_pyobj(BatchTokenOut(outs))
+            self._pending = outs
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests of the step's batch (their KV freed; ddtree_serve/server/scheduling/step_recovery.py); every other
@@ -159,7 +196,7 @@ def run_scheduler_process(config: ServerConfig, endpoints: IpcEndpoints, parent_
         send.close(2000)
         os._exit(1)
     try:
-        SchedulerLoop(scheduler, recv, send, guard).run()
+        SchedulerLoop(scheduler, recv, send, guard, overlap=not config.scheduler.disable_overlap_schedule).run()
     except Exception as e:  # noqa: BLE001
         send.send_pyobj(ProcessFailed("scheduler", f"fatal step failure: {type(e).__name__}: {e}"))
         send.close(2000)

@@ -7,8 +7,11 @@ of the batch already finished, or after a fully prefilled request left the waiti
 joined the running list. ``Scheduler.step`` records the step's batch (``step_batch``, None until
 ``schedule`` returns one) so that ``fail_step`` can:
 
-- take every unfinished request of the batch out of the queues and release its KV (``Scheduler._release``:
-  the slots it counts in ``num_cached`` and its request-table row);
+- take every unfinished request of the batch out of the queues and release its KV (``Scheduler._release``):
+  the prefix cache keeps only the tokens it already held (``tree_len``); the request's other counted slots
+  (``num_cached`` beyond them: a decode or speculative step's tokens) are freed, not cached, so that the
+  result does not depend on how far into the step the failure came (under TP the ranks may stop at
+  different points of the step, see below);
 - free the step's orphans: allocated slots that no live request counts and the prefix cache does not hold
   (the only two owners of a slot between steps; the sweep is O(pool), paid only after a failure);
 - drop the batch's pending outputs (their clients get an error instead).
@@ -16,13 +19,20 @@ joined the running list. ``Scheduler.step`` records the step's batch (``step_bat
 Requests outside the batch are untouched and keep being served. A failure in ``schedule`` itself (no batch
 recorded: it, or the grammar queue's poll before it, raised) fails every request the scheduler holds.
 
-Under tensor parallelism every rank runs the same step over the same state, so a fault in the step's own
-computation (a kernel refusing a shape, a bug in the drafter or the commit) raises at the same place on
-every rank, and every rank's ``fail_step`` leaves the same state: the ranks recover independently, with no
-extra collective. ``failure_fingerprint`` names where a step failed; rank 0 sends its fingerprint of the
-previous step with the next step's inputs and a follower whose own outcome differs stops with a clear log
-(ddtree_serve/server/tp/protocol.py), which ends the server. Fatal (``is_fatal``): a broken collective (a dead or late
-rank, ``CollectiveError``/``TPRankError``) and a sticky device error.
+Under tensor parallelism the ranks agree on each step's success before it commits
+(ddtree_serve/server/tp/step_agreement.py): a vote after ``Scheduler.run`` (before ``process`` commits
+tokens) and a gate before each target forward. A step that failed on any rank, before a gate or after the
+step's last collective, raises ``TPStepFailed`` on every rank and every rank runs this same ``fail_step``
+(after a one-rank failure also dropping the prefix cache's unlocked entries: ``fail_agreed_step``), which
+leaves the same state everywhere: the ranks stopped at the same gate, or all ran the step's collectives
+(the same ``tree_len``s and queues), and what they did past that point is undone alike (the rollback to
+``tree_len`` above, the orphan sweep, the queues rebuilt from the batch). A fault on some ranks between
+collectives (inside a forward) cannot be agreed: the failed rank's vote is not matched within seconds and
+it ends the TP world (``TPRankError``). A failure after the vote (in ``process``) is caught as before:
+``failure_fingerprint`` names where a step failed; rank 0 sends its fingerprint of the previous step with
+the next step's inputs and a follower whose own outcome differs stops with a clear log
+(ddtree_serve/server/tp/protocol.py), which ends the server. Fatal (``is_fatal``): a broken collective (a
+dead or late rank, ``CollectiveError``/``TPRankError``) and a sticky device error.
 """
 
 from __future__ import annotations
@@ -71,6 +81,8 @@ def fail_step(scheduler: Any) -> list[str]:
     scheduler.waiting.clear()
     scheduler.waiting.extend(keep)
     scheduler.running[:] = [q for q in scheduler.running if id(q) not in ids]
+    for req in failed:  # cache only what the tree holds already: the same on every TP rank
+        req.num_cached = req.tree_len
     held = _held_slots(scheduler, failed)
     for req in failed:
         req.finish_reason = "error"

@@ -14,12 +14,16 @@ No token is broadcast. ``ConsistencyCheck`` verifies it cheaply: a running hash 
 of the state that scheduling reads (free and cached KV slots, queue lengths) is all-gathered every
 ``CHECK_EVERY`` steps and a mismatch raises ``TPDivergence`` on every rank.
 
-A failed step (ddtree_serve/server/scheduling/step_recovery.py): a fault in the step's own computation raises at the same place on
-every rank; each rank fails that step's requests itself (``fail_step``) and serving goes on. Rank 0 sends
-the fingerprint of its previous step's failure (None: it succeeded) with the next ``StepInputs``; a
-follower whose own outcome differs raises ``TPDivergence`` and exits, which ends the server with both
-outcomes in the log. A fault that strikes one rank before a collective leaves the others waiting in it
-until the collective timeout, then ends the server the same way.
+A failed step (ddtree_serve/server/scheduling/step_recovery.py): the ranks agree on every step's success
+before it commits (``StepAgreement``, ddtree_serve/server/tp/step_agreement.py: a vote after the step's
+computation, gates before its target forwards). A fault on every rank, or on some ranks before a gate or
+after the step's last collective, raises ``TPStepFailed`` on every rank; each fails that step's requests
+(``fail_agreed_step``) and serving goes on. A fault on some ranks between collectives ends the server
+within seconds (the failed rank's vote is never matched: ``TPRankError``). A failure after the vote (in
+``process``) is caught as before: rank 0 sends the fingerprint of its previous step's failure (None: it
+succeeded; agreed failures are fingerprinted alike on every rank) with the next ``StepInputs``; a follower
+whose own outcome differs raises ``TPDivergence`` and exits, which ends the server with both outcomes in
+the log.
 
 Failure: a rank that dies breaks the next collective (gloo reports the closed connection; otherwise the
 collective timeout fires); rank 0 raises ``TPRankError`` naming the dead local rank(s). ``has_work()``
@@ -34,13 +38,15 @@ import logging
 import multiprocessing as mp
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddtree_serve.model_executor.parallel_state import CollectiveError, TPGroup, destroy_tp, stable_hash
 from ddtree_serve.server.io_struct import GenerateReq, SchedulerStats, TokenOut
-from ddtree_serve.server.tp.errors import TPDivergence, TPRankError
+from ddtree_serve.server.tp.errors import TPDivergence, TPRankError, TPStepFailed
 from ddtree_serve.server.tp.processes import rank_of, stop_followers
+from ddtree_serve.server.tp.step_agreement import StepAgreement, fail_agreed_step
 
 if TYPE_CHECKING:
     from ddtree_serve.server.scheduling.request import Req
@@ -87,6 +93,11 @@ class ConsistencyCheck:
                                "(outputs must be identical on every rank)")
 
 
+def agreed_fingerprint(error: TPStepFailed) -> str:
+    """An agreed failure's fingerprint: its message, built from every rank's vote, is equal on every rank."""
+    return f"agreed: {error}"
+
+
 def check_outcome(rank: int, rank0: str | None, mine: str | None) -> None:
     """A follower's check that its previous step ended as rank 0's did (both ran, or both failed alike)."""
     if rank0 != mine:
@@ -115,6 +126,8 @@ class TPScheduler:
         self._check = ConsistencyCheck(tp)
         self._broken: str | None = None
         self._failure: str | None = None  # the last step's failure fingerprint, sent with the next step
+        self._agreed: TPStepFailed | None = None  # the last step's agreed failure, for fail_step
+        self._agreement: StepAgreement | None = None  # start_agreement
         self._reported = False
         self._closed = False
 
@@ -156,23 +169,41 @@ class TPScheduler:
         self.scheduler.abort_request(rid)
         self._ops.append(("abort", rid))
 
+    def set_host_window(self, work: Callable[[], None] | None) -> None:
+        """Rank 0's overlap window (``Scheduler.set_host_window``); the followers run none."""
+        self.scheduler.set_host_window(work)
+
     def has_work(self) -> bool:
         self._ensure_ok()
         return self.scheduler.has_work()
 
+    def start_agreement(self) -> StepAgreement:
+        """Create the step agreement and install it on rank 0's scheduler: after the warm-up (which restores
+        the runner's methods) and before the test-only fault hook, where every follower does
+        (ddtree_serve/server/tp/spawn.py). ``make_scheduler`` calls it; the first step otherwise."""
+        if self._agreement is None:
+            self._agreement = StepAgreement.create(self.tp, self.scheduler.config.parallel.startup_timeout_s)
+            self._agreement.install(self.scheduler)
+        return self._agreement
+
     def step(self) -> list[TokenOut]:
-        """One step on every rank. Raises ``TPRankError`` when the TP world broke; any other error is the
-        step's own failure, on every rank alike: the caller then calls ``fail_step``."""
+        """One step on every rank. Raises ``TPRankError`` when the TP world broke; ``TPStepFailed`` when the
+        step failed on some rank(s) and every rank agreed; any other error is a failure after the agreement.
+        After the latter two the caller calls ``fail_step``."""
         from ddtree_serve.server.scheduling.step_recovery import failure_fingerprint
 
         self._ensure_ok()
         ops, self._ops = tuple(self._ops), []
-        failure, self._failure = self._failure, None
+        failure, self._failure, self._agreed = self._failure, None, None
+        agreement = self.start_agreement()
         try:
             self.tp.broadcast_object(StepInputs(ops, prev_failure=failure))
-            outs = self.scheduler.step()
+            outs = agreement.run_step(self.scheduler.step)
             self._check.update(outs, self.scheduler)
-        except TPDivergence as e:
+        except TPStepFailed as e:
+            self._agreed, self._failure = e, agreed_fingerprint(e)
+            raise
+        except TPRankError as e:  # diverged ranks, or a rank that failed between collectives
             self._broken = str(e)
             self._report()
             raise
@@ -186,8 +217,10 @@ class TPScheduler:
         return outs
 
     def fail_step(self) -> list[str]:
-        """Fail the last step's requests on rank 0; every follower failed the same step and does the same."""
-        return self.scheduler.fail_step()
+        """Fail the last step's requests on rank 0; every follower does the same (the same agreed failure,
+        or, after a failure past the agreement, its own: compared at the next step's inputs)."""
+        agreed, self._agreed = self._agreed, None
+        return fail_agreed_step(self.scheduler, agreed)
 
     def describe_followers(self) -> str:
         dead = [f"rank {rank_of(p)} (pid {p.pid}) exited with status {p.exitcode}" for p in self.followers
@@ -210,28 +243,34 @@ class TPScheduler:
             logger.error("tensor parallelism failed: %s", self._broken)
 
     def close(self) -> None:
-        """Tell the followers to stop (if the world still works), then reap them (kill stragglers)."""
+        """Tell the followers to stop (if the world still works), then reap them (kill stragglers). In a
+        broken world this rank's connections close first: a follower waiting in a collective for rank 0
+        then fails at once instead of at its timeout."""
         if self._closed:
             return
         self._closed = True
-        if self._broken is None:
-            try:
-                self.tp.broadcast_object(StepInputs(step=False, shutdown=True, prev_failure=self._failure))
-                self._check.compare()  # a last consistency check over the steps since the previous one
-            except TPDivergence:
-                stop_followers(self.followers)
-                destroy_tp(self.tp)
-                raise
-            except RuntimeError:
-                logger.warning("could not broadcast shutdown to the TP followers")
+        if self._broken is not None:
+            destroy_tp(self.tp)
+            stop_followers(self.followers)
+            return
+        try:
+            self.tp.broadcast_object(StepInputs(step=False, shutdown=True, prev_failure=self._failure))
+            self._check.compare()  # a last consistency check over the steps since the previous one
+        except TPDivergence:
+            stop_followers(self.followers)
+            destroy_tp(self.tp)
+            raise
+        except RuntimeError:
+            logger.warning("could not broadcast shutdown to the TP followers")
         stop_followers(self.followers)
         destroy_tp(self.tp)
 
 
-def follower_loop(scheduler: Scheduler, tp: TPGroup) -> None:
+def follower_loop(scheduler: Scheduler, tp: TPGroup, agreement: StepAgreement) -> None:
     """Apply rank 0's broadcast inputs and step, until shutdown. Outputs are only hashed (rank 0 reports).
-    A step that fails here fails its requests as on rank 0 (``fail_step``); the next inputs tell whether
-    rank 0's step failed alike (``check_outcome``)."""
+    Every step runs under ``agreement`` (installed on ``scheduler``); a step that failed here fails its
+    requests as on rank 0 (``fail_agreed_step``); after a failure past the agreement the next inputs tell
+    whether rank 0's step failed alike (``check_outcome``)."""
     from ddtree_serve.server.scheduling.step_recovery import failure_fingerprint, is_fatal
 
     check = ConsistencyCheck(tp)
@@ -246,12 +285,17 @@ def follower_loop(scheduler: Scheduler, tp: TPGroup) -> None:
         if msg.step:
             failure = None
             try:
-                outs = scheduler.step()
+                outs = agreement.run_step(scheduler.step)
+            except TPStepFailed as e:
+                failure = agreed_fingerprint(e)
+                logger.error("TP rank %d: %s; failing its requests", tp.rank, e)
+                fail_agreed_step(scheduler, e)
+                continue
             except Exception as e:
                 if is_fatal(e):
                     raise
                 failure = failure_fingerprint(e)
                 logger.error("TP rank %d: scheduler step failed (%s); failing its requests", tp.rank, failure)
-                scheduler.fail_step()
+                fail_agreed_step(scheduler, None)
                 continue
             check.update(outs, scheduler)

@@ -30,6 +30,7 @@ def run_follower(config: ServerConfig, rank: int, init_addr: str, parent_pid: in
     from ddtree_serve.server.scheduling.fault_injection import install_test_faults
     from ddtree_serve.server.scheduling.scheduler import Scheduler
     from ddtree_serve.server.tp.protocol import follower_loop
+    from ddtree_serve.server.tp.step_agreement import StepAgreement
     from ddtree_serve.server.warmup import warm_up
 
     tp = init_tp(config.parallel, rank, config.model.device, init_addr)  # start-up timeouts until end_startup
@@ -37,7 +38,9 @@ def run_follower(config: ServerConfig, rank: int, init_addr: str, parent_pid: in
         scheduler = Scheduler(config, tp=tp)
         warm_up(scheduler)  # as rank 0 does (ddtree_serve/server/warmup.py)
         end_startup(tp)
-        follower_loop(install_test_faults(scheduler), tp)  # the hook: tests only
+        agreement = StepAgreement.create(tp, config.parallel.startup_timeout_s)  # as rank 0 (start_agreement)
+        agreement.install(scheduler)  # after the warm-up, before the fault hook
+        follower_loop(install_test_faults(scheduler), tp, agreement)  # the hook: tests only
     except Exception:
         logger.exception("TP rank %d failed", rank)
         os._exit(1)
