@@ -1,6 +1,7 @@
-"""tests/gpu under the GPU check: with DDTREE_REQUIRE_CUDA_KERNELS=1 (benchmarks/gpu_check.sh sets it) a
-skipped test is a failure (no CUDA, a library that does not import, a model not carried), and the
-terminal summary lists which backend ran each part (``backend_report``)."""
+"""tests/gpu: with DDTREE_REQUIRE_CUDA_KERNELS=1 (set it to demand the CUDA libraries; benchmarks/gpu_check.sh
+does not, so a missing library falls back and is reported) a skipped test is a failure (no CUDA, a library
+that does not import, a model not carried), and the terminal summary lists which backend ran each part
+(``backend_report``)."""
 
 from __future__ import annotations
 

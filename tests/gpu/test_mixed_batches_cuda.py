@@ -69,7 +69,7 @@ def _default_pair() -> tuple[str, str]:
     model = default_model_dir()
     if not (Path(model) / "config.json").exists():
         pytest.skip(
-            f"default model not prepared at {model} (benchmarks/gpu_check.sh converts it from the wheel)"
+            f"default model not prepared at {model} (ddtree_serve.model_executor.default_model.ensure_default_model prepares it)"
         )
     return str(model), default_drafter_path()
 

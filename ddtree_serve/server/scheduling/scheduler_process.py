@@ -158,7 +158,8 @@ class SchedulerLoop:
 
         failed = self.scheduler.fail_step()
         failed += [rid for rid in orphaned_rids(self.scheduler, self.inflight) if rid not in failed]
-        message = f"internal error: the scheduler step running this request failed ({type(error).__name__})"
+        where = f"on TP rank(s) {', '.join(map(str, error.ranks))} " if getattr(error, "ranks", ()) else ""
+        message = f"internal error: the scheduler step running this request failed {where}({type(error).__name__})"
         for rid in failed:
             self.send.send_pyobj(RequestError(rid, message, 500))
             self.inflight.discard(rid)
