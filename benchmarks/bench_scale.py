@@ -104,7 +104,7 @@ def run_cell(target: str, drafter: str, batch: int, budget: int | None, steps: i
                 phases_ms={p: round(1e3 * v / steps, 2) for p, v in host.items()})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32,128,256")
     ap.add_argument("--budgets", default="8,16,64")
@@ -115,7 +115,8 @@ def main() -> None:
                     "full vocabulary's work is modelled device time)")
     ap.add_argument("--threads", type=int, default=1, help="torch host threads (the host side is one thread)")
     ap.add_argument("--out", default="bench_out/scale.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     info = machine()
     print(f"machine: {info}")
@@ -132,10 +133,13 @@ def main() -> None:
                 rows.append(row)
                 phases = " ".join(f"{k}={v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)
                 print(" ".join(f"{row[c]!s:>11}" for c in cols) + f"  {phases}", flush=True)
+    torch.set_num_threads(threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(machine=info, accept_prob=args.accept_prob, rows=rows), indent=1))
+    result = dict(machine=info, accept_prob=args.accept_prob, vocab=args.vocab, rows=rows)
+    out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
+    return result
 
 
 if __name__ == "__main__":
