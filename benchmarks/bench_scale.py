@@ -1,5 +1,5 @@
 """The decode step at GPU scale on the simulated device (ddtree_serve/sim/): tokens/s, the device-bound ideal and
-the host's milliseconds per step by phase, plain decoding vs DDTree at fixed budgets.
+the host's milliseconds per step by phase, plain decoding vs DDTree at fixed budgets and the adaptive budget.
 
 The target and drafter are the simulated ones (ddtree_serve/model_executor/models/simulated.py): their forwards cost
 the modelled device time of Kimi K2.6 on 8 GPUs (``DeviceCostModel``) on a timeline off the host thread, and the
@@ -18,7 +18,7 @@ work is device time). Each cell prefills ``batch`` requests, then measures ``--s
   step's launch and sampling), ``process`` (stops, outputs); detokenising and streaming run in the detokenizer
   process and are not counted.
 
-    python benchmarks/bench_scale.py [--batches 1,32,128,256] [--budgets 8,16,64] [--accept-prob 0.8]
+    python benchmarks/bench_scale.py [--batches 1,32,128,256] [--budgets 8,16,64,auto] [--accept-prob 0.8]
         [--steps 8] [--prompt-len 128] [--vocab 128] [--threads 1] [--out bench_out/scale.json]
 """
 
@@ -46,14 +46,14 @@ SPEC_LAPS = {"draft": "draft", "build": "build", "verify_forward": "verify_input
              "commit": "commit", "plain": "plain"}  # SpecWorker.timer laps -> phases
 
 
-def _engine(target: str, drafter: str, batch: int, budget: int | None, tokens: int) -> Engine:
+def _engine(target: str, drafter: str, batch: int, budget: int | str | None, tokens: int) -> Engine:
     spec = dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=budget,
                 speculative_draft_sources="dflash") if budget else {}
     return Engine(target, device="cpu", dtype="float32", max_running_requests=batch, disable_radix_cache=True,
                   max_total_tokens=batch * tokens + 4096, chunked_prefill_size=8192, **spec)
 
 
-def run_cell(target: str, drafter: str, batch: int, budget: int | None, steps: int, prompt_len: int) -> dict:
+def run_cell(target: str, drafter: str, batch: int, budget: int | str | None, steps: int, prompt_len: int) -> dict:
     """Prefill ``batch`` requests, then time ``steps`` decode steps; returns the cell's row."""
     max_tokens = steps * 20 + 8  # never finishes within the measured steps
     eng = _engine(target, drafter, batch, budget, prompt_len + max_tokens + 80)
@@ -107,7 +107,7 @@ def run_cell(target: str, drafter: str, batch: int, budget: int | None, steps: i
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32,128,256")
-    ap.add_argument("--budgets", default="8,16,64")
+    ap.add_argument("--budgets", default="8,16,64,auto", help="fixed DDTree budgets, and auto (the adaptive budget)")
     ap.add_argument("--accept-prob", type=float, default=0.8, help="the drafter's per-depth chance of being right")
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per cell")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         target, drafter = write_simulated_pair(tmp, vocab=args.vocab, accept_prob=args.accept_prob)
         for batch in (int(x) for x in args.batches.split(",")):
-            for budget in (None, *(int(x) for x in args.budgets.split(","))):
+            for budget in (None, *(x if x == "auto" else int(x) for x in args.budgets.split(","))):
                 row = run_cell(target, drafter, batch, budget, args.steps, args.prompt_len)
                 rows.append(row)
                 phases = " ".join(f"{k}={v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)

@@ -71,9 +71,10 @@ def _time_draft(worker: SpecWorker, bs: int) -> float | None:
     try:
         idx = torch.tensor(rows, device=r.device)  # [bs]
         zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
-        _sync(r.device)
+        _sync(r)
         t = time.perf_counter()
         logits = worker._draft(idx, zeros, zeros)  # [bs, L, V]
+        r.wait_device()  # the pops read the draft (as SpecWorker.decode)
         pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain)  # host copy: synchronises
         return time.perf_counter() - t
     finally:
@@ -110,10 +111,11 @@ def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
     popped = _chain_pops(bs, extra, max(worker.tree_depth, 1))
     slots = None
     try:
-        _sync(r.device)
+        _sync(r)
         t = time.perf_counter()
         tree = assemble_tree(popped, torch.from_numpy(popped.counts), zeros, zeros, r.device)
         logits, captured, slots = worker._verify_forward(tree, idx, zeros)  # [bs, D, V], [bs*D, F], [bs, D]
+        r.wait_device()
         info = BatchSamplingInfo.build([GREEDY] * bs, logits.shape[-1], r.device)
         res = verify_tree(tree, logits, info.temperature, info.top_k, info.top_p, info.is_greedy, None,
                           want_reach=True)
@@ -141,9 +143,10 @@ def _time_plain(worker: SpecWorker, bs: int) -> float | None:
     zeros = [0] * bs  # tokens and positions
     fb = r.prepare_decode(rows, zeros, zeros, worker.capture_layer_ids)  # [bs] slots placed
     try:
-        _sync(r.device)
+        _sync(r)
         t = time.perf_counter()
         out = r.forward(fb)  # (the drafter context it captures is written later, in batches: deferred_context.py)
+        r.wait_device()
         r.logits(out.hidden).argmax(-1).tolist()  # the sampler's host copy: synchronises
         return time.perf_counter() - t
     finally:
@@ -152,9 +155,11 @@ def _time_plain(worker: SpecWorker, bs: int) -> float | None:
             r.slots.free_row(i)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _sync(runner: Any) -> None:
+    """Nothing queued on the device before a timing starts (a simulated device's backlog included)."""
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    runner.wait_device()
 
 
 def probe_step_cost(worker: SpecWorker, cost: StepCostModel, seconds: float) -> None:
