@@ -7,6 +7,11 @@ Configurations whose ``[bs * D, V]`` probability tensors exceed ``--max-elems`` 
 the forward column is skipped with a message when the default model is unavailable.
 
     python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda] [--no-model-fetch]
+    python benchmarks/bench_kernels.py --device cuda --mla-dcp [--mla-context 131072]
+
+``--mla-dcp``: instead, the DCP Triton MLA decode (ddtree_serve/kernels/triton_mla_dcp.py) of one rank at batch 1 and
+long context, split-K (the planner's split count) against the single pass; CUDA only (skipped with a
+reason elsewhere: the interpreter at 128k keys would take hours).
 """
 
 from __future__ import annotations
@@ -206,7 +211,12 @@ def main() -> None:
     ap.add_argument("--no-model-fetch", action="store_true", help="never download the default model")
     ap.add_argument("--no-forward", action="store_true", help="skip the model forward column")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--mla-dcp", action="store_true", help="DCP MLA decode: split-K vs single pass (CUDA)")
+    ap.add_argument("--mla-context", type=int, default=131_072, help="keys per request for --mla-dcp")
     args = ap.parse_args()
+    if args.mla_dcp:
+        bench_mla_dcp_decode(torch.device(args.device), args.mla_context)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -248,6 +258,35 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"wrote {args.out}")
+
+
+def bench_mla_dcp_decode(device: torch.device, context: int, dcp: int = 8, heads: int = 64) -> dict | None:
+    """DCP decode of one rank (rank 0 of ``dcp``) at batch 1 over ``context`` keys placed on the rank of
+    their position, Kimi K2.6 shapes (``heads`` gathered heads, latent 512 + rope 64, bfloat16): ms per call
+    of the single pass and of split-K at ``choose_dcp_kv_splits``' count. None (printed reason) off CUDA."""
+    if device.type != "cuda":
+        print("skip DCP decode split-K vs single pass: needs CUDA (the Triton interpreter at long context is hours)")
+        return None
+    from ddtree_serve.kernels.triton_mla_dcp import MLA_DCP_KERNELS
+    from ddtree_serve.kernels.triton_mla_plan import choose_dcp_kv_splits, device_sm_count
+
+    lat, rope = 512, 64
+    g = torch.Generator(device=device).manual_seed(0)
+    kv_indices = (torch.arange(context, device=device) + dcp)[None]  # [1, K] global slot of position j on rank j % N
+    cache = torch.randn(context // dcp + 2, 1, lat + rope, generator=g, device=device).bfloat16()  # rank 0's shard
+    q = torch.randn(1, heads, lat + rope, generator=g, device=device).bfloat16()  # [1, H, W]
+    one = torch.ones(1, dtype=torch.int64, device=device)
+    mask = torch.ones((), dtype=torch.bool, device=device).expand(1, 1, 1)  # [bs, Q, 1] placeholder
+    args = (q, cache, kv_indices, mask, torch.zeros(1, dtype=torch.int64, device=device), one * (context - 1), one,
+            lat, 0.04)
+    splits = choose_dcp_kv_splits(1, context, device_sm_count("cuda", device.index), dcp)
+    row = dict(context=context, dcp=dcp, heads=heads, splits=splits)
+    for name, n in (("single_ms", 1), ("split_ms", splits)):
+        row[name] = timed(lambda n=n: MLA_DCP_KERNELS["decode"](*args, dcp_size=dcp, dcp_rank=0, num_splits=n),
+                          device, min_time=0.5)
+    print(f"DCP {dcp} decode, batch 1, {context} keys, {heads} heads: single pass {row['single_ms']:.3f} ms, "
+          f"split-K x{splits} {row['split_ms']:.3f} ms ({row['single_ms'] / row['split_ms']:.1f}x)", flush=True)
+    return row
 
 
 def _dispatch_info(device: torch.device) -> dict:

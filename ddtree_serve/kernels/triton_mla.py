@@ -17,7 +17,8 @@ Modes, all over the ``ForwardBatch`` metadata (ddtree_serve/model_executor/forwa
   ``prefix + j`` iff ``tree_mask[b, i, j]`` (its ancestors and itself). ``tree_mask [bs, Q, Q]`` is
   ``ForwardBatch.tree_mask``, or taken from ``attn_mask``'s new-token block when not given.
 
-One program per (new token, ``BLOCK_H`` heads) walks all of the token's keys; when a launch has few programs
+One program per (new token, ``BLOCK_H`` heads) walks all of the token's keys (decode, verify; extend runs the
+query-tiled kernel of ddtree_serve/kernels/triton_mla_extend.py: ``BLOCK_M`` tokens per program); when a launch has few programs
 and the context is long (small-batch decode or verify), the split-K variant (ddtree_serve/kernels/triton_mla_split.py)
 splits the keys over more programs and merges them by log-sum-exp. Tiles (``BLOCK_H``, ``BLOCK_N``) and the
 split count: ddtree_serve/kernels/triton_mla_plan.py (within the device's shared memory, e.g. float32 on sm120 takes
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree_serve.kernels.triton_mla_extend import launch_extend
 from ddtree_serve.kernels.triton_mla_keys import mla_attend, mla_token
 from ddtree_serve.kernels.triton_mla_launch import prepare_mla_launch
 from ddtree_serve.kernels.triton_mla_plan import MlaTiles, choose_kv_splits, device_sm_count
@@ -102,6 +104,7 @@ def _launch(
     num_splits: int | None = None,
     tiles: MlaTiles | None = None,
     k_scale: torch.Tensor | None = None,
+    extend: bool = False,
 ) -> torch.Tensor:
     """q [T, Hr, L + R] (absorbed, in the cache dtype; with an fp8 cache in the model's dtype); k_cache
     [slots, 1, L + R] -> o_lat [T, Hr, L] in q's dtype. ``k_scale`` [slots, 2] float32: the per-token
@@ -109,7 +112,8 @@ def _launch(
 
     ``tiles``: default ``tiles_for`` the device's shared memory. ``num_splits``: key splits
     (ddtree_serve/kernels/triton_mla_split.py); default ``choose_kv_splits`` from the launch's programs, the key columns
-    of ``kv_indices`` and the device's SM count (1 on CPU); 1 runs the single-pass kernel. The set-up
+    of ``kv_indices`` and the device's SM count (1 on CPU); 1 runs the single-pass kernel, or with ``extend``
+(causal prefill) the query-tiled one (ddtree_serve/kernels/triton_mla_extend.py; ``tiles`` then sets its rows). The set-up
     (token metadata, tree mask, fp8 checks): ddtree_serve/kernels/triton_mla_launch.py."""
     t, heads, _ = q.shape
     out = torch.empty(t, heads, kv_lora_rank, dtype=q.dtype, device=q.device)  # [T, Hr, L]
@@ -123,6 +127,8 @@ def _launch(
         num_splits = choose_kv_splits(t * head_blocks, kv_indices.shape[1], sms)
     if num_splits > 1:
         return launch_split(s, out, num_splits)
+    if extend:
+        return launch_extend(s, extend_lens, out, tiles)
     _mla_kernel[(t, head_blocks)](
         *s.inputs(), out, s.scale_log2, heads, *s.strides(), out.stride(0), out.stride(1), **s.meta(),
     )  # fmt: skip
@@ -146,10 +152,11 @@ def mla_extend(
     q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
     num_splits=None, tiles=None, k_scale=None,
 ):  # fmt: skip
-    """EXTEND: causal prefill of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones."""
+    """EXTEND: causal prefill of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones, query-tiled
+    (ddtree_serve/kernels/triton_mla_extend.py) unless split-K is chosen (few new tokens over a long prefix)."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False,
-        num_splits=num_splits, tiles=tiles, k_scale=k_scale,
+        num_splits=num_splits, tiles=tiles, k_scale=k_scale, extend=True,
     )  # fmt: skip
 
 

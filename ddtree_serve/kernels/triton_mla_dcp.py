@@ -9,8 +9,24 @@ ddtree_serve/kernels/triton_mla_launch.py; decode and causal extend bound the ke
 shard filter on (``DCP_SIZE`` N): every key whose slot is another rank's is dropped before the online softmax.
 The output is normalised over the local visible keys, ``lse = ln(sum exp(scale * q.k))`` over them; a token
 with no local visible key gets output 0 and lse -inf. fp8 caches dequantize each tile as the main kernel
-does. One pass per token (no key splits: under DCP every rank already walks 1/N of the keys with N times the
-heads).
+does.
+
+Split-K (flash-decoding, ddtree_serve/kernels/triton_mla_split.py). At batch 1 the gathered heads (N x the local ones,
+64 at Kimi K2.6 with DCP 8) fit one head block, so a single pass is one program per layer walking the whole
+context. ``choose_dcp_kv_splits`` (ddtree_serve/kernels/triton_mla_plan.py) splits each token's key columns into chunks
+when the context is long (``choose_kv_splits``'s rule over the ``K / N`` keys of the shard: 32 splits at
+128k, DCP 8, 132 SMs); ``_mla_dcp_split_kernel`` walks a chunk with the shard filter on and the merge writes
+the chunks' combined output and natural-log lse (a chunk with no local visible key has lse -inf and weight
+0; all of them: output 0, lse -inf as above). EXTEND with no split runs the query-tiled kernel
+(ddtree_serve/kernels/triton_mla_extend.py) with the same filter.
+
+Why a filter and not a strided walk over keys ``j = r (mod N)``: placement does not guarantee that key ``j``
+lives on rank ``j % N``. ``KVSlots.place`` (ddtree_serve/model_executor/kv_slots.py) asks for the rank of the token's
+position, but ``ShardedSlotAllocator.alloc`` (ddtree_serve/model_executor/kv_cache.py) moves tokens that a full rank
+cannot take to the emptiest ranks, and tree verify's new keys sit at column ``prefix + node`` while their
+slots follow their position ``prefix + depth``. So each rank walks every column and keeps the slots
+``g % N == r``: the slot ids of the other ranks' keys are read (8 B a key) but their cache rows are not
+(masked loads), and the split chunks bound each program's walk.
 """
 
 from __future__ import annotations
@@ -19,9 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree_serve.kernels.triton_mla_extend import launch_extend
 from ddtree_serve.kernels.triton_mla_keys import mla_attend, mla_token
 from ddtree_serve.kernels.triton_mla_launch import prepare_mla_launch
-from ddtree_serve.kernels.triton_mla_plan import MlaTiles
+from ddtree_serve.kernels.triton_mla_plan import MlaTiles, choose_dcp_kv_splits, device_sm_count
+from ddtree_serve.kernels.triton_mla_split import launch_split
 
 LN2_C = tl.constexpr(0.6931471805599453)  # ln 2: the kernel's base-2 scores -> a natural-log lse
 
@@ -53,12 +71,14 @@ def _mla_dcp_kernel(
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, attn_mask: torch.Tensor,
             q_index: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, kv_lora_rank: int,
-            scale: float, tree: bool, tree_mask: torch.Tensor | None, dcp_size: int, dcp_rank: int,
-            k_scale: torch.Tensor | None = None, tiles: MlaTiles | None = None
+            scale: float, tree: bool, extend: bool, tree_mask: torch.Tensor | None, dcp_size: int, dcp_rank: int,
+            k_scale: torch.Tensor | None = None, tiles: MlaTiles | None = None, num_splits: int | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, L + R] (absorbed; the DCP group's heads); k_cache [local slots + 1, 1, L + R] (this rank's
     shard); ``kv_indices`` [bs, K] global slots -> (o [T, H, L] in q's dtype, lse [T, H] float32). The
-    DCP size is a constexpr of the kernel (one compile per size; the rank is a runtime argument)."""
+    DCP size is a constexpr of the kernels (one compile per size; the rank is a runtime argument).
+    ``num_splits``: key splits (default ``choose_dcp_kv_splits``: 1 on CPU); 1 runs the single-pass kernel,
+    or with ``extend`` the query-tiled one (``tiles`` then sets its rows)."""
     t, heads, _ = q.shape
     out = torch.empty(t, heads, kv_lora_rank, dtype=q.dtype, device=q.device)  # [T, H, L]
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)  # [T, H]
@@ -66,24 +86,33 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, at
         return out, lse
     s = prepare_mla_launch(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank,
                            scale, tree, tree_mask, k_scale, tiles)
-    _mla_dcp_kernel[(t, triton.cdiv(heads, s.tiles.block_h))](
-        *s.inputs(), out, lse, s.scale_log2, heads, dcp_rank, *s.strides(), out.stride(0), out.stride(1),
-        lse.stride(0), DCP_SIZE=dcp_size, **s.meta(),
-    )  # fmt: skip
+    head_blocks = triton.cdiv(heads, s.tiles.block_h)
+    if num_splits is None:
+        sms = device_sm_count(q.device.type, q.device.index)
+        num_splits = choose_dcp_kv_splits(t * head_blocks, kv_indices.shape[1], sms, dcp_size)
+    if num_splits > 1:
+        launch_split(s, out, num_splits, dcp_size, dcp_rank, lse)
+    elif extend:
+        launch_extend(s, extend_lens, out, tiles, dcp_size, dcp_rank, lse)
+    else:
+        _mla_dcp_kernel[(t, head_blocks)](
+            *s.inputs(), out, lse, s.scale_log2, heads, dcp_rank, *s.strides(), out.stride(0), out.stride(1),
+            lse.stride(0), DCP_SIZE=dcp_size, **s.meta(),
+        )  # fmt: skip
     return out, lse
 
 
-def _mode(tree: bool):  # noqa: ANN202
+def _mode(tree: bool, extend: bool):  # noqa: ANN202
     def run(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale,
-            tree_mask=None, *, dcp_size, dcp_rank, k_scale=None, tiles=None):  # noqa: ANN001, ANN202
+            tree_mask=None, *, dcp_size, dcp_rank, k_scale=None, tiles=None, num_splits=None):  # noqa: ANN001, ANN202
         return _launch(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale,
-                       tree, tree_mask if tree else None, dcp_size, dcp_rank, k_scale, tiles)
+                       tree, extend, tree_mask if tree else None, dcp_size, dcp_rank, k_scale, tiles, num_splits)
 
     return run
 
 
-mla_dcp_decode = _mode(False)  # DECODE: one new token per request, the prefix + itself
-mla_dcp_extend = _mode(False)  # EXTEND: causal after the prefix
-mla_dcp_verify = _mode(True)  # TARGET_VERIFY: the prefix and the node's ancestors (tree_mask)
+mla_dcp_decode = _mode(False, False)  # DECODE: one new token per request, the prefix + itself
+mla_dcp_extend = _mode(False, True)  # EXTEND: causal after the prefix (query-tiled)
+mla_dcp_verify = _mode(True, False)  # TARGET_VERIFY: the prefix and the node's ancestors (tree_mask)
 
 MLA_DCP_KERNELS = {"decode": mla_dcp_decode, "extend": mla_dcp_extend, "target_verify": mla_dcp_verify}

@@ -1,5 +1,5 @@
 """The device code shared by the Triton MLA kernels (ddtree_serve/kernels/triton_mla.py, ddtree_serve/kernels/triton_mla_split.py,
-ddtree_serve/kernels/triton_mla_dcp.py): a kernel reads its token's metadata (``mla_token``), chooses its key range (all of
+ddtree_serve/kernels/triton_mla_dcp.py, ddtree_serve/kernels/triton_mla_extend.py): a kernel reads its token's metadata (``mla_token``), chooses its key range (all of
 the token's keys, or its split-K chunk), runs ``mla_attend`` over it and writes its own epilogue (the output,
 or a partial output and its log-sum-exp).
 
@@ -14,7 +14,10 @@ unchanged.
 Shard filter (decode context parallel, ``DCP_SIZE`` > 1): ``kv_indices`` holds global slot ids, global slot
 ``g`` lives on DCP rank ``g % DCP_SIZE`` at local row ``g // DCP_SIZE`` of that rank's cache; keys of other
 ranks are masked before the softmax and the rest read through their local rows. ``DCP_SIZE`` 1 (the
-single-pass and split-K kernels) compiles no filter at all.
+non-DCP kernels) compiles no filter at all.
+
+``mla_key_tile`` (one key tile: slots, shard filter, loads, fp8 dequantization) is also the key load of the
+query-tiled extend kernel (ddtree_serve/kernels/triton_mla_extend.py), whose rows are (token, head) pairs.
 
 ``@triton.jit`` helpers: Triton inlines them into each caller, so the compiled kernels are those of the code
 written out in place (benchmarks/triton_smem_check.py reports their shared memory, registers and spills;
@@ -36,6 +39,35 @@ def mla_token(tok_req_ptr, tok_pos_ptr, kv_len_ptr, prefix_ptr, pid_t):
     n_kv = tl.load(kv_len_ptr + pid_t)
     pre = tl.load(prefix_ptr + b)
     return b, i, n_kv, pre
+
+
+@triton.jit
+def mla_key_tile(
+    q_ptr, cache_ptr, kv_idx_ptr, scale_ptr, b, offs_n, n_mask, offs_l, l_mask, offs_r, r_mask, dcp_rank,
+    stride_slot, stride_scale, stride_kb,
+    L: tl.constexpr, FP8: tl.constexpr, UPCAST_DOT: tl.constexpr, DCP_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Keys ``offs_n`` [BN] of request ``b`` (``n_mask``: those in range) -> ``(k_lat [BN, BL], k_pe [BN, BR],
+    n_mask)``: the cache rows read through ``kv_indices`` (0 where masked), an fp8 tile dequantized to the
+    query's dtype, and with ``DCP_SIZE`` > 1 ``n_mask`` narrowed to the keys of rank ``dcp_rank``'s shard
+    (global slot ``g``: local row ``g // DCP_SIZE`` of rank ``g % DCP_SIZE``)."""
+    slot = tl.load(kv_idx_ptr + b * stride_kb + offs_n, mask=n_mask, other=0).to(tl.int64)  # [BN]
+    if DCP_SIZE > 1:  # global slots: keep this rank's keys, read through their local rows
+        n_mask = n_mask & (slot % DCP_SIZE == dcp_rank)
+        slot = tl.where(n_mask, slot // DCP_SIZE, 0)  # [BN]
+    k_row = cache_ptr + slot[:, None] * stride_slot  # [BN, 1]
+    k_lat = tl.load(k_row + offs_l[None, :], mask=n_mask[:, None] & l_mask[None, :], other=0.0)  # [BN, BL]
+    k_pe = tl.load(k_row + L + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BN, BR]
+    if FP8:  # dequantize the tile to the query's dtype: per-token (latent, rope) scales (kv_quant.py)
+        sc_row = scale_ptr + slot * stride_scale  # [BN]
+        sc_lat = tl.load(sc_row, mask=n_mask, other=0.0)  # [BN]
+        sc_pe = tl.load(sc_row + 1, mask=n_mask, other=0.0)  # [BN]
+        k_lat = (k_lat.to(tl.float32) * sc_lat[:, None]).to(q_ptr.dtype.element_ty)
+        k_pe = (k_pe.to(tl.float32) * sc_pe[:, None]).to(q_ptr.dtype.element_ty)
+    if UPCAST_DOT:
+        k_lat = k_lat.to(tl.float32)
+        k_pe = k_pe.to(tl.float32)
+    return k_lat, k_pe, n_mask
 
 
 @triton.jit
@@ -71,26 +103,10 @@ def mla_attend(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        slot = tl.load(kv_idx_ptr + b * stride_kb + offs_n, mask=n_mask, other=0).to(tl.int64)  # [BN]
-        if DCP_SIZE > 1:  # global slots: keep this rank's keys, read through their local rows
-            n_mask = n_mask & (slot % DCP_SIZE == dcp_rank)
-            slot = tl.where(n_mask, slot // DCP_SIZE, 0)  # [BN]
-        k_row = cache_ptr + slot[:, None] * stride_slot  # [BN, 1]
-        k_lat = tl.load(
-            k_row + offs_l[None, :], mask=n_mask[:, None] & l_mask[None, :], other=0.0
-        )  # [BN, BL]
-        k_pe = tl.load(
-            k_row + L + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
-        )  # [BN, BR]
-        if FP8:  # dequantize the tile to the query's dtype: per-token (latent, rope) scales (ddtree_serve/kernels/kv_quant.py)
-            sc_row = scale_ptr + slot * stride_scale  # [BN]
-            sc_lat = tl.load(sc_row, mask=n_mask, other=0.0)  # [BN]
-            sc_pe = tl.load(sc_row + 1, mask=n_mask, other=0.0)  # [BN]
-            k_lat = (k_lat.to(tl.float32) * sc_lat[:, None]).to(q_ptr.dtype.element_ty)
-            k_pe = (k_pe.to(tl.float32) * sc_pe[:, None]).to(q_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            k_lat = k_lat.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
+        k_lat, k_pe, n_mask = mla_key_tile(
+            q_ptr, cache_ptr, kv_idx_ptr, scale_ptr, b, offs_n, n_mask, offs_l, l_mask, offs_r, r_mask, dcp_rank,
+            stride_slot, stride_scale, stride_kb, L, FP8, UPCAST_DOT, DCP_SIZE,
+        )  # fmt: skip
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)  # [BH, BN]
         s = s * sm_scale_log2
