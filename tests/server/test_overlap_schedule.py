@@ -11,10 +11,9 @@ import os
 import time
 
 import pytest
-import torch
 import zmq
 
-from ddtree_serve.model_executor.models.simulated import next_token
+from ddtree_serve.model_executor.models.simulated import greedy_continuation
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.io_struct import (
@@ -30,15 +29,6 @@ from ddtree_serve.server.startup import resolve_config
 from ddtree_serve.sim.checkpoint import write_simulated_pair
 
 VOCAB, N_TOKENS = 256, 20
-
-
-def _continuation(prompt: list[int], n: int) -> list[int]:
-    tok, pos, out = prompt[-1], len(prompt) - 1, []
-    for _ in range(n):
-        tok = int(next_token(torch.tensor(tok), torch.tensor(pos), VOCAB))
-        out.append(tok)
-        pos += 1
-    return out
 
 
 def _serve(tmp_path, target: str, drafter: str, batch: int, overlap: bool, spec: bool) -> dict[str, list[int]]:
@@ -85,7 +75,7 @@ def _serve(tmp_path, target: str, drafter: str, batch: int, overlap: bool, spec:
         outs.close(0)
         ctx.term()
     assert finished == set(prompts)
-    assert got == {rid: _continuation(ids, N_TOKENS) for rid, ids in prompts.items()}
+    assert got == {rid: greedy_continuation(ids, N_TOKENS, VOCAB) for rid, ids in prompts.items()}
     return got
 
 

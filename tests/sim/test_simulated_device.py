@@ -8,24 +8,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
-from ddtree_serve.model_executor.models.simulated import next_token
+from ddtree_serve.model_executor.models.simulated import greedy_continuation
 from ddtree_serve.server.engine import Engine, SamplingParams
 from ddtree_serve.sim.checkpoint import write_simulated_pair
 from ddtree_serve.sim.device_clock import DeviceClock, DeviceCostModel
 
 VOCAB = 512
 N_TOKENS = 24
-
-
-def _continuation(prompt: list[int], n: int) -> list[int]:
-    tok, pos, out = prompt[-1], len(prompt) - 1, []
-    for _ in range(n):
-        tok = int(next_token(torch.tensor(tok), torch.tensor(pos), VOCAB))
-        out.append(tok)
-        pos += 1
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +35,7 @@ def test_greedy_equals_the_known_continuation(pair, batch: int) -> None:
         eng = Engine(target, **kw, **spec)
         try:
             outs = eng.generate(input_ids=prompts, sampling_params=params)
-            assert [o.token_ids for o in outs] == [_continuation(p, N_TOKENS) for p in prompts]
+            assert [o.token_ids for o in outs] == [greedy_continuation(p, N_TOKENS, VOCAB) for p in prompts]
             if spec:
                 accepted = [o.spec_accepted_tokens for o in outs]
                 assert min(accepted) > 0 and sum(accepted) >= batch * N_TOKENS // 2, accepted

@@ -33,6 +33,16 @@ def next_token(tokens: torch.Tensor, positions: torch.Tensor, vocab: int) -> tor
     return 1 + (tokens * 7919 + positions * 104729 + 13) % (vocab - 2)
 
 
+def greedy_continuation(prompt: list[int], n: int, vocab: int) -> list[int]:
+    """The target's greedy output of ``n`` tokens after ``prompt`` (what every lossless path must produce)."""
+    tok, pos, out = prompt[-1], len(prompt) - 1, []
+    for _ in range(n):
+        tok = int(next_token(torch.tensor(tok), torch.tensor(pos), vocab))
+        out.append(tok)
+        pos += 1
+    return out
+
+
 def _uniform(tokens: torch.Tensor, positions: torch.Tensor, depth: torch.Tensor, seed: int) -> torch.Tensor:
     """A fixed pseudo-random number in [0, 1) per (token, position, depth): whether the drafter is right."""
     h = (tokens * 1_000_003 + positions * 998_244_353 + depth * 19_260_817 + seed) % _M
