@@ -64,7 +64,8 @@ def test_batched_pops_depth_and_width_edges() -> None:
 
 
 def test_batched_chain_is_the_top1_path() -> None:
-    lp = np.log(np.array([[[0.5], [0.5], [0.5]], [[0.5], [0.0], [0.5]]]))  # [2, 3, 1]; row 1 stops at depth 2
+    lp = np.log(np.array([[[0.5], [0.5], [0.5]], [[0.5], [1.0], [0.5]]]))  # [2, 3, 1]
+    lp[1, 1, 0] = -np.inf  # row 1 stops at depth 2 (a zero-probability token)
     ids = np.array([[[1], [2], [3]], [[4], [5], [6]]])
     tokens, parents, depths, logws, counts = batched_chain(lp, ids, np.array([2, 3]), np.array([3, 3]))
     assert counts.tolist() == [2, 1]
