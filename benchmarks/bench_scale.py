@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,32,128,256")
     ap.add_argument("--budgets", default="8,16,64,auto", help="fixed DDTree budgets, and auto (the adaptive budget)")
     ap.add_argument("--accept-prob", type=float, default=0.8, help="the drafter's per-depth chance of being right")
+    ap.add_argument("--draft-top-prob", type=float, default=None, help="the probability the drafter claims for its "
+                    "first token (default: --accept-prob, a calibrated drafter; higher: overconfident)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per cell")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=128, help="the synthetic vocabulary the host's tensors hold (the "
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(" ".join(f"{c:>11}" for c in cols) + "  host ms by phase")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        target, drafter = write_simulated_pair(tmp, vocab=args.vocab, accept_prob=args.accept_prob)
+        target, drafter = write_simulated_pair(tmp, vocab=args.vocab, accept_prob=args.accept_prob,
+                                                draft_top_prob=args.draft_top_prob)
         for batch in (int(x) for x in args.batches.split(",")):
             for budget in (None, *(x if x == "auto" else int(x) for x in args.budgets.split(","))):
                 row = run_cell(target, drafter, batch, budget, args.steps, args.prompt_len)
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = dict(machine=info, accept_prob=args.accept_prob, vocab=args.vocab, rows=rows)
+    result = dict(machine=info, accept_prob=args.accept_prob, draft_top_prob=args.draft_top_prob, vocab=args.vocab,
+                  rows=rows)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result

@@ -14,11 +14,12 @@ from ddtree_serve.sim.device_clock import DeviceCostModel
 
 
 def write_simulated_pair(root: str | Path, vocab: int = 512, accept_prob: float = 0.8, block_size: int = 16,
-                         cost: DeviceCostModel = DeviceCostModel(), max_context: int = 32768, seed: int = 0
-                         ) -> tuple[str, str]:
+                         cost: DeviceCostModel = DeviceCostModel(), max_context: int = 32768, seed: int = 0,
+                         draft_top_prob: float | None = None) -> tuple[str, str]:
     """A simulated target and drafter under ``root`` (``target/``, ``drafter/``): returns their paths.
-    ``accept_prob``: the drafter's per-depth chance of ranking the target's token first; ``cost``: the
-    modelled device (both models run on its one timeline)."""
+    ``accept_prob``: the drafter's per-depth chance of ranking the target's token first; ``draft_top_prob``:
+    the probability it gives that token (None: ``accept_prob``, calibrated); ``cost``: the modelled device
+    (both models run on its one timeline)."""
     root = Path(root)
     common = dict(vocab_size=vocab, hidden_size=vocab, num_hidden_layers=1, num_attention_heads=1,
                   num_key_value_heads=1, max_position_embeddings=max_context, eos_token_id=vocab - 1,
@@ -26,7 +27,7 @@ def write_simulated_pair(root: str | Path, vocab: int = 512, accept_prob: float 
     paths = []
     for name, extra in (("target", dict(architectures=["DDTreeSimulatedTarget"])),
                         ("drafter", dict(architectures=["DDTreeSimulatedDrafter"], block_size=block_size,
-                                         accept_prob=accept_prob, seed=seed,
+                                         accept_prob=accept_prob, seed=seed, draft_top_prob=draft_top_prob,
                                          dflash_config=dict(mask_token_id=0)))):
         d = root / name
         d.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ def test_acceptance_follows_accept_prob(tmp_path) -> None:
     prompts = [[i + 1, 2, 3] for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     taus = []
-    for p in (0.3, 0.9):
+    for p in (0.55, 0.95):  # (a calibrated drafter: below 0.5 its second token is the likelier one)
         target, drafter = write_simulated_pair(tmp_path / str(p), vocab=VOCAB, accept_prob=p)
         eng = Engine(target, device="cpu", dtype="float32", max_running_requests=8, max_total_tokens=4096,
                      disable_radix_cache=True, speculative_algorithm="ddtree", speculative_draft_model_path=drafter,
@@ -61,7 +61,7 @@ def test_acceptance_follows_accept_prob(tmp_path) -> None:
             taus.append(sum(len(o.token_ids) for o in outs) / steps)
         finally:
             eng.shutdown()
-    assert taus[0] < 3.0 < taus[1], taus
+    assert taus[0] + 2.0 < taus[1], taus
 
 
 def test_clock_runs_off_the_host_thread() -> None:

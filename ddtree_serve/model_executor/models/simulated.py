@@ -7,11 +7,15 @@ position), so a request's output is its prompt's last token iterated through the
 ``peak`` at that token over a flat floor (vocabulary ``vocab_size``, small: the rows the host touches stay small,
 the full vocabulary's cost is modelled). Drafter: for depth d of a block rooted at (token, position) it ranks the
 true token first with probability ``accept_prob`` (a fixed hash of token, position and depth against it) and
-second otherwise, under a wrong token, so the acceptance of chain and tree drafts is set by one number.
+second otherwise, under a wrong token, so the acceptance of chain and tree drafts is set by one number. Its
+probabilities are ``draft_top_prob`` for the first token and the rest for the second: by default
+``accept_prob`` (a calibrated drafter, DDTree's assumption); above it, an overconfident one (a top-1 that claims
+more than it delivers, the second rank less: what a per-depth calibration cannot correct).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -115,6 +119,9 @@ class SimulatedDrafter(nn.Module):
         self.block_size = int(hf.get("block_size", 16))
         self.mask_token_id = 0
         self.accept_prob = float(hf.get("accept_prob", 0.8))
+        top = hf.get("draft_top_prob")
+        top = min(max(float(self.accept_prob if top is None else top), 1e-6), 1 - 1e-6)
+        self.log_top, self.log_second = math.log(top), math.log(1 - top)  # the two ranks' log-probabilities
         self.seed = int(hf.get("seed", 0))
         self.clock = DeviceClock(_cost(hf))  # replaced by the target's (share_device)
         self.dummy = nn.Parameter(torch.zeros(1), requires_grad=False)
@@ -148,13 +155,13 @@ class SimulatedDrafter(nn.Module):
         bs, bsz = ids.shape
         v = self.vocab
         root = ids[:, 0]  # [bs]
-        hidden = torch.zeros(bs, bsz, v, device=ids.device)  # [bs, B, V]
+        hidden = torch.full((bs, bsz, v), -30.0, device=ids.device)  # [bs, B, V] the other tokens: ~0
         tok = root
         for d in range(1, bsz):  # the true chain from the root, one depth at a time (B - 1 vector steps)
             true = next_token(tok, pos0 + d - 1, v)  # [bs]
             wrong = 1 + (true + 1 + d) % (v - 2)  # [bs] a token that is not the target's
             right = _uniform(root, pos0, torch.full_like(root, d), self.seed) < self.accept_prob  # [bs]
-            hidden[:, d].scatter_(1, torch.where(right, true, wrong)[:, None], 12.0)  # ~0.95 of the mass
-            hidden[:, d].scatter_(1, torch.where(right, wrong, true)[:, None], 9.0)  # ~0.05
+            hidden[:, d].scatter_(1, torch.where(right, true, wrong)[:, None], self.log_top)
+            hidden[:, d].scatter_(1, torch.where(right, wrong, true)[:, None], self.log_second)
             tok = true
         return hidden.view(bs * bsz, v)
