@@ -18,6 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ddtree_serve.speculative.ddtree import build_ddtree, draft_topk
@@ -57,7 +58,7 @@ def _cell(logits: torch.Tensor, budget: int, repeats: int, device: torch.device)
     lp_lists = [(lp[b].tolist(), ids[b].tolist()) for b in range(bs)]
     topk_ms = _median_ms(lambda: draft_topk(logits, k), repeats, device)
     heap_ms = _median_ms(lambda: [reference_pops(a, t, budget, k) for a, t in lp_lists], repeats, device)
-    full, depth = torch.full((bs,), budget), torch.full((bs,), DEPTH)
+    full, depth = np.full(bs, budget), np.full(bs, DEPTH)
     pops_ms = _median_ms(lambda: batched_pops(lp, ids, full, depth), repeats, device)
     total_ms = _median_ms(lambda: build_ddtree(logits, budgets, roots, seq_lens), repeats, device)
     chain_ms = _median_ms(lambda: build_ddtree(logits, budgets, roots, seq_lens, chain=True), repeats, device)

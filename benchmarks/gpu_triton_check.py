@@ -25,18 +25,19 @@ from pathlib import Path
 import torch
 
 
-def _sync() -> None:
+def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def _time(fn, reps: int = 5) -> float:
+def time_ms(fn, reps: int = 5) -> float:
+    """Mean milliseconds of ``fn`` over ``reps`` calls after one warm-up call (device synchronised)."""
     fn()
-    _sync()
+    sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    _sync()
+    sync()
     return (time.perf_counter() - t0) / reps * 1e3
 
 
@@ -85,7 +86,7 @@ def check_moe(experts: int, results: dict, dev: str, tiny: bool) -> bool:
             with torch.no_grad():
                 ref, got = mods["torch"](x, w, ids), mods["triton"](x, w, ids)
                 good, err = _close(got, ref)
-                ms = {b: _time(partial(m, x, w, ids)) for b, m in mods.items()}
+                ms = {b: time_ms(partial(m, x, w, ids)) for b, m in mods.items()}
             name = f"moe_{'int4' if int4 else 'bf16'}_T{t}"
             results[name] = {
                 "ok": good,
@@ -140,7 +141,7 @@ def check_mla(results: dict, dev: str, tiny: bool) -> bool:
         ref = masked_paged_attention(q, cache, cache[..., :lat], fb.kv_indices, fb.attn_mask, fb.q_index, 0.1)
         got = MLA_KERNELS[mode.value](*args)
         good, err = _close(got, ref)
-        ms_ref = _time(
+        ms_ref = time_ms(
             partial(
                 masked_paged_attention,
                 q,
@@ -152,7 +153,7 @@ def check_mla(results: dict, dev: str, tiny: bool) -> bool:
                 0.1,
             )
         )
-        ms_tri = _time(partial(MLA_KERNELS[mode.value], *args))
+        ms_tri = time_ms(partial(MLA_KERNELS[mode.value], *args))
         name = f"mla_{mode.value}"
         results[name] = {"ok": good, "max_abs_err": err, "torch_ms": ms_ref, "triton_ms": ms_tri}
         print(f"{name:<18} ok={good} err={err:.2e} torch {ms_ref:8.2f} ms  triton {ms_tri:8.2f} ms")
@@ -200,7 +201,7 @@ def check_mla_fp8(results: dict, dev: str, tiny: bool) -> bool:
         args = (q, cache8, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens, fb.extend_lens, lat, 0.1)
         got = MLA_KERNELS[mode.value](*args, tree_mask=fb.tree_mask, num_splits=splits, k_scale=scales)
         good, err = _close(got, ref)
-        ms_tri = _time(partial(MLA_KERNELS[mode.value], *args, tree_mask=fb.tree_mask, num_splits=splits,
+        ms_tri = time_ms(partial(MLA_KERNELS[mode.value], *args, tree_mask=fb.tree_mask, num_splits=splits,
                                k_scale=scales))
         name = f"mla_fp8_{mode.value}" + (f"_split{splits}" if splits else "")
         results[name] = {"ok": good, "max_abs_err": err, "triton_ms": ms_tri}
@@ -252,8 +253,8 @@ def check_mla_split(results: dict, dev: str, tiny: bool) -> bool:
         good_auto, err = _close(kernel(*args), ref)
         good_forced, err4 = _close(kernel(*args, num_splits=4), ref)
         chose = splits > 1 or dev != "cuda"
-        ms_one = _time(partial(kernel, *args, num_splits=1))
-        ms_auto = _time(partial(kernel, *args))
+        ms_one = time_ms(partial(kernel, *args, num_splits=1))
+        ms_auto = time_ms(partial(kernel, *args))
         name = f"mla_split_{mode.value}"
         good = good_auto and good_forced and chose
         results[name] = {

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.gpu_triton_check import sync, time_ms  # noqa: F401 (re-exported to the parts)
 
 CKPT_DIR = "kimi_tp8"  # under the work directory: the checkpoint the ``checkpoint`` part writes
 DRAFTER_DIR = "kimi_tp8_drafter"
@@ -57,22 +58,6 @@ class PartContext:
         tmp = self.result.with_suffix(".tmp")
         tmp.write_text(json.dumps(payload, indent=1, default=str))
         tmp.replace(self.result)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def time_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    """Mean milliseconds of ``fn`` over ``reps`` calls after one warm-up call (device synchronised)."""
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:

@@ -197,7 +197,8 @@ class SchedulerArgs(Area):
                                         "requests (long prompts are chunked).", low=1)
     disable_overlap_schedule: bool = setting(False, "Send the previous step's outputs and take in new requests "
                                              "after each step, not while the device runs it (for debugging; "
-                                             "outputs then stream without the one-step delay).")
+                                             "outputs then stream without the one-step delay). The server's "
+                                             "scheduler process only: the offline Engine has no window.")
 
 
 @dataclass(frozen=True)

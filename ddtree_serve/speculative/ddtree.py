@@ -75,9 +75,6 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     logits = draft_logits.float()  # [bs, L, V]
     top_vals, top_ids = torch.topk(logits, k, dim=-1)  # [bs, L, K] descending
     top_lp = top_vals - torch.logsumexp(logits, dim=-1, keepdim=True)  # [bs, L, K]
-    tie_free = not bool((top_vals[..., 1:] == top_vals[..., :-1]).any())  # no two kept values equal
-    if tie_free and (k == logits.shape[-1] or not bool((logits >= top_vals[..., -1:]).sum(-1).gt(k).any())):
-        return top_lp.double(), top_ids  # the order is already (value desc, token asc): nothing to re-sort
     # Deterministic order among equal values: ascending token id (stable sort of an id-sorted view).
     id_order = torch.argsort(top_ids, dim=-1)  # [bs, L, K]
     top_lp = top_lp.gather(-1, id_order)
@@ -89,7 +86,7 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 def _host_pops(top_lp: np.ndarray, top_ids: np.ndarray, budgets: np.ndarray, depth_limits: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``batched_pops``' result from Algorithm 1's heap, one request at a time: on a CPU this Python loop is
-    the faster of the two (docs/BENCHMARKS.md, benchmarks/bench_ddtree.py: ~2x at batch 128, budget 64)."""
+    the faster of the two (docs/BENCHMARKS.md, benchmarks/bench_ddtree.py: ~3x at batch 128, budget 64)."""
     bs, _, k = top_lp.shape
     width = int(budgets.max()) if bs else 0
     tokens, parents = np.zeros((bs, width), dtype=np.int64), np.full((bs, width), -1, dtype=np.int64)
@@ -192,8 +189,8 @@ def pop_nodes(
             popped = batched_chain(top_lp.cpu().numpy(), top_ids.cpu().numpy(), *args)
         elif not (batched if batched is not None else top_lp.device.type != "cpu"):  # heap: faster on a CPU
             popped = _host_pops(top_lp.numpy(), top_ids.numpy(), *args)
-        else:  # on the accelerator, no Python loop over requests or nodes; one copy of [bs, W] results
-            popped = batched_pops(top_lp, top_ids, *(torch.from_numpy(a).to(top_lp.device) for a in args))
+        else:  # on the accelerator, no Python loop over requests or nodes; the [bs, W] results copied back at the end
+            popped = batched_pops(top_lp, top_ids, *args)
         out.tokens, out.parents, out.depths, out.logws, out.counts = popped
     return out
 

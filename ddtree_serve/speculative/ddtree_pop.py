@@ -18,8 +18,8 @@ Log-weights are the same float64 sums the heap forms (``parent + lp[rank]``), so
 bit for bit, ties included (tests/speculative/test_ddtree_pop.py). The first ``b`` pops are the optimal tree of
 budget ``b``, so rows with different budgets share one pass at the widest budget and are cut after it.
 
-It runs where the draft logits are: on an accelerator it is ~10 small kernels per depth and one copy of the
-[bs, W] result, whatever the batch; on a CPU the heap is measured faster (~2x at batch 128, budget 64:
+It runs where the draft logits are: on an accelerator it is ~10 small kernels per depth, whatever the batch,
+and the [bs, W] results copied back at the end (no host sync before them); on a CPU the heap is measured faster (~3x at batch 128, budget 64:
 benchmarks/bench_ddtree.py), so ``ddtree_serve.speculative.ddtree.pop_nodes`` runs the heap there.
 """
 
@@ -47,27 +47,16 @@ def _pairs(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _best_w(cand: torch.Tensor, width: int) -> torch.Tensor:
     """Column indices of each row's ``width`` largest entries in stable descending order (equal values by
-    ascending column), as a stable argsort gives: [bs, width]. One ``torch.topk``; rows where two kept
-    values are equal, or a value equal to the smallest kept one is left out, are sorted in full (exact ties
-    are rare for a trained drafter's log-probs)."""
-    if cand.shape[1] <= width:
-        return torch.sort(cand, dim=1, descending=True, stable=True).indices
-    vals, order = torch.topk(cand, width, dim=1)  # [bs, W] descending, ties in no set order
-    fin = torch.isfinite(vals)  # [bs, W]
-    tied = ((vals[:, 1:] == vals[:, :-1]) & fin[:, 1:]).any(1)  # [bs] a tie among the kept
-    tied |= ((cand >= vals[:, -1:]).sum(1) > width) & fin[:, -1]  # [bs] a tie across the cut
-    if tied.any():
-        rows = tied.nonzero()[:, 0]
-        order[rows] = torch.sort(cand[rows], dim=1, descending=True, stable=True).indices[:, :width]
-    return order
+    ascending column): [bs, width]. One stable sort: no host sync (a top-k would need a tie check read back)."""
+    return torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :width]
 
 
 def batched_pops(
-    top_lp: torch.Tensor, top_ids: torch.Tensor, budgets: torch.Tensor, depth_limits: torch.Tensor
+    top_lp: torch.Tensor, top_ids: torch.Tensor, budgets: np.ndarray, depth_limits: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Algorithm 1's pops for every request, on the device of its inputs. top_lp / top_ids [bs, L, K]: per-depth
     top-K draft log-probs (float64, sorted descending, ties by token id) and tokens; budgets [bs] >= 0;
-    depth_limits [bs] in 0..L (int64 tensors).
+    depth_limits [bs] in 0..L (int64 host arrays: the width is known without reading the device).
 
     Returns host arrays tokens, parents (slot: 0 = root, pop i is slot i + 1), depths, logws ([bs, W], W = max
     budget) and counts [bs]; entries past a row's count are token 0, parent -1, depth 0, log-weight -inf."""
@@ -77,7 +66,8 @@ def batched_pops(
     if width == 0 or depth_limit == 0:
         return (np.zeros((bs, width), dtype=np.int64), np.full((bs, width), -1, dtype=np.int64),
                 np.zeros((bs, width), dtype=np.int64), np.full((bs, width), _NEG_INF), np.zeros(bs, dtype=np.int64))
-    lp, ids, limits = top_lp, top_ids, depth_limits  # [bs, L, K], [bs, L, K], [bs]
+    lp, ids = top_lp, top_ids  # [bs, L, K]
+    limits = torch.from_numpy(depth_limits).to(dev)  # [bs]
     kw = min(k, width)
     lvl_w = torch.full((bs, width), _NEG_INF, dtype=torch.float64, device=dev)  # [bs, W] a depth's kept weights
     lvl_w[:, :kw] = lp[:, 0, :kw]
@@ -87,9 +77,7 @@ def batched_pops(
     kept_w, kept_par = [lvl_w], [torch.zeros((bs, width), dtype=torch.int64, device=dev)]
     kept_tok = [ids[:, 0].gather(1, lvl_rank)]
     pi, pr = (torch.from_numpy(a).to(dev) for a in _pairs(width, kw))  # [P]
-    for d in range(1, depth_limit):
-        if not torch.isfinite(lvl_w[:, 0]).any():
-            break
+    for d in range(1, depth_limit):  # every depth (an early stop would read the device back)
         cand = lvl_w.index_select(1, pi) + lp[:, d].index_select(1, pr)  # [bs, P] the heap's float64 sums
         cand[limits <= d] = _NEG_INF
         order = _best_w(cand, width)  # [bs, W] best first, ties in (parent, rank) order
@@ -106,7 +94,7 @@ def batched_pops(
     par = torch.cat(kept_par, dim=1).gather(1, order)  # [bs, W] parent's index in the depth above
     parent_slot = torch.where(depth0 == 0, 0, slot.gather(1, (depth0 - 1).clamp(min=0) * width + par))  # [bs, W]
     w = all_w.gather(1, order)  # [bs, W]
-    counts = torch.minimum(torch.isfinite(w).sum(1), budgets)  # [bs]
+    counts = torch.minimum(torch.isfinite(w).sum(1), torch.from_numpy(budgets).to(dev))  # [bs]
     used = torch.arange(width, device=dev)[None, :] < counts[:, None]  # [bs, W]
     tokens = torch.where(used, torch.cat(kept_tok, dim=1).gather(1, order), 0)
     out = torch.stack([tokens, torch.where(used, parent_slot, -1), torch.where(used, depth0 + 1, 0)]).cpu().numpy()

@@ -37,6 +37,18 @@ def _engine(model: str, **kw) -> Engine:
     return Engine(model, device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=4, **kw)
 
 
+def _good_request_decoding(eng: Engine):  # noqa: ANN202
+    """Start the good request streaming and return (its stream, its first tokens): it is decoding when a bad
+    request fails in its prefill."""
+    stream = eng.generate_stream(input_ids=[GOOD[0]], sampling_params=GREEDY)
+    got: list[int] = []
+    for d in stream:
+        got += d.token_ids
+        if len(got) >= 2:
+            break
+    return stream, got
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from tests.conftest import write_tiny_llama_family
@@ -72,12 +84,7 @@ def test_tp2_failed_steps_fail_their_requests_and_serving_goes_on(models) -> Non
                       ddtree_budget=4)
     try:
         assert eng.scheduler.scheduler.spec.drafter.tp.size == 1  # 1 KV head < 2 ranks: unsharded
-        stream = eng.generate_stream(input_ids=[GOOD[0]], sampling_params=GREEDY)
-        got = []
-        for d in stream:  # the good request is decoding when the bad one fails in its prefill
-            got += d.token_ids
-            if len(got) >= 2:
-                break
+        stream, got = _good_request_decoding(eng)
         with pytest.raises(RuntimeError, match="scheduler step running this request failed") as e:
             eng.generate(input_ids=[[3, t_fwd, 9]], sampling_params=GREEDY)
         assert "injected step failure (forward" in str(e.value)
@@ -109,12 +116,7 @@ def test_tp2_one_rank_forward_faults_are_agreed_and_serving_goes_on(models) -> N
         mp.setenv(TEST_FAULT_ENV, f"forward@1:{t_rank1},forward@0:{t_rank0}")
         eng = _engine(target, tp_size=2)
     try:
-        stream = eng.generate_stream(input_ids=[GOOD[0]], sampling_params=GREEDY)
-        got = []
-        for d in stream:  # the good request is decoding when the bad ones fail in their prefill
-            got += d.token_ids
-            if len(got) >= 2:
-                break
+        stream, got = _good_request_decoding(eng)
         for rank, tok in ((1, t_rank1), (0, t_rank0)):
             start = time.monotonic()
             with pytest.raises(RuntimeError, match=f"step failed on TP rank {rank} of 2") as e:

@@ -46,6 +46,7 @@ def _serve(tmp_path, target: str, drafter: str, batch: int, overlap: bool, spec:
     proc.start()
     got: dict[str, list[int]] = {}
     finished: set[str] = set()
+    widest = 0  # most tokens one step gave one request (>= 3: a draft path of depth >= 2 was accepted)
     try:
         assert outs.poll(120_000) and isinstance(outs.recv_pyobj(), SchedulerReady)
         push = ctx.socket(zmq.PUSH)
@@ -66,6 +67,7 @@ def _serve(tmp_path, target: str, drafter: str, batch: int, overlap: bool, spec:
                     assert o.error is None, o.error
                     assert o.rid not in finished, f"output for {o.rid} after its end"
                     got.setdefault(o.rid, []).extend(o.token_ids)
+                    widest = max(widest, len(o.token_ids))
                     if o.finished:
                         finished.add(o.rid)
         push.close(0)
@@ -76,6 +78,7 @@ def _serve(tmp_path, target: str, drafter: str, batch: int, overlap: bool, spec:
         ctx.term()
     assert finished == set(prompts)
     assert got == {rid: greedy_continuation(ids, N_TOKENS, VOCAB) for rid, ids in prompts.items()}
+    assert widest >= 3 if spec else widest == 1, widest
     return got
 
 

@@ -13,6 +13,7 @@ from ddtree_serve.model_executor.models.simulated import greedy_continuation
 from ddtree_serve.server.engine import Engine, SamplingParams
 from ddtree_serve.sim.checkpoint import write_simulated_pair
 from ddtree_serve.sim.device_clock import DeviceClock, DeviceCostModel
+from tests.speculative.scripted_drafts import install
 
 VOCAB = 512
 N_TOKENS = 24
@@ -33,12 +34,14 @@ def test_greedy_equals_the_known_continuation(pair, batch: int) -> None:
     for spec in ({}, dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=16,
                           speculative_draft_sources="dflash")):
         eng = Engine(target, **kw, **spec)
+        log = install(eng, None) if spec else None  # every speculative step's accepted nodes
         try:
             outs = eng.generate(input_ids=prompts, sampling_params=params)
             assert [o.token_ids for o in outs] == [greedy_continuation(p, N_TOKENS, VOCAB) for p in prompts]
             if spec:
                 accepted = [o.spec_accepted_tokens for o in outs]
                 assert min(accepted) > 0 and sum(accepted) >= batch * N_TOKENS // 2, accepted
+                assert max(log.accepted) >= 2, "no path of depth >= 2 accepted"
             clock = eng.scheduler.runner.model.clock
             assert clock.launches > 0 and clock.device_s > 0
         finally:

@@ -13,7 +13,7 @@ from ddtree_serve.speculative.ddtree_pop import batched_chain, batched_pops, ref
 
 
 def _pops(lp, ids, budgets, limits):  # noqa: ANN001, ANN202
-    return batched_pops(*(torch.from_numpy(np.asarray(a)) for a in (lp, ids, budgets, limits)))
+    return batched_pops(torch.from_numpy(lp), torch.from_numpy(ids), np.asarray(budgets), np.asarray(limits))
 
 
 def _draft(rng: np.random.Generator, bs: int, depth: int, k: int, ties: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +82,8 @@ def test_pop_nodes_on_cpu_runs_the_heap_with_the_same_result() -> None:
     from ddtree_serve.speculative.ddtree import draft_topk
 
     lp, ids = draft_topk(logits, 64)
-    tokens, parents, depths, logws, counts = batched_pops(lp, ids, torch.where(limits > 0, budgets, 0), limits)
+    tokens, parents, depths, logws, counts = batched_pops(lp, ids, torch.where(limits > 0, budgets, 0).numpy(),
+                                                          limits.numpy())
     assert popped.counts.tolist() == counts.tolist() == [0, 1, 7, 0, 64]
     for got, want in ((popped.tokens, tokens), (popped.parents, parents), (popped.depths, depths),
                       (popped.logws, logws)):

@@ -18,6 +18,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -54,6 +55,7 @@ class Batch:
 
 
 class Scheduler:
+    takes_requests_mid_step: ClassVar[bool] = True  # add_request is safe inside a step's overlap window
     def __init__(self, config: ServerConfig, tp: TPGroup | None = None, memory_probe: MemoryProbe = device_memory):
         """``config`` is resolved (ddtree_serve/server/startup.py: a model directory and a concrete device); ``tp``: this
         rank's TP group (None: a single process); ``memory_probe``: ``(total, used)`` bytes of a device, read

@@ -57,6 +57,9 @@ class SchedulerLike(Protocol):
 
     def set_host_window(self, work: Callable[[], None] | None) -> None: ...  # the overlap window's host work
 
+    @property
+    def takes_requests_mid_step(self) -> bool: ...  # whether add_request may run inside the overlap window
+
 
 def make_scheduler(config: ServerConfig) -> SchedulerLike:
     """``Scheduler`` for tp_size 1; otherwise spawn the local followers, join the TP world as rank 0 and

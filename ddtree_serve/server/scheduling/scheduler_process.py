@@ -59,7 +59,7 @@ class SchedulerLoop:
         self._pending: list[TokenOut] = []  # the last step's outputs, sent in the next step's window
         self._in_step = False
         self._deferred_aborts: list[str] = []  # aborts received inside a step, applied after it
-        self._intake_in_window = not hasattr(scheduler, "followers")  # TP: requests join between steps only
+        self._intake_in_window = scheduler.takes_requests_mid_step
         if overlap:
             scheduler.set_host_window(self._window)
 

@@ -40,7 +40,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from ddtree_serve.model_executor.parallel_state import CollectiveError, TPGroup, destroy_tp, stable_hash
 from ddtree_serve.server.io_struct import GenerateReq, SchedulerStats, TokenOut
@@ -168,6 +168,8 @@ class TPScheduler:
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort_request(rid)
         self._ops.append(("abort", rid))
+
+    takes_requests_mid_step: ClassVar[bool] = False  # requests join between steps (followers mirror them)
 
     def set_host_window(self, work: Callable[[], None] | None) -> None:
         """Rank 0's overlap window (``Scheduler.set_host_window``); the followers run none."""
