@@ -1,5 +1,6 @@
 """Drafter training (DFlash, arXiv 2602.06036): block mask by brute force, batch labels/weights, data
-generation with feature capture, training on a tiny random target lowers the loss, checkpoints reload."""
+generation with feature capture (== transformers' hidden_states[l + 1]), training on a tiny random target
+lowers the loss, checkpoints reload, warm start from an exported drafter (--init-drafter) and its refusals."""
 
 from __future__ import annotations
 
@@ -134,5 +135,103 @@ def test_cli_registers_train_drafter():
     parser, commands = build_parser()
     assert "train-drafter" in commands
     args = parser.parse_args(["train-drafter", "--out", "o", "--data-dir", "d", "--block-size", "16",
-                              "--target-layer-ids", "1,5,9"])
+                              "--target-layer-ids", "1,5,9", "--init-drafter", "default"])
     assert args.block_size == 16 and args.target_layer_ids == "1,5,9" and args.loss_vocab == "full"
+    assert args.init_drafter == "default"
+    from ddtree_serve.server.cli.train import _layer_ids
+
+    args.target_layer_ids = None  # data for a warm start: captured at the starting drafter's layers
+    assert _layer_ids(args, "no-target-read") == [1, 8, 14, 20, 27]
+
+
+def test_captured_features_are_hf_hidden_states_of_layer_plus_one(tiny_data):
+    """Target layer id l means the output of decoder layer l: transformers' ``hidden_states[l + 1]`` (z-lab's
+    ``extract_context_feature`` offset; an off-by-one here costs ~1 token of acceptance, FACTS.md)."""
+    from transformers import AutoModelForCausalLM
+
+    target, _, _, seqs, feats, layers = tiny_data
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for s, f in zip(seqs[:3], feats[:3], strict=True):
+        with torch.no_grad():
+            hs = hf(torch.tensor([s[:-1]]), output_hidden_states=True).hidden_states  # [N + 1] x [1, S-1, H]
+        want = torch.cat([hs[layer + 1][0] for layer in layers], dim=-1)  # [S-1, n*H]
+        torch.testing.assert_close(f[:-1], want, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(f[:-1], torch.cat([hs[layer][0] for layer in layers], -1), atol=1e-2)
+
+
+def _tiny_cfg(data, target, out, **kw) -> TrainConfig:
+    base = dict(data_dir=str(data), out_dir=str(out), target_path=target, num_layers=1, block_size=4,
+                mask_token_id=62, steps=20, batch_size=4, anchors_per_seq=6, lr=3e-3, warmup=5, gamma=4.0,
+                save_every=10, eval_budget=4, device="cpu", out_norm_scale=1.0)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_init_drafter_warm_starts_a_fresh_run(tiny_data, tmp_path):
+    from ddtree_serve.speculative.train.export import zlab_state_dict
+    from ddtree_serve.speculative.train.warm_start import load_init_drafter
+
+    target, data, *_ = tiny_data
+    torch.manual_seed(0)
+    first = train(_tiny_cfg(data, target, tmp_path / "a"))
+    src = str((tmp_path / "a").resolve())
+    # the loaded weights are exactly the exported (bf16) ones
+    dcfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    model = build_drafter(dcfg, torch.device("cpu"), seed=1)
+    load_init_drafter(model, dcfg, src)
+    exported = dict(iter_weights(src))
+    for name, t in zlab_state_dict(model).items():
+        torch.testing.assert_close(t, exported[name].float(), atol=0, rtol=0)
+    # a fresh run from those weights: new schedule (its own step count), starting near the first run's end loss
+    warm = train(_tiny_cfg(data, target, tmp_path / "b", steps=2, lr=1e-6, warmup=1, init_drafter=src))
+    assert warm["steps"] == 2 and warm["loss_first"] < 0.85 * first["loss_first"], (warm, first)
+    assert torch.load(tmp_path / "b" / "trainer_state.pt", weights_only=False)["init_drafter"] == src
+    # rerunning the same command resumes (the flag is ignored); --init-drafter on another run's state is refused
+    again = train(_tiny_cfg(data, target, tmp_path / "b", steps=2, lr=1e-6, warmup=1, init_drafter=src))
+    assert again["steps"] == 2
+    with pytest.raises(ValueError, match="resuming wins"):
+        train(_tiny_cfg(data, target, tmp_path / "a", init_drafter=src))
+    # a resumed run refuses flags that would make it another drafter
+    with pytest.raises(ValueError, match="being resumed.*block_size"):
+        train(_tiny_cfg(data, target, tmp_path / "a", block_size=8))
+
+
+@pytest.mark.parametrize("change,field", [({"block_size": 8}, "block_size"), ({"num_layers": 2}, "num_layers"),
+                                          ({"mask_token_id": 61}, "mask_token_id")])
+def test_init_drafter_refuses_a_mismatched_drafter(tiny_data, tmp_path, change, field):
+    from ddtree_serve.model_executor.default_drafter import default_drafter_path
+    from ddtree_serve.speculative.train.export import drafter_config, save_drafter
+
+    target, data, *_ = tiny_data
+    dcfg = drafter_config(ModelConfig.load(target).hf, 1, 4, [0, 2], 62)
+    src = save_drafter(build_drafter(dcfg, torch.device("cpu"), 0), dcfg, tmp_path / "src")
+    with pytest.raises(ValueError, match=f"--init-drafter .*{field}: drafter"):
+        train(_tiny_cfg(data, target, tmp_path / "out", init_drafter=str(src), **change))
+    assert not (tmp_path / "out" / "trainer_state.pt").exists()
+    with pytest.raises(ValueError, match="hidden_size: drafter 576, requested 64"):  # the shipped one: SmolLM2 shapes
+        train(_tiny_cfg(data, target, tmp_path / "out", init_drafter="default"))
+    assert default_drafter_path().endswith("smollm2-135m-dflash")
+
+
+def test_shipped_drafter_can_seed_training_for_the_default_target(tmp_path):
+    """The shipped drafter matches what train-drafter asks for on SmolLM2-135M with its recorded flags, loads
+    into a trainable drafter, and is refused for target layer ids other than its own."""
+    from importlib.resources import files
+
+    from ddtree_serve.speculative.train.export import drafter_config, zlab_state_dict
+    from ddtree_serve.speculative.train.warm_start import (
+        check_init_drafter,
+        init_drafter_config,
+        load_init_drafter,
+        resolve_init_drafter,
+    )
+
+    smollm2 = json.loads(files("ddtree_serve.model_executor").joinpath("default_model_config/config.json").read_text())
+    path = resolve_init_drafter("default")
+    want = drafter_config(smollm2, 1, 8, [1, 8, 14, 20, 27], 0)
+    model = build_drafter(want, torch.device("cpu"), 0)
+    load_init_drafter(model, want, path)
+    shipped = dict(iter_weights(path))
+    for name, t in zlab_state_dict(model).items():  # every tensor is the shipped one, and trainable
+        assert t.requires_grad and torch.equal(t.detach(), shipped[name].float()), name
+    with pytest.raises(ValueError, match=r"target_layer_ids: drafter \[1, 8, 14, 20, 27\], requested \[2, 9"):
+        check_init_drafter(init_drafter_config(path), drafter_config(smollm2, 1, 8, [2, 9, 15, 21, 27], 0), path)

@@ -38,9 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("drafter")
     d.add_argument("--num-layers", type=int, default=1)
     d.add_argument("--block-size", type=int, default=8)
-    d.add_argument("--target-layer-ids", default=None, help="comma-separated; default evenly spaced 1..N-3 (within 0..N-1)")
+    d.add_argument("--target-layer-ids", default=None, help="comma-separated; default: --init-drafter's, else evenly "
+                   "spaced 1..N-3 (within 0..N-1)")
     d.add_argument("--num-target-features", type=int, default=5, help="how many target layers when not given")
     d.add_argument("--mask-token-id", type=int, default=None)
+    d.add_argument("--init-drafter", default=None,
+                   help="start from this exported drafter's weights ('default' = the shipped drafter) with a fresh "
+                   "optimizer and schedule; it must match --num-layers, --block-size, the data's target layers and "
+                   "the mask token (taken from it when --mask-token-id is not given); a --out that already holds "
+                   "trainer_state.pt resumes instead")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=8, help="sequences per step (0: as many as fit in memory)")
@@ -72,6 +78,10 @@ def _layer_ids(args: argparse.Namespace, model_path: str) -> list[int]:
 
     if args.target_layer_ids:
         return [int(x) for x in args.target_layer_ids.split(",")]
+    if args.init_drafter:  # data for a warm start is captured at the starting drafter's layers
+        from ddtree_serve.speculative.train.warm_start import init_drafter_config, resolve_init_drafter
+
+        return list(init_drafter_config(resolve_init_drafter(args.init_drafter))["dflash_config"]["target_layer_ids"])
     return default_target_layer_ids(ModelConfig.load(model_path).num_layers, args.num_target_features)
 
 
@@ -132,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, mask_token_id=args.mask_token_id, steps=args.steps,
             batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup=args.warmup,
             weight_decay=args.weight_decay, gamma=args.gamma, out_norm_scale=args.out_norm_scale,
-            loss_vocab=args.loss_vocab, seed=args.seed,
+            loss_vocab=args.loss_vocab, seed=args.seed, init_drafter=args.init_drafter,
             device=device, save_every=args.save_every, eval_every=args.eval_every, eval_budget=args.eval_budget,
             time_budget_s=args.train_time_budget_min * 60 if args.train_time_budget_min else None,
         )

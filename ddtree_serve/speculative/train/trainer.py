@@ -3,7 +3,8 @@
 The target is frozen (its embedding and LM head are read once, never trained). AdamW with linear warm-up
 and cosine decay; bf16 autocast on CUDA, float32 on CPU. Every ``save_every`` steps the output directory
 gets a z-lab-format export (``config.json`` + bf16 ``model.safetensors``) and ``trainer_state.pt``
-(float32 weights, optimizer, step, RNG) from which ``train`` resumes.
+(float32 weights, optimizer, step, RNG) from which ``train`` resumes. ``init_drafter`` starts a fresh run
+(new optimizer and schedule) from an exported drafter's weights (``warm_start.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from ddtree_serve.model_executor.weight_loader import safetensors_files
 from ddtree_serve.speculative.train.evaluate import offline_acceptance
 from ddtree_serve.speculative.train.export import drafter_config, save_drafter
 from ddtree_serve.speculative.train.objective import dflash_loss, lr_at, make_block_batch
+from ddtree_serve.speculative.train.warm_start import (
+    check_init_drafter,
+    load_init_drafter,
+    resolve_init_drafter,
+)
 
 
 @dataclass
@@ -51,6 +57,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: only at the end
     eval_budget: int = 16
     time_budget_s: float | None = None  # shrink the schedule to fit, measured on this run's first 5 steps
+    init_drafter: str | None = None  # exported drafter directory ('default': the shipped one) seeding a fresh run
 
 
 def pick_device(device: str) -> torch.device:
@@ -148,13 +155,28 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
     meta = json.loads((Path(cfg.data_dir) / "meta.json").read_text())
     target_hf = ModelConfig.load(cfg.target_path).hf
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(cfg.target_path)
+    state_path = out / "trainer_state.pt"
+    st = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    init = resolve_init_drafter(cfg.init_drafter) if cfg.init_drafter else None
+    if init and st is not None:
+        _check_resume_origin(st, init, state_path)
+    saved = out / "config.json" if st is not None and (out / "config.json").exists() else None
+    mask_id = cfg.mask_token_id
+    if mask_id is None:  # a resumed run or a warm start keeps its drafter's mask token unless one is asked for
+        known = saved or (Path(init) / "config.json" if init else None)
+        mask_id = (json.loads(known.read_text())["dflash_config"]["mask_token_id"] if known
+                   else default_mask_token_id(cfg.target_path))
     dcfg = drafter_config(target_hf, cfg.num_layers, cfg.block_size, meta["target_layer_ids"], mask_id)
+    if saved is not None:  # resuming under other flags would train the weights as another drafter
+        check_init_drafter(json.loads(saved.read_text()), dcfg, f"the drafter being resumed in {out}")
     model = build_drafter(dcfg, device, cfg.seed)
     tt = target_tensors(cfg.target_path)
     embed_w, head_w = tt["embed"].to(device), tt["head"].to(device)
     if "norm" in tt:  # output feeds the target's LM head: its final norm, scaled down so that the first
         model.norm.weight.data.copy_(cfg.out_norm_scale * tt["norm"])  # logits are not confidently wrong
+    if init and st is None:
+        load_init_drafter(model, dcfg, init)
+        print(f"[train] starting from the weights of {init} (fresh optimizer and schedule)", flush=True)
     train_recs, eval_recs = load_records(cfg.data_dir, "train"), load_records(cfg.data_dir, "eval")
     if not train_recs:
         raise ValueError(f"no training data under {cfg.data_dir}/feat")
@@ -169,16 +191,16 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                                      int(subset.numel()) if subset is not None else dcfg["vocab_size"])
         print(f"[train] batch size {batch_size} (by free memory on {device})", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state_path = out / "trainer_state.pt"
     step, total, elapsed = 0, cfg.steps, 0.0
+    origin = init  # the drafter this run started from (None: random), kept in trainer_state.pt
     gen = torch.Generator().manual_seed(cfg.seed)
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+    if st is not None:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optim"])
         # --steps above the saved total extends the run: the cosine schedule is stretched to the new horizon
         step, total, elapsed = st["step"], max(st["total"], cfg.steps), st["elapsed"]
         gen.set_state(st["gen"])
+        origin = st.get("init_drafter")
         print(f"[train] resumed from {state_path} at step {step}/{total}", flush=True)
     order_rng = random.Random(f"{cfg.seed}:{step}")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
@@ -221,11 +243,11 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 bar.total = total
                 print(f"\n[train] time budget: schedule shortened to {total} steps", flush=True)
         if step % cfg.save_every == 0 or step == total:
-            _checkpoint(model, opt, dcfg, out, step, total, elapsed, gen)
+            _checkpoint(model, opt, dcfg, out, step, total, elapsed, gen, origin)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total and eval_recs:
             _evaluate(model, embed_w, head_w, eval_recs, cfg.eval_budget, step)
     bar.close()
-    _checkpoint(model, opt, dcfg, out, step, total, elapsed, gen)
+    _checkpoint(model, opt, dcfg, out, step, total, elapsed, gen, origin)
     result = _evaluate(model, embed_w, head_w, eval_recs, cfg.eval_budget, step) if eval_recs else {}
     result.update(steps=step, train_seconds=elapsed, loss_ema=ema if ema is not None else float("nan"),
                   loss_first=first)
@@ -233,10 +255,22 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     return result
 
 
-def _checkpoint(model, opt, dcfg, out: Path, step: int, total: int, elapsed: float, gen: torch.Generator) -> None:
+def _check_resume_origin(state: dict, init: str, state_path: Path) -> None:
+    """Resuming wins over ``--init-drafter``: rerunning the command that started from ``init`` resumes (the
+    flag is ignored); a run that did not start from ``init`` refuses it rather than silently continuing."""
+    if state.get("init_drafter") != init:
+        started = state.get("init_drafter") or "random weights"
+        raise ValueError(f"{state_path} exists (step {state['step']}, started from {started}): resuming wins over "
+                         f"--init-drafter {init}; drop --init-drafter to resume, or pass a new --out to start "
+                         "from that drafter")
+    print(f"[train] --init-drafter ignored: resuming {state_path} (this run started from {init})", flush=True)
+
+
+def _checkpoint(model, opt, dcfg, out: Path, step: int, total: int, elapsed: float, gen: torch.Generator,
+                origin: str | None = None) -> None:
     save_drafter(model, dcfg, out)
     st = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "total": total, "elapsed": elapsed,
-          "gen": gen.get_state()}
+          "gen": gen.get_state(), "init_drafter": origin}
     tmp = out / "trainer_state.tmp"
     torch.save(st, tmp)
     tmp.replace(out / "trainer_state.pt")
