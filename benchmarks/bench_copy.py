@@ -22,7 +22,7 @@ shared index of recent outputs is emptied, else from round 2 on it would hold th
 prompt (``--keep-suffix-cache`` keeps it); the engines' prefix cache is off likewise (``--prefix-cache``).
 Last, the issue's aims: on copy at batch 1 both >= 1.3x plain and >= hf-pld; on chat both >= 0.95x plain.
 
-    python benchmarks/bench_copy.py [--configs plain,dflash,suffix,both,hf-pld,hf] [--sets copy,agent,chat]
+    python benchmarks/bench_copy.py [--configs plain,dflash,suffix,both,both@16,hf-pld,hf] [--sets copy,agent,chat]
         [--batch-sizes 1,8] [--rounds 3] [--max-tokens 96] [--kv-tokens 16384] [--threads N]
         [--keep-suffix-cache] [--prefix-cache] [--out bench_out/copy.json]
 """
@@ -110,6 +110,15 @@ AGENT_CONVERSATIONS = [
     _tool_turn("Open src/app/config.py.", '{"name": "read_file", "arguments": {"path": "src/app/config.py"}}',
                _CODE, "Change the default port to 9090 and show me the whole file."),
 ]
+
+
+def engine_kw(label: str) -> dict | None:
+    """Engine arguments of a configuration: a name of ENGINE_KW, or ``<ddtree config>@<budget>`` for a fixed
+    tree budget instead of auto (``both@16``); None for anything else."""
+    name, _, budget = label.partition("@")
+    if name not in ENGINE_KW or (budget and (name == "plain" or not budget.isdigit() or int(budget) < 1)):
+        return None
+    return {**ENGINE_KW[name], "ddtree_budget": int(budget)} if budget else ENGINE_KW[name]
 
 
 def conversations(name: str) -> list[list[dict]]:
@@ -267,7 +276,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/copy.json")
     args = ap.parse_args()
     labels = ["plain"] + [c for c in dict.fromkeys(args.configs.split(",")) if c and c != "plain"]
-    unknown = [c for c in labels if c not in ALL_CONFIGS]
+    unknown = [c for c in labels if c not in ALL_CONFIGS and engine_kw(c) is None]
     if unknown:
         ap.error(f"unknown configs {unknown}; choose from {','.join(ALL_CONFIGS)}")
     if args.threads:
@@ -277,10 +286,10 @@ def main() -> None:
     t0 = time.perf_counter()
     n, reset = args.max_tokens, not args.keep_suffix_cache
     runners, engines = {}, []
-    for lab in (c for c in labels if c in ENGINE_KW):
-        print(f"[bench] engine {lab}: {ENGINE_KW[lab]}", flush=True)
+    for lab in (c for c in labels if engine_kw(c) is not None):
+        print(f"[bench] engine {lab}: {engine_kw(lab)}", flush=True)
         engine = Engine("default", dtype="float32", max_total_tokens=args.kv_tokens,
-                        disable_radix_cache=not args.prefix_cache, **ENGINE_KW[lab])
+                        disable_radix_cache=not args.prefix_cache, **engine_kw(lab))
         engines.append(engine)
         runners[lab] = lambda ids, e=engine: run_engine(e, ids, n, reset)
     tokenizer = engines[0].tokenizer
@@ -319,7 +328,7 @@ def main() -> None:
                     same = [strip_eos(a, eos) == strip_eos(b, eos) for a, b in zip(got[lab], got["plain"], strict=True)]
                     raw[lab] = merge(raw[lab], {"same": sum(same), "requests": len(same)})
                     for i, ok in zip(idx, same, strict=True):
-                        if not ok and lab in ENGINE_KW and (name, bs, lab, i) not in warned:
+                        if not ok and engine_kw(lab) is not None and (name, bs, lab, i) not in warned:
                             warned.add((name, bs, lab, i))
                             print(f"[bench] WARNING: {lab} differs from plain on {name}[{i}] at batch {bs} "
                                   "(greedy should be lossless)", flush=True)

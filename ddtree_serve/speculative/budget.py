@@ -67,6 +67,7 @@ from ddtree_serve.speculative.calibration import AcceptanceCalibrator
 from ddtree_serve.speculative.ddtree import DFLASH, SUFFIX, DraftTree, PoppedNodes
 from ddtree_serve.speculative.rate_correction import RateCorrection
 from ddtree_serve.speculative.step_cost import StepCostModel
+from ddtree_serve.speculative.suffix_index import MATCH_KEY_CAP
 
 GREEDY, SAMPLED = 0, 1
 PLAIN, SUFFIX_ONLY, DRAFT = 0, 1, 2  # a step's plan (plan_step): no tree, suffix drafts only, the drafter runs
@@ -104,8 +105,8 @@ class BudgetController:
         self.padded = padded  # whether the verify forward pads every tree to the widest (see choose_budgets)
         self.cost = cost
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # DFlash's nodes
-        # suffix nodes, by the length of the match that proposed them (ddtree_serve/server/config.py caps it at 64)
-        self.calib_suffix = AcceptanceCalibrator(64, config.prior, config.decay)
+        # suffix nodes, by the length of the match that proposed them (capped at MATCH_KEY_CAP)
+        self.calib_suffix = AcceptanceCalibrator(MATCH_KEY_CAP, config.prior, config.decay)
         self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
         self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
         self.curve_mass = np.zeros((2, 2, depth_limit + 1))  # [mode, raw/calibrated, depth] mean Q per step

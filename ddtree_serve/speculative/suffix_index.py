@@ -21,6 +21,14 @@ with hash tables of n-grams, so that a lookup costs a few dictionary probes, nev
   that way, discounted per level by the match's length (a long match predicts better). The adaptive budget
   calibrates these scores per match length against verification (``ddtree_serve.speculative.calibration``), separately
   from the DFlash drafter's.
+* Matches longer than ``max_match``: the n-gram tables end at ``max_match``, but a request that copies (a
+  repeated request whose answer the shared index holds, a file re-emitted) matches far more. When the n-gram
+  match is ``max_match`` long, the proposer measures the true length once (walking back from the newest
+  ``WALK_OCCURRENCES`` occurrences, at most ``RUN_WALK_CAP`` tokens) and then follows that occurrence (the
+  request's *run*) step by step: the tokens a step appended either continue it (the length grows by them) or
+  end it. The trie then holds the run's continuation alone, ``min(max_depth, SPEC_FACTOR * n)`` levels deep with
+  ``c = n / (n + 1)`` for its true length n, so a long copy drafts as deep as the budget allows. Match lengths of
+  ``MATCH_KEY_CAP`` and more share one calibration key.
 """
 
 from __future__ import annotations
@@ -37,11 +45,14 @@ SEPARATOR = -1  # between outputs in the shared index; never part of a pattern
 SPEC_FACTOR = 2  # a match of n tokens proposes at most SPEC_FACTOR * n levels
 INDEX_CHUNK = 4096  # tokens a request's index takes in per step: a long prompt is indexed over several steps
 EVIDENCE_DECAY = 0.8  # per verified step with suffix nodes: a request's own acceptance record follows its phases
+RUN_WALK_CAP = 256  # tokens a full-length match is extended backwards when a run starts (module docstring)
+WALK_OCCURRENCES = 4  # newest occurrences whose true match length is measured when a run starts
+MATCH_KEY_CAP = 64  # match lengths at or above this share one calibration key (the budget's suffix calibrator)
 
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    max_depth: int = 12  # levels of a suffix draft below the root
+    max_depth: int = 64  # levels of a suffix draft below the root (at most SPEC_FACTOR x the match length)
     min_match: int = 2  # shortest suffix that may match
     max_match: int = 8  # longest suffix tried (the index holds n-grams of min_match..max_match tokens)
     max_positions: int = 16  # most recent occurrences whose continuations make the trie
@@ -153,6 +164,7 @@ class SuffixProposer:
         self.shared = SharedIndex(config) if config.cache_tokens > 1 else None
         self.own: dict[str, NgramIndex] = {}  # rid -> the request's index (released with the request)
         self.evidence: dict[str, np.ndarray] = {}  # rid -> its suffix nodes' decayed (reached, offered) score sums
+        self.runs: dict[str, _Run] = {}  # rid -> the occurrence its text has been following (module docstring)
 
     def _sync(self, rid: str, prompt: list[int], output: list[int]) -> NgramIndex:
         """The request's index, extended by at most INDEX_CHUNK of the tokens it has not indexed yet (a 100k-token
@@ -174,6 +186,7 @@ class SuffixProposer:
         request; None for an abort or a retraction)."""
         self.own.pop(rid, None)
         self.evidence.pop(rid, None)
+        self.runs.pop(rid, None)
         if output and self.shared is not None:
             self.shared.add(output)
 
@@ -181,8 +194,7 @@ class SuffixProposer:
                 max_depths: list[int]) -> PoppedNodes:
         """Each request's suffix-draft trie in pop order (descending score; parents first), as ``PoppedNodes``
         whose ``logws`` are log scores; ``max_depths[b]``: deepest level of use to request b."""
-        m = self.config.max_match
-        tries = [self._trie(self._sync(rid, p, o), _tail(p, o, m), min(d, self.config.max_depth))
+        tries = [self._trie(rid, self._sync(rid, p, o), p, o, min(d, self.config.max_depth))
                  for rid, p, o, d in zip(rids, prompts, outputs, max_depths, strict=True)]
         width = max((len(t[0]) for t in tries), default=0)
         bs = len(tries)
@@ -224,13 +236,34 @@ class SuffixProposer:
                 return n, found
         return 0, []
 
-    def _trie(self, idx: NgramIndex, tail: list[int], depth: int
+    def _longest(self, rid: str, n: int, found: list[tuple[NgramIndex, int]], prompt: list[int],
+                 output: list[int]) -> tuple[int, list[tuple[NgramIndex, int]]]:
+        """The true longest match when the n-gram match is full length (module docstring): the request's run,
+        continued by the tokens appended since the last step or measured anew; else ``(n, found)`` unchanged."""
+        size = len(prompt) + len(output)
+        run = self.runs.pop(rid, None)
+        if n < self.config.max_match:
+            return n, found  # a longer match would have matched a longer n-gram
+        if run is not None and 0 <= size - run.size <= len(output):
+            k = size - run.size
+            if all(run.src.token(run.next_pos + i) == output[len(output) - k + i] for i in range(k)):
+                run = _Run(run.src, run.next_pos + k, run.length + k, size)
+                self.runs[rid] = run
+                return run.length, [(run.src, run.next_pos)]
+        best = max(((src, p, n + _agree_before(src, p - n, prompt, output, n)) for src, p in found[:WALK_OCCURRENCES]),
+                   key=lambda x: x[2])
+        self.runs[rid] = _Run(best[0], best[1], best[2], size)
+        return (best[2], [best[:2]]) if best[2] > n else (n, found)
+
+    def _trie(self, rid: str, idx: NgramIndex, prompt: list[int], output: list[int], depth: int
               ) -> tuple[list[int], list[int], list[int], list[float], int]:
         """Pop-ordered trie of the continuations of the longest match (tokens, parent slots, depths, log
-        scores) and the match's length; empty without a match."""
-        n, found = self._match(idx, tail) if depth > 0 else (0, [])
+        scores) and the match's length (capped at MATCH_KEY_CAP); empty without a match."""
+        n, found = self._match(idx, _tail(prompt, output, self.config.max_match)) if depth > 0 else (0, [])
         if not found:
+            self.runs.pop(rid, None)
             return [], [], [], [], 0
+        n, found = self._longest(rid, n, found, prompt, output)
         depth = min(depth, SPEC_FACTOR * n)
         nodes: dict[tuple[int, int], int] = {}  # (parent slot, token) -> slot (1-based)
         tokens: list[int] = []
@@ -260,7 +293,34 @@ class SuffixProposer:
         for rank, i in enumerate(order):
             new_slot[i + 1] = rank + 1
         return ([tokens[i] for i in order], [new_slot[parents[i]] for i in order], [depths[i] for i in order],
-                [logw[i] for i in order], n)
+                [logw[i] for i in order], min(n, MATCH_KEY_CAP))
+
+
+@dataclass(frozen=True)
+class _Run:
+    """The occurrence a request's text has been following: the text's last ``length`` tokens (of ``size``)
+    equal ``src``'s tokens before absolute position ``next_pos``."""
+    src: NgramIndex
+    next_pos: int
+    length: int
+    size: int
+
+
+def _agree_before(src: NgramIndex, pos: int, prompt: list[int], output: list[int], skip: int) -> int:
+    """How many tokens before ``src`` position ``pos`` equal the text's tokens before its last ``skip`` (at most
+    RUN_WALK_CAP): the extension of a match of ``skip`` tokens backwards."""
+    n_out = len(output)
+    for j in range(RUN_WALK_CAP):
+        back = skip + j + 1  # 1-based offset from the text's end
+        if back <= n_out:
+            t = output[n_out - back]
+        elif back - n_out <= len(prompt):
+            t = prompt[len(prompt) - (back - n_out)]
+        else:
+            return j
+        if src.token(pos - 1 - j) != t:
+            return j
+    return RUN_WALK_CAP
 
 
 def _tail(prompt: list[int], output: list[int], m: int) -> list[int]:

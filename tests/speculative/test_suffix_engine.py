@@ -155,3 +155,20 @@ def test_shared_index_cap_and_release_on_finish_and_abort(tiny):
     sch.step()
     assert shared.index.tokens == before
     _assert_released(e)
+
+
+def test_a_repeated_request_drafts_as_deep_as_its_match(tiny):
+    """Issue 47 item 5: the second time a request comes, the shared index holds its answer; the match grows past
+    the n-gram tables' length (the proposer's run) and the drafts go as deep as it is long (up to the budget):
+    more tokens per verify step than the old 12-level cap allowed, and the output still equals plain's."""
+    target, _ = tiny
+    prompt = [5, 9, 2, 8, 1]
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    ref = _engine(target, speculative_algorithm="none").generate(input_ids=[prompt], sampling_params=sp)[0]
+    e = _engine(target, speculative_algorithm="ddtree", ddtree_budget=64)  # suffix drafts alone
+    first = e.generate(input_ids=[prompt], sampling_params=sp)[0]
+    second = e.generate(input_ids=[prompt], sampling_params=sp)[0]
+    assert first.token_ids == second.token_ids == ref.token_ids
+    assert second.spec_accepted_suffix == second.spec_accepted_tokens
+    assert second.acceptance_length > 13, (second.acceptance_length, first.acceptance_length)
+    _assert_released(e)

@@ -140,3 +140,43 @@ def test_request_record_scales_its_suffix_drafts():
     assert p.evidence["chat"].tolist() == [0.0, 0.8 * 1.5 + 1.0]  # decayed, then added
     p.release("chat")
     assert "chat" not in p.evidence and "copy" in p.evidence
+
+
+def test_a_long_copy_drafts_as_deep_as_its_match():
+    """A repeated answer held by the shared index: the match is measured past max_match (the run), followed
+    step by step, scored with its true length, and drafts up to SPEC_FACTOR x that length deep."""
+    import ddtree_serve.speculative.suffix_index as si
+
+    cfg = SuffixConfig(max_depth=64, min_match=2, max_match=4, cache_tokens=1000)
+    p = SuffixProposer(cfg)
+    answer = [100 + (i * 7919) % 997 for i in range(200)]  # no repeated 2-gram
+    p.shared.add(answer)
+    out = answer[:10]
+    got = p.propose(["r"], [[1, 2, 3]], [out], [50])
+    n = int(got.counts[0])
+    assert got.tokens[0, :n].tolist() == answer[10:30]  # 10 tokens matched: 2 x 10 levels
+    assert got.match_lens[0, 0] == 10 and got.parents[0, :n].tolist() == list(range(n))
+    assert math.isclose(got.logws[0, 19], 20 * math.log(10 / 11))
+    out += answer[10:17]  # a step accepted 6 drafts + the bonus: the run continues
+    got = p.propose(["r"], [[1, 2, 3]], [out], [50])
+    assert got.match_lens[0, 0] == 17 and got.tokens[0, : int(got.counts[0])].tolist() == answer[17:51]
+    assert p.runs["r"].length == 17
+    out += answer[17:120]  # far past MATCH_KEY_CAP: one calibration key; the request's max depth bounds it
+    got = p.propose(["r"], [[1, 2, 3]], [out], [50])
+    assert got.match_lens[0, 0] == si.MATCH_KEY_CAP and int(got.counts[0]) == 50
+    assert got.tokens[0, :50].tolist() == answer[120:170]
+    out.append(5)  # the text leaves the copy: no match, the run ends
+    assert p.propose(["r"], [[1, 2, 3]], [out], [50]).counts[0] == 0 and "r" not in p.runs
+    p.release("r")
+
+
+def test_a_full_length_match_that_is_no_longer_keeps_every_occurrence():
+    """An n-gram match of max_match tokens whose occurrences agree no further: scored as before (all
+    occurrences' continuations, c = n / (n + 1) with n = max_match)."""
+    p = SuffixProposer(SuffixConfig(max_depth=8, min_match=2, max_match=3, cache_tokens=0))
+    prompt = [9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 6, 7, 0, 1, 2, 3]  # "1 2 3" twice, preceded by 9 and by 8
+    got = p.propose(["r"], [prompt], [[]], [8])
+    n = int(got.counts[0])
+    assert got.match_lens[0, 0] == 3 and sorted(got.tokens[0, :2].tolist()) == [4, 6]
+    assert math.isclose(got.logws[0, 0], math.log(0.5 * 3 / 4))
+    assert n == 12  # two branches of SPEC_FACTOR x 3 = 6 levels
