@@ -57,7 +57,8 @@ def run(engine: Engine, ids: list[list[int]], params: SamplingParams) -> dict:
     raw: dict = {"generated": sum(len(o.token_ids) for o in outs), "wall_s": time.perf_counter() - t}
     if spec is not None:
         raw.update(spec_steps=sum(o.spec_verify_steps for o in outs),
-                   accepted=sum(len(o.token_ids) - 1 for o in outs),  # the first token comes from prefill
+                   # tokens of verify steps (accepted drafts + bonus); plain steps' tokens are not tau's
+                   accepted=sum(o.spec_accepted_tokens + o.spec_verify_steps for o in outs),
                    budget_sum=sum(o.spec_budget_sum for o in outs), timer_steps=spec.timer.steps,
                    phase_s=dict(spec.timer.totals))
     if ctl is not None:
