@@ -84,3 +84,23 @@ def test_cost_model_calibration() -> None:
     assert 10.0 <= cost.target_s(1, 0, 1) * 1e3 <= 11.0
     assert 56.0 <= cost.target_s(128, 0, 128) * 1e3 <= 59.0
     assert cost.target_s(128 * 65, 0, 128 * 65) > 5 * cost.target_s(128, 0, 128)  # wide verify: FLOP-bound
+
+
+def test_auto_drafts_a_repeated_answer_as_deep_as_it_matches(pair) -> None:
+    """Issue 47 item 5 under GPU-like costs (a verify of 1 or 64 tokens costs about the same at batch 1): the
+    second time a request comes, the shared suffix index holds its answer and the auto budget verifies deep
+    suffix drafts, many more tokens a step than the old 12-level cap allowed; the output is the known one."""
+    target, drafter = pair
+    prompt, n = [11, 22, 33, 44, 55], 192
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    eng = Engine(target, device="cpu", dtype="float32", max_running_requests=1, max_total_tokens=4096,
+                 disable_radix_cache=True, speculative_algorithm="ddtree", speculative_draft_model_path=drafter,
+                 ddtree_budget="auto", speculative_draft_sources="dflash,suffix")
+    try:
+        first, second = (eng.generate(input_ids=[prompt], sampling_params=params)[0] for _ in range(2))
+        assert first.token_ids == second.token_ids == greedy_continuation(prompt, n, VOCAB)
+        assert second.spec_accepted_suffix > n // 2, (second.spec_accepted_suffix, second.spec_accepted_tokens)
+        assert second.acceptance_length > 20, (second.acceptance_length, first.acceptance_length)
+        assert second.mean_budget > 20, second.mean_budget
+    finally:
+        eng.shutdown()
