@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shard-size", type=int, default=48)
     g.add_argument("--feat-dtype", choices=["float16", "bfloat16", "float32"], default="bfloat16")
     g.add_argument("--data-time-budget-min", type=float, default=None, help="stop starting new shards after this")
+    g.add_argument("--teacher-topk", type=int, default=32,
+                   help="store the target's top-K next-token log-probabilities per response token (~6 bytes x K "
+                   "per token) for --kd-weight; 0: not stored")
     d = p.add_argument_group("drafter")
     d.add_argument("--num-layers", type=int, default=1)
     d.add_argument("--block-size", type=int, default=8)
@@ -59,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="initial drafter final norm = this x the target's final norm weight")
     t.add_argument("--loss-vocab", choices=["full", "corpus"], default="full",
                    help="'corpus': softmax over the tokens present in the data (CPU saver)")
+    t.add_argument("--kd-weight", type=float, default=0.0,
+                   help="alpha in [0, 1]: loss = (1 - alpha) CE(target token) + alpha soft-CE against the target's "
+                   "stored top-K distribution (records without it: CE alone); 0 = hard labels only")
     t.add_argument("--train-time-budget-min", type=float, default=None, help="shorten the schedule to fit")
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--eval-every", type=int, default=0)
@@ -113,7 +119,8 @@ def _answer(args: argparse.Namespace, model_path: str, device: str, chats: list,
     return generate_dataset(model_path, chats[args.num_eval:], chats[:args.num_eval], args.data_dir,
                             _layer_ids(args, model_path), max_tokens=args.max_new_tokens,
                             greedy_fraction=args.greedy_fraction, shard_size=args.shard_size, seed=args.seed,
-                            feat_dtype=args.feat_dtype, device=device, time_budget_s=budget, shard_tag=tag)
+                            feat_dtype=args.feat_dtype, device=device, time_budget_s=budget, shard_tag=tag,
+                            teacher_topk=args.teacher_topk)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, mask_token_id=args.mask_token_id, steps=args.steps,
             batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup=args.warmup,
             weight_decay=args.weight_decay, gamma=args.gamma, out_norm_scale=args.out_norm_scale,
-            loss_vocab=args.loss_vocab, seed=args.seed, init_drafter=args.init_drafter,
+            loss_vocab=args.loss_vocab, kd_weight=args.kd_weight, seed=args.seed, init_drafter=args.init_drafter,
             device=device, save_every=args.save_every, eval_every=args.eval_every, eval_budget=args.eval_budget,
             time_budget_s=args.train_time_budget_min * 60 if args.train_time_budget_min else None,
         )

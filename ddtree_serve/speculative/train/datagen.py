@@ -13,7 +13,11 @@ Layout of a data directory (resumable: finished shards are skipped):
   sources: ``eval_<tag>_00000.pt``, ``train_<tag>_NNNNN.pt``): lists of
   ``{"tokens": int32 [S], "prompt_len": int, "temperature": float, "feats": [S, n*H]}`` where
   ``feats[p]`` = outputs of the target's decoder layers ``target_layer_ids`` (HF ``hidden_states[l+1]``)
-  at position ``p`` (the last position, never run through the target, is zero and never used).
+  at position ``p`` (the last position, never run through the target, is zero and never used); with
+  ``teacher_topk`` K > 0 also ``"teacher_ids": int32 [R, K]`` and ``"teacher_logp": float16 [R, K]``, the
+  target's K most probable next tokens and their log-probabilities (log_softmax of the float32 logits the
+  generation computes anyway, temperature 1) for the R = S - prompt_len response tokens: row r is the
+  distribution that token ``tokens[prompt_len + r]`` was drawn from. Shards without these keys stay valid.
 - ``meta.json``: target path, layer ids, feature dtype.
 """
 
@@ -62,8 +66,9 @@ def write_meta(out_dir: str, model_path: str, layer_ids: Sequence[int], feat_dty
 def generate_dataset(model_path: str, chats: Sequence[list[dict]], eval_chats: Sequence[list[dict]], out_dir: str,
                      target_layer_ids: Sequence[int], max_tokens: int = 128, greedy_fraction: float = 0.75,
                      shard_size: int = 32, seed: int = 0, feat_dtype: str = "float16", device: str = "cpu",
-                     time_budget_s: float | None = None, shard_tag: str = "") -> list[Path]:
-    """Answer every chat with the target and cache features; returns the shard files present. Stops
+                     time_budget_s: float | None = None, shard_tag: str = "", teacher_topk: int = 0) -> list[Path]:
+    """Answer every chat with the target and cache features (and the target's top-``teacher_topk``
+    next-token log-probabilities per response token when > 0); returns the shard files present. Stops
     starting new shards once ``time_budget_s`` has passed (rerun to continue). ``shard_tag`` names the
     shards of another prompt source (``train_<tag>_NNNNN.pt``) so that sources never share shard indices."""
     from transformers import AutoTokenizer
@@ -93,10 +98,13 @@ def generate_dataset(model_path: str, chats: Sequence[list[dict]], eval_chats: S
                for c in shard]
         temps = [0.0 if is_eval or rng.random() < greedy_fraction else 1.0 for _ in shard]
         gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-        seqs, feats = generate_batch(runner, ids, temps, max_tokens, eos, layer_ids, gen)
+        teacher: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seqs, feats = generate_batch(runner, ids, temps, max_tokens, eos, layer_ids, gen, teacher_topk, teacher)
         recs = [{"tokens": torch.tensor(s, dtype=torch.int32), "prompt_len": len(p), "temperature": t,
                  "feats": _to_store(f, FEAT_DTYPES[feat_dtype])}
                 for s, p, t, f in zip(seqs, ids, temps, feats, strict=True)]
+        for r, (t_ids, t_logp) in zip(recs, teacher, strict=False):  # teacher is empty when K = 0
+            r["teacher_ids"], r["teacher_logp"] = t_ids, t_logp
         _save_atomic(recs, feat / name)
         bar.update(len(shard))
         n_resp = sum(len(s) - len(p) for s, p in zip(seqs, ids, strict=True))
@@ -113,10 +121,13 @@ def _to_store(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.inference_mode()
 def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[float], max_tokens: int,
-                   eos: set[int], layer_ids: tuple[int, ...], gen: torch.Generator,
+                   eos: set[int], layer_ids: tuple[int, ...], gen: torch.Generator, teacher_topk: int = 0,
+                   teacher_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Generate for a static batch; returns full token lists (prompt + response, a final EOS kept) and
-    per-sequence float32 features ``[S, n*H]`` (an empty list when ``layer_ids`` is empty: nothing captured)."""
+    per-sequence float32 features ``[S, n*H]`` (an empty list when ``layer_ids`` is empty: nothing captured).
+    With ``teacher_topk`` K > 0, ``teacher_out`` receives per sequence ``(ids int32 [R, K], logp float16
+    [R, K])``: the target's top-K log-probabilities (temperature 1) of each of the R response tokens."""
     dev = runner.device
     n = len(prompts)
     kv = runner.slots
@@ -129,6 +140,8 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
     seqs = [list(p) for p in prompts]
     feats: list[list[torch.Tensor]] = [[] for _ in prompts]
     cached = [0] * n  # tokens of each request whose KV is placed
+    top_ids: list[list[torch.Tensor]] = [[] for _ in prompts]  # per request, per forward: [K]
+    top_logp: list[list[torch.Tensor]] = [[] for _ in prompts]
     params = [SamplingParams(temperature=t) for t in temps]  # temperature 0: greedy
     seeds = [int(torch.randint(1 << 62, (1,), generator=gen)) for _ in prompts]
     try:
@@ -153,6 +166,11 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
             if layer_ids:
                 for i, f in zip(active, out.captured.float().cpu().split(lens.tolist()), strict=True):
                     feats[i].append(f)
+            if teacher_topk > 0:  # the last row of each forward predicts the next (response) token
+                lp, ti = torch.log_softmax(logits, -1).topk(min(teacher_topk, logits.shape[-1]), -1)  # [bs, K]
+                for j, i in enumerate(active):
+                    top_ids[i].append(ti[j].to(torch.int32))
+                    top_logp[i].append(lp[j].to(torch.float16))
             info = BatchSamplingInfo.build([params[i] for i in active], logits.shape[-1], logits.device)
             keys = SampleKeys.build([seeds[i] for i in active], [len(seqs[i]) - len(prompts[i]) for i in active],
                                     logits.device)
@@ -167,6 +185,10 @@ def generate_batch(runner: ModelRunner, prompts: list[list[int]], temps: list[fl
     finally:
         for i, r in enumerate(rows):
             kv.release(r, cached[i])
+    if teacher_topk > 0 and teacher_out is not None:
+        for i in range(n):
+            teacher_out.append((torch.stack(top_ids[i]), torch.stack(top_logp[i])))  # [R, K] each
+            assert teacher_out[-1][0].shape[0] == len(seqs[i]) - len(prompts[i])
     out_feats: list[torch.Tensor] = []
     for i, s in enumerate(seqs if layer_ids else ()):
         f = torch.cat(feats[i])  # [S-1, n*H]: every token except the last was run

@@ -51,6 +51,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     out_norm_scale: float = 0.1  # drafter final norm starts at this times the target's final norm weight
     loss_vocab: str = "full"  # "full" | "corpus" (softmax over tokens seen in the data: CPU saver)
+    kd_weight: float = 0.0  # alpha: (1 - alpha) CE + alpha soft-CE against the stored target top-K (objective.py)
+    kd_corpus_vocab: str = "drop"  # with loss_vocab corpus: "drop" teacher ids outside it | "add" them to it
     seed: int = 0
     device: str = "auto"
     save_every: int = 100
@@ -132,6 +134,15 @@ def load_records(data_dir: str, prefix: str) -> list[dict]:
     return recs
 
 
+def corpus_vocab(recs: list[dict], with_teacher: bool = False) -> torch.Tensor:
+    """Sorted ids [V'] of the tokens present in the records (``--loss-vocab corpus``), plus every stored
+    teacher id when ``with_teacher``."""
+    ids = [r["tokens"].long() for r in recs]
+    if with_teacher:
+        ids += [r["teacher_ids"].long().reshape(-1) for r in recs if "teacher_ids" in r]
+    return torch.unique(torch.cat(ids))
+
+
 def build_drafter(config_dict: dict, device: torch.device, seed: int) -> DFlashDraftModel:
     mcfg = ModelConfig(path="", hf=config_dict, architecture="DFlashDraftModel", eos_token_ids=(),
                        dtype=torch.float32)
@@ -180,9 +191,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     train_recs, eval_recs = load_records(cfg.data_dir, "train"), load_records(cfg.data_dir, "eval")
     if not train_recs:
         raise ValueError(f"no training data under {cfg.data_dir}/feat")
+    if not 0.0 <= cfg.kd_weight <= 1.0:
+        raise ValueError(f"--kd-weight must be in [0, 1], got {cfg.kd_weight}")
+    kd = cfg.kd_weight > 0
+    if kd and not any("teacher_ids" in r for r in train_recs):
+        print("[train] --kd-weight: no record carries teacher data (--teacher-topk); training on CE alone", flush=True)
     subset = None
     if cfg.loss_vocab == "corpus":
-        subset = torch.unique(torch.cat([r["tokens"].long() for r in train_recs])).to(device)
+        subset = corpus_vocab(train_recs, kd and cfg.kd_corpus_vocab == "add").to(device)
     batch_size = cfg.batch_size
     if batch_size == 0:
         batch_size = auto_batch_size(free_memory_bytes(device), max(int(r["tokens"].numel()) for r in train_recs),
@@ -212,7 +228,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     while step < total:
         t0 = time.time()
         batch = make_block_batch(order_rng.sample(train_recs, min(batch_size, len(train_recs))),
-                                 cfg.anchors_per_seq, cfg.block_size, mask_id, cfg.gamma, gen)
+                                 cfg.anchors_per_seq, cfg.block_size, mask_id, cfg.gamma, gen, teacher=kd)
         lr = lr_at(step, total, cfg.lr, cfg.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -220,7 +236,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             hid = model.forward_train(batch.ctx_feats.to(device), batch.ctx_positions.to(device),
                                       embed_w[batch.block_ids.to(device)], batch.block_positions.to(device),
                                       batch.attn_mask.to(device))
-            loss, stats = dflash_loss(hid, head_w, batch.labels.to(device), batch.weights.to(device), subset)
+            loss, stats = dflash_loss(hid, head_w, batch.labels.to(device), batch.weights.to(device), subset,
+                                      cfg.kd_weight, batch.teacher_ids, batch.teacher_logp, batch.has_teacher)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
