@@ -249,7 +249,9 @@ class SuffixProposer:
             if all(run.src.token(run.next_pos + i) == output[len(output) - k + i] for i in range(k)):
                 run = _Run(run.src, run.next_pos + k, run.length + k, size)
                 self.runs[rid] = run
-                return run.length, [(run.src, run.next_pos)]
+                if run.length > n:
+                    return run.length, [(run.src, run.next_pos)]
+                return n, found  # no longer than the n-gram match: every occurrence counts, as below
         best = max(((src, p, n + _agree_before(src, p - n, prompt, output, n)) for src, p in found[:WALK_OCCURRENCES]),
                    key=lambda x: x[2])
         self.runs[rid] = _Run(best[0], best[1], best[2], size)
