@@ -28,7 +28,8 @@ with hash tables of n-grams, so that a lookup costs a few dictionary probes, nev
   request's *run*) step by step: the tokens a step appended either continue it (the length grows by them) or
   end it. The trie then holds the run's continuation alone, ``min(max_depth, SPEC_FACTOR * n)`` levels deep with
   ``c = n / (n + 1)`` for its true length n, so a long copy drafts as deep as the budget allows. Match lengths of
-  ``MATCH_KEY_CAP`` and more share one calibration key.
+  ``MATCH_KEY_CAP`` and more share one calibration key. A text that repeats itself (its newest occurrence
+  ends just before the text does) continues past its own end with the draft's own tokens.
 """
 
 from __future__ import annotations
@@ -272,12 +273,17 @@ class SuffixProposer:
         parents: list[int] = []
         depths: list[int] = []
         counts: list[int] = []
+        whole = idx.end == len(prompt) + len(output)  # the request's index holds its whole text
         for src, p in found:
             parent = 0
+            path: list[int] = []  # this occurrence's continuation so far
             for d in range(depth):
                 t = src.token(p + d)
+                if t == SEPARATOR and src is idx and whole and p + d >= idx.end:
+                    t = path[d - (idx.end - p)]  # the text copies itself: the copy goes on with its own drafts
                 if t == SEPARATOR:
                     break
+                path.append(t)
                 slot = nodes.get((parent, t))
                 if slot is None:
                     tokens.append(t)

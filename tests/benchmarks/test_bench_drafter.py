@@ -49,8 +49,12 @@ def test_overlap_check_reads_self_prompts_and_shards(tmp_path, default_model_pat
 
 
 def test_bench_drafter_tiny_run(tmp_path, default_model_path) -> None:
-    out = main(["--prompts", "3", "--max-tokens", "16", "--rounds", "1", "--batch-sizes", "1,2",
-                "--round-prompts", "2", "--out", str(tmp_path / "drafter.json")])
+    threads = torch.get_num_threads()
+    try:  # the bench sets torch's threads (--threads 1) for the process: later tests must not inherit it
+        out = main(["--prompts", "3", "--max-tokens", "16", "--rounds", "1", "--batch-sizes", "1,2",
+                    "--round-prompts", "2", "--out", str(tmp_path / "drafter.json")])
+    finally:
+        torch.set_num_threads(threads)
     saved = json.loads((tmp_path / "drafter.json").read_text())
     assert saved["prompts"] == 3 and list(saved["drafters"]) == ["shipped"]
     (tau,) = saved["offline"]

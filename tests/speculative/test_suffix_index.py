@@ -180,3 +180,14 @@ def test_a_full_length_match_that_is_no_longer_keeps_every_occurrence():
     assert got.match_lens[0, 0] == 3 and sorted(got.tokens[0, :2].tolist()) == [4, 6]
     assert math.isclose(got.logws[0, 0], math.log(0.5 * 3 / 4))
     assert n == 12  # two branches of SPEC_FACTOR x 3 = 6 levels
+
+
+def test_a_text_that_repeats_itself_drafts_past_its_own_end():
+    """A periodic text's newest occurrence of its suffix sits just before the end: its continuation runs into
+    the text itself and goes on with the draft's own tokens (what the copy would emit), not cut at the end."""
+    p = SuffixProposer(SuffixConfig(max_depth=64, min_match=2, max_match=4, cache_tokens=0))
+    out = [7, 8] * 6
+    got = p.propose(["r"], [[1, 2]], [out], [9])
+    assert got.tokens[0, : int(got.counts[0])].tolist() == [7, 8, 7, 8, 7, 8, 7, 8, 7]
+    assert got.match_lens[0, 0] == 10 and got.parents[0, :9].tolist() == list(range(9))  # 12 tokens, period 2
+    p.release("r")
