@@ -233,8 +233,7 @@ class SpeculativeArgs(Area):
                                  "when a drafter is configured (or the default model's shipped one), suffix "
                                  "otherwise; dflash for the dflash algorithm.")
     suffix_max_depth: int = setting(64, "Suffix drafts: levels of a draft below the root (at most twice the "
-                                    "length of the match that proposed it; a request copying a long earlier "
-                                    "text matches as long as the copy runs).", low=1, high=64)
+                                    "match's length; a copy of earlier text matches as long as it runs).", low=1, high=64)
     suffix_min_match: int = setting(2, "Suffix drafts: shortest suffix of the text that may match.", low=1)
     suffix_max_match: int = setting(8, "Suffix drafts: longest suffix matched (the index holds n-grams of "
                                     "min..max match tokens).", low=1, high=64)
