@@ -27,6 +27,9 @@ held-out prompts found inside a longer training prompt).
    ((accepted drafts + verify steps) / verify steps; auto's plain steps, ``plain_share``, are not in it);
    ``suffix_share``: the share of accepted drafts the suffix source proposed; ``same``: the least share of a
    round's requests whose tokens equal plain decoding's (greedy is lossless up to float rounding).
+   The drafting cost beside it: median ms per timed step up to the drafter's logits (suffix lookup, plan, drafter
+   forward), of the tree build and of the verify forward, and the drafting share of that step time (what a
+   deeper drafter pays for its tau).
 
     python benchmarks/bench_drafter.py [--drafters shipped,/path/to/drafter] [--prompts 48] [--max-tokens 128]
         [--budget 16] [--batch-sizes 1,8] [--rounds 3] [--round-prompts 8] [--skip-speed] [--train-data DIR]
@@ -256,8 +259,23 @@ def speed(drafters: dict[str, str], ids: list[list[int]], args: argparse.Namespa
                                                           zip(rows[CONTROL], rows["none"], strict=True)],
                         "tau_verify": (steps + drafts) / max(steps, 1), "verify_steps": steps,
                         "suffix_share": sum(r["accepted_suffix"] for r in sub["auto"]) / max(drafts, 1),
-                        "plain_share": auto.get("plain_share"), "same": min(r["same"] for r in sub["auto"])})
+                        "plain_share": auto.get("plain_share"), "same": min(r["same"] for r in sub["auto"]),
+                        **_step_cost(sub["auto"])})
     return out, {str(bs): rows for bs, rows in rows_by_bs.items()}
+
+
+def _step_cost(rounds: list[dict]) -> dict:
+    """The drafter's cost beside its gain (issue 49: size chosen by tau per CPU-second of drafting): median ms per
+    timed step up to the drafter's logits (``draft_ms``: suffix lookup, step plan, drafter forward), of the tree
+    (``build_ms``: top-K, pops, budget choice, tree) and of the verify forward, and ``draft_share`` =
+    (draft + build) / (draft + build + verify forward)."""
+    def med(key: str) -> float:
+        vals = [r[key] for r in rounds if key in r]
+        return statistics.median(vals) if vals else 0.0
+
+    draft, build, verify = med("draft_ms"), med("build_ms"), med("verify_forward_ms")
+    return {"draft_ms": draft, "build_ms": build, "verify_fwd_ms": verify,
+            "draft_share": (draft + build) / max(draft + build + verify, 1e-9)}
 
 
 def verdicts(tau_rows: list[dict], speed_rows: list[dict]) -> list[dict]:
@@ -341,6 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("\nspeed: default server (ddtree, auto budget, dflash + suffix) vs plain, greedy:")
         print_table(speed_rows, ["drafter", "batch", "rounds", "plain_tok_s", "tok_s", "vs_none", "aa", "tol",
                                  "tau_verify", "verify_steps", "suffix_share", "plain_share", "same"])
+        print("\ndrafting cost per timed speculative step (median over rounds, ms):")
+        print_table(speed_rows, ["drafter", "batch", "draft_ms", "build_ms", "verify_fwd_ms", "draft_share"])
     print("\nissue 49 aims:")
     print_table(payload["aims"], ["drafter", "aim", "target", "value", "tol", "met"])
     payload["seconds"] = time.perf_counter() - t0
