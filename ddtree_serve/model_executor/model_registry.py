@@ -12,6 +12,8 @@ _ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "ddtree_serve.model_executor.models.deepseek_v3:DeepseekV3ForCausalLM",
     "KimiK25ForConditionalGeneration": "ddtree_serve.model_executor.models.kimi_k25:KimiK25ForConditionalGeneration",
     "DFlashDraftModel": "ddtree_serve.model_executor.models.dflash:DFlashDraftModel",
+    # z-lab's DFlash2 reaches the DFlash class, which refuses its candidate selector with the reason
+    "DFlash2DraftModel": "ddtree_serve.model_executor.models.dflash:DFlashDraftModel",
     # the simulated device (ddtree_serve/sim/): modelled forwards for host-side measurements at GPU scale
     "DDTreeSimulatedTarget": "ddtree_serve.model_executor.models.simulated:SimulatedTarget",
     "DDTreeSimulatedDrafter": "ddtree_serve.model_executor.models.simulated:SimulatedDrafter",

@@ -74,7 +74,11 @@ def check_drafter(path: str, target_path: str) -> None:
         except (OSError, ValueError) as e:
             cfg, problem = {}, f"has an unreadable config.json ({e})"
         drafters = ("DFlashDraftModel", "DDTreeSimulatedDrafter")  # the latter: the simulated device's (sim/)
-        if problem is None and not set(drafters) & set(cfg.get("architectures") or []):
+        selector = {"selector_rank", "selector_top_k"} & {*cfg, *(cfg.get("dflash_config") or {})}  # dflash_conv.py
+        if problem is None and (selector or "DFlash2DraftModel" in (cfg.get("architectures") or [])):
+            problem = ("is a DFlash2 drafter with a candidate selector, which is not supported (DDTree needs "
+                       "independent per-depth distributions)")
+        elif problem is None and not set(drafters) & set(cfg.get("architectures") or []):
             problem = f"is not a DFlash drafter (config.json architectures {cfg.get('architectures')})"
         elif problem is None and "mask_token_id" not in (cfg.get("dflash_config") or {}):
             problem = "is not a DFlash drafter (config.json has no dflash_config.mask_token_id)"

@@ -195,14 +195,15 @@ def test_init_drafter_warm_starts_a_fresh_run(tiny_data, tmp_path):
         train(_tiny_cfg(data, target, tmp_path / "a", block_size=8))
 
 
-@pytest.mark.parametrize("change,field", [({"block_size": 8}, "block_size"), ({"num_layers": 2}, "num_layers"),
-                                          ({"mask_token_id": 61}, "mask_token_id")])
-def test_init_drafter_refuses_a_mismatched_drafter(tiny_data, tmp_path, change, field):
+@pytest.mark.parametrize("src_layers,change,field", [(1, {"block_size": 8}, "block_size"),
+                                                     (2, {"num_layers": 1}, "num_layers"),
+                                                     (1, {"mask_token_id": 61}, "mask_token_id")])
+def test_init_drafter_refuses_a_mismatched_drafter(tiny_data, tmp_path, src_layers, change, field):
     from ddtree_serve.model_executor.default_drafter import default_drafter_path
     from ddtree_serve.speculative.train.export import drafter_config, save_drafter
 
     target, data, *_ = tiny_data
-    dcfg = drafter_config(ModelConfig.load(target).hf, 1, 4, [0, 2], 62)
+    dcfg = drafter_config(ModelConfig.load(target).hf, src_layers, 4, [0, 2], 62)
     src = save_drafter(build_drafter(dcfg, torch.device("cpu"), 0), dcfg, tmp_path / "src")
     with pytest.raises(ValueError, match=f"--init-drafter .*{field}: drafter"):
         train(_tiny_cfg(data, target, tmp_path / "out", init_drafter=str(src), **change))
@@ -210,6 +211,44 @@ def test_init_drafter_refuses_a_mismatched_drafter(tiny_data, tmp_path, change, 
     with pytest.raises(ValueError, match="hidden_size: drafter 576, requested 64"):  # the shipped one: SmolLM2 shapes
         train(_tiny_cfg(data, target, tmp_path / "out", init_drafter="default"))
     assert default_drafter_path().endswith("smollm2-135m-dflash")
+
+
+def test_init_drafter_grows_a_drafter_in_depth(tiny_data, tmp_path):
+    """A 1-layer drafter seeds a 2-layer one: the added layer starts with zero output projections, so the grown
+    drafter computes exactly the seed's outputs; training then opens the new layer."""
+    from ddtree_serve.speculative.train.export import drafter_config, save_drafter
+    from ddtree_serve.speculative.train.objective import block_attention_mask
+    from ddtree_serve.speculative.train.warm_start import load_init_drafter
+
+    target, data, *_ = tiny_data
+    hf = ModelConfig.load(target).hf
+    one, two = drafter_config(hf, 1, 4, [0, 2], 62), drafter_config(hf, 2, 4, [0, 2], 62)
+    seed = build_drafter(one, torch.device("cpu"), 0)
+    with torch.no_grad():  # a seed whose final norm is not the default ones, as a trained drafter's is not
+        seed.norm.weight.mul_(0.5)
+    src = save_drafter(seed, one, tmp_path / "src")
+    seed = build_drafter(one, torch.device("cpu"), 1)
+    load_init_drafter(seed, one, str(src))  # the bf16 export, as the grown drafter sees it
+    grown = build_drafter(two, torch.device("cpu"), 2)
+    assert load_init_drafter(grown, two, str(src)) == 1
+    g = torch.Generator().manual_seed(0)
+    b, s, q, h = 2, 5, 4, hf["hidden_size"]
+    feats = torch.randn(b, s, 2 * h, generator=g)
+    ctx_pos = torch.arange(s).expand(b, s)
+    embeds = torch.randn(b, q, h, generator=g)
+    blk_pos = torch.tensor([[3, 4, 5, 6], [2, 3, 4, 5]])
+    mask = block_attention_mask(torch.tensor([[3], [2]]), torch.ones(b, 1, dtype=torch.bool), s, q)
+    with torch.no_grad():
+        want = seed.forward_train(feats, ctx_pos, embeds, blk_pos, mask)
+        got = grown.forward_train(feats, ctx_pos, embeds, blk_pos, mask)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert float(grown.layers[1].self_attn.qkv_proj.weight.detach().abs().sum()) > 0  # only the outputs start at zero
+    # training through the trainer opens the new layer's output projections
+    train(_tiny_cfg(data, target, tmp_path / "out", num_layers=2, steps=3, warmup=1, init_drafter=str(src)))
+    trained = build_drafter(two, torch.device("cpu"), 3)
+    load_init_drafter(trained, two, str(tmp_path / "out"))
+    assert float(trained.layers[1].self_attn.o_proj.weight.detach().abs().sum()) > 0
+    assert float(trained.layers[1].down_proj.weight.detach().abs().sum()) > 0
 
 
 def test_shipped_drafter_can_seed_training_for_the_default_target(tmp_path):

@@ -13,6 +13,10 @@ Two paths share the same weights and math:
   slot ids the target uses for those tokens; ``forward(fb, kv, backend)`` runs a TARGET_VERIFY-mode batch
   of blocks whose prefix is the committed context and whose block K/V go to temporary slots;
 - dense training: ``forward_train`` over padded tensors with an explicit attention mask.
+
+Optional (``dflash_config.conv_kernel_size`` > 0, DFlash2's convolution without its candidate selector): every
+layer wraps its attention and MLP in a grouped dynamic causal convolution over each block's tokens
+(``dflash_conv.py``); both paths apply it block by block.
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ from ddtree_serve.model_executor.layers.linear import (
 from ddtree_serve.model_executor.layers.norm import RMSNorm
 from ddtree_serve.model_executor.layers.rotary import RotaryEmbedding
 from ddtree_serve.model_executor.model_config import ModelConfig, rope_parameters
+from ddtree_serve.model_executor.models.dflash_conv import (
+    GroupedDynamicCausalConv,
+    check_no_candidate_selector,
+    conv_finish,
+    conv_prepare,
+    conv_settings,
+)
 from ddtree_serve.model_executor.parallel_state import TPGroup
 from ddtree_serve.model_executor.weight_loader import load_named_weights
 
@@ -119,9 +130,24 @@ class DFlashDecoderLayer(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, False, tp, dtype)
         self.input_layernorm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
         self.post_attention_layernorm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
+        k, gs = conv_settings(cfg)  # (0, 0): no convolution, no parameters
+        self.attention_conv = GroupedDynamicCausalConv(hidden, k, gs, dtype) if k else None
+        self.mlp_conv = GroupedDynamicCausalConv(hidden, k, gs, dtype) if k else None
 
-    def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(h))))
+    def attention_input(self, h: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [T, H] (blocks of ``block`` tokens) -> the attention's input [T, H] (input layernorm, then the
+        convolution's first stage) and the convolution's second-stage kernel (None without one)."""
+        return conv_prepare(self.attention_conv, self.input_layernorm(h), block)
+
+    def attention_residual(self, h: torch.Tensor, attn: torch.Tensor, dyn: torch.Tensor | None,
+                           block: int) -> torch.Tensor:
+        """h + the attention output attn [T, H] after the convolution's second stage."""
+        return h + conv_finish(self.attention_conv, attn, dyn, block)
+
+    def mlp_residual(self, h: torch.Tensor, block: int) -> torch.Tensor:
+        """h [T, H] + the (convolution-wrapped) SwiGLU MLP of its post-attention layernorm."""
+        x, dyn = conv_prepare(self.mlp_conv, self.post_attention_layernorm(h), block)
+        return h + conv_finish(self.mlp_conv, self.down_proj(silu_and_mul(self.gate_up_proj(x))), dyn, block)
 
 
 class DFlashDraftModel(nn.Module):
@@ -136,7 +162,9 @@ class DFlashDraftModel(nn.Module):
             raise ValueError("a DFlash drafter keeps its own unsharded KV cache: decode context parallelism is "
                              "the target's alone (build the drafter in drafter_group's group)")
         cfg, dtype = config.hf, config.dtype
+        check_no_candidate_selector(cfg, f"the DFlash drafter at {config.path or '(in-memory config)'}")
         self.config, self.tp, self.dtype = config, tp, dtype
+        self.conv_kernel_size, self.conv_group_size = conv_settings(cfg)  # (0, 0): plain DFlash
         dcfg = cfg.get("dflash_config") or {}
         self.block_size = int(cfg.get("block_size") or dcfg.get("block_size") or 16)
         self.mask_token_id = int(dcfg["mask_token_id"])
@@ -179,23 +207,31 @@ class DFlashDraftModel(nn.Module):
         if fb.input_embeds is None:
             raise ValueError("DFlash forward needs fb.input_embeds (the target's embeddings of the block)")
         h = fb.input_embeds.to(self.dtype)  # [T, H]
+        n_tok, bs = h.shape[0], fb.batch_size
+        blk = n_tok // bs if bs else n_tok  # the per-request block (uniform; speculative_block_size may set it)
+        if self.conv_kernel_size and blk * bs != n_tok:
+            raise ValueError(f"DFlash conv drafter needs equal blocks per request: {n_tok} tokens, {bs} requests")
         cos_sin = self.rotary.cos_sin(fb.positions)
         backend.begin_forward(fb.attention_meta())  # one plan for every layer of this forward
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            q, k, v = a.block_qkv(layer.input_layernorm(h), self.rotary, cos_sin)
+            x, dyn = layer.attention_input(h, blk)  # [T, H]
+            q, k, v = a.block_qkv(x, self.rotary, cos_sin)
             o = backend.forward(q, k, v, kv.k[i], kv.v[i], fb.out_cache_loc, fb.kv_indices, fb.attn_mask,
                                 fb.q_index, a.scale)  # [T, Hq, d]
-            h = layer.mlp_residual(h + a.o_proj(o.reshape(o.shape[0], -1)))
+            h = layer.mlp_residual(layer.attention_residual(h, a.o_proj(o.reshape(o.shape[0], -1)), dyn, blk), blk)
         return self.norm(h)
 
     def forward_train(self, ctx_feats: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
                       block_positions: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
         """Dense path (training, no cache). ctx_feats [b, S, n*H_target], ctx_positions [b, S],
         block_embeds [b, Q, H], block_positions [b, Q], attn_mask [b, Q, S + Q] bool (query i may see
-        key j; keys are the S context tokens then the Q block tokens). Returns [b, Q, H] final-normed."""
+        key j; keys are the S context tokens then the Q block tokens; with a convolution, Q = N blocks of
+        ``block_size`` laid out one after another). Returns [b, Q, H] final-normed."""
         b, s = ctx_positions.shape
-        q_len = block_positions.shape[1]
+        q_len, blk = block_positions.shape[1], self.block_size
+        if self.conv_kernel_size and q_len % blk:
+            raise ValueError(f"DFlash conv drafter: {q_len} block tokens are not whole blocks of {blk}")
         ctx = self.project_context(ctx_feats).reshape(b * s, -1)  # [b*S, H]
         cs_ctx = self.rotary.cos_sin(ctx_positions.reshape(-1))
         cs_blk = self.rotary.cos_sin(block_positions.reshape(-1))
@@ -203,14 +239,16 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             a = layer.self_attn
             kc, vc = a.context_kv(ctx, self.rotary, cs_ctx)  # [b*S, Hkv, d]
-            q, kb, vb = a.block_qkv(layer.input_layernorm(h), self.rotary, cs_blk)  # [b*Q, H*, d]
+            x, dyn = layer.attention_input(h, blk)  # [b*Q, H]
+            q, kb, vb = a.block_qkv(x, self.rotary, cs_blk)  # [b*Q, H*, d]
             keys = torch.cat([kc.view(b, s, a.local_kv, -1), kb.view(b, q_len, a.local_kv, -1)], 1)  # [b, S+Q, Hkv, d]
             vals = torch.cat([vc.view(b, s, a.local_kv, -1), vb.view(b, q_len, a.local_kv, -1)], 1)
             o = F.scaled_dot_product_attention(
                 q.view(b, q_len, a.local_heads, -1).transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
                 attn_mask=attn_mask[:, None], scale=a.scale, enable_gqa=a.local_kv != a.local_heads,
             )  # [b, Hq, Q, d]
-            h = layer.mlp_residual(h + a.o_proj(o.transpose(1, 2).reshape(b * q_len, -1)))
+            h = layer.mlp_residual(layer.attention_residual(h, a.o_proj(o.transpose(1, 2).reshape(b * q_len, -1)),
+                                                            dyn, blk), blk)
         return self.norm(h).view(b, q_len, -1)
 
     _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
@@ -219,6 +257,7 @@ class DFlashDraftModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """z-lab names: ``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``,
-        ``layers.N.mlp.{gate,up,down}_proj``, layernorms, ``fc``, ``hidden_norm``, ``norm``."""
+        ``layers.N.mlp.{gate,up,down}_proj``, layernorms, ``fc``, ``hidden_norm``, ``norm``; with a convolution
+        also ``layers.N.{attention,mlp}_conv.base_kernel`` and ``.kernel_projection.weight``."""
         load_named_weights(dict(self.named_parameters()), weights, self._STACKED, "DFlash checkpoint",
                            skip_prefixes=self.skip_weight_prefixes)

@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "spaced 1..N-3 (within 0..N-1)")
     d.add_argument("--num-target-features", type=int, default=5, help="how many target layers when not given")
     d.add_argument("--mask-token-id", type=int, default=None)
+    d.add_argument("--conv-kernel-size", type=int, default=0,
+                   help="taps of DFlash2's grouped dynamic causal convolution around each layer's attention and MLP "
+                   "(z-lab's DFlash2 uses 2; starts as the identity, so a plain --init-drafter seeds it); 0 = off")
+    d.add_argument("--conv-group-size", type=int, default=16,
+                   help="channels per dynamic-kernel group of that convolution (must divide the hidden size)")
     d.add_argument("--init-drafter", default=None,
                    help="start from this exported drafter's weights ('default' = the shipped drafter) with a fresh "
                    "optimizer and schedule; it must match --num-layers, --block-size, the data's target layers and "
@@ -150,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup=args.warmup,
             weight_decay=args.weight_decay, gamma=args.gamma, out_norm_scale=args.out_norm_scale,
             loss_vocab=args.loss_vocab, kd_weight=args.kd_weight, seed=args.seed, init_drafter=args.init_drafter,
+            conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
             device=device, save_every=args.save_every, eval_every=args.eval_every, eval_budget=args.eval_budget,
             time_budget_s=args.train_time_budget_min * 60 if args.train_time_budget_min else None,
         )

@@ -39,15 +39,27 @@ def zlab_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
         out[f"{p}mlp.down_proj.weight"] = layer.down_proj.weight
         out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight
         out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        for name in ("attention_conv", "mlp_conv"):  # the optional convolution (dflash_conv.py), z-lab's names
+            conv = getattr(layer, name)
+            if conv is not None:
+                out[f"{p}{name}.base_kernel"] = conv.base_kernel
+                out[f"{p}{name}.kernel_projection.weight"] = conv.kernel_projection.weight
     return out
 
 
 def drafter_config(target_hf: dict[str, Any], num_layers: int, block_size: int, target_layer_ids: list[int],
-                   mask_token_id: int) -> dict[str, Any]:
-    """A z-lab-format config.json for a drafter of ``target_hf`` (hidden/heads/MLP width from the target)."""
+                   mask_token_id: int, conv_kernel_size: int = 0, conv_group_size: int = 16) -> dict[str, Any]:
+    """A z-lab-format config.json for a drafter of ``target_hf`` (hidden/heads/MLP width from the target).
+    ``conv_kernel_size`` > 0 adds DFlash2's grouped dynamic convolution (``dflash_config.conv_kernel_size`` /
+    ``conv_group_size``; models/dflash_conv.py); 0 writes a plain DFlash config (no conv keys)."""
     hidden = int(target_hf["hidden_size"])
     heads = int(target_hf["num_attention_heads"])
     rope = rope_parameters(target_hf)
+    dflash: dict[str, Any] = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
+    if conv_kernel_size > 0:
+        if conv_group_size <= 0 or hidden % conv_group_size:
+            raise ValueError(f"--conv-group-size {conv_group_size} does not divide the hidden size {hidden}")
+        dflash.update(conv_kernel_size=int(conv_kernel_size), conv_group_size=int(conv_group_size))
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -61,7 +73,7 @@ def drafter_config(target_hf: dict[str, Any], num_layers: int, block_size: int, 
         "vocab_size": int(target_hf["vocab_size"]), "tie_word_embeddings": bool(target_hf.get("tie_word_embeddings")),
         "use_sliding_window": False, "sliding_window": None, "dtype": "bfloat16",
         "block_size": block_size, "num_target_layers": int(target_hf["num_hidden_layers"]),
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "dflash_config": dflash,
     }
 
 

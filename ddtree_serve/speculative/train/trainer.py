@@ -60,6 +60,8 @@ class TrainConfig:
     eval_budget: int = 16
     time_budget_s: float | None = None  # shrink the schedule to fit, measured on this run's first 5 steps
     init_drafter: str | None = None  # exported drafter directory ('default': the shipped one) seeding a fresh run
+    conv_kernel_size: int = 0  # > 0: DFlash2's grouped dynamic convolution with this many taps (starts as identity)
+    conv_group_size: int = 16  # channels per dynamic-kernel group of that convolution
 
 
 def pick_device(device: str) -> torch.device:
@@ -144,18 +146,27 @@ def corpus_vocab(recs: list[dict], with_teacher: bool = False) -> torch.Tensor:
 
 
 def build_drafter(config_dict: dict, device: torch.device, seed: int) -> DFlashDraftModel:
+    """A trainable float32 drafter for ``config_dict``: small random weights, unit norms, zero biases; its
+    convolutions (if any) start as the identity and draw no random numbers, so a conv drafter starts as the
+    plain drafter of the same seed."""
     mcfg = ModelConfig(path="", hf=config_dict, architecture="DFlashDraftModel", eos_token_ids=(),
                        dtype=torch.float32)
     with torch.device(device):
         model = DFlashDraftModel(mcfg)
     g = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in model.named_parameters():
+        if "_conv." in name:  # set to the identity by the module itself
+            continue
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         elif name.endswith("bias"):
             p.data.zero_()
         else:
             p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    for layer in model.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            if conv is not None:
+                conv.identity_()
     return model.requires_grad_(True)
 
 
@@ -177,7 +188,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         known = saved or (Path(init) / "config.json" if init else None)
         mask_id = (json.loads(known.read_text())["dflash_config"]["mask_token_id"] if known
                    else default_mask_token_id(cfg.target_path))
-    dcfg = drafter_config(target_hf, cfg.num_layers, cfg.block_size, meta["target_layer_ids"], mask_id)
+    if cfg.conv_kernel_size < 0:
+        raise ValueError(f"--conv-kernel-size must be >= 0 (0: off), got {cfg.conv_kernel_size}")
+    dcfg = drafter_config(target_hf, cfg.num_layers, cfg.block_size, meta["target_layer_ids"], mask_id,
+                          cfg.conv_kernel_size, cfg.conv_group_size)
     if saved is not None:  # resuming under other flags would train the weights as another drafter
         check_init_drafter(json.loads(saved.read_text()), dcfg, f"the drafter being resumed in {out}")
     model = build_drafter(dcfg, device, cfg.seed)
@@ -186,8 +200,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     if "norm" in tt:  # output feeds the target's LM head: its final norm, scaled down so that the first
         model.norm.weight.data.copy_(cfg.out_norm_scale * tt["norm"])  # logits are not confidently wrong
     if init and st is None:
-        load_init_drafter(model, dcfg, init)
-        print(f"[train] starting from the weights of {init} (fresh optimizer and schedule)", flush=True)
+        grown = load_init_drafter(model, dcfg, init)
+        more = f"; {grown} layer(s) added on top, starting as identities" if grown else ""
+        print(f"[train] starting from the weights of {init} (fresh optimizer and schedule{more})", flush=True)
     train_recs, eval_recs = load_records(cfg.data_dir, "train"), load_records(cfg.data_dir, "eval")
     if not train_recs:
         raise ValueError(f"no training data under {cfg.data_dir}/feat")
