@@ -210,7 +210,7 @@ def test_init_drafter_refuses_a_mismatched_drafter(tiny_data, tmp_path, src_laye
     assert not (tmp_path / "out" / "trainer_state.pt").exists()
     with pytest.raises(ValueError, match="hidden_size: drafter 576, requested 64"):  # the shipped one: SmolLM2 shapes
         train(_tiny_cfg(data, target, tmp_path / "out", init_drafter="default"))
-    assert default_drafter_path().endswith("smollm2-135m-dflash")
+    assert default_drafter_path().endswith("smollm2-135m-dflash-v2")
 
 
 def test_init_drafter_grows_a_drafter_in_depth(tiny_data, tmp_path):
