@@ -266,7 +266,8 @@ def speed(drafters: dict[str, str], ids: list[list[int]], args: argparse.Namespa
 
 def _step_cost(rounds: list[dict]) -> dict:
     """The drafter's cost beside its gain (issue 49: size chosen by tau per CPU-second of drafting): median ms per
-    timed step up to the drafter's logits (``draft_ms``: suffix lookup, step plan, drafter forward), of the tree
+    timed step up to the drafter's logits (``draft_ms``: suffix lookup, step plan, drafter forward; 0 when every
+    step drafted from the suffix index alone), of the tree
     (``build_ms``: top-K, pops, budget choice, tree) and of the verify forward, and ``draft_share`` =
     (draft + build) / (draft + build + verify forward)."""
     def med(key: str) -> float:

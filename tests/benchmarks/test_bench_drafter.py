@@ -67,9 +67,9 @@ def test_bench_drafter_tiny_run(tmp_path, default_model_path) -> None:
         assert s["verify_steps"] == 0 or s["tau_verify"] >= 1.0
         assert 0.0 <= s["same"] <= 1.0 and 0.0 <= s["suffix_share"] <= 1.0
     assert any(s["verify_steps"] > 0 for s in saved["speed"])  # the default server speculated
-    for s in saved["speed"]:  # the drafting cost beside the gain: a speculating cell timed its drafter
-        assert 0.0 <= s["draft_share"] < 1.0
-        assert s["verify_steps"] == 0 or (s["draft_ms"] > 0 and s["verify_fwd_ms"] > 0 and s["draft_share"] > 0)
+    for s in saved["speed"]:  # the drafting cost beside the gain (draft_ms is 0 when every step was suffix-only)
+        assert 0.0 <= s["draft_share"] < 1.0 and s["draft_ms"] >= 0.0
+        assert s["verify_steps"] == 0 or (s["verify_fwd_ms"] > 0 and s["draft_share"] > 0)
     assert {a["aim"] for a in saved["aims"]} == {"DDTree tau", "chain tau", "batch 1 vs plain"}
     assert out["offline"][0]["tau_ddtree"] == tau["tau_ddtree"]
     records = list((tmp_path / "drafter_records").glob("*.pt"))
