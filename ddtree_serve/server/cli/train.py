@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="channels per dynamic-kernel group of that convolution (must divide the hidden size)")
     d.add_argument("--init-drafter", default=None,
                    help="start from this exported drafter's weights ('default' = the shipped drafter) with a fresh "
-                   "optimizer and schedule; it must match --num-layers, --block-size, the data's target layers and "
-                   "the mask token (taken from it when --mask-token-id is not given); a --out that already holds "
+                   "optimizer and schedule; it must match --block-size, the data's target layers and the mask token "
+                   "(taken from it when --mask-token-id is not given); fewer layers than --num-layers or no "
+                   "convolution grows it (added parts start as identities); a --out that already holds "
                    "trainer_state.pt resumes instead")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
