@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ddtree_serve.speculative.train.datagen import generate_batch, make_runner, write_meta
 from ddtree_serve.speculative.train.objective import dflash_loss, make_block_batch
-from ddtree_serve.speculative.train.trainer import TrainConfig, train
+from ddtree_serve.speculative.train.trainer import TrainConfig, corpus_vocab, train
 from tests.conftest import write_tiny_llama_family
 
 K = 8
@@ -173,3 +173,38 @@ def test_training_alpha0_unchanged_and_old_shards_train(kd_data, tmp_path):
         assert kd["loss_first"] != a["loss_first"]
     with pytest.raises(ValueError, match="kd-weight"):
         train(_cfg(mixed, target, tmp_path / "bad", kd_weight=1.5))
+
+
+def test_greedy_labels_take_the_teacher_top1_of_each_label():
+    tokens = torch.arange(100, 112, dtype=torch.int32)  # S = 12, prompt 5, R = 7
+    r = torch.arange(7)
+    top1 = torch.where(r % 2 == 1, 300 + r, 105 + r)  # odd rows: the target preferred another token
+    rec = {"tokens": tokens, "prompt_len": 5, "feats": torch.zeros(12, 6),
+           "teacher_ids": torch.stack([top1, 200 + r], 1).int(), "teacher_logp": torch.full((7, 2), -0.7).half()}
+    kw = dict(n_anchors=3, block_size=4, mask_token_id=7, gamma=2.0)
+    plain = make_block_batch([rec, _strip(rec)], gen=torch.Generator().manual_seed(0), **kw)
+    g = make_block_batch([rec, _strip(rec)], gen=torch.Generator().manual_seed(0), greedy_labels=True, **kw)
+    assert g.teacher_ids is None and torch.equal(g.weights, plain.weights)  # same draws; no KD tensors
+    live = g.weights[0] > 0
+    row = plain.labels[0, live] - 105  # the teacher row of each live label
+    assert torch.equal(g.labels[0, live], torch.where(row % 2 == 1, 300 + row, 105 + row))
+    assert bool((g.labels[0, live] != plain.labels[0, live]).any())
+    assert torch.equal(g.labels[1], plain.labels[1])  # a record without teacher data keeps its tokens
+    both = make_block_batch([rec], gen=torch.Generator().manual_seed(0), teacher=True, greedy_labels=True, **kw)
+    assert both.teacher_ids is not None and torch.equal(both.labels[0, live], g.labels[0, live])
+
+
+def test_training_with_greedy_labels(kd_data, tmp_path):
+    target, root, recs = kd_data
+    greedy_only = _data_dir(root, "greedy_only", [r for r in recs[3:] if r["temperature"] == 0.0], recs[:3])
+    a = train(_cfg(greedy_only, target, tmp_path / "a"))
+    b = train(_cfg(greedy_only, target, tmp_path / "b", hard_labels="greedy"))
+    assert a == {**b, "train_seconds": a["train_seconds"]}  # greedy responses: the labels are the tokens
+    mixed = _data_dir(root, "mixed_t", recs[3:], recs[:3])  # T=1 responses: labels move to the top-1
+    top1 = torch.cat([r["teacher_ids"][:, 0].long() for r in recs])
+    assert bool(torch.isin(top1, corpus_vocab(recs, with_top1=True)).all())  # every greedy label is in the softmax
+    tok = train(_cfg(mixed, target, tmp_path / "tok"))
+    gl = train(_cfg(mixed, target, tmp_path / "gl", hard_labels="greedy"))
+    assert gl["steps"] == 12 and gl["loss_ema"] < gl["loss_first"] and gl["loss_first"] != tok["loss_first"]
+    with pytest.raises(ValueError, match="hard-labels"):
+        train(_cfg(mixed, target, tmp_path / "bad", hard_labels="argmax"))

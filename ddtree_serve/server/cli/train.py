@@ -71,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--kd-weight", type=float, default=0.0,
                    help="alpha in [0, 1]: loss = (1 - alpha) CE(target token) + alpha soft-CE against the target's "
                    "stored top-K distribution (records without it: CE alone); 0 = hard labels only")
+    t.add_argument("--hard-labels", choices=["token", "greedy"], default="token",
+                   help="'greedy': the hard label is the target's most probable token at that position (its stored "
+                   "top-1, --teacher-topk) instead of the recorded one: sampled responses then teach what a greedy "
+                   "verifier accepts")
     t.add_argument("--train-time-budget-min", type=float, default=None, help="shorten the schedule to fit")
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--eval-every", type=int, default=0)
@@ -155,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, mask_token_id=args.mask_token_id, steps=args.steps,
             batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup=args.warmup,
             weight_decay=args.weight_decay, gamma=args.gamma, out_norm_scale=args.out_norm_scale,
-            loss_vocab=args.loss_vocab, kd_weight=args.kd_weight, seed=args.seed, init_drafter=args.init_drafter,
+            loss_vocab=args.loss_vocab, kd_weight=args.kd_weight, hard_labels=args.hard_labels, seed=args.seed, init_drafter=args.init_drafter,
             conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
             device=device, save_every=args.save_every, eval_every=args.eval_every, eval_budget=args.eval_budget,
             time_budget_s=args.train_time_budget_min * 60 if args.train_time_budget_min else None,

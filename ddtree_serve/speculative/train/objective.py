@@ -9,6 +9,11 @@ Block position k = 1..B-1 predicts ``tok[a+k]`` with weight ``exp(-(k-1)/gamma)`
 Soft targets (``kd_weight`` alpha > 0, records with ``teacher_ids``/``teacher_logp`` from the data stage):
 a row's loss is ``(1 - alpha) CE(label) + alpha soft-CE(q)``, q the target's top-K distribution at that
 position renormalised over its K ids, with the same position weights; rows without teacher data use CE.
+
+Greedy labels (``greedy_labels``): where a record carries teacher data, the hard label at a position is the
+target's most probable token there (its top-1 given the recorded prefix) instead of the recorded token. On a
+greedy response the two agree; on a sampled one the label becomes the token a greedy verifier accepts after
+that prefix, while the context (features, anchors) stays the sampled sequence.
 """
 
 from __future__ import annotations
@@ -60,10 +65,11 @@ def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: in
 
 
 def make_block_batch(seqs: list[dict], n_anchors: int, block_size: int, mask_token_id: int, gamma: float,
-                     gen: torch.Generator, teacher: bool = False) -> BlockBatch:
+                     gen: torch.Generator, teacher: bool = False, greedy_labels: bool = False) -> BlockBatch:
     """Collate records ``{"tokens" [S], "prompt_len", "feats" [S, n*H]}`` into one training batch. With
     ``teacher`` and any record carrying ``teacher_ids``/``teacher_logp`` [R, K], the batch also holds the
-    target's top-K at every label position (the random draws are the same either way)."""
+    target's top-K at every label position; with ``greedy_labels`` such records' labels are the top-1 of
+    that top-K (the random draws are the same either way)."""
     b = len(seqs)
     s_max = max(int(r["tokens"].numel()) for r in seqs)
     feat_dim = seqs[0]["feats"].shape[1]
@@ -89,8 +95,12 @@ def make_block_batch(seqs: list[dict], n_anchors: int, block_size: int, mask_tok
         ctx_feats=feats, ctx_positions=torch.arange(s_max).expand(b, -1), block_ids=ids, block_positions=pos,
         attn_mask=block_attention_mask(anchors, valid, s_max, block_size), labels=labels, weights=weights.float(),
     )
-    if teacher and any("teacher_ids" in r for r in seqs):
+    if (teacher or greedy_labels) and any("teacher_ids" in r for r in seqs):
         _add_teacher(batch, seqs, in_seq)
+        if greedy_labels:
+            batch.labels = torch.where(batch.has_teacher, batch.teacher_ids[:, :, 0], batch.labels)
+        if not teacher:
+            batch.teacher_ids = batch.teacher_logp = batch.has_teacher = None
     return batch
 
 

@@ -53,6 +53,7 @@ class TrainConfig:
     loss_vocab: str = "full"  # "full" | "corpus" (softmax over tokens seen in the data: CPU saver)
     kd_weight: float = 0.0  # alpha: (1 - alpha) CE + alpha soft-CE against the stored target top-K (objective.py)
     kd_corpus_vocab: str = "drop"  # with loss_vocab corpus: "drop" teacher ids outside it | "add" them to it
+    hard_labels: str = "token"  # "token": the recorded token | "greedy": the target's top-1 there (objective.py)
     seed: int = 0
     device: str = "auto"
     save_every: int = 100
@@ -136,12 +137,14 @@ def load_records(data_dir: str, prefix: str) -> list[dict]:
     return recs
 
 
-def corpus_vocab(recs: list[dict], with_teacher: bool = False) -> torch.Tensor:
+def corpus_vocab(recs: list[dict], with_teacher: bool = False, with_top1: bool = False) -> torch.Tensor:
     """Sorted ids [V'] of the tokens present in the records (``--loss-vocab corpus``), plus every stored
-    teacher id when ``with_teacher``."""
+    teacher id when ``with_teacher``, or only the teacher top-1 ids (greedy labels) when ``with_top1``."""
     ids = [r["tokens"].long() for r in recs]
     if with_teacher:
         ids += [r["teacher_ids"].long().reshape(-1) for r in recs if "teacher_ids" in r]
+    elif with_top1:
+        ids += [r["teacher_ids"][:, 0].long() for r in recs if "teacher_ids" in r]
     return torch.unique(torch.cat(ids))
 
 
@@ -208,12 +211,15 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         raise ValueError(f"no training data under {cfg.data_dir}/feat")
     if not 0.0 <= cfg.kd_weight <= 1.0:
         raise ValueError(f"--kd-weight must be in [0, 1], got {cfg.kd_weight}")
-    kd = cfg.kd_weight > 0
-    if kd and not any("teacher_ids" in r for r in train_recs):
-        print("[train] --kd-weight: no record carries teacher data (--teacher-topk); training on CE alone", flush=True)
+    kd, greedy = cfg.kd_weight > 0, cfg.hard_labels == "greedy"
+    if cfg.hard_labels not in ("token", "greedy"):
+        raise ValueError(f"--hard-labels must be 'token' or 'greedy', got {cfg.hard_labels!r}")
+    if (kd or greedy) and not any("teacher_ids" in r for r in train_recs):
+        print("[train] --kd-weight / --hard-labels greedy: no record carries teacher data (--teacher-topk); "
+              "training on the recorded tokens with CE alone", flush=True)
     subset = None
     if cfg.loss_vocab == "corpus":
-        subset = corpus_vocab(train_recs, kd and cfg.kd_corpus_vocab == "add").to(device)
+        subset = corpus_vocab(train_recs, kd and cfg.kd_corpus_vocab == "add", greedy).to(device)
     batch_size = cfg.batch_size
     if batch_size == 0:
         batch_size = auto_batch_size(free_memory_bytes(device), max(int(r["tokens"].numel()) for r in train_recs),
@@ -243,7 +249,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     while step < total:
         t0 = time.time()
         batch = make_block_batch(order_rng.sample(train_recs, min(batch_size, len(train_recs))),
-                                 cfg.anchors_per_seq, cfg.block_size, mask_id, cfg.gamma, gen, teacher=kd)
+                                 cfg.anchors_per_seq, cfg.block_size, mask_id, cfg.gamma, gen, teacher=kd,
+                                 greedy_labels=greedy)
         lr = lr_at(step, total, cfg.lr, cfg.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
