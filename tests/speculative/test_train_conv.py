@@ -93,7 +93,7 @@ def test_init_drafter_refuses_another_convolution(tiny_data, tmp_path):  # noqa:
         train(_tiny_cfg(data, target, tmp_path / "out", init_drafter=str(src), conv_kernel_size=2))
 
 
-def test_cli_conv_flags_reach_train_config(monkeypatch):
+def test_cli_train_flags_reach_train_config(monkeypatch):
     import ddtree_serve.server.startup as startup
     import ddtree_serve.speculative.train.trainer as trainer
     from ddtree_serve.server.cli.main import build_parser
@@ -107,3 +107,6 @@ def test_cli_conv_flags_reach_train_config(monkeypatch):
     monkeypatch.setattr(startup, "resolve_model_path", lambda p: p)
     run(parser.parse_args(base + ["--conv-kernel-size", "2", "--conv-group-size", "8"]))
     assert (seen[0].conv_kernel_size, seen[0].conv_group_size) == (2, 8)
+    assert seen[0].hard_labels == "token"  # the default; --hard-labels reaches the config too
+    run(parser.parse_args(base + ["--hard-labels", "greedy"]))
+    assert seen[1].hard_labels == "greedy"
