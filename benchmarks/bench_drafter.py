@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("\nspeed: default server (ddtree, auto budget, dflash + suffix) vs plain, greedy:")
         print_table(speed_rows, ["drafter", "batch", "rounds", "plain_tok_s", "tok_s", "vs_none", "aa", "tol",
                                  "tau_verify", "verify_steps", "suffix_share", "plain_share", "same"])
-        print("\ndrafting cost per timed speculative step (median over rounds, ms):")
+        print("\ndrafting cost per timed step, plain steps included (median over rounds, ms; compare draft_share):")
         print_table(speed_rows, ["drafter", "batch", "draft_ms", "build_ms", "verify_fwd_ms", "draft_share"])
     print("\nissue 49 aims:")
     print_table(payload["aims"], ["drafter", "aim", "target", "value", "tol", "met"])

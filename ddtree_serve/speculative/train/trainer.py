@@ -211,9 +211,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         raise ValueError(f"no training data under {cfg.data_dir}/feat")
     if not 0.0 <= cfg.kd_weight <= 1.0:
         raise ValueError(f"--kd-weight must be in [0, 1], got {cfg.kd_weight}")
-    kd, greedy = cfg.kd_weight > 0, cfg.hard_labels == "greedy"
     if cfg.hard_labels not in ("token", "greedy"):
         raise ValueError(f"--hard-labels must be 'token' or 'greedy', got {cfg.hard_labels!r}")
+    kd, greedy = cfg.kd_weight > 0, cfg.hard_labels == "greedy"
     if (kd or greedy) and not any("teacher_ids" in r for r in train_recs):
         print("[train] --kd-weight / --hard-labels greedy: no record carries teacher data (--teacher-topk); "
               "training on the recorded tokens with CE alone", flush=True)
