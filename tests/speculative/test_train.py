@@ -251,6 +251,38 @@ def test_init_drafter_grows_a_drafter_in_depth(tiny_data, tmp_path):
     assert float(trained.layers[1].down_proj.weight.detach().abs().sum()) > 0
 
 
+def test_init_drafter_widens_the_kv_heads(tiny_data, tmp_path):
+    """A drafter with the target's 2 KV heads seeds one with 4 (--num-kv-heads): each new KV head repeats the seed
+    head its query heads read, so the widened drafter computes exactly the seed's outputs; a seed with more KV
+    heads than asked, or a count that does not divide the query heads, is refused."""
+    from ddtree_serve.speculative.train.export import drafter_config, save_drafter
+    from ddtree_serve.speculative.train.objective import block_attention_mask
+    from ddtree_serve.speculative.train.warm_start import load_init_drafter
+
+    target, *_ = tiny_data
+    hf = ModelConfig.load(target).hf
+    narrow, wide = drafter_config(hf, 1, 4, [0, 2], 62), drafter_config(hf, 1, 4, [0, 2], 62, num_kv_heads=4)
+    assert (narrow["num_key_value_heads"], wide["num_key_value_heads"]) == (2, 4)
+    src = save_drafter(build_drafter(narrow, torch.device("cpu"), 0), narrow, tmp_path / "src")
+    seed, widened = build_drafter(narrow, torch.device("cpu"), 1), build_drafter(wide, torch.device("cpu"), 2)
+    load_init_drafter(seed, narrow, str(src))
+    assert load_init_drafter(widened, wide, str(src)) == 0
+    g = torch.Generator().manual_seed(0)
+    b, s, q, h = 2, 5, 4, hf["hidden_size"]
+    feats, embeds = torch.randn(b, s, 2 * h, generator=g), torch.randn(b, q, h, generator=g)
+    ctx_pos, blk_pos = torch.arange(s).expand(b, s), torch.tensor([[3, 4, 5, 6], [2, 3, 4, 5]])
+    mask = block_attention_mask(torch.tensor([[3], [2]]), torch.ones(b, 1, dtype=torch.bool), s, q)
+    with torch.no_grad():
+        want = seed.forward_train(feats, ctx_pos, embeds, blk_pos, mask)
+        got = widened.forward_train(feats, ctx_pos, embeds, blk_pos, mask)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    wide_src = save_drafter(widened, wide, tmp_path / "wide")
+    with pytest.raises(ValueError, match="num_key_value_heads: drafter 4, requested 2"):
+        load_init_drafter(build_drafter(narrow, torch.device("cpu"), 3), narrow, str(wide_src))
+    with pytest.raises(ValueError, match="--num-kv-heads 3 does not divide the 4 attention heads"):
+        drafter_config(hf, 1, 4, [0, 2], 62, num_kv_heads=3)
+
+
 def test_shipped_drafter_can_seed_training_for_the_default_target(tmp_path):
     """The shipped drafter matches what train-drafter asks for on SmolLM2-135M with its recorded flags, loads
     into a trainable drafter, and is refused for target layer ids other than its own."""

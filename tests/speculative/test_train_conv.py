@@ -110,3 +110,6 @@ def test_cli_train_flags_reach_train_config(monkeypatch):
     assert seen[0].hard_labels == "token"  # the default; --hard-labels reaches the config too
     run(parser.parse_args(base + ["--hard-labels", "greedy"]))
     assert seen[1].hard_labels == "greedy"
+    assert seen[0].num_kv_heads == 0  # the target's; --num-kv-heads reaches the config
+    run(parser.parse_args(base + ["--num-kv-heads", "9"]))
+    assert seen[2].num_kv_heads == 9

@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(z-lab's DFlash2 uses 2; starts as the identity, so a plain --init-drafter seeds it); 0 = off")
     d.add_argument("--conv-group-size", type=int, default=16,
                    help="channels per dynamic-kernel group of that convolution (must divide the hidden size)")
+    d.add_argument("--num-kv-heads", type=int, default=0,
+                   help="the drafter's KV heads (0 = the target's; a divisor of its attention heads); more KV heads "
+                   "widen what each mask slot reads from the anchor and the context; an --init-drafter with fewer "
+                   "seeds it by repeating its KV heads (the same function)")
     d.add_argument("--init-drafter", default=None,
                    help="start from this exported drafter's weights ('default' = the shipped drafter) with a fresh "
                    "optimizer and schedule; it must match --block-size, the data's target layers and the mask token "
@@ -162,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             loss_vocab=args.loss_vocab, kd_weight=args.kd_weight, hard_labels=args.hard_labels, seed=args.seed,
             init_drafter=args.init_drafter,
             conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
-            device=device, save_every=args.save_every, eval_every=args.eval_every, eval_budget=args.eval_budget,
+            num_kv_heads=args.num_kv_heads, device=device, save_every=args.save_every, eval_every=args.eval_every, eval_budget=args.eval_budget,
             time_budget_s=args.train_time_budget_min * 60 if args.train_time_budget_min else None,
         )
         result = train(cfg)

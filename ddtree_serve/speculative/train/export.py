@@ -48,13 +48,18 @@ def zlab_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
 
 
 def drafter_config(target_hf: dict[str, Any], num_layers: int, block_size: int, target_layer_ids: list[int],
-                   mask_token_id: int, conv_kernel_size: int = 0, conv_group_size: int = 16) -> dict[str, Any]:
-    """A z-lab-format config.json for a drafter of ``target_hf`` (hidden/heads/MLP width from the target).
+                   mask_token_id: int, conv_kernel_size: int = 0, conv_group_size: int = 16,
+                   num_kv_heads: int = 0) -> dict[str, Any]:
+    """A z-lab-format config.json for a drafter of ``target_hf`` (hidden/heads/MLP width from the target;
+    ``num_kv_heads`` > 0 replaces the target's KV head count: a divisor of the query heads).
     ``conv_kernel_size`` > 0 adds DFlash2's grouped dynamic convolution (``dflash_config.conv_kernel_size`` /
     ``conv_group_size``; models/dflash_conv.py); 0 writes a plain DFlash config (no conv keys)."""
     hidden = int(target_hf["hidden_size"])
     heads = int(target_hf["num_attention_heads"])
     rope = rope_parameters(target_hf)
+    kv_heads = num_kv_heads or int(target_hf.get("num_key_value_heads", heads))
+    if num_kv_heads < 0 or heads % kv_heads:
+        raise ValueError(f"--num-kv-heads {num_kv_heads} does not divide the {heads} attention heads")
     dflash: dict[str, Any] = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
     if conv_kernel_size > 0:
         if conv_group_size <= 0 or hidden % conv_group_size:
@@ -65,7 +70,7 @@ def drafter_config(target_hf: dict[str, Any], num_layers: int, block_size: int, 
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": int(target_hf["intermediate_size"]),
-        "num_attention_heads": heads, "num_key_value_heads": int(target_hf.get("num_key_value_heads", heads)),
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": int(target_hf.get("head_dim") or hidden // heads), "num_hidden_layers": num_layers,
         "layer_types": ["full_attention"] * num_layers, "rms_norm_eps": float(target_hf.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope["rope_theta"]), "rope_scaling": None if rope["rope_type"] == "default" else rope,

@@ -63,6 +63,7 @@ class TrainConfig:
     init_drafter: str | None = None  # exported drafter directory ('default': the shipped one) seeding a fresh run
     conv_kernel_size: int = 0  # > 0: DFlash2's grouped dynamic convolution with this many taps (starts as identity)
     conv_group_size: int = 16  # channels per dynamic-kernel group of that convolution
+    num_kv_heads: int = 0  # the drafter's KV heads (0: the target's); a warm start repeats the seed's (warm_start.py)
 
 
 def pick_device(device: str) -> torch.device:
@@ -194,7 +195,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     if cfg.conv_kernel_size < 0:
         raise ValueError(f"--conv-kernel-size must be >= 0 (0: off), got {cfg.conv_kernel_size}")
     dcfg = drafter_config(target_hf, cfg.num_layers, cfg.block_size, meta["target_layer_ids"], mask_id,
-                          cfg.conv_kernel_size, cfg.conv_group_size)
+                          cfg.conv_kernel_size, cfg.conv_group_size, cfg.num_kv_heads)
     if saved is not None:  # resuming under other flags would train the weights as another drafter
         check_init_drafter(json.loads(saved.read_text()), dcfg, f"the drafter being resumed in {out}")
     model = build_drafter(dcfg, device, cfg.seed)

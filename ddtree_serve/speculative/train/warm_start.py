@@ -15,11 +15,17 @@ then opens the new layer.
 Adding the convolution (``--conv-kernel-size``, models/dflash_conv.py): a plain drafter seeds a conv drafter,
 whose convolutions start as the identity, so it too starts by computing exactly what the seed computes. A conv
 seed must have the requested kernel and group size, and cannot seed a plain drafter.
+
+Widening the KV heads (``--num-kv-heads``): a seed with fewer KV heads (a divisor of the requested count) seeds
+each new KV head with the seed's head that its query heads read (``k_proj``/``v_proj`` rows repeated, as
+grouped-query attention shares them), so the widened drafter too starts by computing exactly what the seed
+computes; training then lets the copies differ.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +95,8 @@ def check_init_drafter(init_cfg: dict[str, Any], want_cfg: dict[str, Any], what:
             return have > want
         if grow and key == "conv_kernel_size" and have == 0:
             return False
+        if grow and key == "num_key_value_heads":  # a seed's KV heads repeat into more (load_init_drafter)
+            return not (have and want and want % have == 0)
         if key == "conv_group_size" and (have is None or want is None):  # no convolution on one side
             return False
         return have != want
@@ -99,6 +107,18 @@ def check_init_drafter(init_cfg: dict[str, Any], want_cfg: dict[str, Any], what:
         raise ValueError(f"{what} does not match the requested drafter (" + "; ".join(bad) + "); pass matching "
                          "--num-layers/--block-size/--mask-token-id/--conv-kernel-size/--conv-group-size and a data "
                          "directory captured at the drafter's target layers")
+
+
+def _repeat_kv_heads(weights: Iterator[tuple[str, Any]], repeat: int, head_dim: int
+                     ) -> Iterator[tuple[str, Any]]:
+    """The seed's weights with every ``k_proj``/``v_proj`` head (rows ``[Hkv * d, ...]``) repeated ``repeat``
+    times in place: new KV head j is seed head j // repeat, the head its query heads read in the seed."""
+    for name, w in weights:
+        if repeat > 1 and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                                          "self_attn.v_proj.weight", "self_attn.v_proj.bias")):
+            heads = w.view(-1, head_dim, *w.shape[1:])  # [Hkv, d, (H)]
+            w = heads.repeat_interleave(repeat, dim=0).reshape(-1, *w.shape[1:])  # [Hkv * repeat * d, (H)]
+        yield name, w
 
 
 def load_init_drafter(model: DFlashDraftModel, want_cfg: dict[str, Any], path: str) -> int:
@@ -113,7 +133,10 @@ def load_init_drafter(model: DFlashDraftModel, want_cfg: dict[str, Any], path: s
     added = [f"layers.{i}." for i in range(n_init, len(model.layers))]
     params = {n: p for n, p in model.named_parameters()
               if not n.startswith(tuple(added)) and (seed_conv or "_conv." not in n)}
-    load_named_weights(params, iter_weights(path, desc="Loading --init-drafter"), model._STACKED,
+    repeat = int(_field(want_cfg, "num_key_value_heads")) // int(_field(init_cfg, "num_key_value_heads"))
+    head_dim = int(_field(init_cfg, "head_dim"))
+    weights = _repeat_kv_heads(iter_weights(path, desc="Loading --init-drafter"), repeat, head_dim)
+    load_named_weights(params, weights, model._STACKED,
                        f"--init-drafter {path}", skip_prefixes=model.skip_weight_prefixes)
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
