@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
             loss_vocab=args.loss_vocab, kd_weight=args.kd_weight, hard_labels=args.hard_labels, seed=args.seed,
             init_drafter=args.init_drafter,
             conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
-            num_kv_heads=args.num_kv_heads, device=device, save_every=args.save_every, eval_every=args.eval_every, eval_budget=args.eval_budget,
+            num_kv_heads=args.num_kv_heads, device=device, save_every=args.save_every, eval_every=args.eval_every,
+            eval_budget=args.eval_budget,
             time_budget_s=args.train_time_budget_min * 60 if args.train_time_budget_min else None,
         )
         result = train(cfg)

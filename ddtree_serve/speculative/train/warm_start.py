@@ -105,8 +105,8 @@ def check_init_drafter(init_cfg: dict[str, Any], want_cfg: dict[str, Any], what:
            for label, key in _MATCHED if differs(key)]
     if bad:
         raise ValueError(f"{what} does not match the requested drafter (" + "; ".join(bad) + "); pass matching "
-                         "--num-layers/--block-size/--mask-token-id/--conv-kernel-size/--conv-group-size and a data "
-                         "directory captured at the drafter's target layers")
+                         "--num-layers/--block-size/--mask-token-id/--conv-kernel-size/--conv-group-size/--num-kv-heads and a "
+                         "data directory captured at the drafter's target layers")
 
 
 def _repeat_kv_heads(weights: Iterator[tuple[str, Any]], repeat: int, head_dim: int
