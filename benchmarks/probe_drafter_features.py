@@ -13,7 +13,8 @@ drafter's depth-1 accuracy (``train-drafter``'s evaluation, ``top-1 acc by depth
 - ``--layers`` picks among the data's captured target layers (indices into ``meta.json``'s
   ``target_layer_ids``); ``--extra-dir D`` adds one more captured layer stored per shard as ``D/<shard name>``
   (a list of ``[S, H]`` tensors, index ``len(target_layer_ids)``); ``--layers none`` is the embedding alone.
-- ``--norm chan`` standardises every feature channel with statistics of the training positions first.
+- ``--norm chan`` standardises every feature channel first, with statistics of the first 50,000 training
+  positions.
 
     OMP_NUM_THREADS=1 python benchmarks/probe_drafter_features.py --data-dir /work/drafter/data --shards 26 \\
         --steps 4000
@@ -118,6 +119,9 @@ def main() -> None:
     n_layers = len(meta["target_layer_ids"]) + (args.extra_dir is not None)
     layers = ([] if args.layers == "none" else list(range(n_layers)) if args.layers == "all"
               else [int(x) for x in args.layers.split(",")])
+    if any(not 0 <= j < n_layers for j in layers):
+        raise SystemExit(f"--layers {args.layers}: indices must lie in 0..{n_layers - 1} (the data's "
+                         f"{len(meta['target_layer_ids'])} layers{', then --extra-dir' if args.extra_dir else ''})")
     extra = Path(args.extra_dir) if args.extra_dir else None
     feat_dir = Path(args.data_dir) / "feat"
     shards = sorted(feat_dir.glob("train_*.pt"))[:args.shards]
@@ -132,9 +136,10 @@ def main() -> None:
     remap = torch.full((embed.shape[0],), -1, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))
     dim = x.shape[1]
-    sample = x[:50000].float()
-    mean, std = ((sample.mean(0), sample.std(0) + 1e-3) if args.norm == "chan" and dim
-                 else (torch.zeros(dim), torch.ones(dim)))
+    mean, std = torch.zeros(dim), torch.ones(dim)
+    if args.norm == "chan" and dim:  # statistics of the first 50,000 training positions
+        sample = x[:50000].float()
+        mean, std = sample.mean(0), sample.std(0) + 1e-3
     probe = Probe(dim, hidden, int(cfg["intermediate_size"]), weights["model.norm.weight"].float(), mean, std)
     opt = torch.optim.AdamW(probe.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from ddtree_serve.kernels.attention import TorchAttentionBackend
@@ -24,8 +25,8 @@ TARGET_HF = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads":
 BLOCK = 4
 
 
-def _drafter(seed: int = 0, layers: int = 2) -> tuple[DFlashDraftModel, dict]:
-    cfg = drafter_config(TARGET_HF, layers, BLOCK, [1, 3, 4], mask_token_id=96)
+def _drafter(seed: int = 0, layers: int = 2, kv_heads: int = 0) -> tuple[DFlashDraftModel, dict]:
+    cfg = drafter_config(TARGET_HF, layers, BLOCK, [1, 3, 4], mask_token_id=96, num_kv_heads=kv_heads)
     model = DFlashDraftModel(ModelConfig("", cfg, "DFlashDraftModel", (), torch.float32))
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
@@ -55,8 +56,9 @@ def _paged_draft(model: DFlashDraftModel, feats: list[torch.Tensor], embeds: lis
     return model(fb, kv, TorchAttentionBackend()).view(len(feats), BLOCK, -1)
 
 
-def test_paged_inference_equals_dense_training_path():
-    model, _ = _drafter()
+@pytest.mark.parametrize("kv_heads", [0, 4])  # the target's 2 KV heads; one per query head (--num-kv-heads 4)
+def test_paged_inference_equals_dense_training_path(kv_heads: int):
+    model, _ = _drafter(kv_heads=kv_heads)
     g = torch.Generator().manual_seed(1)
     lens = [9, 14]
     feats = [torch.randn(n, 3 * 64, generator=g) * 3 for n in lens]
