@@ -1,25 +1,30 @@
-"""The decode step at GPU scale on the simulated device (ddtree_serve/sim/): tokens/s, the device-bound ideal and
-the host's milliseconds per step by phase, plain decoding vs DDTree at fixed budgets and the adaptive budget.
+"""The decode step at GPU scale on the simulated device (ddtree_serve/sim/): tokens/s against the device-bound
+ideal, what the host does to the device each step, and the host's milliseconds per step by phase, plain decoding
+vs DDTree at fixed budgets and the adaptive budget, per machine model.
 
 The target and drafter are the simulated ones (ddtree_serve/model_executor/models/simulated.py): their forwards cost
-the modelled device time of Kimi K2.6 on 8 GPUs (``DeviceCostModel``) on a timeline off the host thread, and the
-host runs the real scheduler, tree build, verification and commit (at a small vocabulary; the full vocabulary's
-work is device time). Each cell prefills ``batch`` requests, then measures ``--steps`` decode steps:
+the modelled device time of Kimi K2.6 on a machine of ddtree_serve/sim/machines.py (default: the presets' machines,
+8x RTX PRO 6000 over PCIe and 8x B300 over NVLink) on a timeline off the host thread, and the host runs the real
+scheduler, tree build, verification and commit (at a small vocabulary; the full vocabulary's work is device time).
+The tracker (ddtree_serve/sim/device_tracker.py) charges the host what a GPU host pays: a launch per eager kernel
+(a forward's ~8,500 unless it replays a graph), a blocking round trip per host read of a device tensor, value-
+dependent shape or blocking copy. Each cell prefills ``batch`` requests, then measures ``--steps`` decode steps:
 
-- ``tok_s``: generated tokens per wall second; ``ideal_tok_s``: per modelled device second (a host that costs
-  nothing and overlaps perfectly); ``tau``: tokens per request per step;
-- ``device_ops_ms``: tensor work that is device work in deployment (vocabulary top-k, logits rows, sampling,
-  verification), which the CPU runs here at the small vocabulary (``DeviceClock.on_device``): not host time (the
-  modelled forwards include its full-size cost): ``tok_s`` counts the wall time less it, ``raw_tok_s`` all of it;
-- ``host_ms``: host milliseconds per step (wall less the time blocked on the device and the device ops), by
-  phase: ``schedule``
-  (admission and batching), ``draft`` (drafter launch), ``build`` (top-K, pops, tree), ``verify_input`` (tree
-  slots, forward inputs, launch), ``verify`` (the verification walk), ``commit`` (KV commit), ``plain`` (a plain
-  step's launch and sampling), ``process`` (stops, outputs); detokenising and streaming run in the detokenizer
-  process and are not counted.
+- ``tok_s``: generated tokens per second of the host's clock (wall time corrected by the charges and refunds,
+  ddtree_serve/sim/device_clock.py); ``ideal_tok_s``: per modelled device second (a host that costs nothing and
+  overlaps perfectly); ``of_ideal``: their ratio (never above 1); ``tau``: tokens per request per step;
+- ``syncs``: synchronising host acts per step; ``in_window``: those made while a modelled forward was in flight
+  (each closes the overlap window); ``launches``: eager kernels and graph replays per step; ``sync_sites``: where
+  they are (file:line, count);
+- ``host_ms``: host milliseconds per step (the clock less the time blocked on the device), ``host_share`` its ratio
+  to device time, by phase: ``schedule`` (admission and batching), ``draft`` (drafter launch), ``build`` (top-K,
+  pops, tree), ``verify_input`` (tree slots, forward inputs, launch), ``window`` (the overlap window's work),
+  ``verify`` (the verification), ``commit`` (KV commit), ``plain`` (a plain step's launch and sampling),
+  ``process`` (stops, outputs); detokenising and streaming run in the detokenizer process and are not counted.
 
-    python benchmarks/bench_scale.py [--batches 1,32,128,256] [--budgets 8,16,64,auto] [--accept-prob 0.8]
-        [--steps 8] [--prompt-len 128] [--vocab 128] [--threads 1] [--out bench_out/scale.json]
+    python benchmarks/bench_scale.py [--machines rtx-pro-6000,b300] [--batches 1,32,128] [--budgets 8,16,auto]
+        [--accept-prob 0.8] [--steps 8] [--prompt-len 128] [--vocab 128] [--cuda-graph-max-bs 0] [--threads 1]
+        [--out bench_out/scale.json]
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -40,25 +44,29 @@ from ddtree_serve.model_executor.sampling_params import SamplingParams  # noqa: 
 from ddtree_serve.server.engine import Engine  # noqa: E402
 from ddtree_serve.server.io_struct import GenerateReq  # noqa: E402
 from ddtree_serve.sim.checkpoint import write_simulated_pair  # noqa: E402
+from ddtree_serve.sim.machines import MACHINES  # noqa: E402
 
-PHASES = ("schedule", "draft", "build", "verify_input", "verify", "commit", "plain", "process")
-SPEC_LAPS = {"draft": "draft", "build": "build", "verify_forward": "verify_input", "verify": "verify",
-             "commit": "commit", "plain": "plain"}  # SpecWorker.timer laps -> phases
+PHASES = ("schedule", "draft", "build", "verify_input", "window", "verify", "commit", "plain", "process")
+SPEC_LAPS = {"draft": "draft", "build": "build", "verify_forward": "verify_input", "window": "window",
+             "verify": "verify", "commit": "commit", "plain": "plain"}  # SpecWorker.timer laps -> phases
 
 
-def _engine(target: str, drafter: str, batch: int, budget: int | str | None, tokens: int) -> Engine:
+def _engine(target: str, drafter: str, batch: int, budget: int | str | None, tokens: int, graphs: int) -> Engine:
     spec = dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=budget,
                 speculative_draft_sources="dflash") if budget else {}
     return Engine(target, device="cpu", dtype="float32", max_running_requests=batch, disable_radix_cache=True,
-                  max_total_tokens=batch * tokens + 4096, chunked_prefill_size=8192, **spec)
+                  max_total_tokens=batch * tokens + 4096, chunked_prefill_size=8192, cuda_graph_max_bs=graphs,
+                  **spec)
 
 
-def run_cell(target: str, drafter: str, batch: int, budget: int | str | None, steps: int, prompt_len: int) -> dict:
+def run_cell(target: str, drafter: str, batch: int, budget: int | str | None, steps: int, prompt_len: int,
+             graphs: int = 0) -> dict:
     """Prefill ``batch`` requests, then time ``steps`` decode steps; returns the cell's row."""
     max_tokens = steps * 20 + 8  # never finishes within the measured steps
-    eng = _engine(target, drafter, batch, budget, prompt_len + max_tokens + 80)
+    eng = _engine(target, drafter, batch, budget, prompt_len + max_tokens + 80, graphs)
     sched = eng.scheduler
-    clock = sched.runner.model.clock
+    runner = sched.runner
+    clock = runner.model.clock
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     try:
         for i in range(batch):
@@ -70,44 +78,56 @@ def run_cell(target: str, drafter: str, batch: int, budget: int | str | None, st
         timer = sched.spec.timer if sched.spec is not None else None
         if timer is not None:
             timer.totals.clear()
-        device0, waited0, ops0 = clock.device_s, clock.waited_s, clock.device_ops_s
+        clock.wait()  # nothing queued when the timing starts
+        clock.reset_counters()
+        device0, waited0 = clock.device_s, clock.waited_s
         out0 = sum(len(q.output_ids) for q in sched.running)
-        t_start = time.perf_counter()
+        t_start = clock.now()
         for _ in range(steps):
-            t0 = time.perf_counter()
-            batch_ = sched.schedule()
-            t1 = time.perf_counter()
-            results = sched.run(batch_)
-            t2 = time.perf_counter()
-            sched.process(batch_, results)
-            sched.outbox.clear()
-            host["schedule"] += t1 - t0
-            host["process"] += time.perf_counter() - t2
-            if timer is None:  # plain decoding: the whole run is launch + sampling, less the wait
-                host["plain"] += t2 - t1
-        wall = time.perf_counter() - t_start
-        waited, device, ops = clock.waited_s - waited0, clock.device_s - device0, clock.device_ops_s - ops0
-        if timer is None:
-            host["plain"] -= waited + ops
-        else:
+            with runner.device_session():  # as Scheduler.step
+                t0 = clock.now()
+                batch_ = sched.schedule()
+                t1 = clock.now()
+                w1 = clock.waited_s
+                results = sched.run(batch_)
+                t2 = clock.now()
+                w2 = clock.waited_s
+                sched.process(batch_, results)
+                sched.outbox.clear()
+                host["schedule"] += t1 - t0
+                host["process"] += clock.now() - t2
+                if timer is None:  # plain decoding: the whole run is launch + sampling, less the wait
+                    host["plain"] += t2 - t1 - (w2 - w1)
+        clock.wait()  # the device's last work belongs to the measured steps
+        wall = clock.now() - t_start
+        counters = clock.reset_counters()
+        waited, device = clock.waited_s - waited0, clock.device_s - device0
+        if timer is not None:
             for lap, phase in SPEC_LAPS.items():
                 host[phase] += timer.totals.get(lap, 0.0)
         tokens = sum(len(q.output_ids) for q in sched.running) - out0
     finally:
         eng.shutdown()
+    sites: dict[str, int] = {}
+    for e in counters.syncs:
+        key = f"{e.kind} {e.op.rsplit('.', 1)[-1]} {e.where}" + (" [window]" if e.in_window else "")
+        sites[key] = sites.get(key, 0) + 1
     return dict(batch=batch, mode="plain" if budget is None else f"ddtree@{budget}", budget=budget, steps=steps,
-                tokens=tokens, tau=round(tokens / (steps * batch), 3), tok_s=round(tokens / (wall - ops), 1),
-                raw_tok_s=round(tokens / wall, 1),
-                ideal_tok_s=round(tokens / device, 1), device_ms=round(1e3 * device / steps, 2),
-                wall_ms=round(1e3 * wall / steps, 2), host_ms=round(1e3 * (wall - waited - ops) / steps, 2),
-                device_ops_ms=round(1e3 * ops / steps, 2), host_share=round((wall - waited - ops) / device, 3),
-                phases_ms={p: round(1e3 * v / steps, 2) for p, v in host.items()})
+                tokens=tokens, tau=round(tokens / (steps * batch), 3), tok_s=round(tokens / wall, 1),
+                ideal_tok_s=round(tokens / device, 1), of_ideal=round(device / wall, 3),
+                syncs=round(len(counters.syncs) / steps, 2), in_window=round(counters.in_window / steps, 2),
+                launches=round(counters.launches / steps, 1), device_ms=round(1e3 * device / steps, 2),
+                wall_ms=round(1e3 * wall / steps, 2), host_ms=round(1e3 * (wall - waited) / steps, 2),
+                host_share=round((wall - waited) / device, 3),
+                phases_ms={p: round(1e3 * v / steps, 2) for p, v in host.items()},
+                sync_sites={k: round(v / steps, 2) for k, v in sorted(sites.items(), key=lambda kv: -kv[1])})
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,32,128,256")
-    ap.add_argument("--budgets", default="8,16,64,auto", help="fixed DDTree budgets, and auto (the adaptive budget)")
+    ap.add_argument("--machines", default=",".join(MACHINES), help="machine models (ddtree_serve/sim/machines.py)")
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--budgets", default="8,16,auto", help="fixed DDTree budgets, and auto (the adaptive budget)")
     ap.add_argument("--accept-prob", type=float, default=0.8, help="the drafter's per-depth chance of being right")
     ap.add_argument("--draft-top-prob", type=float, default=None, help="the probability the drafter claims for its "
                     "first token (default: --accept-prob, a calibrated drafter; higher: overconfident)")
@@ -115,32 +135,43 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=128, help="the synthetic vocabulary the host's tensors hold (the "
                     "full vocabulary's work is modelled device time)")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=0, help="forwards of up to this many requests replay a "
+                    "graph (one launch); 0: eager, as the presets run today")
     ap.add_argument("--threads", type=int, default=1, help="torch host threads (the host side is one thread)")
+    ap.add_argument("--sites", action="store_true", help="print each cell's sync sites")
     ap.add_argument("--out", default="bench_out/scale.json")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     info = machine()
     print(f"machine: {info}")
-    print(f"simulated device: Kimi K2.6 on 8 GPUs (ddtree_serve/sim/device_clock.py), drafter accept_prob "
-          f"{args.accept_prob}")
-    cols = ("batch", "mode", "tau", "tok_s", "ideal_tok_s", "device_ms", "host_ms", "host_share")
-    print(" ".join(f"{c:>11}" for c in cols) + "  host ms by phase")
+    cols = ("batch", "mode", "tau", "tok_s", "ideal_tok_s", "of_ideal", "syncs", "in_window", "launches",
+            "device_ms", "host_ms")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        target, drafter = write_simulated_pair(tmp, vocab=args.vocab, accept_prob=args.accept_prob,
-                                                draft_top_prob=args.draft_top_prob)
-        for batch in (int(x) for x in args.batches.split(",")):
-            for budget in (None, *(x if x == "auto" else int(x) for x in args.budgets.split(","))):
-                row = run_cell(target, drafter, batch, budget, args.steps, args.prompt_len)
-                rows.append(row)
-                phases = " ".join(f"{k}={v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)
-                print(" ".join(f"{row[c]!s:>11}" for c in cols) + f"  {phases}", flush=True)
+    for name in args.machines.split(","):
+        cost = MACHINES[name]
+        print(f"simulated device: Kimi K2.6 on 8x {name} (ddtree_serve/sim/machines.py), drafter accept_prob "
+              f"{args.accept_prob}, graphs up to batch {args.cuda_graph_max_bs}")
+        print(" ".join(f"{c:>11}" for c in cols) + "  host ms by phase")
+        with tempfile.TemporaryDirectory() as tmp:
+            target, drafter = write_simulated_pair(tmp, vocab=args.vocab, accept_prob=args.accept_prob,
+                                                    draft_top_prob=args.draft_top_prob, cost=cost)
+            for batch in (int(x) for x in args.batches.split(",")):
+                for budget in (None, *(x if x == "auto" else int(x) for x in args.budgets.split(","))):
+                    row = run_cell(target, drafter, batch, budget, args.steps, args.prompt_len,
+                                   args.cuda_graph_max_bs)
+                    row["machine"] = name
+                    rows.append(row)
+                    phases = " ".join(f"{k}={v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)
+                    print(" ".join(f"{row[c]!s:>11}" for c in cols) + f"  {phases}", flush=True)
+                    if args.sites:
+                        for site, n in row["sync_sites"].items():
+                            print(f"{'':>24}{n:>6} {site}")
     torch.set_num_threads(threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(machine=info, accept_prob=args.accept_prob, draft_top_prob=args.draft_top_prob, vocab=args.vocab,
-                  rows=rows)
+                  cuda_graph_max_bs=args.cuda_graph_max_bs, rows=rows)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result

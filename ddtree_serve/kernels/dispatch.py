@@ -16,6 +16,8 @@ import functools
 import importlib
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -118,3 +120,18 @@ def backend_name(*tensors: torch.Tensor, library: str = SGL_KERNEL) -> str:
     ``"torch reference"`` (what the GPU check prints for each part)."""
     lib = library.split(".")[0]
     return BACKEND_NAMES[lib] if use_cuda_kernels(*tensors, library=library) else BACKEND_NAMES["torch"]
+
+
+@contextmanager
+def one_kernel() -> Iterator[None]:
+    """Marks a torch reference that stands for one CUDA kernel launch (its CUDA path is a single kernel): a device
+    simulator that tracks torch calls (a torch function mode with a ``kernel_region`` method:
+    ddtree_serve/sim/device_tracker.py) counts the region as that one launch, not as the reference's own ops and
+    host reads. Elsewhere it does nothing."""
+    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    region = next((m.kernel_region for m in reversed(stack) if hasattr(m, "kernel_region")), None)
+    if region is None:
+        yield
+        return
+    with region():
+        yield

@@ -34,7 +34,7 @@ from typing import Final, Literal
 
 import torch
 
-from ddtree_serve.kernels.dispatch import SGL_KERNEL, import_cuda_library, use_cuda_kernels
+from ddtree_serve.kernels.dispatch import SGL_KERNEL, import_cuda_library, one_kernel, use_cuda_kernels
 from ddtree_serve.kernels.sampling import inverse_cdf_sample
 
 _SIMPLEX_ATOL = 1e-3  # |row sum - 1| allowed for target probability rows that the walk reads
@@ -202,25 +202,26 @@ def verify_tree_greedy(
             target_predict,
         )
         return
-    w = _Walk(candidates, retrive_index, retrive_next_token, retrive_next_sibling, s)
-    flat_target = target_predict.reshape(-1)  # [bs*D]
-    for depth in range(1, s):
-        cur = w.first_children()  # [bs]
-        want = flat_target[w.last_global]  # [bs]
-        chosen = torch.full_like(cur, -1)  # [bs]
-        searching = cur >= 0  # [bs]
-        for _ in _sibling_steps_guard(d):
-            if not bool(searching.any()):
+    with one_kernel():  # the reference of sgl-kernel's one launch (a simulated device counts it so)
+        w = _Walk(candidates, retrive_index, retrive_next_token, retrive_next_sibling, s)
+        flat_target = target_predict.reshape(-1)  # [bs*D]
+        for depth in range(1, s):
+            cur = w.first_children()  # [bs]
+            want = flat_target[w.last_global]  # [bs]
+            chosen = torch.full_like(cur, -1)  # [bs]
+            searching = cur >= 0  # [bs]
+            for _ in _sibling_steps_guard(d):
+                if not bool(searching.any()):
+                    break
+                ok = searching & (w.token(cur, searching, None) == want)  # [bs]
+                chosen = torch.where(ok, cur, chosen)
+                rejected = searching & ~ok
+                nxt = w.next_sibling(cur, rejected)
+                cur = torch.where(rejected, nxt, cur)
+                searching = rejected & (nxt >= 0)
+            if not bool(w.accept(depth, chosen).any()):
                 break
-            ok = searching & (w.token(cur, searching, None) == want)  # [bs]
-            chosen = torch.where(ok, cur, chosen)
-            rejected = searching & ~ok
-            nxt = w.next_sibling(cur, rejected)
-            cur = torch.where(rejected, nxt, cur)
-            searching = rejected & (nxt >= 0)
-        if not bool(w.accept(depth, chosen).any()):
-            break
-    w.write(predicts, accept_index, accept_token_num, flat_target[w.last_global])
+        w.write(predicts, accept_index, accept_token_num, flat_target[w.last_global])
 
 
 # sgl-kernel's TreeSpeculativeSamplingTargetOnly addresses target/draft probabilities with a uint32 row
@@ -340,50 +341,51 @@ def tree_speculative_sampling_target_only(
             )
         )
         return
-    w = _Walk(candidates, retrive_index, retrive_next_token, retrive_next_sibling, s)
-    coin = uniform_samples[:, 0].clone()  # [bs]
-    rej_b, rej_parent, rej_tok, rej_p = [], [], [], []
-    for depth in range(1, s):
-        cur = w.first_children()  # [bs]
-        chosen = torch.full_like(cur, -1)  # [bs]
-        prob_acc = torch.zeros_like(coin)  # [bs]
-        searching = cur >= 0  # [bs]
-        for _ in _sibling_steps_guard(d):
-            if not bool(searching.any()):
+    with one_kernel():  # the reference of sgl-kernel's one launch (a simulated device counts it so)
+        w = _Walk(candidates, retrive_index, retrive_next_token, retrive_next_sibling, s)
+        coin = uniform_samples[:, 0].clone()  # [bs]
+        rej_b, rej_parent, rej_tok, rej_p = [], [], [], []
+        for depth in range(1, s):
+            cur = w.first_children()  # [bs]
+            chosen = torch.full_like(cur, -1)  # [bs]
+            prob_acc = torch.zeros_like(coin)  # [bs]
+            searching = cur >= 0  # [bs]
+            for _ in _sibling_steps_guard(d):
+                if not bool(searching.any()):
+                    break
+                tok = w.token(cur, searching, vocab)  # [bs]
+                p = target_probs[w.ar, w.last_local, tok.clamp(0, vocab - 1)]  # [bs]
+                prob_acc = torch.where(searching, prob_acc + p, prob_acc)
+                scaled = prob_acc / thr_acc  # [bs]
+                coin_ok = coin <= scaled if rule == "le" else coin < scaled  # [bs]
+                ok = searching & (coin_ok | (p >= thr_single))  # [bs]
+                chosen = torch.where(ok, cur, chosen)
+                rejected = searching & ~ok
+                rej_b.append(w.ar[rejected])
+                rej_parent.append(w.last_local[rejected])
+                rej_tok.append(tok[rejected])
+                rej_p.append(p[rejected])
+                nxt = w.next_sibling(cur, rejected)
+                cur = torch.where(rejected, nxt, cur)
+                searching = rejected & (nxt >= 0)
+            acc = w.accept(depth, chosen)
+            coin = torch.where(acc, uniform_samples[w.ar, chosen.clamp(min=0)], coin)
+            if not bool(acc.any()):
                 break
-            tok = w.token(cur, searching, vocab)  # [bs]
-            p = target_probs[w.ar, w.last_local, tok.clamp(0, vocab - 1)]  # [bs]
-            prob_acc = torch.where(searching, prob_acc + p, prob_acc)
-            scaled = prob_acc / thr_acc  # [bs]
-            coin_ok = coin <= scaled if rule == "le" else coin < scaled  # [bs]
-            ok = searching & (coin_ok | (p >= thr_single))  # [bs]
-            chosen = torch.where(ok, cur, chosen)
-            rejected = searching & ~ok
-            rej_b.append(w.ar[rejected])
-            rej_parent.append(w.last_local[rejected])
-            rej_tok.append(tok[rejected])
-            rej_p.append(p[rejected])
-            nxt = w.next_sibling(cur, rejected)
-            cur = torch.where(rejected, nxt, cur)
-            searching = rejected & (nxt >= 0)
-        acc = w.accept(depth, chosen)
-        coin = torch.where(acc, uniform_samples[w.ar, chosen.clamp(min=0)], coin)
-        if not bool(acc.any()):
-            break
-    # Every target row the walk read is on the accepted path: check those are distributions.
-    b_on, depth_on = (w.path_local >= 0).nonzero(as_tuple=True)  # [P], P = sum(accepted + 1)
-    rows = target_probs[b_on, w.path_local[b_on, depth_on]]  # [P, V]
-    sums = rows.sum(dim=-1)  # [P]
-    bad = ((sums - 1).abs() > _SIMPLEX_ATOL) | (rows.amin(dim=-1) < -_NEG_ATOL) | sums.isnan()  # [P]
-    if bool(bad.any()):
-        raise ValueError("target_probs rows on the verified path must be probability distributions")
-    last_draft = draft_probs[w.ar, w.last_local]  # [bs, V]
-    if bool((last_draft < -_NEG_ATOL).any()) or not bool(torch.isfinite(last_draft).all()):
-        raise ValueError("draft_probs must be finite and non-negative")
-    if rej_b:
-        draft_probs[torch.cat(rej_b), torch.cat(rej_parent), torch.cat(rej_tok)] = torch.cat(rej_p)
-    full_depth = (w.num == s - 1)[:, None]  # [bs, 1] no draft probs for a bonus below the deepest level
-    last_draft = torch.where(full_depth, 0.0, draft_probs[w.ar, w.last_local])  # [bs, V]
-    residual = (target_probs[w.ar, w.last_local] - last_draft).clamp_min(0)  # [bs, V]
-    bonus = inverse_cdf_sample(residual, uniform_samples_for_final_sampling)  # [bs]
-    w.write(predicts, accept_index, accept_token_num, bonus)
+        # Every target row the walk read is on the accepted path: check those are distributions.
+        b_on, depth_on = (w.path_local >= 0).nonzero(as_tuple=True)  # [P], P = sum(accepted + 1)
+        rows = target_probs[b_on, w.path_local[b_on, depth_on]]  # [P, V]
+        sums = rows.sum(dim=-1)  # [P]
+        bad = ((sums - 1).abs() > _SIMPLEX_ATOL) | (rows.amin(dim=-1) < -_NEG_ATOL) | sums.isnan()  # [P]
+        if bool(bad.any()):
+            raise ValueError("target_probs rows on the verified path must be probability distributions")
+        last_draft = draft_probs[w.ar, w.last_local]  # [bs, V]
+        if bool((last_draft < -_NEG_ATOL).any()) or not bool(torch.isfinite(last_draft).all()):
+            raise ValueError("draft_probs must be finite and non-negative")
+        if rej_b:
+            draft_probs[torch.cat(rej_b), torch.cat(rej_parent), torch.cat(rej_tok)] = torch.cat(rej_p)
+        full_depth = (w.num == s - 1)[:, None]  # [bs, 1] no draft probs for a bonus below the deepest level
+        last_draft = torch.where(full_depth, 0.0, draft_probs[w.ar, w.last_local])  # [bs, V]
+        residual = (target_probs[w.ar, w.last_local] - last_draft).clamp_min(0)  # [bs, V]
+        bonus = inverse_cdf_sample(residual, uniform_samples_for_final_sampling)  # [bs]
+        w.write(predicts, accept_index, accept_token_num, bonus)

@@ -92,7 +92,10 @@ class ModelRunner:
         self.cuda_graph_max_bs = cuda_graph_max_bs
         self.graphs = None
         self.while_busy: Callable[[], None] | None = None  # the overlap window's host work (wait_device)
-        if cuda_graph_max_bs > 0:
+        self.simulated = bool(getattr(self.model, "simulated_device", False))
+        if cuda_graph_max_bs > 0 and self.simulated:  # a simulated device models replays (one launch each)
+            self.model.graph_max_bs = cuda_graph_max_bs
+        elif cuda_graph_max_bs > 0:
             from ddtree_serve.model_executor.cuda_graph_runner import check_graphable
 
             check_graphable(config)
@@ -126,7 +129,7 @@ class ModelRunner:
         self.slots = KVSlots(num_slots, self.max_reqs, self.max_context + table_margin, self.device, self.dcp_size)
         self.num_slots = self.slots.num_slots  # a multiple of the DCP size
         self.kv = KVCache(self.kv_layout, self.slots.local_slots, self.config.kv_dtype, self.device)
-        if self.cuda_graph_max_bs > 0:
+        if self.cuda_graph_max_bs > 0 and not self.simulated:
             from ddtree_serve.model_executor.cuda_graph_runner import CudaGraphRunner, graph_batch_sizes
 
             self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, graph_batch_sizes(self.cuda_graph_max_bs),
@@ -177,29 +180,43 @@ class ModelRunner:
     def accelerated(self) -> bool:
         """Whether tensor work runs off the host: a GPU, or the simulated device (ddtree_serve/sim/), under which
         the speculative step runs its device-side paths (the batched tree build) as on a GPU."""
-        return self.device.type != "cpu" or bool(getattr(self.model, "simulated_device", False))
+        return self.device.type != "cpu" or self.simulated
 
-    def booked_device_seconds(self) -> float:
-        """Seconds of device work the CPU ran so far (a simulated device's ``on_device`` sections); 0 otherwise."""
-        booked = getattr(self.model, "booked_device_seconds", None)
-        return booked() if booked is not None else 0.0
+    def device_session(self) -> AbstractContextManager:
+        """Wraps one scheduler step (or a start-up probe): under the simulated device (ddtree_serve/sim/) its
+        tracker charges every host read of a device tensor, blocking copy and eager launch; otherwise nothing."""
+        session = getattr(self.model, "device_session", None)
+        return session(self.device) if session is not None else nullcontext()
+
+    def host_now(self) -> float:
+        """The host's clock for step timings: a simulated device's corrected clock (its charges and refunds,
+        ddtree_serve/sim/device_clock.py), else wall time."""
+        clock = getattr(self.model, "clock", None)
+        return clock.now() if clock is not None else time.perf_counter()
+
+    def blocked_seconds(self) -> float:
+        """Host seconds spent blocked on a simulated device so far (a real device blocks inside its reads)."""
+        clock = getattr(self.model, "clock", None)
+        return clock.waited_s if clock is not None else 0.0
+
+    def synchronize(self) -> None:
+        """Wait until nothing is queued on the device (before a timing starts): a named, full sync."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        drain = getattr(self.model, "drain", None)
+        if drain is not None:
+            drain()
 
     def wait_device(self) -> None:
-        """Where the host reads a step's results back, right after launching its forward: first the overlap
-        window (``while_busy``: host work that needs no result of this step, set by the scheduler loop), then
-        a simulated device (ddtree_serve/sim/) blocks until its modelled work is done; a real device synchronises
-        in the read itself."""
+        """Where the step would read a forward's results back, right after launching it: the overlap window
+        (``while_busy``: host work that needs no result of this step, set by the scheduler loop). The read itself
+        synchronises (on CUDA, and under the simulated device's tracker); a simulated device outside a tracked
+        session blocks here instead."""
         if self.while_busy is not None:
             self.while_busy()
         wait = getattr(self.model, "wait_device", None)
         if wait is not None:
             wait()
-
-    def on_device(self) -> AbstractContextManager:
-        """Wraps tensor work that runs on the device in deployment (vocabulary top-k, sampling, verification):
-        a simulated device (ddtree_serve/sim/) books its CPU seconds as device work; otherwise nothing."""
-        section = getattr(self.model, "on_device", None)
-        return section() if section is not None else nullcontext()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

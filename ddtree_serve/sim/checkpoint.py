@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ddtree_serve.sim.device_clock import DeviceCostModel
+from ddtree_serve.sim.machines import DeviceCostModel
 
 
 def write_simulated_pair(root: str | Path, vocab: int = 512, accept_prob: float = 0.8, block_size: int = 16,

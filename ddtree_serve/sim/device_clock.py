@@ -1,86 +1,110 @@
-"""A simulated accelerator: forwards cost modelled device time on a timeline of their own, off the host thread.
+"""A simulated accelerator's timeline and the host's, kept honest (docs/DESIGN.md 4.17).
 
-As with CUDA's asynchronous launches, ``launch`` returns at once and the device works through its queue in the
-background (``busy_until`` moves forward); the host blocks only in ``wait``, where a real build reads a result
-back (a ``.cpu()`` / ``.tolist()`` of the step's tokens). So host work done between a launch and the wait
-hides behind the device, as an overlap scheduler would hide it, and host work before a launch delays it.
-
-The default costs are those of Kimi K2.6 on 8 GPUs (tensor parallel, no speculation), from users' published vLLM
-figures on 8x RTX PRO 6000 (92 tok/s at concurrency 1, 2,223 tok/s at 128: a decode step of ~10 ms at batch 1,
-~57 ms at batch 128) as a roofline in the step's tokens (``DeviceCostModel``), plus the vocabulary-sized work
-every logits row costs on the device (the LM head's share, top-k / softmax / sampling or verification at 163,840
-tokens). Every field can be overridden in the simulated checkpoint's config.json (``ddtree_serve/sim/checkpoint.py``).
+As with CUDA's asynchronous launches, ``launch`` queues modelled device seconds and returns at once; the device
+works through its queue in the background (``busy_until``). The host's clock is wall time corrected by what the
+simulator knows a GPU host would have spent instead: ``charge`` adds host seconds the CPU did not spend (a kernel
+launch, a graph replay, a synchronising round trip), ``refund`` removes CPU seconds that are device work on a GPU
+(a tensor op run here on device-resident tensors, a synthetic forward). Every time is read from ``now()``, so a
+wait (``sync``) blocks exactly until the modelled device is done on the corrected clock: CPU-run device work
+hides nothing behind a forward that is still in flight. The tracker (``device_tracker.py``) calls ``sync`` at
+every host read of a device tensor and ``launch_kernel`` at every eager device op. The cost of a forward is the
+machine model's (``ddtree_serve/sim/machines.py``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ddtree_serve.sim.machines import DeviceCostModel
 
 
-@dataclass(frozen=True)
-class DeviceCostModel:
-    """Modelled device seconds of one forward (milliseconds in the fields), a two-part roofline: up to
-    ``knee_tokens`` tokens a step is bound by reading the weights (more tokens wake more experts: ``token_ms``
-    each), and every token also costs its FLOPs (``flop_token_ms``: ~64 GFLOP per token of a 32B-active MoE at
-    ~2 PFLOP/s over the 8 GPUs), which bounds large verify and prefill forwards. Calibrated to a decode step of
-    10 ms at batch 1 and 57 ms at batch 128."""
+@dataclass
+class SyncEvent:
+    """One synchronising act of the host: what it was, where in our code, and whether a forward was in flight."""
 
-    step_ms: float = 10.0  # a target forward's fixed cost (the weights read once: batch 1 decode)
-    token_ms: float = 0.338  # each of the first ``knee_tokens`` tokens: more experts read
-    knee_tokens: int = 128  # past it, every expert is read anyway
-    flop_token_ms: float = 0.032  # each token's FLOPs
-    context_us: float = 0.002  # each cached key a query token's attention reads
-    logits_row_us: float = 2.0  # each logits row: vocabulary-wide softmax, top-k / top-p, sampling or verification
-    draft_step_ms: float = 2.0  # a drafter forward's fixed cost (one small layer block) and the batched tree build
-    draft_token_ms: float = 0.004  # each drafter token (block position)
+    kind: str  # "read" (device -> host), "shape" (a value-dependent shape), "h2d" (a blocking copy), "mixed"
+    op: str  # the torch function
+    where: str  # file:line of our caller
+    in_window: bool  # between a forward's launch and its read-back point: the overlap window closed early
 
-    def target_s(self, tokens: int, context_reads: int, logits_rows: int) -> float:
-        """One target forward over ``tokens`` new tokens that read ``context_reads`` cached keys in all."""
-        ms = (self.step_ms + self.token_ms * min(tokens, self.knee_tokens) + self.flop_token_ms * tokens
-              + self.context_us * context_reads * 1e-3 + self.logits_row_us * logits_rows * 1e-3)
-        return ms * 1e-3
 
-    def draft_s(self, tokens: int, logits_rows: int) -> float:
-        """One drafter forward over ``tokens`` block tokens, ``logits_rows`` of them through the LM head."""
-        return (self.draft_step_ms + self.draft_token_ms * tokens + self.logits_row_us * logits_rows * 1e-3) * 1e-3
+@dataclass
+class StepCounters:
+    """What the host did to the device since the last ``reset``."""
+
+    syncs: list[SyncEvent] = field(default_factory=list)
+    launches: int = 0  # eager kernels (a forward's own count included) and graph replays
+    forwards: int = 0
+
+    @property
+    def in_window(self) -> int:
+        return sum(e.in_window for e in self.syncs)
 
 
 class DeviceClock:
-    """The device's timeline: what was launched, when it will be done, and how long the host waited for it."""
+    """The device's timeline and the host's corrected clock (see the module docstring)."""
 
     def __init__(self, cost: DeviceCostModel) -> None:
         self.cost = cost
-        self.busy_until = 0.0  # perf_counter time the queued work ends
+        self.offset = 0.0  # host seconds charged less CPU seconds refunded
+        self.busy_until = 0.0  # host-clock time the queued device work ends
+        self.window_open = False  # a forward was launched and its read-back point (``close_window``) not reached
         self.device_s = 0.0  # modelled device seconds launched so far
-        self.waited_s = 0.0  # host seconds spent blocked in ``wait``
-        self.device_ops_s = 0.0  # host seconds spent running device ops (``on_device``)
-        self.launches = 0
+        self.waited_s = 0.0  # host seconds spent blocked on the device
+        self.refunded_s = 0.0  # CPU seconds run as device work
+        self.launches = 0  # modelled forwards launched
+        self.counters = StepCounters()
 
-    def launch(self, seconds: float) -> None:
-        """Queue ``seconds`` of device work behind what is queued; returns at once."""
-        now = time.perf_counter()
-        self.busy_until = max(self.busy_until, now) + seconds
+    def now(self) -> float:
+        """The host's clock: wall time plus charges, less refunds."""
+        return time.perf_counter() + self.offset
+
+    def charge(self, seconds: float) -> None:
+        """Host seconds a GPU host spends that the CPU did not (launch costs, round trips)."""
+        self.offset += seconds
+
+    def refund(self, seconds: float) -> None:
+        """CPU seconds that ran device work: not host time."""
+        self.offset -= seconds
+        self.refunded_s += seconds
+
+    def launch(self, seconds: float, kernels: int, graphed: bool) -> None:
+        """Queue a forward of ``seconds`` device time behind what is queued; the host pays its launches: one
+        graph replay, or ``kernels`` eager launches."""
+        self.charge(self.cost.graph_launch_us * 1e-6 if graphed else kernels * self.cost.launch_us * 1e-6)
+        self.counters.launches += 1 if graphed else kernels
+        self.counters.forwards += 1
+        self.busy_until = max(self.busy_until, self.now()) + seconds
+        self.window_open = True
         self.device_s += seconds
         self.launches += 1
 
+    def launch_kernel(self) -> None:
+        """One eager device op: the host pays a launch; its device time is inside the forwards' modelled cost."""
+        self.charge(self.cost.launch_us * 1e-6)
+        self.counters.launches += 1
+
+    def close_window(self) -> None:
+        """The step reached a forward's read-back point (``ModelRunner.wait_device``): syncs from here on are
+        where the step means to read."""
+        self.window_open = False
+
     def wait(self) -> None:
-        """Block the host until the queued work is done (a synchronising read of a result)."""
-        left = self.busy_until - time.perf_counter()
+        """Block the host until the queued device work is done."""
+        left = self.busy_until - self.now()
         if left > 0:
             t0 = time.perf_counter()
             time.sleep(left)
             self.waited_s += time.perf_counter() - t0
 
-    @contextmanager
-    def on_device(self) -> Iterator[None]:
-        """Code that is device work in deployment (vocabulary top-k, sampling, verification kernels) but that the
-        CPU must run here to produce its results, at the simulator's small vocabulary: its seconds are booked
-        as ``device_ops_s``, not host work (their full-size cost is in the forwards' modelled time)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.device_ops_s += time.perf_counter() - t0
+    def sync(self, event: SyncEvent) -> None:
+        """A synchronising host act: wait for the device, then pay the round trip."""
+        self.counters.syncs.append(event)
+        self.wait()
+        self.charge(self.cost.sync_us * 1e-6)
+
+    def reset_counters(self) -> StepCounters:
+        """The counters since the last reset; starts new ones."""
+        out, self.counters = self.counters, StepCounters()
+        return out

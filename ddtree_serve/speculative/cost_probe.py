@@ -10,7 +10,6 @@ slot and request row it takes is returned.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -72,11 +71,11 @@ def _time_draft(worker: SpecWorker, bs: int) -> float | None:
         idx = torch.tensor(rows, device=r.device)  # [bs]
         zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
         _sync(r)
-        t = time.perf_counter()
+        t = r.host_now()
         logits = worker._draft(idx, zeros, zeros)  # [bs, L, V]
         r.wait_device()  # the pops read the draft (as SpecWorker.decode)
         pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain)  # host copy: synchronises
-        return time.perf_counter() - t
+        return r.host_now() - t
     finally:
         for i in rows:
             r.slots.free_row(i)
@@ -112,7 +111,7 @@ def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
     slots = None
     try:
         _sync(r)
-        t = time.perf_counter()
+        t = r.host_now()
         tree = assemble_tree(popped, torch.from_numpy(popped.counts), zeros, zeros, r.device)
         logits, captured, slots = worker._verify_forward(tree, idx, zeros)  # [bs, D, V], [bs*D, F], [bs, D]
         r.wait_device()
@@ -124,7 +123,7 @@ def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
         d = slots.shape[1]
         if captured is not None:  # (no drafter: no context)
             worker._write_context(captured[torch.arange(bs, device=r.device) * d], zeros, slots[:, 0])
-        return time.perf_counter() - t
+        return r.host_now() - t
     finally:
         if slots is not None:
             r.slots.free(slots[slots >= 0])
@@ -144,11 +143,11 @@ def _time_plain(worker: SpecWorker, bs: int) -> float | None:
     fb = r.prepare_decode(rows, zeros, zeros, worker.capture_layer_ids)  # [bs] slots placed
     try:
         _sync(r)
-        t = time.perf_counter()
+        t = r.host_now()
         out = r.forward(fb)  # (the drafter context it captures is written later, in batches: deferred_context.py)
         r.wait_device()
         r.logits(out.hidden).argmax(-1).tolist()  # the sampler's host copy: synchronises
-        return time.perf_counter() - t
+        return r.host_now() - t
     finally:
         r.slots.free(fb.out_cache_loc)
         for i in rows:
@@ -157,13 +156,16 @@ def _time_plain(worker: SpecWorker, bs: int) -> float | None:
 
 def _sync(runner: Any) -> None:
     """Nothing queued on the device before a timing starts (a simulated device's backlog included)."""
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-    runner.wait_device()
+    runner.synchronize()
 
 
 def probe_step_cost(worker: SpecWorker, cost: StepCostModel, seconds: float) -> None:
     tp = worker.runner.tp
+    with worker.runner.device_session():  # a simulated device charges the probe's host acts as a step's
+        _probe(worker, cost, seconds, tp)
+
+
+def _probe(worker: SpecWorker, cost: StepCostModel, seconds: float, tp: Any) -> None:
     cost.probe(
         lambda bs: _time_draft(worker, bs),
         lambda bs: _time_plain(worker, bs),

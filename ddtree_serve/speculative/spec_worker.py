@@ -13,9 +13,7 @@ placed in the request's row by the scheduler) carries its drafter features too. 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -91,7 +89,7 @@ class SpecWorker:
             # the drafter runs tree-masked (custom-mask prefill) forwards only, never decode: warming decode
             # up would compile it for a query/KV group size it never uses (flashinfer's decode has a fixed set)
             warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device, ("tree",))
-        self.timer = StepTimer(runner.booked_device_seconds)
+        self.timer = StepTimer(runner)
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
         self.mask_drafts = True  # grammar masks on the drafter's logits + pruning of rejected nodes
@@ -204,7 +202,7 @@ class SpecWorker:
             raise OutOfKVSlots()
         t = self.timer
         t.start()
-        t0 = time.perf_counter()
+        t0 = t.now()
         dev = r.device
         rows = [q.req_pool_idx for q in reqs]  # [bs] host lists: a plain step needs no tensors of them
         root_pos = [q.num_cached for q in reqs]  # [bs] = root position
@@ -233,13 +231,12 @@ class SpecWorker:
         draft_logits = topk = None
         if plan == DRAFT:
             draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
-            self.timer.wait(self.runner, "draft")  # the pops read the draft on the host
+            self._window("draft")  # the pops read the draft on the host
             if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
                 mask_draft_logits(grammars, draft_logits)
             # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
             k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
-            with self.timer.device_ops(self.runner, "build"):
-                topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] on the device
+            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] on the device
         depths = torch.tensor(max_depths)  # [bs]
         scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
 
@@ -248,9 +245,8 @@ class SpecWorker:
             wide = draft_pop_budgets(grammars, widths) if mask_drafts else widths  # [bs]
             popped = no_pops(bs)
             if draft_logits is not None:  # on an accelerator, batched device ops (ddtree_pop.py); else the heap
-                with t.device_ops(r, "build") if r.accelerated else nullcontext():
-                    popped = pop_nodes(draft_logits, wide, chain=self.chain, max_depths=depths, topk=topk,
-                                       batched=r.accelerated)
+                popped = pop_nodes(draft_logits, wide, chain=self.chain, max_depths=depths, topk=topk,
+                                   batched=r.accelerated)
             if suffix is not None:  # one best-first order over both (ddtree_serve/speculative/draft_sources.py)
                 popped = merge_popped(popped, suffix, int(wide.max()), scale)
             return prune_popped(popped, grammars, widths) if mask_drafts else popped
@@ -264,12 +260,12 @@ class SpecWorker:
         else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
             popped = pop(self.budget)
             budgets = torch.full((bs,), self.budget if cap is None else step_budget(self.budget, bs, cap))  # [bs]
-        draft_s = time.perf_counter() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
+        draft_s = t.now() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
         if not (np.minimum(budgets.numpy(), popped.counts) > 0).any():  # every tree is its root alone
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
         tree = assemble_tree(popped, budgets, roots, cached, dev)
         t.lap("build")
-        built_at = time.perf_counter() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
+        built_at = t.now() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
         draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
         logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
         # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
@@ -279,13 +275,12 @@ class SpecWorker:
         pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev, [len(q.output_ids) for q in reqs])
         keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
         single, acc = self.accept_thresholds
-        self.timer.wait(self.runner, "verify_forward")
-        with self.timer.device_ops(self.runner, "verify"):
-            # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
-            vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
-            res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy, keys,
-                              min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
-                              want_reach=ctl is not None, generators=[q.generator for q in reqs])
+        self._window("verify_forward")
+        # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
+        vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
+        res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy, keys,
+                          min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
+                          want_reach=ctl is not None, generators=[q.generator for q in reqs])
         t.lap("verify")
         out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context)
         if want_lp:
@@ -302,8 +297,14 @@ class SpecWorker:
                 q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * mine  # [bs, D]
                 self.suffix.observe([q_.rid for q_ in reqs], (reach * mine).sum(1), q.sum(1))
             ctl.record(n_used.numpy(), tree, reach[:, 1:].sum(1), sampled, bs, bs + int(n_used.sum()),
-                       draft_s, time.perf_counter() - built_at, reach)
+                       draft_s, t.now() - built_at, reach)
         return out
+
+    def _window(self, phase: str) -> None:
+        """Close ``phase``, then the overlap window (``ModelRunner.wait_device``) as its own phase."""
+        self.timer.lap(phase)
+        self.runner.wait_device()
+        self.timer.lap("window")
 
     def _plain_step(self, reqs, rows: list[int], root_pos: list[int], root_ids: list[int], sampled: np.ndarray,
                     draft_s: float | None) -> list[DecodeResult]:
@@ -314,18 +315,17 @@ class SpecWorker:
         request's position-keyed uniform) and plain logprobs. Greedy tokens are plain
         decoding's; sampled tokens are drawn exactly as plain decoding draws them."""
         r, bs = self.runner, len(reqs)
-        start = time.perf_counter()
+        start = self.timer.now()
         fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids)  # roots' KV
         assert fb is not None, "decode() checked free slots for the whole step"
         out = r.forward(fb)
-        self.timer.wait(self.runner, "plain")
+        self._window("plain")
         if self.deferred is not None:  # written before the drafter next reads its cache (deferred_context.py)
             self.deferred.add(out.captured, fb.positions, fb.out_cache_loc)
         else:
             self._write_context(out.captured, fb.positions, fb.out_cache_loc)
-        with self.timer.device_ops(self.runner, "plain"):
-            logits = r.logits(out.hidden)  # [bs, V]
-            tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
+        logits = r.logits(out.hidden)  # [bs, V]
+        tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
         results = []
         for q, tok, lp in zip(reqs, tokens.tolist(), lps, strict=True):
             q.num_cached += 1  # a running request has a token left: ``tok`` is always kept
@@ -334,7 +334,7 @@ class SpecWorker:
         self.timer.steps += 1
         if self.controller is not None:
             zeros = np.zeros(bs, dtype=np.int64)
-            self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, time.perf_counter() - start)
+            self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, self.timer.now() - start)
         return results
 
     def _suffix_drafts(self, reqs: Sequence[SpecRequest], max_depths: list[int]) -> PoppedNodes | None:
@@ -382,12 +382,11 @@ class SpecWorker:
             ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.slots.table, idx, cached,
             lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask)
         out = r.forward(fb)
-        with self.timer.device_ops(self.runner, "verify_forward"):
-            rows = r.logits(out.hidden)  # [T, V]
-            logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
-            logits[used.view(-1)] = rows
-            captured = None  # no drafter: nothing captured
-            if out.captured is not None:
-                captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
-                captured[used.view(-1)] = out.captured
+        rows = r.logits(out.hidden)  # [T, V]
+        logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
+        logits[used.view(-1)] = rows
+        captured = None  # no drafter: nothing captured
+        if out.captured is not None:
+            captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
+            captured[used.view(-1)] = out.captured
         return logits.view(bs, d, -1), captured, slots

@@ -16,7 +16,8 @@ more than it delivers, the second rank less: what a per-depth calibration cannot
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -26,7 +27,9 @@ from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.models.output import ModelOutput
 from ddtree_serve.model_executor.parallel_state import TPGroup
-from ddtree_serve.sim.device_clock import DeviceClock, DeviceCostModel
+from ddtree_serve.sim.device_clock import DeviceClock
+from ddtree_serve.sim.device_tracker import DeviceTracker
+from ddtree_serve.sim.machines import DeviceCostModel
 
 _M = (1 << 31) - 1  # the hashes' modulus
 
@@ -69,6 +72,9 @@ class SimulatedTarget(nn.Module):
         self.vocab = config.vocab_size
         self.peak = float(config.hf.get("simulated_peak", 12.0))
         self.clock = DeviceClock(_cost(config.hf))
+        self.tracker = DeviceTracker(self.clock)
+        self.graph_max_bs = 0  # ModelRunner: forwards of up to this many requests replay a graph (one launch)
+        self._sessions = 0
         self.dummy = nn.Parameter(torch.zeros(1), requires_grad=False)
 
     def kv_cache_layout(self) -> KVCacheLayout:
@@ -78,15 +84,34 @@ class SimulatedTarget(nn.Module):
         for _ in weights:  # the checkpoint holds one placeholder tensor
             pass
 
+    @contextmanager
+    def device_session(self, device: torch.device) -> Iterator[None]:
+        """Track one step's device tensors and charge the host's acts (ddtree_serve/sim/device_tracker.py)."""
+        if self._sessions:  # nested (a probe inside a step): the outer session tracks
+            yield
+            return
+        if not any(device is d for d in self.tracker._devices):
+            self.tracker.register_device(device)
+        self._sessions += 1
+        try:
+            with self.tracker:
+                yield
+        finally:
+            self._sessions -= 1
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros(ids.shape[0], 1, device=ids.device)  # [N, 1]: the drafter reads tokens, not embeddings
 
     def forward(self, fb: ForwardBatch, kv: KVCache, backend: object) -> ModelOutput:
         ids, pos = fb.input_ids, fb.positions  # [T]
         rows = ids.shape[0] if fb.logits_indices is None else fb.logits_indices.shape[0]
-        reads = int((fb.prefix_lens * fb.extend_lens).sum()) + int((fb.extend_lens ** 2).sum()) // 2
-        self.clock.launch(self.clock.cost.target_s(int(ids.shape[0]), reads, rows))
-        with self.clock.on_device():  # the synthetic outputs stand for the device's: not host work
+        with self.tracker.modelled():  # the forward's cost and synthetic outputs stand for the device's
+            reads = int((fb.prefix_lens * fb.extend_lens).sum()) + int((fb.extend_lens ** 2).sum()) // 2
+            kv_tokens = int((fb.prefix_lens + fb.extend_lens).sum())
+            bs = int(fb.extend_lens.shape[0])
+            graphed = fb.mode != ForwardMode.EXTEND and bs <= self.graph_max_bs
+            cost = self.clock.cost
+            self.clock.launch(cost.target_s(int(ids.shape[0]), reads, rows, kv_tokens), cost.target_kernels, graphed)
             hidden = torch.zeros(ids.shape[0], self.vocab, device=ids.device)  # [T, V]
             hidden.scatter_(1, next_token(ids, pos, self.vocab)[:, None], self.peak)
             captured = torch.zeros(ids.shape[0], 1, device=ids.device) if fb.capture_layer_ids else None  # [T, 1]
@@ -96,13 +121,14 @@ class SimulatedTarget(nn.Module):
         return hidden.float()  # [T, V]
 
     def wait_device(self) -> None:
+        """Inside a tracked session the read that follows synchronises; outside one, block here."""
+        self.clock.close_window()
+        if not self._sessions:
+            self.clock.wait()
+
+    def drain(self) -> None:
+        """A full synchronisation (``ModelRunner.synchronize``)."""
         self.clock.wait()
-
-    def on_device(self):  # noqa: ANN201 - a context manager
-        return self.clock.on_device()
-
-    def booked_device_seconds(self) -> float:
-        return self.clock.device_ops_s
 
 
 class SimulatedDrafter(nn.Module):
@@ -124,11 +150,12 @@ class SimulatedDrafter(nn.Module):
         self.log_top, self.log_second = math.log(top), math.log(1 - top)  # the two ranks' log-probabilities
         self.seed = int(hf.get("seed", 0))
         self.clock = DeviceClock(_cost(hf))  # replaced by the target's (share_device)
+        self.tracker = DeviceTracker(self.clock)
         self.dummy = nn.Parameter(torch.zeros(1), requires_grad=False)
 
     def share_device(self, target: nn.Module) -> None:
         """Run on the target's device timeline (one accelerator)."""
-        self.clock = target.clock
+        self.clock, self.tracker = target.clock, target.tracker
 
     def kv_cache_layout(self) -> KVCacheLayout:
         return KVCacheLayout(num_layers=1, kv_heads=1, k_dim=1, v_dim=1)
@@ -146,8 +173,9 @@ class SimulatedDrafter(nn.Module):
         bsz = self.block_size
         ids = fb.input_ids.view(-1, bsz)  # [bs, B]
         bs = ids.shape[0]
-        self.clock.launch(self.clock.cost.draft_s(bs * bsz, bs * (bsz - 1)))
-        with self.clock.on_device():  # the synthetic outputs stand for the device's: not host work
+        with self.tracker.modelled():  # the forward's cost and synthetic outputs stand for the device's
+            cost = self.clock.cost
+            self.clock.launch(cost.draft_s(bs * bsz, bs * (bsz - 1)), cost.draft_kernels, False)
             return self._draft_hidden(ids, fb.positions.view(bs, bsz)[:, 0])
 
     def _draft_hidden(self, ids: torch.Tensor, pos0: torch.Tensor) -> torch.Tensor:

@@ -191,10 +191,11 @@ class Scheduler:
             else:
                 self.outbox.append(TokenOut(req.rid, [], finished=True, error=err, prompt_tokens=len(req.prompt_ids),
                                             error_param=req.params.grammar[0]))  # the grammar's kind
-        batch = self.step_batch = self.schedule()
-        if batch is not None:
-            results = self.run(batch)
-            self.process(batch, results)
+        with self.runner.device_session():  # a simulated device charges the host's acts (ddtree_serve/sim/)
+            batch = self.step_batch = self.schedule()
+            if batch is not None:
+                results = self.run(batch)
+                self.process(batch, results)
         out, self.outbox = self.outbox, []
         return out
 
@@ -325,8 +326,7 @@ class Scheduler:
         for q in reqs:
             q.num_cached += 1
             q.spec_plain_steps += 1
-        with r.on_device():  # sampling is device work (a simulated device books it so: ddtree_serve/sim/)
-            tokens = self._sample(reqs, r.logits(out.hidden))
+        tokens = self._sample(reqs, r.logits(out.hidden))
         return [[t] for t in tokens]
 
     def _run_spec_decode(self, batch: Batch) -> list[list[int]]:

@@ -1,0 +1,117 @@
+"""Per-machine cost models of the simulated device: Kimi K2.6 under tensor parallelism over 8 GPUs, on the presets'
+machines (configs/kimi-k2.6-8x-rtx-pro-6000.yaml: PCIe, no NVLink; configs/kimi-k2.6-8x-b300.yaml: NVLink).
+
+A forward's device time is a roofline per rank plus what does not overlap with it:
+- bytes read: the dense weights (attention, shared expert, the dense first layer, the LM head) once, and the routed
+  experts the step's tokens wake: with ``t`` tokens each picking ``top_k`` of ``experts`` per MoE layer, the
+  expected distinct experts are ``experts * (1 - (1 - top_k / experts) ** t)`` (concave in ``t``: 8 at one token,
+  ~358 of 384 at 128); plus every request's context: Kimi's MLA latent, (512 + 64) x 2 bytes x 61 layers =
+  70,272 bytes per cached token, read by every rank (TP replicates the latent), once per request and forward;
+- FLOPs: 2 x 32B active parameters per token over the ranks, and attention's 2 x 64 heads x (576 + 512) per query
+  token and key per layer;
+- communication: two all-reduces of the hidden state (7,168 bf16) per layer and token (ring: 2 (g-1)/g of the
+  bytes at the bus bandwidth, plus a latency each), and the logits rows' gather (today's code all-gathers every
+  row's float32 logits: ``logits_gather_bytes_per_row`` = 163,840 x 4);
+- kernels: a gap between consecutive kernels on the device (graphs included), and on the host a launch per eager
+  kernel (~8,500 per eager K2.6 forward: ~140 ops and 3 Triton launches per MoE layer, counted on the tiny
+  model) or one graph replay.
+
+Sources: memory bandwidth, compute and link figures are the vendors' datasheet numbers (RTX PRO 6000 Blackwell
+Server Edition: 96 GB GDDR7 at 1.79 TB/s, PCIe Gen5 x16; B300: 288 GB HBM3e at 8 TB/s, NVLink 5 at 1.8 TB/s per
+GPU); the efficiencies and NCCL figures are typical achieved fractions (nccl-tests all-reduce bus bandwidth over
+PCIe Gen5 ~40 GB/s, over NVLink ~650 GB/s; small-message latency ~25 us over PCIe, ~6 us over NVLink);
+the RTX PRO 6000 model is then checked against users' published vLLM figures for K2.x on 8x RTX PRO 6000 (92
+tok/s at concurrency 1, 2,223 at 128: steps of ~10 ms and ~57 ms; tests/sim/test_simulated_device.py).
+Kimi's shapes are its config.json's (tests/data/kimi-k2.6-config.json). Host costs are the host CPU's, not the
+GPU's: PyTorch's eager dispatch and launch ~5 us per kernel, a graph replay ~15 us, a synchronising read ~15 us
+beyond the wait itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Kimi K2.6 (DeepSeek-V3 backbone), from its config.json
+_HIDDEN, _LAYERS, _MOE_LAYERS, _EXPERTS, _TOP_K = 7168, 61, 60, 384, 8
+_INT4 = 0.5 + 2 / 32  # bytes per INT4 expert weight with a bf16 scale per group of 32
+_EXPERT_BYTES = 3 * _HIDDEN * 2048 * _INT4  # one routed expert of one layer, all ranks together
+_ATTN_REPLICATED = (_HIDDEN * 1536 + _HIDDEN * 576) * 2  # q_a and kv_a projections: every rank reads them
+_ATTN_SHARDED = (1536 * 64 * 192 + 512 * 64 * 256 + 64 * 128 * _HIDDEN) * 2  # q_b, kv_b, o: split over ranks
+_SHARED_EXPERT = 3 * _HIDDEN * 2048 * 2
+_DENSE_MLP = 3 * _HIDDEN * 18432 * 2  # the first (dense) layer's MLP
+_LM_HEAD = 163840 * _HIDDEN * 2
+_KV_BYTES_PER_TOKEN = (512 + 64) * 2 * _LAYERS  # MLA latent + rope key, bf16, all layers
+_ATTN_FLOPS_PER_QK = 2 * 64 * (576 + 512) * _LAYERS  # per query token and key it attends to
+_FLOPS_PER_TOKEN = 2 * 32e9  # 32B active parameters
+
+
+def _dense_bytes_per_rank(gpus: int) -> float:
+    return (_LAYERS * (_ATTN_REPLICATED + _ATTN_SHARDED / gpus) + _MOE_LAYERS * _SHARED_EXPERT / gpus
+            + _DENSE_MLP / gpus + _LM_HEAD / gpus)
+
+
+@dataclass(frozen=True)
+class DeviceCostModel:
+    """A machine of ``gpus`` GPUs running Kimi K2.6 under TP, per rank (see the module docstring for every figure's
+    source). Every field can be overridden in the simulated checkpoint's config.json (ddtree_serve/sim/checkpoint.py)."""
+
+    name: str = "rtx-pro-6000"
+    gpus: int = 8
+    mem_gbps: float = 1790.0  # memory bandwidth per GPU, GB/s (datasheet)
+    mem_eff: float = 0.9  # achieved fraction
+    tflops: float = 500.0  # dense bf16 per GPU (datasheet)
+    flop_eff: float = 0.6
+    link_gbps: float = 40.0  # all-reduce / all-gather bus bandwidth, GB/s (nccl-tests class figures)
+    link_us: float = 25.0  # latency of one collective
+    kernel_gap_us: float = 0.35  # device-side gap between consecutive kernels
+    logits_gather_bytes_per_row: float = 163840 * 4.0  # float32 rows all-gathered (vocabulary-parallel: ~8)
+    logits_row_us: float = 2.0  # a logits row's vocabulary-wide device work (softmax, top-k / top-p, sampling)
+    target_kernels: int = 8500  # kernels of one eager target forward
+    draft_bytes: float = 1.1e9  # a DFlash drafter's bytes per rank (6 layers + the fc; the LM head is the target's)
+    draft_layers: int = 6
+    draft_kernels: int = 220
+    launch_us: float = 5.0  # host: one eager kernel launch
+    graph_launch_us: float = 15.0  # host: one graph replay
+    sync_us: float = 15.0  # host: one synchronising read's round trip beyond the wait
+
+    def _allreduce_s(self, tokens: int, count: int) -> float:
+        g = self.gpus
+        size = tokens * _HIDDEN * 2
+        return count * (self.link_us * 1e-6 + 2 * (g - 1) / g * size / (self.link_gbps * 1e9))
+
+    def _gather_s(self, rows: int) -> float:
+        if rows == 0 or self.gpus == 1:
+            return 0.0
+        g = self.gpus
+        return self.link_us * 1e-6 + (g - 1) / g * rows * self.logits_gather_bytes_per_row / (self.link_gbps * 1e9)
+
+    def expert_bytes(self, tokens: int) -> float:
+        """Routed-expert bytes one rank reads for ``tokens`` tokens: the expected distinct experts per layer."""
+        distinct = _EXPERTS * (1 - (1 - _TOP_K / _EXPERTS) ** tokens)
+        return _MOE_LAYERS * distinct * _EXPERT_BYTES / self.gpus
+
+    def target_s(self, tokens: int, context_reads: int, logits_rows: int, kv_tokens: int = 0,
+                 kernels: int | None = None) -> float:
+        """One target forward over ``tokens`` new tokens: ``context_reads`` query-key pairs in all, ``kv_tokens``
+        cached tokens read (each request's context once), ``logits_rows`` rows through the LM head."""
+        read = _dense_bytes_per_rank(self.gpus) + self.expert_bytes(tokens) + kv_tokens * _KV_BYTES_PER_TOKEN
+        mem = read / (self.mem_gbps * 1e9 * self.mem_eff)
+        flops = (tokens * _FLOPS_PER_TOKEN + context_reads * _ATTN_FLOPS_PER_QK) / self.gpus
+        compute = flops / (self.tflops * 1e12 * self.flop_eff)
+        gaps = (self.target_kernels if kernels is None else kernels) * self.kernel_gap_us * 1e-6
+        return (max(mem, compute) + self._allreduce_s(tokens, 2 * _LAYERS) + self._gather_s(logits_rows) + gaps
+                + logits_rows * self.logits_row_us * 1e-6)
+
+    def draft_s(self, tokens: int, logits_rows: int) -> float:
+        """One drafter forward over ``tokens`` block tokens, ``logits_rows`` of them through the LM head."""
+        read = self.draft_bytes + _LM_HEAD / self.gpus
+        mem = read / (self.mem_gbps * 1e9 * self.mem_eff)
+        compute = tokens * self.draft_bytes / (self.tflops * 1e12 * self.flop_eff)  # 2 FLOPs per bf16 weight (2 bytes)
+        return (max(mem, compute) + self._allreduce_s(tokens, 2 * self.draft_layers) + self._gather_s(logits_rows)
+                + self.draft_kernels * self.kernel_gap_us * 1e-6 + logits_rows * self.logits_row_us * 1e-6)
+
+
+MACHINES: dict[str, DeviceCostModel] = {
+    "rtx-pro-6000": DeviceCostModel(),
+    "b300": DeviceCostModel(name="b300", mem_gbps=8000.0, tflops=2250.0, link_gbps=650.0, link_us=6.0),
+}
