@@ -77,8 +77,8 @@ class TokenSlotAllocator:
         slots = slots.to(device=self.device, dtype=torch.int64)
         ok = (slots > 0) & (slots <= self.num_slots) & self._used[slots.clamp(0, self.num_slots)]  # [n]
         ordered = slots.sort().values  # [n]
-        if bool((~ok).any() | (ordered[1:] == ordered[:-1]).any()):  # one read back (one device sync)
-            raise RuntimeError("KV slot freed twice or never allocated")
+        # checked on the device (no read back: CUDA raises asynchronously, the CPU at once)
+        torch._assert_async(ok.all() & (ordered[1:] != ordered[:-1]).all(), "KV slot freed twice or never allocated")
         return slots
 
     def free(self, slots: torch.Tensor) -> None:

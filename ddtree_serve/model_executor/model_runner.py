@@ -186,7 +186,7 @@ class ModelRunner:
         """Wraps one scheduler step (or a start-up probe): under the simulated device (ddtree_serve/sim/) its
         tracker charges every host read of a device tensor, blocking copy and eager launch; otherwise nothing."""
         session = getattr(self.model, "device_session", None)
-        return session(self.device) if session is not None else nullcontext()
+        return session() if session is not None else nullcontext()
 
     def host_now(self) -> float:
         """The host's clock for step timings: a simulated device's corrected clock (its charges and refunds,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree_serve.model_executor.uploads import upload
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -77,8 +79,8 @@ class SampleKeys:
 
     @classmethod
     def build(cls, seeds: list[int], positions: list[int], device: torch.device) -> SampleKeys:
-        return cls(torch.tensor([seed_key(s) for s in seeds], dtype=torch.int64, device=device),
-                   torch.tensor(positions, dtype=torch.int64, device=device))
+        return cls(upload([seed_key(s) for s in seeds], device, torch.int64),  # asynchronous copies (uploads.py)
+                   upload(positions, device, torch.int64))
 
     def uniforms(self, offsets: torch.Tensor) -> torch.Tensor:
         """float64 ``[bs, n]``: u(seed_b, positions_b + offsets[b, j]) for int ``offsets [bs, n]``."""

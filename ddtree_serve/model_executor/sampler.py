@@ -27,6 +27,7 @@ from ddtree_serve.model_executor.grammar.state import GrammarState
 from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.model_executor.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,13 @@ class BatchSamplingInfo:
     @classmethod
     def build(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> BatchSamplingInfo:
         greedy = [p.is_greedy for p in params]
-        return cls(
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                                     dtype=torch.float32, device=device),
-            top_k=torch.tensor([vocab if p.top_k <= 0 else min(p.top_k, vocab) for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        return cls(  # asynchronous copies: built in the verify forward's window (ddtree_serve/model_executor/uploads.py)
+            temperature=upload([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device,
+                               torch.float32),
+            top_k=upload([vocab if p.top_k <= 0 else min(p.top_k, vocab) for p in params], device, torch.int64),
+            top_p=upload([p.top_p for p in params], device, torch.float32),
+            min_p=upload([p.min_p for p in params], device, torch.float32),
+            is_greedy=upload(greedy, device, torch.bool),
         )
 
     @property

@@ -86,7 +86,6 @@ class DeviceTracker(TorchFunctionMode):
         self.clock = clock
         self.where: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _HOST / _DEVICE
         self._suspended = 0
-        self._devices: list[torch.device] = []
 
     def on_device(self, t: torch.Tensor) -> bool:
         return self.where.get(t, _DEVICE)
@@ -121,22 +120,18 @@ class DeviceTracker(TorchFunctionMode):
         self.clock.sync(SyncEvent(kind, _op_name(func), _caller(), self.clock.window_open))
         return time.perf_counter() - t0
 
-    def register_device(self, device: torch.device) -> None:
-        """The runner's device object: ``.to(device)`` with it is a copy to the device (on the simulator it is
-        ``cpu`` like the host, so the object, not its value, tells them apart)."""
-        self._devices.append(device)
-
     def _target(self, value: Any, src: bool) -> bool:
-        """Where ``.to(value)`` / ``device=value`` puts a tensor whose source is on the device (``src``)."""
+        """Where ``.to(value)`` puts a tensor whose source is on the device (``src``): the string ``"cpu"`` is the
+        host (the project's copies to the host are ``.cpu()``, ``.tolist()``, ``.numpy()`` or ``.to("cpu")``); a
+        ``torch.device`` is the device (on the simulator the runner's device is a ``cpu`` device object); a
+        tensor is wherever it lives; a dtype alone keeps the side."""
         if isinstance(value, torch.Tensor):
             return self.on_device(value)
-        if any(value is d for d in self._devices):
-            return _DEVICE
         if isinstance(value, str):
             return _HOST if value == "cpu" else _DEVICE
         if isinstance(value, torch.device):
-            return _DEVICE if value.type != "cpu" else src  # a tensor's own ``.device``: where it already is
-        return src  # a dtype alone
+            return _DEVICE
+        return src
 
     def _classify(self, func: Any, args: tuple, kwargs: dict) -> tuple[str | None, bool]:
         """(the sync this call is, or None; whether its outputs live on the device)."""

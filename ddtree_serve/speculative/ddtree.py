@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.speculative.ddtree_pop import batched_chain, batched_pops, reference_pops
 
 _NEG_INF = float("-inf")
@@ -226,26 +227,26 @@ def assemble_tree(
         match_lens = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
         match_lens[:, 1:] = np.where(used, popped.match_lens[:, : d - 1], 0)
 
-    dev = torch.device(device)
-    candidates = torch.from_numpy(tokens).to(dev)  # [bs, D]
+    dev = torch.device(device)  # the host arrays go up asynchronously (no sync: model_executor/uploads.py)
+    candidates = upload(torch.from_numpy(tokens), dev)  # [bs, D]
     candidates[:, 0] = root_tokens.to(device=dev, dtype=torch.int64)
-    parents_t = torch.from_numpy(parents).to(dev)  # [bs, D]
-    depths_t = torch.from_numpy(depths).to(dev)  # [bs, D]
+    parents_t = upload(torch.from_numpy(parents), dev)  # [bs, D]
+    depths_t = upload(torch.from_numpy(depths), dev)  # [bs, D]
     max_depth = int(depths.max()) if depths.size else 0
     next_token, next_sibling, mask = _link_and_mask(parents_t, max_depth)
     return DraftTree(
         candidates=candidates,
         parents=parents_t,
         depths=depths_t,
-        node_logws=torch.from_numpy(logws.astype(np.float32)).to(dev),
-        num_nodes=torch.from_numpy(n_used).to(dev),
+        node_logws=upload(torch.from_numpy(logws.astype(np.float32)), dev),
+        num_nodes=upload(torch.from_numpy(n_used), dev),
         retrive_index=torch.arange(bs * d, dtype=torch.int64, device=dev).view(bs, d),
         retrive_next_token=next_token,
         retrive_next_sibling=next_sibling,
         positions=seq_lens.to(device=dev, dtype=torch.int64).view(bs, 1) + depths_t,
         tree_mask=mask,
-        sources=None if sources is None else torch.from_numpy(sources).to(dev),
-        match_lens=None if match_lens is None else torch.from_numpy(match_lens).to(dev),
+        sources=None if sources is None else upload(torch.from_numpy(sources), dev),
+        match_lens=None if match_lens is None else upload(torch.from_numpy(match_lens), dev),
     )
 
 

@@ -19,7 +19,7 @@ bit for bit, ties included (tests/speculative/test_ddtree_pop.py). The first ``b
 budget ``b``, so rows with different budgets share one pass at the widest budget and are cut after it.
 
 It runs where the draft logits are: on an accelerator it is ~10 small kernels per depth, whatever the batch,
-and the [bs, W] results copied back at the end (no host sync before them); on a CPU the heap is measured faster (~3x at batch 128, budget 64:
+and the [bs, W] results copied back at the end in one read (no host sync before it); on a CPU the heap is measured faster (~3x at batch 128, budget 64:
 benchmarks/bench_ddtree.py), so ``ddtree_serve.speculative.ddtree.pop_nodes`` runs the heap there.
 """
 
@@ -71,7 +71,7 @@ def batched_pops(
     kw = min(k, width)
     lvl_w = torch.full((bs, width), _NEG_INF, dtype=torch.float64, device=dev)  # [bs, W] a depth's kept weights
     lvl_w[:, :kw] = lp[:, 0, :kw]
-    lvl_w[limits < 1] = _NEG_INF
+    lvl_w.masked_fill_((limits < 1)[:, None], _NEG_INF)  # a row mask by masked_fill: no host sync
     lvl_rank = torch.zeros((bs, width), dtype=torch.int64, device=dev)  # [bs, W]
     lvl_rank[:, :kw] = torch.arange(kw, device=dev)
     kept_w, kept_par = [lvl_w], [torch.zeros((bs, width), dtype=torch.int64, device=dev)]
@@ -79,7 +79,7 @@ def batched_pops(
     pi, pr = (torch.from_numpy(a).to(dev) for a in _pairs(width, kw))  # [P]
     for d in range(1, depth_limit):  # every depth (an early stop would read the device back)
         cand = lvl_w.index_select(1, pi) + lp[:, d].index_select(1, pr)  # [bs, P] the heap's float64 sums
-        cand[limits <= d] = _NEG_INF
+        cand.masked_fill_((limits <= d)[:, None], _NEG_INF)
         order = _best_w(cand, width)  # [bs, W] best first, ties in (parent, rank) order
         lvl_w = cand.gather(1, order)  # [bs, W]
         lvl_rank = pr.take(order)  # [bs, W]
@@ -97,8 +97,13 @@ def batched_pops(
     counts = torch.minimum(torch.isfinite(w).sum(1), torch.from_numpy(budgets).to(dev))  # [bs]
     used = torch.arange(width, device=dev)[None, :] < counts[:, None]  # [bs, W]
     tokens = torch.where(used, torch.cat(kept_tok, dim=1).gather(1, order), 0)
-    out = torch.stack([tokens, torch.where(used, parent_slot, -1), torch.where(used, depth0 + 1, 0)]).cpu().numpy()
-    return out[0], out[1], out[2], torch.where(used, w, _NEG_INF).cpu().numpy(), counts.cpu().numpy()
+    bits = torch.where(used, w, _NEG_INF).view(torch.int64)  # [bs, W] the float64 weights' bits
+    out = torch.cat([tokens, torch.where(used, parent_slot, -1), torch.where(used, depth0 + 1, 0), bits,
+                     counts[:, None]], dim=1).cpu().numpy()  # [bs, 4W + 1]: the one read back
+    parts = (out[:, :width], out[:, width:2 * width], out[:, 2 * width:3 * width], out[:, 3 * width:4 * width],
+             out[:, 4 * width])
+    tok, parents, depths, logws, cnt = (np.ascontiguousarray(a) for a in parts)
+    return tok, parents, depths, logws.view(np.float64), cnt
 
 
 def batched_chain(

@@ -38,6 +38,7 @@ from ddtree_serve.model_executor.models.dflash import check_target_layers, draft
 from ddtree_serve.model_executor.penalties import BatchPenalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampler import BatchSamplingInfo, sample_requests
+from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
 from ddtree_serve.speculative.commit import attach_logprobs, commit
 from ddtree_serve.speculative.ddtree import (
@@ -225,9 +226,9 @@ class SpecWorker:
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, None)
         grammars = [q.grammar for q in reqs]
         mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
-        idx = torch.tensor(rows, device=dev)  # [bs]
-        cached = torch.tensor(root_pos, device=dev)  # [bs]
-        roots = torch.tensor(root_ids, device=dev)  # [bs]
+        idx = upload(rows, dev, torch.int64)  # [bs] asynchronous copies (model_executor/uploads.py)
+        cached = upload(root_pos, dev, torch.int64)  # [bs]
+        roots = upload(root_ids, dev, torch.int64)  # [bs]
         draft_logits = topk = None
         if plan == DRAFT:
             draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
@@ -374,19 +375,19 @@ class SpecWorker:
         bs, d = tree.candidates.shape
         lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
         used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
+        dest = used.view(-1).nonzero().squeeze(1)  # [T] padded rows of the used slots: the one read before launch
+        positions = tree.positions.view(-1)[dest]  # [T]
         # [T] row after row at table columns cached[b]..cached[b]+lens[b]-1; DCP: each node on its position's rank
-        flat = r.slots.place(idx, cached, lens, positions=tree.positions[used])
-        slots = torch.full((bs, d), -1, dtype=torch.int64, device=r.device)  # [bs, D]
-        slots[used] = flat
+        flat = r.slots.place(idx, cached, lens, positions=positions)
+        slots = torch.full((bs * d,), -1, dtype=torch.int64, device=r.device).index_copy_(0, dest, flat)  # [bs*D]
         fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
-            ForwardMode.TARGET_VERIFY, tree.candidates[used], tree.positions[used], flat, r.slots.table, idx, cached,
+            ForwardMode.TARGET_VERIFY, tree.candidates.view(-1)[dest], positions, flat, r.slots.table, idx, cached,
             lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask)
         out = r.forward(fb)
+        # scatters by index: a boolean-mask assignment here would synchronise while the forward runs
         rows = r.logits(out.hidden)  # [T, V]
-        logits = rows.new_zeros(bs * d, rows.shape[-1])  # [bs*D, V]
-        logits[used.view(-1)] = rows
+        logits = rows.new_zeros(bs * d, rows.shape[-1]).index_copy_(0, dest, rows)  # [bs*D, V]
         captured = None  # no drafter: nothing captured
         if out.captured is not None:
-            captured = out.captured.new_zeros(bs * d, out.captured.shape[-1])  # [bs*D, F]
-            captured[used.view(-1)] = out.captured
-        return logits.view(bs, d, -1), captured, slots
+            captured = out.captured.new_zeros(bs * d, out.captured.shape[-1]).index_copy_(0, dest, out.captured)
+        return logits.view(bs, d, -1), captured, slots.view(bs, d)

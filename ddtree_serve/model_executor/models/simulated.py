@@ -85,13 +85,11 @@ class SimulatedTarget(nn.Module):
             pass
 
     @contextmanager
-    def device_session(self, device: torch.device) -> Iterator[None]:
+    def device_session(self) -> Iterator[None]:
         """Track one step's device tensors and charge the host's acts (ddtree_serve/sim/device_tracker.py)."""
         if self._sessions:  # nested (a probe inside a step): the outer session tracks
             yield
             return
-        if not any(device is d for d in self.tracker._devices):
-            self.tracker.register_device(device)
         self._sessions += 1
         try:
             with self.tracker:
@@ -109,7 +107,10 @@ class SimulatedTarget(nn.Module):
             reads = int((fb.prefix_lens * fb.extend_lens).sum()) + int((fb.extend_lens ** 2).sum()) // 2
             kv_tokens = int((fb.prefix_lens + fb.extend_lens).sum())
             bs = int(fb.extend_lens.shape[0])
-            graphed = fb.mode != ForwardMode.EXTEND and bs <= self.graph_max_bs
+            # a replay where CudaGraphRunner.can_run would replay: decode, or a verify whose trees are one size
+            uniform = fb.mode == ForwardMode.DECODE or (fb.mode == ForwardMode.TARGET_VERIFY
+                                                         and int(ids.shape[0]) == bs * fb.max_q)
+            graphed = uniform and 0 < bs <= self.graph_max_bs
             cost = self.clock.cost
             self.clock.launch(cost.target_s(int(ids.shape[0]), reads, rows, kv_tokens), cost.target_kernels, graphed)
             hidden = torch.zeros(ids.shape[0], self.vocab, device=ids.device)  # [T, V]

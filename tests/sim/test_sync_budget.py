@@ -1,0 +1,104 @@
+"""The speculative step's host/device boundary under the sync-honest simulated device (ddtree_serve/sim/): how many
+times a step synchronises, and how many of those fall between a forward's launch and its read-back point (the
+overlap window). The budgets are today's counts (docs/BENCHMARKS.md): a change that adds a sync fails here; one
+that removes syncs lowers them. The mutation test shows the count catches a ``.tolist()`` added right after the
+verify forward's launch, which bench_scale's timings could not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree_serve.model_executor.models.simulated import greedy_continuation
+from ddtree_serve.server.engine import Engine, SamplingParams
+from ddtree_serve.server.io_struct import GenerateReq
+from ddtree_serve.sim.checkpoint import write_simulated_pair
+from ddtree_serve.sim.device_clock import DeviceClock
+from ddtree_serve.sim.device_tracker import DeviceTracker
+from ddtree_serve.sim.machines import DeviceCostModel
+from ddtree_serve.speculative.spec_worker import SpecWorker
+
+VOCAB = 128
+BATCH = 4
+# (budget) -> (syncs per step, of them in the window) measured on main; lower them as syncs go
+BUDGETS = {None: (10, 0), 16: (26, 0), "auto": (32, 0)}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return write_simulated_pair(tmp_path_factory.mktemp("sim"), vocab=VOCAB, accept_prob=0.8)
+
+
+def _step_counts(pair, budget, steps: int = 3) -> tuple[float, float, list]:
+    target, drafter = pair
+    spec = dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=budget,
+                speculative_draft_sources="dflash") if budget is not None else {}
+    eng = Engine(target, device="cpu", dtype="float32", max_running_requests=BATCH, disable_radix_cache=True,
+                 max_total_tokens=4096, **spec)
+    sched = eng.scheduler
+    clock = sched.runner.model.clock
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    try:
+        prompts = [[i + 1, 2, 3, 4] for i in range(BATCH)]
+        for i, p in enumerate(prompts):
+            sched.add_request(GenerateReq(f"r{i}", p, params))
+        while len(sched.running) < BATCH:
+            sched.step()
+        sched.step()
+        clock.reset_counters()
+        for _ in range(steps):
+            sched.step()
+        c = clock.reset_counters()
+        outs = {q.rid: list(q.output_ids) for q in sched.running}
+    finally:
+        eng.shutdown()
+    for i, p in enumerate(prompts):  # exact under the tracker too
+        got = outs[f"r{i}"]
+        assert got == greedy_continuation(p, len(got), VOCAB)
+    return len(c.syncs) / steps, c.in_window / steps, c.syncs
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_syncs_per_step_within_budget(pair, budget) -> None:
+    syncs, in_window, events = _step_counts(pair, budget)
+    most, most_in_window = BUDGETS[budget]
+    where = sorted({f"{e.kind} {e.op} {e.where}{' [window]' if e.in_window else ''}" for e in events})
+    assert syncs <= most and in_window <= most_in_window, "\n".join(where)
+
+
+def test_a_sync_added_after_the_verify_launch_is_caught(pair, monkeypatch) -> None:
+    """The mutation of issue 57: a ``.tolist()`` of the verify logits' argmax right after the verify launch."""
+    base, base_window, _ = _step_counts(pair, 16)
+    real = SpecWorker._verify_forward
+
+    def mutated(self, tree, idx, cached):
+        logits, captured, slots = real(self, tree, idx, cached)
+        logits.argmax(-1).tolist()  # the added read
+        return logits, captured, slots
+
+    monkeypatch.setattr(SpecWorker, "_verify_forward", mutated)
+    syncs, in_window, events = _step_counts(pair, 16)
+    assert syncs == base + 1 and in_window == base_window + 1 == 1
+    assert any(e.op.endswith("tolist") and e.in_window and "test_sync_budget" in e.where for e in events)
+
+
+def test_tracker_classifies_reads_shapes_copies_and_launches() -> None:
+    clock = DeviceClock(DeviceCostModel())
+    tracker = DeviceTracker(clock)
+    dev = torch.device("cpu")
+    with tracker:
+        a = torch.tensor([1, 2, 3], device=dev)  # blocking copy in
+        h = torch.tensor([1, 2, 3])  # host
+        b = a * 2  # launch
+        b[1:]  # view: nothing
+        b[b > 2]  # launch (gt) + value-dependent shape
+        h.tolist()  # host: nothing
+        y = h.to(dev, non_blocking=True)  # asynchronous copy: no sync
+        b.to("cpu", non_blocking=True)  # asynchronous copy out: no sync
+        y.sum().item()  # launch + read
+        b.masked_fill_(b > 4, 0)  # two launches, no sync
+        _ = b.shape, len(b)  # metadata: nothing
+    kinds = [(e.kind, e.op.rsplit(".", 1)[-1]) for e in clock.counters.syncs]
+    assert kinds == [("h2d", "tensor"), ("shape", "__getitem__"), ("read", "item")]
+    assert all(e.where.endswith(".py:" + e.where.rsplit(":", 1)[-1]) and "test_sync_budget" in e.where
+               for e in clock.counters.syncs)
