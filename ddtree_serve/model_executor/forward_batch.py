@@ -30,6 +30,26 @@ import torch
 from ddtree_serve.kernels.attention import AttentionMeta
 
 
+@dataclass(frozen=True)
+class HostShape:
+    """A forward's sizes as the host already knows them (docs/DESIGN.md 4.17): ``tokens`` = sum(extend_lens),
+    ``max_q`` = max(extend_lens), ``max_k`` = max(prefix_lens + extend_lens). Given to ``build_forward_batch`` (and
+    ``tokens`` to ``KVSlots.place``), no size is read back from the device."""
+
+    tokens: int
+    max_q: int
+    max_k: int
+
+
+def flat_rows(lens: torch.Tensor, width: int, total: int) -> torch.Tensor:
+    """[total] row of each flat token in a padded ``[bs * width]`` layout (request after request, ``lens[b]``
+    tokens each): ``b * width + i`` for the i-th token of request b, with no value-dependent shape."""
+    dev = lens.device
+    req = torch.repeat_interleave(torch.arange(lens.shape[0], device=dev), lens, output_size=total)  # [T]
+    first = torch.cumsum(lens, 0) - lens  # [bs] each request's first flat token
+    return req * width + torch.arange(total, device=dev) - first.index_select(0, req)
+
+
 class ForwardMode(Enum):
     EXTEND = "extend"  # prefill or chunked prefill; also drafter context/blocks
     DECODE = "decode"  # one new token per request
@@ -94,24 +114,32 @@ def build_forward_batch(
     capture_layer_ids: tuple[int, ...] = (),
     input_embeds: torch.Tensor | None = None,
     dense_mask: bool = True,
+    host: HostShape | None = None,
 ) -> ForwardBatch:
     """Build attention metadata. ``req_to_token[req_pool_indices[b], :prefix+extend]`` must already hold
     the slots of the prefix and of the new tokens. ``tree_mask`` ([bs, Q, Q] bool, node i sees node j) is
     required for TARGET_VERIFY and ignored otherwise. ``dense_mask=False``: skip the O(Q x K) ``attn_mask``
-    (a placeholder instead: module docstring)."""
+    (a placeholder instead: module docstring). ``host``: the sizes, known on the host (no read back); None:
+    read from the lengths."""
     device = input_ids.device
     bs = int(extend_lens.shape[0])
     prefix_lens = prefix_lens.to(device=device, dtype=torch.int64)
     extend_lens = extend_lens.to(device=device, dtype=torch.int64)
     total = prefix_lens + extend_lens  # [bs]
-    q_max = int(extend_lens.max().item()) if bs else 0
-    k_max = int(total.max().item()) if bs else 0
+    if host is not None:
+        q_max, k_max = host.max_q, host.max_k
+    else:
+        q_max = int(extend_lens.max().item()) if bs else 0
+        k_max = int(total.max().item()) if bs else 0
     jj = torch.arange(k_max, device=device)  # [K]
     kv_indices = req_to_token[:, :k_max][req_pool_indices.to(device)].to(torch.int64)  # [bs, K] (K columns only)
     kv_indices = torch.where(jj[None, :] < total[:, None], kv_indices, torch.zeros_like(kv_indices))
     ii = torch.arange(q_max, device=device)  # [Q]
     q_valid = ii[None, :] < extend_lens[:, None]  # [bs, Q]
-    q_index = (torch.arange(bs, device=device)[:, None] * q_max + ii[None, :])[q_valid]  # [T]
+    if host is not None:
+        q_index = flat_rows(extend_lens, q_max, host.tokens)  # [T]
+    else:
+        q_index = (torch.arange(bs, device=device)[:, None] * q_max + ii[None, :])[q_valid]  # [T]
     tm = None
     if mode == ForwardMode.TARGET_VERIFY:
         if tree_mask is None:

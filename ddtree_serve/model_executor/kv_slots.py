@@ -102,15 +102,16 @@ class KVSlots:
         self._pool.table[row, start:start + slots.numel()] = slots
 
     def place(self, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-              positions: torch.Tensor | None = None) -> torch.Tensor | None:
+              positions: torch.Tensor | None = None, total: int | None = None) -> torch.Tensor | None:
         """Allocate ``sum(lens)`` slots and write them at ``table[rows[b], starts[b]:starts[b] + lens[b]]``,
         request after request. Returns the flat slots ``[T]`` (the forward's ``out_cache_loc``), or None
         (nothing changed) when too few are free. ``rows``, ``starts``, ``lens``: ``[bs]`` int64.
         ``positions`` ``[T]``: the tokens' positions when they are not their table columns (tree nodes share
-        a position per depth); with DCP a token's slot is taken on the DCP rank of its position."""
+        a position per depth); with DCP a token's slot is taken on the DCP rank of its position. ``total``:
+        ``sum(lens)`` when the host knows it (no read back)."""
         dev = self.device
         rows, starts, lens = rows.to(dev), starts.to(dev), lens.to(dev)
-        total = int(lens.sum())
+        total = int(lens.sum()) if total is None else total
         first = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens, output_size=total)  # [T] row's first token
         col = starts.repeat_interleave(lens, output_size=total) + torch.arange(total, device=dev) - first  # [T]
         ranks = None
@@ -124,7 +125,7 @@ class KVSlots:
 
     def place_block(self, rows: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor | None:
         """``place`` with ``width`` slots per request: a draft block's temporary slots ``[bs, width]``."""
-        flat = self.place(rows, starts, torch.full_like(rows, width))
+        flat = self.place(rows, starts, torch.full_like(rows, width), total=int(rows.shape[0]) * width)
         return None if flat is None else flat.view(-1, width)
 
     def keep_path(self, rows: torch.Tensor, pos: torch.Tensor, kept: torch.Tensor, drop: torch.Tensor) -> None:

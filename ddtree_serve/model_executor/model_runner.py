@@ -13,13 +13,19 @@ import torch
 
 from ddtree_serve.kernels.attention import TorchAttentionBackend
 from ddtree_serve.kernels.sampling import warm_up_filters
-from ddtree_serve.model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    HostShape,
+    build_forward_batch,
+)
 from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
 from ddtree_serve.model_executor.kv_slots import KVSlots
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_registry import get_model_class
 from ddtree_serve.model_executor.models.output import ModelOutput
 from ddtree_serve.model_executor.parallel_state import TPGroup
+from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.model_executor.weight_loader import iter_weights
 
 logger = logging.getLogger(__name__)
@@ -143,32 +149,35 @@ class ModelRunner:
                         ) -> ForwardBatch | None:
         """An EXTEND forward: request ``rows[b]`` has ``starts[b]`` tokens cached and adds ``lens[b]``; ``ids``
         are the new tokens, request after request. Places their slots; None when too few are free."""
-        dev = self.device
-        lens_t = torch.tensor(lens, dtype=torch.int64)  # [bs]
-        starts_t = torch.tensor(starts, dtype=torch.int64)  # [bs]
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [bs]
-        loc = self.slots.place(rows_t, starts_t, lens_t)  # [T]
+        dev = self.device  # inputs go up asynchronously and the sizes are the host's (no sync: uploads.py)
+        lens_t = upload(lens, dev, torch.int64)  # [bs]
+        starts_t = upload(starts, dev, torch.int64)  # [bs]
+        rows_t = upload(rows, dev, torch.int64)  # [bs]
+        host = HostShape(sum(lens), max(lens, default=0), max((s + n for s, n in zip(starts, lens, strict=True)),
+                                                              default=0))
+        loc = self.slots.place(rows_t, starts_t, lens_t, total=host.tokens)  # [T]
         if loc is None:
             return None
-        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)]).to(dev)  # [T]
-        return build_forward_batch(ForwardMode.EXTEND, torch.tensor(ids, device=dev), pos, loc, self.slots.table,
+        pos = upload(torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lens, strict=True)]), dev)  # [T]
+        return build_forward_batch(ForwardMode.EXTEND, upload(ids, dev, torch.int64), pos, loc, self.slots.table,
                                    rows_t, starts_t, lens_t, logits_indices=logits_indices,
-                                   capture_layer_ids=capture_layer_ids, dense_mask=self.dense_mask)
+                                   capture_layer_ids=capture_layer_ids, dense_mask=self.dense_mask, host=host)
 
     def prepare_decode(self, rows: list[int], cached: list[int], ids: list[int],
                        capture_layer_ids: tuple[int, ...] = ()) -> ForwardBatch | None:
         """A DECODE forward: one new token ``ids[b]`` per request at position ``cached[b]``. Places its slot;
         None when too few are free."""
-        dev = self.device
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [bs]
-        cached_t = torch.tensor(cached, dtype=torch.int64, device=dev)  # [bs]
-        ones = torch.ones(len(rows), dtype=torch.int64)  # [bs]
-        loc = self.slots.place(rows_t, cached_t, ones)  # [bs]
+        dev = self.device  # inputs go up asynchronously and the sizes are the host's (no sync: uploads.py)
+        rows_t = upload(rows, dev, torch.int64)  # [bs]
+        cached_t = upload(cached, dev, torch.int64)  # [bs]
+        ones = torch.ones(len(rows), dtype=torch.int64, device=dev)  # [bs]
+        host = HostShape(len(rows), 1, max(cached, default=-1) + 1)
+        loc = self.slots.place(rows_t, cached_t, ones, total=host.tokens)  # [bs]
         if loc is None:
             return None
-        return build_forward_batch(ForwardMode.DECODE, torch.tensor(ids, device=dev), cached_t, loc, self.slots.table,
+        return build_forward_batch(ForwardMode.DECODE, upload(ids, dev, torch.int64), cached_t, loc, self.slots.table,
                                    rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids,
-                                   dense_mask=self.dense_mask)
+                                   dense_mask=self.dense_mask, host=host)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:

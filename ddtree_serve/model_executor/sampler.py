@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ddtree_serve.kernels.dispatch import one_kernel
 from ddtree_serve.kernels.sampling import (
     min_p_renorm_prob,
     sampling_from_probs,
@@ -39,6 +40,7 @@ class BatchSamplingInfo:
     top_p: torch.Tensor  # float32
     min_p: torch.Tensor  # float32
     is_greedy: torch.Tensor  # bool
+    greedy_only: bool | None = None  # every row greedy, as the host knows it (None: read is_greedy back)
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> BatchSamplingInfo:
@@ -50,16 +52,18 @@ class BatchSamplingInfo:
             top_p=upload([p.top_p for p in params], device, torch.float32),
             min_p=upload([p.min_p for p in params], device, torch.float32),
             is_greedy=upload(greedy, device, torch.bool),
+            greedy_only=all(greedy),
         )
 
     @property
     def all_greedy(self) -> bool:
-        return bool(self.is_greedy.all())
+        return self.greedy_only if self.greedy_only is not None else bool(self.is_greedy.all())
 
     def repeat(self, n: int) -> BatchSamplingInfo:
         """Each request's parameters for ``n`` consecutive rows (``[bs * n]``: a tree's nodes)."""
         return BatchSamplingInfo(*(x.repeat_interleave(n) for x in (self.temperature, self.top_k, self.top_p,
-                                                                      self.min_p, self.is_greedy)))
+                                                                      self.min_p, self.is_greedy)),
+                                 greedy_only=self.greedy_only)
 
     def take(self, rows: torch.Tensor) -> BatchSamplingInfo:
         """The parameters of ``rows`` (an index tensor)."""
@@ -133,10 +137,11 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
                                            uniforms[sampled])
         return out
     step = max(1, budget_bytes // (vocab * 4 * 3))  # probs + cumsum + masks of one block
-    for lo in range(0, sampled.numel(), step):
-        rows = sampled[lo:lo + step]  # [k]
-        probs = processed_probs(logits[rows].float(), info.take(rows))  # [k, V]
-        out[rows] = sampling_from_probs(probs, uniforms[rows].to(probs.device).float().clamp(max=1.0))
+    with one_kernel():  # the reference of the Triton kernel's one launch (a simulated device counts it so)
+        for lo in range(0, sampled.numel(), step):
+            rows = sampled[lo:lo + step]  # [k]
+            probs = processed_probs(logits[rows].float(), info.take(rows))  # [k, V]
+            out[rows] = sampling_from_probs(probs, uniforms[rows].to(probs.device).float().clamp(max=1.0))
     return out
 
 

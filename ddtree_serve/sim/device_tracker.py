@@ -2,8 +2,9 @@
 
 ``DeviceTracker`` is a ``TorchFunctionMode`` the simulated device enters around every scheduler step. It sees
 every torch call and keeps a weak registry of the tensors it has classified:
-- host tensors: made by a factory without a ``device=`` (the project's convention for host tensors), by
-  ``from_numpy``, by a copy to the host, or by an op over host tensors alone;
+- host tensors: made by a factory without a ``device=`` (the project's convention for host tensors; from numpy
+  arrays ``torch.as_tensor``, since ``torch.from_numpy`` is invisible to a torch function mode), by a copy to the
+  host, or by an op over host tensors alone;
 - device tensors: made with a ``device=``, by a copy to the device, by an op over any device tensor, and every
   tensor the tracker has not seen made (weights, the KV cache, the slot table: allocated before a step).
 

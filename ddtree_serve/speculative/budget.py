@@ -349,15 +349,15 @@ class BudgetController:
         else:
             self.chosen.update(budgets.tolist())
             self._spec_rates.clear()  # the curve and the draft / verify tables move
-        if tree is not None and int(tree.num_nodes.max()) > 0:
+        if tree is not None and int(tree.numpy("num_nodes").max()) > 0:
             if tree.sources is None:
                 self.calib.observe(tree, accept_length, sampled, reach)
             else:  # each source's calibration sees the nodes it proposed (docs/DESIGN.md 4.13)
-                src = tree.sources.cpu().numpy()  # [bs, D]
+                src = tree.numpy("sources")  # [bs, D]
                 if (src == DFLASH).any():
                     self.calib.observe(tree, accept_length, sampled, reach, select=src == DFLASH)
                 if (src == SUFFIX).any():  # calibrated by the length of the match that proposed them
-                    keys = tree.match_lens.cpu().numpy() if tree.match_lens is not None else None
+                    keys = tree.numpy("match_lens") if tree.match_lens is not None else None
                     self.calib_suffix.observe(tree, accept_length, sampled, reach, select=src == SUFFIX, keys=keys)
         step_s = (draft_s or 0.0) + verify_s
         if draft_s is not None and self._plan is not None:  # a drafted step: realized against predicted

@@ -59,11 +59,11 @@ class AcceptanceCalibrator:
         ``accept_length`` [bs] is at least d. ``select`` [bs, D] bool (with ``reach``): only these nodes are
         observed (a merged tree's nodes of one draft source, docs/DESIGN.md 4.13); ``keys`` [bs, D]: the column
         of each node instead of its depth (suffix drafts: their match length)."""
-        depths = tree.depths.cpu().numpy() if keys is None else keys  # [bs, D] (0: root / unused)
+        depths = tree.numpy("depths") if keys is None else keys  # [bs, D] (0: root / unused)
         if select is not None:
             assert reach is not None, "observing a subset of the nodes needs their reach"
             depths = np.where(select, depths, 0)
-        q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * (depths > 0)  # [bs, D]
+        q = np.exp(tree.numpy("node_logws").astype(np.float64)) * (depths > 0)  # [bs, D]
         mode = sampled.astype(np.int64)  # [bs]
         ratios = self.ratios()
         predicted = (q * ratios[mode[:, None], depths]).sum(1)  # [bs]

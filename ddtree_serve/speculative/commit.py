@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.model_executor.sampler import token_logprobs
 from ddtree_serve.model_executor.sampling_params import find_stop
+from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.speculative.ddtree import DraftTree
 from ddtree_serve.speculative.draft_sources import accepted_by_source
 from ddtree_serve.speculative.types import DecodeResult
@@ -26,15 +28,18 @@ if TYPE_CHECKING:
 
 def commit(r: ModelRunner, reqs: Sequence[SpecRequest], tree: DraftTree, res: VerifyResult, idx: torch.Tensor,
            cached: torch.Tensor, tree_slots: torch.Tensor, captured: torch.Tensor | None, eos_ids: tuple[int, ...],
-           write_context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> list[DecodeResult]:
+           write_context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+           placed: int | None = None) -> list[DecodeResult]:
     """Unified commit for greedy and sampled verification: keep the KV of the root and the accepted
     nodes (path order) up to a stop, free every other tree slot, feed the kept nodes' hidden states
     to the drafter's context (``write_context``; ``captured`` None: no drafter), and return the emitted tokens
-    with the accepted suffix-draft nodes counted."""
+    with the accepted suffix-draft nodes counted. ``placed``: the tree slots the verify forward placed in all
+    (roots included), as the host knows them; then the step's one read back is that of the accepted paths."""
     bs, d = tree_slots.shape
-    s = res.accept_index.shape[1]
-    acc = res.accept_length.tolist()
-    emitted = res.emitted_tokens.tolist()
+    both = torch.cat([res.accept_length.to(torch.int64)[:, None], res.emitted_tokens.to(torch.int64)], dim=1)
+    both = both.tolist()  # [bs, 1 + S]: the accepted lengths and tokens, one read back
+    acc = [row[0] for row in both]
+    emitted = [row[1:] for row in both]
     keep = []
     results = []
     for b, q in enumerate(reqs):  # per-request stop scan over at most S tokens
@@ -42,27 +47,38 @@ def commit(r: ModelRunner, reqs: Sequence[SpecRequest], tree: DraftTree, res: Ve
         k, _ = find_stop(toks, q.params, eos_ids, q.remaining_tokens)
         keep.append(k)
         results.append(DecodeResult(toks[:k], min(acc[b], k)))
-    keep_t = torch.tensor(keep, device=r.device)  # [bs] KV entries kept: root + (k-1) nodes
-    cols = torch.arange(s, device=r.device)  # [S]
-    valid = cols[None, :] < keep_t[:, None]  # [bs, S]
-    path = res.accept_index.clamp(min=0)  # [bs, S] local node ids
-    path_slots = tree_slots.gather(1, path)  # [bs, S]
-    kept_mask = torch.zeros(bs, d, dtype=torch.bool, device=r.device)  # [bs, D]
-    kept_mask[torch.arange(bs, device=r.device)[:, None].expand(bs, s)[valid], path[valid]] = True
-    rows = idx[:, None].expand(bs, s)[valid]
-    pos = (cached[:, None] + cols[None, :])[valid]  # [n_kept] absolute positions
-    r.slots.keep_path(rows, pos, path_slots[valid], tree_slots[~kept_mask & (tree_slots >= 0)])
+    # the kept (request, path column) pairs are the host's (keep): index tensors, no value-dependent shapes
+    vb = np.repeat(np.arange(bs), keep)  # [n_kept] request of each kept entry
+    vj = np.arange(vb.shape[0]) - np.repeat(np.cumsum(keep) - keep, keep)  # [n_kept] its column in the path
+    vb_t, vj_t = upload(torch.as_tensor(vb), r.device), upload(torch.as_tensor(vj), r.device)  # [n_kept]
+    path = res.accept_index.clamp(min=0).to(torch.int64)  # [bs, S] local node ids
+    kept_local = path[vb_t, vj_t]  # [n_kept]
+    kept_flat = vb_t * d + kept_local  # [n_kept] rows of the padded [bs * D] layout
+    kept_slots = tree_slots.view(-1)[kept_flat]  # [n_kept]
+    pos = cached.index_select(0, vb_t) + vj_t  # [n_kept] absolute positions
+    drop = _dropped_slots(tree_slots, kept_flat, placed - len(vb)) if placed is not None else \
+        tree_slots[~torch.zeros(bs * d, dtype=torch.bool, device=r.device).index_fill_(0, kept_flat, True).view(bs, d)
+                   & (tree_slots >= 0)]
+    r.slots.keep_path(idx.index_select(0, vb_t), pos, kept_slots, drop)
     if captured is not None:
-        feat_rows = (torch.arange(bs, device=r.device)[:, None] * d + path)[valid]
-        write_context(captured[feat_rows], pos, path_slots[valid])
+        write_context(captured[kept_flat], pos, kept_slots)
     for q, k in zip(reqs, keep, strict=True):
         q.num_cached += k
     if tree.sources is not None:  # accepted tokens by draft source (metrics)
-        suffix = accepted_by_source(tree.sources.cpu().numpy(), res.accept_index.cpu().numpy(),
+        suffix = accepted_by_source(tree.numpy("sources"), res.accept_index.cpu().numpy(),
                                     [o.accepted for o in results])
         for o, n in zip(results, suffix, strict=True):
             o.accepted_suffix = n
     return results
+
+
+def _dropped_slots(tree_slots: torch.Tensor, kept_flat: torch.Tensor, n_drop: int) -> torch.Tensor:
+    """[n_drop] the placed tree slots (>= 0) not kept, in row-major order: a stable sort brings them first, so
+    the count the host knows gives the shape (no boolean-mask gather)."""
+    flat = tree_slots.view(-1)  # [bs*D]
+    drop = (flat >= 0).index_fill_(0, kept_flat, False)  # [bs*D]
+    order = torch.sort((~drop).to(torch.int8), stable=True).indices[:n_drop]  # [n_drop] dropped first, in order
+    return flat.index_select(0, order)
 
 
 def attach_logprobs(reqs: Sequence[SpecRequest], res: VerifyResult, logits: torch.Tensor, out: list[DecodeResult]

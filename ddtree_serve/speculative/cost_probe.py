@@ -37,7 +37,7 @@ class SpecWorker(Protocol):
     tree_depth: int
     capture_layer_ids: tuple[int, ...]
 
-    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor: ...
+    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int) -> torch.Tensor: ...
 
     def _verify_forward(self, tree: Any, idx: torch.Tensor, cached: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
@@ -72,7 +72,7 @@ def _time_draft(worker: SpecWorker, bs: int) -> float | None:
         zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
         _sync(r)
         t = r.host_now()
-        logits = worker._draft(idx, zeros, zeros)  # [bs, L, V]
+        logits = worker._draft(idx, zeros, zeros, 0)  # [bs, L, V]
         r.wait_device()  # the pops read the draft (as SpecWorker.decode)
         pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain)  # host copy: synchronises
         return r.host_now() - t
@@ -112,7 +112,7 @@ def _time_verify(worker: SpecWorker, bs: int, extra: int) -> float | None:
     try:
         _sync(r)
         t = r.host_now()
-        tree = assemble_tree(popped, torch.from_numpy(popped.counts), zeros, zeros, r.device)
+        tree = assemble_tree(popped, torch.as_tensor(popped.counts), zeros, zeros, r.device)
         logits, captured, slots = worker._verify_forward(tree, idx, zeros)  # [bs, D, V], [bs*D, F], [bs, D]
         r.wait_device()
         info = BatchSamplingInfo.build([GREEDY] * bs, logits.shape[-1], r.device)

@@ -56,6 +56,14 @@ class DraftTree:
     tree_mask: torch.Tensor  # [bs, D, D] bool, [b, i, j]: node i attends to node j
     sources: torch.Tensor | None = None  # [bs, D] int64 node's draft source (DFLASH, SUFFIX; -1 root, unused)
     match_lens: torch.Tensor | None = None  # [bs, D] int64 a suffix node's match length (0: other nodes)
+    max_depth: int | None = None  # the deepest node's depth, as the host knows it (None: read depths back)
+    on_host: dict[str, np.ndarray] | None = None  # host copies the tree was built from (no read back for them)
+
+    def numpy(self, name: str) -> np.ndarray:
+        """Field ``name`` as a host array: the copy it was built from, or else read back from the device."""
+        if self.on_host is not None and name in self.on_host:
+            return self.on_host[name]
+        return getattr(self, name).cpu().numpy()
 
     @property
     def batch_size(self) -> int:
@@ -228,25 +236,29 @@ def assemble_tree(
         match_lens[:, 1:] = np.where(used, popped.match_lens[:, : d - 1], 0)
 
     dev = torch.device(device)  # the host arrays go up asynchronously (no sync: model_executor/uploads.py)
-    candidates = upload(torch.from_numpy(tokens), dev)  # [bs, D]
+    candidates = upload(torch.as_tensor(tokens), dev)  # [bs, D]
     candidates[:, 0] = root_tokens.to(device=dev, dtype=torch.int64)
-    parents_t = upload(torch.from_numpy(parents), dev)  # [bs, D]
-    depths_t = upload(torch.from_numpy(depths), dev)  # [bs, D]
+    parents_t = upload(torch.as_tensor(parents), dev)  # [bs, D]
+    depths_t = upload(torch.as_tensor(depths), dev)  # [bs, D]
     max_depth = int(depths.max()) if depths.size else 0
     next_token, next_sibling, mask = _link_and_mask(parents_t, max_depth)
     return DraftTree(
         candidates=candidates,
         parents=parents_t,
         depths=depths_t,
-        node_logws=upload(torch.from_numpy(logws.astype(np.float32)), dev),
-        num_nodes=upload(torch.from_numpy(n_used), dev),
+        node_logws=upload(torch.as_tensor(logws.astype(np.float32)), dev),
+        num_nodes=upload(torch.as_tensor(n_used), dev),
         retrive_index=torch.arange(bs * d, dtype=torch.int64, device=dev).view(bs, d),
         retrive_next_token=next_token,
         retrive_next_sibling=next_sibling,
         positions=seq_lens.to(device=dev, dtype=torch.int64).view(bs, 1) + depths_t,
         tree_mask=mask,
-        sources=None if sources is None else upload(torch.from_numpy(sources), dev),
-        match_lens=None if match_lens is None else upload(torch.from_numpy(match_lens), dev),
+        sources=None if sources is None else upload(torch.as_tensor(sources), dev),
+        match_lens=None if match_lens is None else upload(torch.as_tensor(match_lens), dev),
+        max_depth=max_depth,
+        on_host=dict(depths=depths, node_logws=logws.astype(np.float32), num_nodes=n_used,
+                     **({} if sources is None else dict(sources=sources)),
+                     **({} if match_lens is None else dict(match_lens=match_lens))),
     )
 
 
@@ -268,4 +280,4 @@ def build_ddtree(
     The node set of request b is exactly the budgets[b] most probable prefixes under
     Q = prod_d softmax(draft_logits[b, d]) (ties: see the module docstring)."""
     popped = pop_nodes(draft_logits, budgets, chain=chain, max_depths=max_depths)
-    return assemble_tree(popped, torch.from_numpy(popped.counts), root_tokens, seq_lens, draft_logits.device)
+    return assemble_tree(popped, torch.as_tensor(popped.counts), root_tokens, seq_lens, draft_logits.device)

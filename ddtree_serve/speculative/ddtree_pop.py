@@ -31,6 +31,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from ddtree_serve.model_executor.uploads import upload
+
 _NEG_INF = float("-inf")
 
 
@@ -67,7 +69,7 @@ def batched_pops(
         return (np.zeros((bs, width), dtype=np.int64), np.full((bs, width), -1, dtype=np.int64),
                 np.zeros((bs, width), dtype=np.int64), np.full((bs, width), _NEG_INF), np.zeros(bs, dtype=np.int64))
     lp, ids = top_lp, top_ids  # [bs, L, K]
-    limits = torch.from_numpy(depth_limits).to(dev)  # [bs]
+    limits = upload(torch.as_tensor(depth_limits), dev)  # [bs] (asynchronous copies: model_executor/uploads.py)
     kw = min(k, width)
     lvl_w = torch.full((bs, width), _NEG_INF, dtype=torch.float64, device=dev)  # [bs, W] a depth's kept weights
     lvl_w[:, :kw] = lp[:, 0, :kw]
@@ -76,7 +78,7 @@ def batched_pops(
     lvl_rank[:, :kw] = torch.arange(kw, device=dev)
     kept_w, kept_par = [lvl_w], [torch.zeros((bs, width), dtype=torch.int64, device=dev)]
     kept_tok = [ids[:, 0].gather(1, lvl_rank)]
-    pi, pr = (torch.from_numpy(a).to(dev) for a in _pairs(width, kw))  # [P]
+    pi, pr = (upload(torch.as_tensor(a), dev) for a in _pairs(width, kw))  # [P]
     for d in range(1, depth_limit):  # every depth (an early stop would read the device back)
         cand = lvl_w.index_select(1, pi) + lp[:, d].index_select(1, pr)  # [bs, P] the heap's float64 sums
         cand.masked_fill_((limits <= d)[:, None], _NEG_INF)
@@ -94,7 +96,7 @@ def batched_pops(
     par = torch.cat(kept_par, dim=1).gather(1, order)  # [bs, W] parent's index in the depth above
     parent_slot = torch.where(depth0 == 0, 0, slot.gather(1, (depth0 - 1).clamp(min=0) * width + par))  # [bs, W]
     w = all_w.gather(1, order)  # [bs, W]
-    counts = torch.minimum(torch.isfinite(w).sum(1), torch.from_numpy(budgets).to(dev))  # [bs]
+    counts = torch.minimum(torch.isfinite(w).sum(1), upload(torch.as_tensor(budgets), dev))  # [bs]
     used = torch.arange(width, device=dev)[None, :] < counts[:, None]  # [bs, W]
     tokens = torch.where(used, torch.cat(kept_tok, dim=1).gather(1, order), 0)
     bits = torch.where(used, w, _NEG_INF).view(torch.int64)  # [bs, W] the float64 weights' bits

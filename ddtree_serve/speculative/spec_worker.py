@@ -18,7 +18,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ddtree_serve.model_executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from ddtree_serve.model_executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    HostShape,
+    build_forward_batch,
+    flat_rows,
+)
 from ddtree_serve.model_executor.grammar import (
     draft_pop_budgets,
     mask_draft_logits,
@@ -231,7 +237,7 @@ class SpecWorker:
         roots = upload(root_ids, dev, torch.int64)  # [bs]
         draft_logits = topk = None
         if plan == DRAFT:
-            draft_logits = self._draft(idx, cached, roots)  # [bs, L, V]
+            draft_logits = self._draft(idx, cached, roots, max(root_pos))  # [bs, L, V]
             self._window("draft")  # the pops read the draft on the host
             if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
                 mask_draft_logits(grammars, draft_logits)
@@ -254,21 +260,24 @@ class SpecWorker:
 
         if ctl is not None and plan == DRAFT:  # pops only as many nodes as can matter to its choice
             popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
-            budgets = torch.from_numpy(chosen)
+            budgets = torch.as_tensor(chosen)
         elif ctl is not None:  # suffix drafts alone: no drafter cost
             popped = pop(self.budget)
-            budgets = torch.from_numpy(np.asarray(r.tp.broadcast_object(ctl.choose_suffix(popped, sampled, cap))))
+            budgets = torch.as_tensor(np.asarray(r.tp.broadcast_object(ctl.choose_suffix(popped, sampled, cap))))
         else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
             popped = pop(self.budget)
             budgets = torch.full((bs,), self.budget if cap is None else step_budget(self.budget, bs, cap))  # [bs]
         draft_s = t.now() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
-        if not (np.minimum(budgets.numpy(), popped.counts) > 0).any():  # every tree is its root alone
+        n_used = np.minimum(budgets.numpy(), popped.counts)  # [bs] nodes per tree (the host's: assemble_tree's)
+        if not (n_used > 0).any():  # every tree is its root alone
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
         tree = assemble_tree(popped, budgets, roots, cached, dev)
         t.lap("build")
         built_at = t.now() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
         draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
-        logits, captured, tree_slots = self._verify_forward(tree, idx, cached)
+        longest = max(p + n + 1 for p, n in zip(root_pos, n_used.tolist(), strict=True))  # cached + tree tokens
+        host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
+        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host)
         # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
         params, vocab = [q.params for q in reqs], logits.shape[-1]
         info = BatchSamplingInfo.build(params, vocab, dev)
@@ -281,23 +290,24 @@ class SpecWorker:
         vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
         res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy, keys,
                           min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
-                          want_reach=ctl is not None, generators=[q.generator for q in reqs])
+                          want_reach=ctl is not None, generators=[q.generator for q in reqs],
+                          greedy_only=info.greedy_only)
         t.lap("verify")
-        out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context)
+        out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context,
+                     placed=host.tokens)
         if want_lp:
             attach_logprobs(reqs, res, logits, out)
         t.lap("commit")
         t.steps += 1
-        n_used = tree.num_nodes.cpu()  # [bs]
-        for o, n in zip(out, n_used.tolist(), strict=True):
+        for o, n in zip(out, n_used.tolist(), strict=True):  # nodes per tree: the host's
             o.budget = n
         if ctl is not None:  # the (ragged) verify forward ran bs + sum(nodes) tokens
             reach = res.node_reach.cpu().numpy()  # [bs, D] sampled rows: expected, not one draw of the coins
             if self.suffix is not None and tree.sources is not None:  # each request's own suffix record
-                mine = tree.sources.cpu().numpy() == SUFFIX  # [bs, D]
-                q = np.exp(tree.node_logws.cpu().numpy().astype(np.float64)) * mine  # [bs, D]
+                mine = tree.numpy("sources") == SUFFIX  # [bs, D]
+                q = np.exp(tree.numpy("node_logws").astype(np.float64)) * mine  # [bs, D]
                 self.suffix.observe([q_.rid for q_ in reqs], (reach * mine).sum(1), q.sum(1))
-            ctl.record(n_used.numpy(), tree, reach[:, 1:].sum(1), sampled, bs, bs + int(n_used.sum()),
+            ctl.record(n_used, tree, reach[:, 1:].sum(1), sampled, bs, bs + int(n_used.sum()),
                        draft_s, t.now() - built_at, reach)
         return out
 
@@ -349,8 +359,9 @@ class SpecWorker:
             suffix = tag(suffix, SUFFIX) if suffix.counts.any() else None
         return r.tp.broadcast_object(suffix)
 
-    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
-        """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]."""
+    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int) -> torch.Tensor:
+        """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]; ``max_cached``: the
+        largest root position (the host's, so no size is read back)."""
         r, bsz, bs = self.runner, self.block_size, idx.shape[0]
         self.flush_context()
         block = r.slots.place_block(idx, cached, bsz)  # [bs, B] temporary slots for the block's own K/V
@@ -360,29 +371,37 @@ class SpecWorker:
         ids[:, 0] = roots
         fb = build_forward_batch(
             ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.slots.table,
-            idx, cached, torch.full((bs,), bsz), tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool),
-            input_embeds=r.model.embed(ids.view(-1)), dense_mask=getattr(self.drafter, "reads_attn_mask", True))
+            idx, cached, torch.full((bs,), bsz, device=r.device),
+            tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool, device=r.device),
+            input_embeds=r.model.embed(ids.view(-1)), dense_mask=getattr(self.drafter, "reads_attn_mask", True),
+            host=HostShape(bs * bsz, bsz, max_cached + bsz))
         hidden = self.drafter(fb, self.draft_kv, self.draft_backend).view(bs, bsz, -1)  # [bs, B, H]
         r.slots.free(slots)
         return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
 
-    def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor):
+    def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
+                        host: HostShape | None = None):
         """Target forward over every used tree slot (root included) with the ancestor-only mask: ragged, a
         request with fewer nodes than the widest tree costs only its own tokens. Returns logits and captured
         features in the padded ``[bs, D]`` layout (rows of unused slots are zero and no link reaches them)
-        and the KV slots ``[bs, D]`` (-1 for unused slots)."""
+        and the KV slots ``[bs, D]`` (-1 for unused slots). ``host``: the forward's sizes as the host knows them
+        (tokens, D, the longest context); None reads them back."""
         r = self.runner
         bs, d = tree.candidates.shape
         lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
-        used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
-        dest = used.view(-1).nonzero().squeeze(1)  # [T] padded rows of the used slots: the one read before launch
+        if host is None:
+            used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
+            dest = used.view(-1).nonzero().squeeze(1)  # [T] padded rows of the used slots
+        else:
+            dest = flat_rows(lens, d, host.tokens)  # [T] the same rows, no read back
         positions = tree.positions.view(-1)[dest]  # [T]
         # [T] row after row at table columns cached[b]..cached[b]+lens[b]-1; DCP: each node on its position's rank
-        flat = r.slots.place(idx, cached, lens, positions=positions)
+        flat = r.slots.place(idx, cached, lens, positions=positions, total=int(dest.shape[0]))
         slots = torch.full((bs * d,), -1, dtype=torch.int64, device=r.device).index_copy_(0, dest, flat)  # [bs*D]
         fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
             ForwardMode.TARGET_VERIFY, tree.candidates.view(-1)[dest], positions, flat, r.slots.table, idx, cached,
-            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask)
+            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask,
+            host=host)
         out = r.forward(fb)
         # scatters by index: a boolean-mask assignment here would synchronise while the forward runs
         rows = r.logits(out.hidden)  # [T, V]

@@ -122,9 +122,11 @@ def verify_info(
     min_p: torch.Tensor | None,
     vocab: int,
     device: torch.device,
+    greedy_only: bool | None = None,
 ) -> BatchSamplingInfo:
     """The sampler's per-request parameters from verification's tensors (``top_k <= 0`` or past the
-    vocabulary: off; temperature of greedy rows unused)."""
+    vocabulary: off; temperature of greedy rows unused). ``greedy_only``: every row greedy, as the host knows it
+    (None: read back when asked)."""
     greedy = is_greedy.to(device=device, dtype=torch.bool)  # [bs]
     temp = temperature.to(device=device, dtype=torch.float32)  # [bs]
     k = top_k.to(device=device, dtype=torch.int64)  # [bs]
@@ -135,6 +137,7 @@ def verify_info(
         min_p=torch.zeros(len(greedy), device=device) if min_p is None else min_p.to(device=device,
                                                                                        dtype=torch.float32),
         is_greedy=greedy,
+        greedy_only=greedy_only,
     )
 
 
@@ -219,6 +222,7 @@ def verify_tree(
     penalties: BatchPenalties | None = None,
     want_reach: bool = False,
     generators: Sequence[torch.Generator | None] | None = None,
+    greedy_only: bool | None = None,
 ) -> VerifyResult:
     """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification; with thresholds
     1, sampled rows give plain decoding's tokens for the same seed).
@@ -237,11 +241,11 @@ def verify_tree(
     if target_logits.shape[:2] != (bs, d):
         raise ValueError(f"target_logits {tuple(target_logits.shape)} does not match tree [{bs}, {d}]")
     dev = target_logits.device
-    s = 1 + (int(tree.depths.max()) if tree.depths.numel() else 0)
+    s = 1 + (tree.max_depth if tree.max_depth is not None else int(tree.depths.max()) if tree.depths.numel() else 0)
     predicts = torch.full((bs * d,), -1, dtype=torch.int32, device=dev)  # [bs*D]
     accept_index = torch.full((bs, s), -1, dtype=torch.int32, device=dev)  # [bs, S], global rows
     accept_num = torch.zeros(bs, dtype=torch.int32, device=dev)  # [bs]
-    info = verify_info(temperature, top_k, top_p, is_greedy, min_p, target_logits.shape[-1], dev)
+    info = verify_info(temperature, top_k, top_p, is_greedy, min_p, target_logits.shape[-1], dev, greedy_only)
     logits = apply_tree_penalties(
         target_logits, penalties, tree.candidates, tree.tree_mask, tree.parents >= 0
     )  # [bs, D, V] processed (target_logits itself without penalties)
