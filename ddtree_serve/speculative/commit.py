@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ddtree_serve.model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.read_back import read_back
 from ddtree_serve.model_executor.sampler import token_logprobs
 from ddtree_serve.model_executor.sampling_params import find_stop
 from ddtree_serve.model_executor.uploads import upload
@@ -29,17 +30,18 @@ if TYPE_CHECKING:
 def commit(r: ModelRunner, reqs: Sequence[SpecRequest], tree: DraftTree, res: VerifyResult, idx: torch.Tensor,
            cached: torch.Tensor, tree_slots: torch.Tensor, captured: torch.Tensor | None, eos_ids: tuple[int, ...],
            write_context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-           placed: int | None = None) -> list[DecodeResult]:
+           placed: int | None = None, paths: tuple[np.ndarray, np.ndarray] | None = None) -> list[DecodeResult]:
     """Unified commit for greedy and sampled verification: keep the KV of the root and the accepted
     nodes (path order) up to a stop, free every other tree slot, feed the kept nodes' hidden states
     to the drafter's context (``write_context``; ``captured`` None: no drafter), and return the emitted tokens
     with the accepted suffix-draft nodes counted. ``placed``: the tree slots the verify forward placed in all
-    (roots included), as the host knows them; then the step's one read back is that of the accepted paths."""
+    (roots included), as the host knows them. ``paths``: ``accept_length`` [bs] and ``emitted_tokens`` [bs, S] as
+    the step already read them back (``read_back``); None reads them here (one read)."""
     bs, d = tree_slots.shape
-    both = torch.cat([res.accept_length.to(torch.int64)[:, None], res.emitted_tokens.to(torch.int64)], dim=1)
-    both = both.tolist()  # [bs, 1 + S]: the accepted lengths and tokens, one read back
-    acc = [row[0] for row in both]
-    emitted = [row[1:] for row in both]
+    if paths is None:
+        paths = tuple(read_back(res.accept_length, res.emitted_tokens))
+    acc = paths[0].tolist()
+    emitted = paths[1].tolist()
     keep = []
     results = []
     for b, q in enumerate(reqs):  # per-request stop scan over at most S tokens

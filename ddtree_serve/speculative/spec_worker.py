@@ -43,6 +43,7 @@ from ddtree_serve.model_executor.model_runner import (
 from ddtree_serve.model_executor.models.dflash import check_target_layers, drafter_group
 from ddtree_serve.model_executor.penalties import BatchPenalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
+from ddtree_serve.model_executor.read_back import read_back
 from ddtree_serve.model_executor.sampler import BatchSamplingInfo, sample_requests
 from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
@@ -293,8 +294,10 @@ class SpecWorker:
                           want_reach=ctl is not None, generators=[q.generator for q in reqs],
                           greedy_only=info.greedy_only)
         t.lap("verify")
+        # the step's one read of its results: accepted paths and tokens (and the controller's reach)
+        read = read_back(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []))
         out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context,
-                     placed=host.tokens)
+                     placed=host.tokens, paths=(read[0], read[1]))
         if want_lp:
             attach_logprobs(reqs, res, logits, out)
         t.lap("commit")
@@ -302,7 +305,7 @@ class SpecWorker:
         for o, n in zip(out, n_used.tolist(), strict=True):  # nodes per tree: the host's
             o.budget = n
         if ctl is not None:  # the (ragged) verify forward ran bs + sum(nodes) tokens
-            reach = res.node_reach.cpu().numpy()  # [bs, D] sampled rows: expected, not one draw of the coins
+            reach = read[2]  # [bs, D] sampled rows: expected, not one draw of the coins
             if self.suffix is not None and tree.sources is not None:  # each request's own suffix record
                 mine = tree.numpy("sources") == SUFFIX  # [bs, D]
                 q = np.exp(tree.numpy("node_logws").astype(np.float64)) * mine  # [bs, D]
