@@ -57,13 +57,21 @@ def graph_batch_sizes(max_bs: int) -> tuple[int, ...]:
 GraphKey = tuple[ForwardMode, int, tuple[int, ...], int]  # (mode, q, capture_layer_ids, padded batch size)
 
 
+def auto_verify_widths(max_budget: int) -> tuple[int, ...]:
+    """Tree widths (nodes + root) the adaptive budget's verify forwards are padded to, so they replay a graph:
+    2, 3, 5, 9, 17, ... up to ``max_budget + 1``, and ``max_budget + 1`` itself (docs/DESIGN.md 4.17)."""
+    widths = {w for w in (2 ** i + 1 for i in range(0, 12)) if w <= max_budget + 1} | {max_budget + 1}
+    return tuple(sorted(w for w in widths if w >= 2))
+
+
 def serving_graph_keys(batch_sizes: tuple[int, ...], layer_ids: tuple[int, ...], budget: int | None,
-                       max_verify_tokens: int | None = None) -> list[GraphKey]:
+                       max_verify_tokens: int | None = None, auto: bool = False) -> list[GraphKey]:
     """The graphs a server replays: DECODE (q 1) at every padded size, and with speculation (``budget``: the
     worker's tree budget, the maximum for ``auto``) TARGET_VERIFY at ``q = step budget + 1`` of every batch
     that pads to each size: a full tree per request, the budget lowered by ``memory.step_budget`` where
-    ``bs x (budget + 1)`` would pass ``max_verify_tokens``. Trees of other sizes (ragged, or cut short near
-    ``max_tokens``) run eagerly. ``layer_ids``: the target layers the drafter reads (``()`` without one)."""
+    ``bs x (budget + 1)`` would pass ``max_verify_tokens``; with ``auto``, every width of ``auto_verify_widths``
+    whose padded batch fits ``max_verify_tokens`` (the adaptive budget's trees are padded to the next one). Trees
+    of other sizes run eagerly. ``layer_ids``: the target layers the drafter reads (``()`` without one)."""
     from ddtree_serve.model_executor.memory import step_budget
 
     keys: list[GraphKey] = [(ForwardMode.DECODE, 1, layer_ids, b) for b in batch_sizes]
@@ -71,11 +79,23 @@ def serving_graph_keys(batch_sizes: tuple[int, ...], layer_ids: tuple[int, ...],
         return keys
     lo = 0
     for pad in batch_sizes:
-        qs = {(budget if max_verify_tokens is None else step_budget(budget, b, max_verify_tokens)) + 1
-              for b in range(lo + 1, pad + 1)}
+        if auto:
+            qs = {w for w in auto_verify_widths(budget) if max_verify_tokens is None or pad * w <= max_verify_tokens}
+        else:
+            qs = {(budget if max_verify_tokens is None else step_budget(budget, b, max_verify_tokens)) + 1
+                  for b in range(lo + 1, pad + 1)}
         keys += [(ForwardMode.TARGET_VERIFY, q, layer_ids, pad) for q in sorted(qs) if q >= 2]
         lo = pad
     return keys
+
+
+def verify_widths(keys: list[GraphKey]) -> dict[int, tuple[int, ...]]:
+    """Per padded batch size, the tree widths (tokens per request) of ``keys``' verify graphs, ascending."""
+    out: dict[int, set[int]] = {}
+    for mode, q, _, pad in keys:
+        if mode == ForwardMode.TARGET_VERIFY:
+            out.setdefault(pad, set()).add(q)
+    return {pad: tuple(sorted(qs)) for pad, qs in sorted(out.items())}
 
 
 def check_graphable(config: ModelConfig) -> None:

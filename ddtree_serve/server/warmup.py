@@ -62,7 +62,8 @@ def warm_up(scheduler, kernel_shapes: bool | None = None) -> WarmupReport:  # no
     runner, spec = scheduler.runner, scheduler.spec
     budget = spec.budget if spec is not None else None
     layer_ids = spec.capture_layer_ids if spec is not None else ()
-    graphs = _capture_graphs(runner, layer_ids, budget, spec.max_verify_tokens if spec is not None else None)
+    graphs = _capture_graphs(runner, layer_ids, budget, spec.max_verify_tokens if spec is not None else None,
+                             spec is not None and spec.auto)
     if kernel_shapes is None:
         kernel_shapes = runner.device.type == "cuda" and runs_triton(runner.config)
     shapes = run_kernel_shapes(runner, layer_ids, budget) if kernel_shapes else ()
@@ -102,14 +103,14 @@ def warm_up(scheduler, kernel_shapes: bool | None = None) -> WarmupReport:  # no
 
 
 def _capture_graphs(runner, layer_ids: tuple[int, ...], budget: int | None,  # noqa: ANN001 - a ModelRunner
-                    max_verify_tokens: int | None) -> int:
+                    max_verify_tokens: int | None, auto: bool = False) -> int:
     """Capture every CUDA graph serving replays, then freeze the runner; the number captured."""
     if runner.graphs is None:
         return 0
     from ddtree_serve.model_executor.cuda_graph_runner import serving_graph_keys
 
     t0 = time.perf_counter()
-    keys = serving_graph_keys(runner.graphs.batch_sizes, layer_ids, budget, max_verify_tokens)
+    keys = serving_graph_keys(runner.graphs.batch_sizes, layer_ids, budget, max_verify_tokens, auto)
     with torch.inference_mode():
         n = runner.graphs.capture(keys)
     runner.graphs.freeze()

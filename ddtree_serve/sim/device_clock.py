@@ -36,6 +36,8 @@ class StepCounters:
     syncs: list[SyncEvent] = field(default_factory=list)
     launches: int = 0  # eager kernels (a forward's own count included) and graph replays
     forwards: int = 0
+    eager_forwards: int = 0  # forwards launched kernel by kernel (no graph)
+    target_forwards: int = 0
 
     @property
     def in_window(self) -> int:
@@ -69,12 +71,14 @@ class DeviceClock:
         self.offset -= seconds
         self.refunded_s += seconds
 
-    def launch(self, seconds: float, kernels: int, graphed: bool) -> None:
+    def launch(self, seconds: float, kernels: int, graphed: bool, target: bool = True) -> None:
         """Queue a forward of ``seconds`` device time behind what is queued; the host pays its launches: one
-        graph replay, or ``kernels`` eager launches."""
+        graph replay, or ``kernels`` eager launches. ``target``: the target's forward (else the drafter's)."""
         self.charge(self.cost.graph_launch_us * 1e-6 if graphed else kernels * self.cost.launch_us * 1e-6)
         self.counters.launches += 1 if graphed else kernels
         self.counters.forwards += 1
+        self.counters.eager_forwards += not graphed
+        self.counters.target_forwards += target
         self.busy_until = max(self.busy_until, self.now()) + seconds
         self.window_open = True
         self.device_s += seconds

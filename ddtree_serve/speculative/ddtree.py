@@ -210,30 +210,39 @@ def assemble_tree(
     root_tokens: torch.Tensor,
     seq_lens: torch.Tensor,
     device: torch.device | str,
+    width: int | None = None,
 ) -> DraftTree:
     """The retrieve-buffer tree of the first ``min(budgets[b], counts[b])`` pops of each request
-    (budgets [bs] int64 >= 0; a prefix of the pop order is itself the optimal tree of that size)."""
+    (budgets [bs] int64 >= 0; a prefix of the pop order is itself the optimal tree of that size). ``width``: D
+    at least this (unused slots pad every request to it: a captured graph's width)."""
     bs = int(popped.counts.shape[0])
     n_used = np.minimum(np.asarray(budgets.tolist(), dtype=np.int64).reshape(bs), popped.counts)  # [bs]
-    d = 1 + (int(n_used.max()) if bs else 0)
+    d = max(1 + (int(n_used.max()) if bs else 0), width or 0)
     used = np.arange(d - 1)[None, :] < n_used[:, None]  # [bs, D-1]
+
+    def col(a: np.ndarray, fill: float) -> np.ndarray:  # [bs, D-1] the pops' first D-1 columns, padded with fill
+        out = np.full((bs, d - 1), fill, dtype=a.dtype)
+        w = min(d - 1, a.shape[1])
+        out[:, :w] = a[:, :w]
+        return out
+
     tokens = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
     parents = np.full((bs, d), -1, dtype=np.int64)  # [bs, D]
     depths = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
     logws = np.full((bs, d), _NEG_INF, dtype=np.float64)  # [bs, D]
     logws[:, 0] = 0.0
-    tokens[:, 1:] = np.where(used, popped.tokens[:, : d - 1], 0)
-    parents[:, 1:] = np.where(used, popped.parents[:, : d - 1], -1)
-    depths[:, 1:] = np.where(used, popped.depths[:, : d - 1], 0)
-    logws[:, 1:] = np.where(used, popped.logws[:, : d - 1], _NEG_INF)
+    tokens[:, 1:] = np.where(used, col(popped.tokens, 0), 0)
+    parents[:, 1:] = np.where(used, col(popped.parents, -1), -1)
+    depths[:, 1:] = np.where(used, col(popped.depths, 0), 0)
+    logws[:, 1:] = np.where(used, col(popped.logws, _NEG_INF), _NEG_INF)
 
     sources = match_lens = None
     if popped.sources is not None:
         sources = np.full((bs, d), -1, dtype=np.int64)  # [bs, D]
-        sources[:, 1:] = np.where(used, popped.sources[:, : d - 1], -1)
+        sources[:, 1:] = np.where(used, col(popped.sources, -1), -1)
     if popped.match_lens is not None:
         match_lens = np.zeros((bs, d), dtype=np.int64)  # [bs, D]
-        match_lens[:, 1:] = np.where(used, popped.match_lens[:, : d - 1], 0)
+        match_lens[:, 1:] = np.where(used, col(popped.match_lens, 0), 0)
 
     dev = torch.device(device)  # the host arrays go up asynchronously (no sync: model_executor/uploads.py)
     candidates = upload(torch.as_tensor(tokens), dev)  # [bs, D]

@@ -88,6 +88,7 @@ class SpecWorker:
         self.tree_depth = max(self.depth_limit, suffix.max_depth if suffix is not None else 0)  # any source's
         self.accept_thresholds = accept_thresholds
         self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
+        self.verify_widths: dict[int, tuple[int, ...]] = {}  # padded batch size -> captured tree widths ({}: ragged)
         self.capture_layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.draft_kv: KVCache | None = None
         self.draft_backend = None
@@ -163,6 +164,21 @@ class SpecWorker:
             logger.warning("speculative accept thresholds single=%g acc=%g are below 1: sampled verification is "
                            "LOSSY (outputs no longer follow the target distribution)", *thresholds)
         return cls(settings.algorithm, drafter, budget, bsz, runner, max_budget, thresholds, suffix=suffix)
+
+    def pad_trees_to(self, widths: dict[int, tuple[int, ...]]) -> None:
+        """Pad a verify forward to the smallest captured width (nodes + root per request) of its padded batch size
+        (``widths``: padded batch size -> widths, ``cuda_graph_runner.verify_widths``) that holds its widest tree,
+        so it replays a captured CUDA graph (docs/DESIGN.md 4.17): the padding slots are the tree's unused slots
+        (no link reaches them, never accepted), run through the forward and freed by the commit. A step with no
+        such width, or whose padded trees would pass its verify cap, stays ragged (eager)."""
+        self.verify_widths = dict(widths)
+
+    def _padded_width(self, bs: int, width: int, cap: int | None) -> int | None:
+        pad_bs = next((b for b in self.verify_widths if b >= bs), None)
+        if pad_bs is None:
+            return None
+        w = next((w for w in self.verify_widths[pad_bs] if w >= width), None)
+        return None if w is None or (cap is not None and bs * w > cap) else w
 
     @property
     def max_step_tokens(self) -> int:
@@ -272,13 +288,17 @@ class SpecWorker:
         n_used = np.minimum(budgets.numpy(), popped.counts)  # [bs] nodes per tree (the host's: assemble_tree's)
         if not (n_used > 0).any():  # every tree is its root alone
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
-        tree = assemble_tree(popped, budgets, roots, cached, dev)
+        pad = self._padded_width(bs, 1 + int(n_used.max()), cap)  # a captured width, or None: ragged
+        tree = assemble_tree(popped, budgets, roots, cached, dev, width=pad)
         t.lap("build")
         built_at = t.now() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
         draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
-        longest = max(p + n + 1 for p, n in zip(root_pos, n_used.tolist(), strict=True))  # cached + tree tokens
-        host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
-        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host)
+        if pad is not None:  # every request's tree padded to ``pad`` slots
+            host = HostShape(bs * pad, pad, max(root_pos) + pad)
+        else:
+            longest = max(p + n + 1 for p, n in zip(root_pos, n_used.tolist(), strict=True))  # cached + tree tokens
+            host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
+        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, padded=pad is not None)
         # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
         params, vocab = [q.params for q in reqs], logits.shape[-1]
         info = BatchSamplingInfo.build(params, vocab, dev)
@@ -310,7 +330,7 @@ class SpecWorker:
                 mine = tree.numpy("sources") == SUFFIX  # [bs, D]
                 q = np.exp(tree.numpy("node_logws").astype(np.float64)) * mine  # [bs, D]
                 self.suffix.observe([q_.rid for q_ in reqs], (reach * mine).sum(1), q.sum(1))
-            ctl.record(n_used, tree, reach[:, 1:].sum(1), sampled, bs, bs + int(n_used.sum()),
+            ctl.record(n_used, tree, reach[:, 1:].sum(1), sampled, bs, host.tokens,
                        draft_s, t.now() - built_at, reach)
         return out
 
@@ -383,15 +403,20 @@ class SpecWorker:
         return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
-                        host: HostShape | None = None):
+                        host: HostShape | None = None, padded: bool = False):
         """Target forward over every used tree slot (root included) with the ancestor-only mask: ragged, a
         request with fewer nodes than the widest tree costs only its own tokens. Returns logits and captured
         features in the padded ``[bs, D]`` layout (rows of unused slots are zero and no link reaches them)
         and the KV slots ``[bs, D]`` (-1 for unused slots). ``host``: the forward's sizes as the host knows them
-        (tokens, D, the longest context); None reads them back."""
+        (tokens, D, the longest context); None reads them back. ``padded``: every slot runs, unused ones too (a
+        uniform width that replays a captured graph; their outputs are never read, their slots freed by the
+        commit)."""
         r = self.runner
         bs, d = tree.candidates.shape
-        lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
+        if padded:
+            lens = torch.full((bs,), d, dtype=torch.int64, device=r.device)  # [bs] every slot
+        else:
+            lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
         if host is None:
             used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
             dest = used.view(-1).nonzero().squeeze(1)  # [T] padded rows of the used slots

@@ -176,7 +176,7 @@ class SimulatedDrafter(nn.Module):
         bs = ids.shape[0]
         with self.tracker.modelled():  # the forward's cost and synthetic outputs stand for the device's
             cost = self.clock.cost
-            self.clock.launch(cost.draft_s(bs * bsz, bs * (bsz - 1)), cost.draft_kernels, False)
+            self.clock.launch(cost.draft_s(bs * bsz, bs * (bsz - 1)), cost.draft_kernels, False, target=False)
             return self._draft_hidden(ids, fb.positions.view(bs, bsz)[:, 0])
 
     def _draft_hidden(self, ids: torch.Tensor, pos0: torch.Tensor) -> torch.Tensor:

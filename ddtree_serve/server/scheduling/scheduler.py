@@ -110,6 +110,12 @@ class Scheduler:
         if spec is not None:
             spec.allocate_kv()
             spec.max_verify_tokens = self.workspace.max_verify_tokens
+            if self.runner.graph_batch_sizes:  # trees padded to the captured widths (docs/DESIGN.md 4.17)
+                from ddtree_serve.model_executor.cuda_graph_runner import serving_graph_keys, verify_widths
+
+                spec.pad_trees_to(verify_widths(serving_graph_keys(
+                    self.runner.graph_batch_sizes, spec.capture_layer_ids, spec.budget, spec.max_verify_tokens,
+                    spec.auto)))
 
     # ---------------------------------------------------------------- requests in / out
     def add_request(self, req: GenerateReq) -> None:
