@@ -195,6 +195,18 @@ class DFlashDraftModel(nn.Module):
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, rope_parameters(cfg), cfg.get("max_position_embeddings", 4096))
 
+    def configure(self, draft_window: int | None, rope_attention_factor: float | None) -> None:
+        """Serving settings: ``draft_window`` caps every layer's context at the last N tokens
+        (``--speculative-dflash-draft-window-size``); ``rope_attention_factor`` replaces the YaRN attention factor
+        derived from the config (``--speculative-dflash-rope-attention-factor``; ValueError for another rope)."""
+        self.draft_window = draft_window
+        if rope_attention_factor is not None:
+            rope_type = rope_parameters(self.config.hf)["rope_type"]
+            if rope_type != "yarn":
+                raise ValueError(f"speculative_dflash_rope_attention_factor needs a drafter with YaRN rope; this "
+                                 f"drafter's rope_type is {rope_type!r}")
+            self.rotary.attention_factor = float(rope_attention_factor)
+
     def kv_cache_layout(self) -> KVCacheLayout:
         a = self.layers[0].self_attn
         return KVCacheLayout(len(self.layers), a.local_kv, a.head_dim, a.head_dim)
