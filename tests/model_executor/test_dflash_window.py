@@ -145,9 +145,14 @@ def test_draft_window_cap(name: str):
     model.draft_window = 2
     feats, embeds = inputs()
     paged = paged_draft(model, feats, embeds)
-    for r in range(len(LENS)):
+    for r, n in enumerate(LENS):
         ref = reference(model, feats[r], embeds[r], list(model.attention_kinds), cap=2)
         torch.testing.assert_close(paged[r], ref, atol=1e-4, rtol=1e-4)
+        with torch.no_grad():  # the dense path (offline evaluation) applies the same cap
+            dense = model.forward_train(feats[r][None], torch.arange(n)[None], embeds[r][None],
+                                        torch.arange(n, n + BLOCK)[None], torch.ones(1, BLOCK, n + BLOCK,
+                                                                                     dtype=torch.bool))[0]
+        torch.testing.assert_close(dense, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_config_resolution_and_refusals():

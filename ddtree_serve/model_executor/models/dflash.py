@@ -261,7 +261,8 @@ class DFlashDraftModel(nn.Module):
         block_embeds [b, Q, H], block_positions [b, Q], attn_mask [b, Q, S + Q] bool (query i may see
         key j; keys are the S context tokens then the Q block tokens; with a convolution, Q = N blocks of
         ``block_size`` laid out one after another). Each layer ANDs its window and causality terms
-        (``dflash_window.visibility`` over the given positions) into ``attn_mask``. Returns [b, Q, H] final-normed."""
+        (``dflash_window.visibility`` over the given positions) into ``attn_mask``; ``draft_window`` (then Q must
+        be whole blocks of ``block_size``) hides context before each block's anchor - N. Returns [b, Q, H] final-normed."""
         b, s = ctx_positions.shape
         q_len, blk = block_positions.shape[1], self.block_size
         if self.conv_kernel_size and q_len % blk:
@@ -271,6 +272,12 @@ class DFlashDraftModel(nn.Module):
         cs_blk = self.rotary.cos_sin(block_positions.reshape(-1))
         h = block_embeds.to(self.fc.weight.dtype).reshape(b * q_len, -1)  # [b*Q, H]
         key_pos = torch.cat([ctx_positions, block_positions], 1)  # [b, S+Q]
+        if self.draft_window is not None:  # the cap: context keys at >= anchor - N (blocks of block_size)
+            if q_len % blk:
+                raise ValueError(f"draft_window needs whole blocks of {blk}; got {q_len} block tokens")
+            anchor = block_positions.view(b, -1, blk)[:, :, :1].expand(-1, -1, blk).reshape(b, q_len)  # [b, Q]
+            near = ctx_positions[:, None, :] >= anchor[:, :, None] - self.draft_window  # [b, Q, S]
+            attn_mask = attn_mask & torch.cat([near, near.new_ones(b, q_len, q_len)], 2)
         masks = {spec: attn_mask & visibility(block_positions, key_pos, spec)  # [b, Q, S+Q]
                  for spec in set(self.attention_kinds)}
         for layer, spec in zip(self.layers, self.attention_kinds, strict=True):
