@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ddtree_serve.model_executor.models.dflash_keys import unimplemented_keys
 from ddtree_serve.server.config import ServerConfig, SpeculativeArgs, flat_name, is_default_path
 
 
@@ -78,6 +79,8 @@ def check_drafter(path: str, target_path: str) -> None:
         if problem is None and (selector or "DFlash2DraftModel" in (cfg.get("architectures") or [])):
             problem = ("is a DFlash2 drafter with a candidate selector, which is not supported (DDTree needs "
                        "independent per-depth distributions)")
+        elif problem is None and (bad := unimplemented_keys(cfg)):  # models/dflash_keys.py
+            problem = f"declares {', '.join(bad)}, which change(s) the drafter's math and is not implemented"
         elif problem is None and not set(drafters) & set(cfg.get("architectures") or []):
             problem = f"is not a DFlash drafter (config.json architectures {cfg.get('architectures')})"
         elif problem is None and "mask_token_id" not in (cfg.get("dflash_config") or {}):

@@ -54,6 +54,7 @@ from ddtree_serve.model_executor.models.dflash_conv import (
     conv_prepare,
     conv_settings,
 )
+from ddtree_serve.model_executor.models.dflash_keys import check_implemented
 from ddtree_serve.model_executor.models.dflash_window import (
     DraftAttention,
     layer_attention,
@@ -176,6 +177,7 @@ class DFlashDraftModel(nn.Module):
         cfg, dtype = config.hf, config.dtype
         what = f"the DFlash drafter at {config.path or '(in-memory config)'}"
         check_no_candidate_selector(cfg, what)
+        check_implemented(cfg, what)  # no other math-changing key this class does not implement (dflash_keys.py)
         self.attention_kinds = layer_attention(cfg, what)  # per layer: sliding window, block causality
         self.draft_window: int | None = None  # --speculative-dflash-draft-window-size: context cap, every layer
         self.config, self.tp, self.dtype = config, tp, dtype
