@@ -97,13 +97,15 @@ def check_drafter(path: str, target_path: str) -> None:
 
 def check_source_settings(spec: SpeculativeArgs) -> None:
     """A setting of a draft source that the resolved sources leave out would be accepted and do nothing:
-    ValueError naming it (a drafter path or block size without DFlash, a suffix bound without suffix drafts;
+    ValueError naming it (a drafter path, block size or ``dflash_*`` setting without DFlash, a suffix bound without suffix drafts;
     ``default``, the shipped drafter's name, is the default model's implicit value and passes)."""
     sources = spec.draft_sources.split(",")
     unused = []
     if "dflash" not in sources:
         unused += ["speculative_draft_model_path"] * (not is_default_path(spec.draft_model_path))
         unused += ["speculative_block_size"] * (spec.block_size is not None)
+        unused += [flat_name(SpeculativeArgs, f.name) for f in dataclasses.fields(spec)
+                   if f.name.startswith("dflash_") and getattr(spec, f.name) is not None]
     if "suffix" not in sources:
         unused += [flat_name(SpeculativeArgs, f.name) for f in dataclasses.fields(spec)
                    if f.name.startswith("suffix_") and getattr(spec, f.name) != f.default]
