@@ -38,9 +38,9 @@ KINDS = {  # name -> config keys (2 layers)
 }
 
 
-def make_drafter(overrides: dict, seed: int = 0) -> tuple[DFlashDraftModel, dict]:
+def make_drafter(overrides: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[DFlashDraftModel, dict]:
     cfg = {**drafter_config(TARGET_HF, 2, BLOCK, [1, 3, 4], mask_token_id=96), **overrides}
-    model = DFlashDraftModel(ModelConfig("", cfg, "DFlashDraftModel", (), torch.float32))
+    model = DFlashDraftModel(ModelConfig("", cfg, "DFlashDraftModel", (), dtype))
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         p.data.copy_((1.0 if "norm" in name else 0.0) + (0.3 if "norm" in name else 0.1) * torch.randn(p.shape,
@@ -54,25 +54,31 @@ def inputs(seed: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
                                                                       for _ in LENS])
 
 
-def paged_draft(model: DFlashDraftModel, feats: list[torch.Tensor], embeds: list[torch.Tensor]) -> torch.Tensor:
-    """Write each request's context, then draft all blocks in one TARGET_VERIFY batch -> [bs, B, H]."""
-    kv = KVCache(model.kv_cache_layout(), 256, torch.float32, "cpu")
+def paged_draft(model: DFlashDraftModel, feats: list[torch.Tensor], embeds: list[torch.Tensor],
+                device: str = "cpu", backend=None) -> torch.Tensor:  # noqa: ANN001
+    """Write each request's context, then draft all blocks in one TARGET_VERIFY batch -> [bs, B, H] (on
+    ``device``, through ``backend``: the torch reference by default; the model must be on ``device``)."""
+    kv = KVCache(model.kv_cache_layout(), 256, model.dtype, device)
     alloc = TokenSlotAllocator(256)
     table = torch.zeros(len(feats), 64, dtype=torch.int64)
     for b, f in enumerate(feats):
         slots = alloc.alloc(f.shape[0])
         table[b, : f.shape[0]] = slots
-        model.write_context(f, torch.arange(f.shape[0]), slots, kv)
+        model.write_context(f.to(device), torch.arange(f.shape[0], device=device), slots.to(device), kv)
     prefix = torch.tensor([f.shape[0] for f in feats])
     blk = alloc.alloc(BLOCK * len(feats))
     for b, p in enumerate(prefix.tolist()):
         table[b, p:p + BLOCK] = blk[b * BLOCK:(b + 1) * BLOCK]
     pos = torch.cat([torch.arange(p, p + BLOCK) for p in prefix.tolist()])
-    fb = build_forward_batch(ForwardMode.TARGET_VERIFY, torch.zeros(len(pos), dtype=torch.int64), pos, blk, table,
-                             torch.arange(len(feats)), prefix, torch.full((len(feats),), BLOCK),
-                             tree_mask=torch.ones(len(feats), BLOCK, BLOCK, dtype=torch.bool),
-                             input_embeds=torch.cat(embeds))
-    return model(fb, kv, TorchAttentionBackend()).view(len(feats), BLOCK, -1)
+    with torch.inference_mode():
+        fb = build_forward_batch(ForwardMode.TARGET_VERIFY, torch.zeros(len(pos), dtype=torch.int64, device=device),
+                                 pos.to(device), blk.to(device), table.to(device),
+                                 torch.arange(len(feats), device=device), prefix.to(device),
+                                 torch.full((len(feats),), BLOCK, device=device),
+                                 tree_mask=torch.ones(len(feats), BLOCK, BLOCK, dtype=torch.bool),
+                                 input_embeds=torch.cat(embeds).to(device, model.dtype))
+        out = model(fb, kv, backend or TorchAttentionBackend())
+    return out.view(len(feats), BLOCK, -1)
 
 
 @torch.no_grad()

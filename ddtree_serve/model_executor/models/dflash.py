@@ -280,8 +280,8 @@ class DFlashDraftModel(nn.Module):
             anchor = block_positions.view(b, -1, blk)[:, :, :1].expand(-1, -1, blk).reshape(b, q_len)  # [b, Q]
             near = ctx_positions[:, None, :] >= anchor[:, :, None] - self.draft_window  # [b, Q, S]
             attn_mask = attn_mask & torch.cat([near, near.new_ones(b, q_len, q_len)], 2)
-        masks = {spec: attn_mask & visibility(block_positions, key_pos, spec)  # [b, Q, S+Q]
-                 for spec in set(self.attention_kinds)}
+        masks = {spec: attn_mask if spec == DraftAttention() else attn_mask & visibility(block_positions, key_pos, spec)
+                 for spec in set(self.attention_kinds)}  # [b, Q, S+Q] per layer kind
         for layer, spec in zip(self.layers, self.attention_kinds, strict=True):
             a = layer.self_attn
             kc, vc = a.context_kv(ctx, self.rotary, cs_ctx)  # [b*S, Hkv, d]
