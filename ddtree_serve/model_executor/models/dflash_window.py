@@ -124,5 +124,5 @@ def windowed_batch(fb: ForwardBatch, spec: DraftAttention, cap: int | None) -> F
     tree = None
     if fb.tree_mask is not None:  # the block part of the mask, for backends that read it
         blk = torch.arange(fb.tree_mask.shape[1], device=dev)
-        tree = fb.tree_mask & visibility(blk, blk, DraftAttention(spec.window, spec.causal))
+        tree = fb.tree_mask & visibility(blk, blk, spec)
     return dataclasses.replace(fb, kv_indices=kv_indices, attn_mask=mask, prefix_lens=keep, tree_mask=tree)
