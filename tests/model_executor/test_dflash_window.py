@@ -222,3 +222,23 @@ def test_tp2_windowed_drafter_equals_tp1(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     for r in range(2):
         torch.testing.assert_close(got[r], want, atol=1e-4, rtol=1e-4)
+
+
+def test_dense_blocks_with_windows_and_cap_equal_separate_forwards():
+    """Training's layout (several blocks in one dense forward, objective.block_attention_mask): each block of a
+    windowed, capped drafter equals its own forward over just its prefix (the window and cap follow each
+    block's anchor)."""
+    from ddtree_serve.speculative.train.objective import block_attention_mask
+
+    model, _ = make_drafter(KINDS["zlab_default_causality"], seed=3)
+    model.draft_window = 4
+    g = torch.Generator().manual_seed(2)
+    feats, emb = torch.randn(1, 14, 192, generator=g), torch.randn(1, 2 * BLOCK, 64, generator=g)
+    anchors = torch.tensor([[6, 12]])
+    pos = (anchors[:, :, None] + torch.arange(BLOCK)).reshape(1, -1)
+    with torch.no_grad():
+        both = model.forward_train(feats, torch.arange(14)[None], emb, pos,
+                                   block_attention_mask(anchors, torch.ones(1, 2, dtype=torch.bool), 14, BLOCK))
+        for i, a in enumerate((6, 12)):
+            one = reference(model, feats[0, :a], emb[0, i * BLOCK:(i + 1) * BLOCK], list(model.attention_kinds), 4)
+            torch.testing.assert_close(both[0, i * BLOCK:(i + 1) * BLOCK], one, atol=1e-4, rtol=1e-4)
