@@ -33,7 +33,10 @@ held-out prompts found inside a longer training prompt).
 
     python benchmarks/bench_drafter.py [--drafters shipped,/path/to/drafter] [--prompts 48] [--max-tokens 128]
         [--budget 16] [--batch-sizes 1,8] [--rounds 3] [--round-prompts 8] [--skip-speed] [--train-data DIR]
-        [--threads 1] [--out bench_out/drafter.json]
+        [--threads 1] [--draft-windows none,64,16] [--out bench_out/drafter.json]
+
+``--draft-windows``: the offline tau again with each drafter's context capped at the last N tokens before each
+block (``--speculative-dflash-draft-window-size N``; rows ``drafter@N``; ``none``: no cap).
 """
 
 from __future__ import annotations
@@ -310,8 +313,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="auto", help="the engines' dtype (auto: the server's default)")
     ap.add_argument("--kv-tokens", type=int, default=8192, help="KV pool per engine")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: no spinning on a shared CPU)")
+    ap.add_argument("--draft-windows", default="none",
+                    help="comma-separated context caps for the offline tau ('none': the whole context)")
     ap.add_argument("--out", default="bench_out/drafter.json")
     args = ap.parse_args(argv)
+    windows = [None if w.strip() == "none" else int(w) for w in args.draft_windows.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -338,11 +344,14 @@ def main(argv: list[str] | None = None) -> dict:
         model = load_drafter(path)
         recs = heldout_records(model_path, ids, tuple(model.target_layer_ids), args.max_tokens,
                                Path(args.out).parent / "drafter_records")
-        t = time.perf_counter()
-        res = offline_tau(model, embed, head, recs, cats, args.budget)
-        tau_rows.append({"drafter": d, "prompts": len(recs), **res})
-        print(f"[bench] {d}: offline tau chain {res['tau_chain']:.3f}, ddtree@{args.budget} {res['tau_ddtree']:.3f} "
-              f"over {res['tokens']} tokens ({time.perf_counter() - t:.0f} s)", flush=True)
+        for w in windows:
+            t = time.perf_counter()
+            model.draft_window = w
+            label = d if w is None else f"{d}@{w}"
+            res = offline_tau(model, embed, head, recs, cats, args.budget)
+            tau_rows.append({"drafter": label, "draft_window": w, "prompts": len(recs), **res})
+            print(f"[bench] {label}: offline tau chain {res['tau_chain']:.3f}, ddtree@{args.budget} "
+                  f"{res['tau_ddtree']:.3f} over {res['tokens']} tokens ({time.perf_counter() - t:.0f} s)", flush=True)
     payload["offline"] = tau_rows
     speed_rows: list[dict] = []
     if not args.skip_speed:
@@ -355,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     cat_rows = [{"category": c, **{d["drafter"]: f"{d['per_category'][c]['tau_chain']:.2f} / "
                                                  f"{d['per_category'][c]['tau_ddtree']:.2f}" for d in tau_rows}}
                 for c in dict.fromkeys(cats)]
-    print_table(cat_rows, ["category", *drafters])
+    print_table(cat_rows, ["category", *(r["drafter"] for r in tau_rows)])
     if speed_rows:
         print("\nspeed: default server (ddtree, auto budget, dflash + suffix) vs plain, greedy:")
         print_table(speed_rows, ["drafter", "batch", "rounds", "plain_tok_s", "tok_s", "vs_none", "aa", "tol",

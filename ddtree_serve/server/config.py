@@ -237,6 +237,14 @@ class SpeculativeArgs(Area):
     suffix_min_match: int = setting(2, "Suffix drafts: shortest suffix of the text that may match.", low=1)
     suffix_max_match: int = setting(8, "Suffix drafts: longest suffix matched (the index holds n-grams of "
                                     "min..max match tokens).", low=1, high=64)
+    dflash_draft_window_size: int | None = setting(None, "DFlash drafter: every drafter layer sees at most the last N "
+                                                   "context tokens before the block (SGLang's name; shortens drafter "
+                                                   "attention at long context, may lower acceptance).", low=1,
+                                                   default_help="the whole context (or the layer's own window)")
+    dflash_rope_attention_factor: float | None = setting(None, "DFlash drafter with YaRN rope: the attention factor "
+                                                         "(cos/sin amplitude), replacing the one derived from its "
+                                                         "config (docs/DESIGN.md 4.5).", low=0, low_open=True,
+                                                         default_help="derived as transformers' rope init does")
     suffix_cache_tokens: int = setting(65536, "Suffix drafts: tokens of recent outputs kept in the shared index "
                                        "(oldest evicted first; 0 = the request's own tokens only).", low=0)
 
@@ -389,12 +397,3 @@ def config_fields() -> Iterator[tuple[str, str, type[Area], dataclasses.Field]]:
     for area, klass in area_classes().items():
         for f in dataclasses.fields(klass):
             yield flat_name(klass, f.name), area, klass, f
-
-
-def public_info(config: ServerConfig) -> dict[str, Any]:
-    """Every setting by flat name, for ``GET /get_server_info`` (the API key is withheld), plus
-    ``speculative_lossy``: whether accept thresholds below 1 make sampled verification lossy."""
-    out = {flat: getattr(getattr(config, area), f.name) for flat, area, _, f in config_fields()}
-    out["api_key"] = None if config.server.api_key is None else "(set)"
-    out["speculative_lossy"] = config.speculative.lossy
-    return out

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ddtree_serve.model_executor.default_model import default_model_config_dir, default_model_present
-from ddtree_serve.model_executor.memory import GIB, device_memory
+from ddtree_serve.model_executor.memory import GIB, device_memory, logit_rows_bytes
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_registry import get_model_class
 from ddtree_serve.model_executor.plan import (
@@ -45,6 +45,7 @@ class RankPlan:
     weight_bytes: int
     weight_breakdown: dict[str, int]
     draft_bytes: int
+    draft_kv_bytes: int  # the drafter's KV bytes per token of the pool (inside facts.kv_bytes_per_token)
     facts: ModelFacts
     kv_tokens: int  # what this rank alone could hold
 
@@ -78,7 +79,7 @@ class Plan:
                  f"  weights per rank      {g(r0.weight_bytes)}"]
         lines += [f"    {k:<19} {g(v)}" for k, v in r0.weight_breakdown.items()]
         if r0.draft_bytes:
-            lines.append(f"  drafter per rank      {g(r0.draft_bytes)}")
+            lines += self._drafter_lines()
         lines.append(f"  overhead assumed      {g(self.overhead_bytes)} (CUDA context, kernel workspaces)")
         for r in self.ranks[1:]:
             lines.append(f"  rank {r.rank}: weights {r.weight_bytes / GIB:.2f} GiB, {r.facts.kv_bytes_per_token} B "
@@ -93,6 +94,24 @@ class Plan:
                      f"{self.sizing.kv.tokens} tokens")
         return "\n".join(lines)
 
+    def drafter_share(self) -> dict[str, int]:
+        """Rank 0's memory for the drafter: weights, its KV cache in the pool (bytes per token x pool tokens:
+        one slot per target slot, never split by DCP), its drafted rows in the step workspace."""
+        r0, kv = self.ranks[0], self.sizing.kv
+        return {"weights": r0.draft_bytes, "kv_bytes_per_token": r0.draft_kv_bytes,
+                "kv_pool_bytes": r0.draft_kv_bytes * kv.tokens,
+                "workspace_bytes": logit_rows_bytes(self.sizing.workspace.draft_rows, r0.facts.vocab_size)}
+
+    def _drafter_lines(self) -> list[str]:
+        d, per_token = self.drafter_share(), self.ranks[0].facts.kv_bytes_per_token
+        return [f"  drafter per rank      {d['weights'] / GIB:8.2f} GiB weights, "
+                f"{(d['kv_pool_bytes'] + d['workspace_bytes']) / GIB:.2f} GiB of KV pool and workspace",
+                f"    drafter KV          {d['kv_pool_bytes'] / GIB:8.2f} GiB: {d['kv_bytes_per_token']} of "
+                f"{per_token} B per pool token ({100 * d['kv_bytes_per_token'] / per_token:.0f}%; a slot per "
+                "target slot, its own K/V per layer, not split by DCP)",
+                f"    drafter workspace   {d['workspace_bytes'] / GIB:8.2f} GiB: "
+                f"{self.sizing.workspace.draft_rows} drafted rows of logits per step (requests x (block - 1))"]
+
     def as_dict(self) -> dict[str, Any]:
         kv, ws, r0 = self.sizing.kv, self.sizing.workspace, self.ranks[0]
         best = self.best
@@ -105,6 +124,7 @@ class Plan:
                 "device_memory_bytes": kv.total_bytes, "in_use_bytes": kv.used_bytes,
                 "weight_bytes_per_rank": r0.weight_bytes, "weight_breakdown": r0.weight_breakdown,
                 "draft_bytes_per_rank": r0.draft_bytes, "overhead_bytes": self.overhead_bytes,
+                "drafter_share": self.drafter_share() if r0.draft_bytes else None,
                 "kv_bytes_per_token": kv.bytes_per_token, "kv_tokens": kv.tokens, "kv_source": kv.source,
                 "workspace_bytes": ws.bytes, "max_verify_tokens": ws.max_verify_tokens,
                 "nccl_reserve_bytes": kv.reserve.nccl_bytes, "graph_reserve_bytes": kv.reserve.graph_bytes,
@@ -179,8 +199,8 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
                                        resolve_block(spec.block_size, models.drafter) if models.drafter else None)
         kv_bytes = models.target.kv_cache_layout().bytes_per_token(target.kv_dtype)  # fp8 with --kv-cache-dtype
         kv_bytes = -(-kv_bytes // dcp)  # DCP: a rank stores 1/N of the tokens
-        if models.drafter is not None:
-            kv_bytes += models.drafter.kv_cache_layout().bytes_per_token(target.dtype)
+        draft_kv = models.drafter.kv_cache_layout().bytes_per_token(target.dtype) if models.drafter else 0
+        kv_bytes += draft_kv  # the drafter's cache: one slot per pool token, not split by DCP
         layers = len(getattr(models.drafter, "target_layer_ids", ())) if models.drafter is not None else 0
         facts = ModelFacts(target.vocab_size, max_context, kv_bytes, budget, block, target.hidden_size,
                            target.dtype.itemsize, target.hidden_size * layers,
@@ -196,7 +216,8 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
 
         sizing = size_startup_memory(config, facts, m.device, None, probe)
         sizings.append(sizing)
-        ranks.append(RankPlan(models.rank, weights, weight_breakdown(models.target), draft, facts, sizing.kv.tokens))
+        ranks.append(RankPlan(models.rank, weights, weight_breakdown(models.target), draft, draft_kv, facts,
+                              sizing.kv.tokens))
     if len(ranks) > 1 or config.parallel.tp_size > 1:  # rank 0's line with the pool every rank agrees on
         r0 = ranks[0]
         sizing = size_startup_memory(config, r0.facts, m.device,

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ddtree_serve.model_executor.models.dflash_keys import unimplemented_keys
 from ddtree_serve.server.config import ServerConfig, SpeculativeArgs, flat_name, is_default_path
 
 
@@ -78,6 +79,8 @@ def check_drafter(path: str, target_path: str) -> None:
         if problem is None and (selector or "DFlash2DraftModel" in (cfg.get("architectures") or [])):
             problem = ("is a DFlash2 drafter with a candidate selector, which is not supported (DDTree needs "
                        "independent per-depth distributions)")
+        elif problem is None and (bad := unimplemented_keys(cfg)):  # models/dflash_keys.py
+            problem = f"declares {', '.join(bad)}, which change(s) the drafter's math and is not implemented"
         elif problem is None and not set(drafters) & set(cfg.get("architectures") or []):
             problem = f"is not a DFlash drafter (config.json architectures {cfg.get('architectures')})"
         elif problem is None and "mask_token_id" not in (cfg.get("dflash_config") or {}):
@@ -94,13 +97,15 @@ def check_drafter(path: str, target_path: str) -> None:
 
 def check_source_settings(spec: SpeculativeArgs) -> None:
     """A setting of a draft source that the resolved sources leave out would be accepted and do nothing:
-    ValueError naming it (a drafter path or block size without DFlash, a suffix bound without suffix drafts;
+    ValueError naming it (a drafter path, block size or ``dflash_*`` setting without DFlash, a suffix bound without suffix drafts;
     ``default``, the shipped drafter's name, is the default model's implicit value and passes)."""
     sources = spec.draft_sources.split(",")
     unused = []
     if "dflash" not in sources:
         unused += ["speculative_draft_model_path"] * (not is_default_path(spec.draft_model_path))
         unused += ["speculative_block_size"] * (spec.block_size is not None)
+        unused += [flat_name(SpeculativeArgs, f.name) for f in dataclasses.fields(spec)
+                   if f.name.startswith("dflash_") and getattr(spec, f.name) is not None]
     if "suffix" not in sources:
         unused += [flat_name(SpeculativeArgs, f.name) for f in dataclasses.fields(spec)
                    if f.name.startswith("suffix_") and getattr(spec, f.name) != f.default]

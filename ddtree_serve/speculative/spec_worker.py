@@ -151,6 +151,12 @@ class SpecWorker:
             if hasattr(drafter, "share_device"):  # a simulated drafter runs on the target's modelled device
                 drafter.share_device(runner.model)
             check_target_layers(drafter.target_layer_ids, target_config.num_layers, path)
+            window, factor = settings.dflash_draft_window_size, settings.dflash_rope_attention_factor
+            if window is not None or factor is not None:  # DFlashDraftModel.configure (a simulated one refuses)
+                configure = getattr(drafter, "configure", None)
+                if configure is None:
+                    raise ValueError(f"the drafter at {path} takes no dflash window or rope settings")
+                configure(window, factor)
             bsz = resolve_block(settings.block_size, drafter)
         suffix = None
         if "suffix" in sources:

@@ -51,6 +51,12 @@ class SpecSettings(Protocol):
     def block_size(self) -> int | None: ...  # None: the drafter config's
 
     @property
+    def dflash_draft_window_size(self) -> int | None: ...  # None: no cap on the drafter's context
+
+    @property
+    def dflash_rope_attention_factor(self) -> float | None: ...  # None: derived from the drafter's config
+
+    @property
     def accept_threshold_single(self) -> float: ...
 
     @property

@@ -52,8 +52,12 @@ def test_settings_of_an_unused_source_are_errors():
                                    speculative_suffix_max_depth=4, speculative_suffix_cache_tokens=0))
     with pytest.raises(ValueError, match="speculative_draft_model_path set"):
         check_source_settings(spec(speculative_draft_model_path="/d", speculative_draft_sources="suffix"))
+    with pytest.raises(ValueError, match="speculative_dflash_draft_window_size set"):
+        check_source_settings(spec(speculative_dflash_draft_window_size=512))  # the drafter's: no drafter here
     check_source_settings(spec(speculative_draft_model_path="default", speculative_draft_sources="suffix"))
     check_source_settings(spec(speculative_suffix_max_depth=4))  # used: no error
+    check_source_settings(spec(speculative_draft_model_path="/d", speculative_dflash_draft_window_size=512,
+                               speculative_dflash_rope_attention_factor=1.4))
     check_source_settings(spec(speculative_draft_model_path="/d", speculative_block_size=4))
 
 

@@ -32,8 +32,8 @@ PRESETS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 OVERHEAD_GB = 0.25  # memory in use besides the weights (binary-exact, so both sides agree to the byte)
 # What the presets ask of a GPU machine that 2 CPU cores cannot give a test: the CPU device, one rank, a
 # short context, few requests and a fixed budget (the auto budget's start-up probe runs real forwards).
-SMALL = ["--device", "cpu", "--tp-size", "1", "--context-length", "256", "--max-running-requests", "4",
-         "--speculative-ddtree-budget", "6"]
+SMALL = ["--device", "cpu", "--tp-size", "1", "--decode-context-parallel-size", "1", "--context-length", "256",
+         "--max-running-requests", "4", "--speculative-ddtree-budget", "6"]
 
 
 def _parse(module, argv: list[str]) -> argparse.Namespace:

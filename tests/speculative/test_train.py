@@ -306,3 +306,18 @@ def test_shipped_drafter_can_seed_training_for_the_default_target(tmp_path):
         assert t.requires_grad and torch.equal(t.detach(), shipped[name].float()), name
     with pytest.raises(ValueError, match=r"target_layer_ids: drafter \[1, 8, 14, 20, 27\], requested \[2, 9"):
         check_init_drafter(init_drafter_config(path), drafter_config(smollm2, 1, 8, [2, 9, 15, 21, 27], 0), path)
+
+
+def test_init_drafter_keeps_the_seeds_layer_kinds(tiny_data, tmp_path):
+    """A windowed seed (models/dflash_window.py) trains and exports as the windowed drafter it is; growing it
+    in depth is refused."""
+    target, data, *_ = tiny_data
+    train(_tiny_cfg(data, target, tmp_path / "a", steps=2, warmup=1))
+    cfg_path = tmp_path / "a" / "config.json"
+    kinds = {"layer_types": ["sliding_attention"], "use_sliding_window": True, "sliding_window": 3, "is_causal": False}
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **kinds}))
+    train(_tiny_cfg(data, target, tmp_path / "b", steps=2, warmup=1, init_drafter=str(tmp_path / "a")))
+    out = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert {k: out[k] for k in kinds} == kinds
+    with pytest.raises(ValueError, match="growing it to 2 layers"):
+        train(_tiny_cfg(data, target, tmp_path / "c", num_layers=2, init_drafter=str(tmp_path / "a")))

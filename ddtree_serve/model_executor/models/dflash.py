@@ -14,6 +14,12 @@ Two paths share the same weights and math:
   of blocks whose prefix is the committed context and whose block K/V go to temporary slots;
 - dense training: ``forward_train`` over padded tensors with an explicit attention mask.
 
+Layer kinds as the checkpoint declares them (``layer_types``, ``sliding_window``, ``use_sliding_window``,
+``max_window_layers``, ``is_causal``; ``dflash_window.py``): a sliding layer's queries see only the keys within
+its window, a causal layer's block queries only earlier block keys; the paged path reads only a layer's
+visible context, the dense path masks it. ``draft_window`` (``--speculative-dflash-draft-window-size``) caps every
+layer's context.
+
 Optional (``dflash_config.conv_kernel_size`` > 0, DFlash2's convolution without its candidate selector): every
 layer wraps its attention and MLP in a grouped dynamic causal convolution over each block's tokens
 (``dflash_conv.py``); both paths apply it block by block.
@@ -47,6 +53,13 @@ from ddtree_serve.model_executor.models.dflash_conv import (
     conv_finish,
     conv_prepare,
     conv_settings,
+)
+from ddtree_serve.model_executor.models.dflash_keys import check_implemented
+from ddtree_serve.model_executor.models.dflash_window import (
+    DraftAttention,
+    layer_attention,
+    visibility,
+    windowed_batch,
 )
 from ddtree_serve.model_executor.parallel_state import TPGroup
 from ddtree_serve.model_executor.weight_loader import load_named_weights
@@ -162,7 +175,11 @@ class DFlashDraftModel(nn.Module):
             raise ValueError("a DFlash drafter keeps its own unsharded KV cache: decode context parallelism is "
                              "the target's alone (build the drafter in drafter_group's group)")
         cfg, dtype = config.hf, config.dtype
-        check_no_candidate_selector(cfg, f"the DFlash drafter at {config.path or '(in-memory config)'}")
+        what = f"the DFlash drafter at {config.path or '(in-memory config)'}"
+        check_no_candidate_selector(cfg, what)
+        check_implemented(cfg, what)  # no other math-changing key this class does not implement (dflash_keys.py)
+        self.attention_kinds = layer_attention(cfg, what)  # per layer: sliding window, block causality
+        self.draft_window: int | None = None  # --speculative-dflash-draft-window-size: context cap, every layer
         self.config, self.tp, self.dtype = config, tp, dtype
         self.conv_kernel_size, self.conv_group_size = conv_settings(cfg)  # (0, 0): plain DFlash
         dcfg = cfg.get("dflash_config") or {}
@@ -179,6 +196,18 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(hidden, cfg["rms_norm_eps"], dtype)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, rope_parameters(cfg), cfg.get("max_position_embeddings", 4096))
+
+    def configure(self, draft_window: int | None, rope_attention_factor: float | None) -> None:
+        """Serving settings: ``draft_window`` caps every layer's context at the last N tokens
+        (``--speculative-dflash-draft-window-size``); ``rope_attention_factor`` replaces the YaRN attention factor
+        derived from the config (``--speculative-dflash-rope-attention-factor``; ValueError for another rope)."""
+        self.draft_window = draft_window
+        if rope_attention_factor is not None:
+            rope_type = rope_parameters(self.config.hf)["rope_type"]
+            if rope_type != "yarn":
+                raise ValueError(f"speculative_dflash_rope_attention_factor needs a drafter with YaRN rope; this "
+                                 f"drafter's rope_type is {rope_type!r}")
+            self.rotary.attention_factor = float(rope_attention_factor)
 
     def kv_cache_layout(self) -> KVCacheLayout:
         a = self.layers[0].self_attn
@@ -212,13 +241,19 @@ class DFlashDraftModel(nn.Module):
         if self.conv_kernel_size and blk * bs != n_tok:
             raise ValueError(f"DFlash conv drafter needs equal blocks per request: {n_tok} tokens, {bs} requests")
         cos_sin = self.rotary.cos_sin(fb.positions)
-        backend.begin_forward(fb.attention_meta())  # one plan for every layer of this forward
+        kinds: dict[DraftAttention, ForwardBatch] = {}  # one key list and mask per layer kind (dflash_window.py)
+        planned = None
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
+            spec = self.attention_kinds[i]
+            lfb = kinds.get(spec) or kinds.setdefault(spec, windowed_batch(fb, spec, self.draft_window))
+            if lfb is not planned:  # one plan per run of layers of the same kind
+                backend.begin_forward(lfb.attention_meta())
+                planned = lfb
             x, dyn = layer.attention_input(h, blk)  # [T, H]
             q, k, v = a.block_qkv(x, self.rotary, cos_sin)
-            o = backend.forward(q, k, v, kv.k[i], kv.v[i], fb.out_cache_loc, fb.kv_indices, fb.attn_mask,
-                                fb.q_index, a.scale)  # [T, Hq, d]
+            o = backend.forward(q, k, v, kv.k[i], kv.v[i], lfb.out_cache_loc, lfb.kv_indices, lfb.attn_mask,
+                                lfb.q_index, a.scale)  # [T, Hq, d]
             h = layer.mlp_residual(layer.attention_residual(h, a.o_proj(o.reshape(o.shape[0], -1)), dyn, blk), blk)
         return self.norm(h)
 
@@ -227,7 +262,9 @@ class DFlashDraftModel(nn.Module):
         """Dense path (training, no cache). ctx_feats [b, S, n*H_target], ctx_positions [b, S],
         block_embeds [b, Q, H], block_positions [b, Q], attn_mask [b, Q, S + Q] bool (query i may see
         key j; keys are the S context tokens then the Q block tokens; with a convolution, Q = N blocks of
-        ``block_size`` laid out one after another). Returns [b, Q, H] final-normed."""
+        ``block_size`` laid out one after another). Each layer ANDs its window and causality terms
+        (``dflash_window.visibility`` over the given positions) into ``attn_mask``; ``draft_window`` (then Q must
+        be whole blocks of ``block_size``) hides context before each block's anchor - N. Returns [b, Q, H] final-normed."""
         b, s = ctx_positions.shape
         q_len, blk = block_positions.shape[1], self.block_size
         if self.conv_kernel_size and q_len % blk:
@@ -236,7 +273,16 @@ class DFlashDraftModel(nn.Module):
         cs_ctx = self.rotary.cos_sin(ctx_positions.reshape(-1))
         cs_blk = self.rotary.cos_sin(block_positions.reshape(-1))
         h = block_embeds.to(self.fc.weight.dtype).reshape(b * q_len, -1)  # [b*Q, H]
-        for layer in self.layers:
+        key_pos = torch.cat([ctx_positions, block_positions], 1)  # [b, S+Q]
+        if self.draft_window is not None:  # the cap: context keys at >= anchor - N (blocks of block_size)
+            if q_len % blk:
+                raise ValueError(f"draft_window needs whole blocks of {blk}; got {q_len} block tokens")
+            anchor = block_positions.view(b, -1, blk)[:, :, :1].expand(-1, -1, blk).reshape(b, q_len)  # [b, Q]
+            near = ctx_positions[:, None, :] >= anchor[:, :, None] - self.draft_window  # [b, Q, S]
+            attn_mask = attn_mask & torch.cat([near, near.new_ones(b, q_len, q_len)], 2)
+        masks = {spec: attn_mask if spec == DraftAttention() else attn_mask & visibility(block_positions, key_pos, spec)
+                 for spec in set(self.attention_kinds)}  # [b, Q, S+Q] per layer kind
+        for layer, spec in zip(self.layers, self.attention_kinds, strict=True):
             a = layer.self_attn
             kc, vc = a.context_kv(ctx, self.rotary, cs_ctx)  # [b*S, Hkv, d]
             x, dyn = layer.attention_input(h, blk)  # [b*Q, H]
@@ -245,7 +291,7 @@ class DFlashDraftModel(nn.Module):
             vals = torch.cat([vc.view(b, s, a.local_kv, -1), vb.view(b, q_len, a.local_kv, -1)], 1)
             o = F.scaled_dot_product_attention(
                 q.view(b, q_len, a.local_heads, -1).transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=attn_mask[:, None], scale=a.scale, enable_gqa=a.local_kv != a.local_heads,
+                attn_mask=masks[spec][:, None], scale=a.scale, enable_gqa=a.local_kv != a.local_heads,
             )  # [b, Hq, Q, d]
             h = layer.mlp_residual(layer.attention_residual(h, a.o_proj(o.transpose(1, 2).reshape(b * q_len, -1)),
                                                             dyn, blk), blk)

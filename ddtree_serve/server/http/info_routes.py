@@ -3,7 +3,7 @@
 Routers built for SGLang (sglang-router's worker discovery) probe ``/server_info`` and ``/model_info``
 and fall back to the deprecated ``/get_server_info`` / ``/get_model_info`` after a 404; we serve all four.
 The shapes follow SGLang's HTTP server: ``/server_info`` is every setting by flat name plus ``version``
-(ddtree_serve/server/config.py ``public_info``), ``/model_info`` names the model (path, tokenizer path, whether it
+(``public_info``), ``/model_info`` names the model (path, tokenizer path, whether it
 generates, the Hugging Face ``model_type`` and ``architectures``), ``/version`` is ``{"version": ...}``.
 All are open (no API key), like /health.
 """
@@ -18,7 +18,16 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from ddtree_serve.server.config import ServerConfig, public_info
+from ddtree_serve.server.config import ServerConfig, config_fields
+
+
+def public_info(config: ServerConfig) -> dict[str, Any]:
+    """Every setting by flat name, for ``GET /server_info`` (the API key is withheld), plus
+    ``speculative_lossy``: whether accept thresholds below 1 make sampled verification lossy."""
+    out = {flat: getattr(getattr(config, area), f.name) for flat, area, _, f in config_fields()}
+    out["api_key"] = None if config.server.api_key is None else "(set)"
+    out["speculative_lossy"] = config.speculative.lossy
+    return out
 
 
 def server_version() -> str:

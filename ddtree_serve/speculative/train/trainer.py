@@ -30,6 +30,7 @@ from ddtree_serve.speculative.train.warm_start import (
     check_init_drafter,
     load_init_drafter,
     resolve_init_drafter,
+    seed_attention,
 )
 
 
@@ -196,6 +197,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         raise ValueError(f"--conv-kernel-size must be >= 0 (0: off), got {cfg.conv_kernel_size}")
     dcfg = drafter_config(target_hf, cfg.num_layers, cfg.block_size, meta["target_layer_ids"], mask_id,
                           cfg.conv_kernel_size, cfg.conv_group_size, cfg.num_kv_heads)
+    seed = saved or (Path(init) / "config.json" if init else None)  # its layer kinds carry over (warm_start.py)
+    if seed is not None:
+        dcfg = seed_attention(json.loads(seed.read_text()), dcfg, f"the drafter at {seed.parent}")
     if saved is not None:  # resuming under other flags would train the weights as another drafter
         check_init_drafter(json.loads(saved.read_text()), dcfg, f"the drafter being resumed in {out}")
     model = build_drafter(dcfg, device, cfg.seed)

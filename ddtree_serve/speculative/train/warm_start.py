@@ -16,6 +16,11 @@ Adding the convolution (``--conv-kernel-size``, models/dflash_conv.py): a plain 
 whose convolutions start as the identity, so it too starts by computing exactly what the seed computes. A conv
 seed must have the requested kernel and group size, and cannot seed a plain drafter.
 
+Layer kinds (models/dflash_window.py): a seed's sliding-window and causal layers (``layer_types``,
+``use_sliding_window``, ``sliding_window``, ``max_window_layers``, ``is_causal``) carry over to the run, so it trains
+the drafter the seed is (``seed_attention``); such a seed cannot be grown in depth (an added layer's kind would
+be a guess).
+
 Widening the KV heads (``--num-kv-heads``): a seed with fewer KV heads (a divisor of the requested count) seeds
 each new KV head with the seed's head that its query heads read (``k_proj``/``v_proj`` rows repeated, as
 grouped-query attention shares them), so the widened drafter too starts by computing exactly what the seed
@@ -33,6 +38,7 @@ import torch
 
 from ddtree_serve.model_executor.models.dflash import DFlashDraftModel
 from ddtree_serve.model_executor.models.dflash_conv import check_no_candidate_selector, conv_settings
+from ddtree_serve.model_executor.models.dflash_window import DraftAttention, layer_attention
 from ddtree_serve.model_executor.weight_loader import iter_weights, load_named_weights
 
 # config.json fields that fix the drafter's shapes or semantics; (label, key in dflash_config or top level)
@@ -43,6 +49,24 @@ _MATCHED = (("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
             ("head_dim", "head_dim"), ("vocab_size", "vocab_size"), ("num_target_layers", "num_target_layers"),
             ("attention_bias", "attention_bias"), ("conv_kernel_size", "conv_kernel_size"),
             ("conv_group_size", "conv_group_size"))
+
+
+ATTENTION_KEYS = ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers", "is_causal")
+
+
+def seed_attention(seed_cfg: dict[str, Any], want_cfg: dict[str, Any], what: str) -> dict[str, Any]:
+    """``want_cfg`` with the layer kinds of the drafter ``what`` (config ``seed_cfg``: a warm start's seed or the
+    run being resumed): its attention keys replace the requested ones (a plain seed changes nothing). ValueError
+    when a seed with sliding or causal layers would be grown to more layers."""
+    kinds = layer_attention(seed_cfg, what)
+    if all(k == DraftAttention() for k in kinds):
+        return want_cfg
+    if len(kinds) != int(want_cfg["num_hidden_layers"]):
+        raise ValueError(f"{what} has sliding-window or causal layers ({[(k.window, k.causal) for k in kinds]}); "
+                         f"growing it to {want_cfg['num_hidden_layers']} layers (--num-layers) is not supported")
+    out = {k: v for k, v in want_cfg.items() if k not in ATTENTION_KEYS}
+    out.update({k: seed_cfg[k] for k in ATTENTION_KEYS if k in seed_cfg})
+    return out
 
 
 def resolve_init_drafter(path: str) -> str:
