@@ -47,7 +47,6 @@ import triton.language as tl
 
 _HI: tl.constexpr = tl.constexpr(64)  # bins of a digit's high 6 bits
 _LO: tl.constexpr = tl.constexpr(32)  # bins of its low 5 bits
-_NB: tl.constexpr = tl.constexpr(2048)  # bins of one digit
 _TINY: tl.constexpr = tl.constexpr(1.1754944e-38)  # least normal float32: a mass target above 0
 
 
@@ -90,7 +89,7 @@ def _block_hist(digit, sel, e, COUNT: tl.constexpr):
 
 @triton.jit
 def _first_pass(base, V, temp, HIST, BLOCK: tl.constexpr):
-    """Pass 1: the max, the row's mass and (``HIST``) the first digit's count and mass histograms ``[2048]``."""
+    """Pass 1: the max, the row's mass and (``HIST``) the first digit's count and mass histograms ``[64, 32]``."""
     offs = tl.arange(0, BLOCK)
     m = -float("inf")
     s = 0.0
@@ -108,13 +107,13 @@ def _first_pass(base, V, temp, HIST, BLOCK: tl.constexpr):
             cnt += c
             mass = mass * scale + w
         m = m_new
-    return m, s, tl.reshape(cnt, [_NB]), tl.reshape(mass, [_NB])
+    return m, s, cnt, mass
 
 
 @triton.jit
 def _level_pass(base, V, m, temp, min_p, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
                 COUNT: tl.constexpr):
-    """A pass after the first: the histograms ``[2048]`` of the digit at ``SHIFT`` (``WIDTH`` bits) over the
+    """A pass after the first: the histograms ``[64, 32]`` of the digit at ``SHIFT`` (``WIDTH`` bits) over the
     elements whose higher bits equal ``prefix``, and the mass of ``e >= min_p`` (min-p's kept total)."""
     offs = tl.arange(0, BLOCK)
     cnt = tl.zeros([_HI, _LO], dtype=tl.float32)
@@ -130,19 +129,23 @@ def _level_pass(base, V, m, temp, min_p, prefix, SHIFT: tl.constexpr, WIDTH: tl.
         cnt += c
         mass += w
         kept += tl.sum(tl.where(e >= min_p, e, 0.0), 0)
-    return tl.reshape(cnt, [_NB]), tl.reshape(mass, [_NB]), kept
+    return cnt, mass, kept
 
 
 @triton.jit
 def _pick(h, mass, want):
-    """The largest digit whose suffix of ``h`` (bins >= it) reaches ``want`` (-1 if none), the count (or mass,
-    as ``h``) strictly above it and the mass strictly above it and in it."""
-    idx = tl.arange(0, _NB)
-    suffix = tl.cumsum(h, 0, reverse=True)  # [2048]
-    d = tl.max(tl.where(suffix >= want, idx, -1), 0)
-    above = tl.sum(tl.where(idx > d, h, 0.0), 0)
-    m_above = tl.sum(tl.where(idx > d, mass, 0.0), 0)
-    m_at = tl.sum(tl.where(idx == d, mass, 0.0), 0)
+    """Over histograms ``[64, 32]`` (bin ``hi * 32 + lo``; kept 2-D: a reshape of the product's layout to 1-D
+    breaks Triton 3.6 on sm100): the largest bin whose suffix of ``h`` (that bin and those above) reaches
+    ``want`` (-1 if none), the count (or mass, as ``h``) strictly above it, and the mass strictly above it and in
+    it."""
+    idx = tl.arange(0, _HI)[:, None] * _LO + tl.arange(0, _LO)[None, :]  # [64, 32]
+    rows = tl.sum(h, 1)  # [64]
+    rows_above = tl.cumsum(rows, 0, reverse=True) - rows  # [64] the rows after each
+    suffix = rows_above[:, None] + tl.cumsum(h, 1, reverse=True)  # [64, 32]
+    d = tl.max(tl.max(tl.where(suffix >= want, idx, -1), 1), 0)
+    above = tl.sum(tl.sum(tl.where(idx > d, h, 0.0), 1), 0)
+    m_above = tl.sum(tl.sum(tl.where(idx > d, mass, 0.0), 1), 0)
+    m_at = tl.sum(tl.sum(tl.where(idx == d, mass, 0.0), 1), 0)
     return d, above, m_above, m_at
 
 
@@ -165,8 +168,8 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
     have_min = False
 
     # top-k: the k-th largest key, digit by digit; s_k the mass of keys >= it
-    m1 = tl.zeros([_NB], dtype=tl.float32)
-    m2 = tl.zeros([_NB], dtype=tl.float32)
+    m1 = tl.zeros([_HI, _LO], dtype=tl.float32)
+    m2 = tl.zeros([_HI, _LO], dtype=tl.float32)
     kd0 = -1
     kd1 = -1
     t_k = 0.0
