@@ -1,6 +1,6 @@
-"""One Triton program per row (8 warps): temperature softmax, top-k, top-p and min-p, and the inverse-CDF draw at a
-given uniform, with the top-k and top-p thresholds found by radix select (the GPU path of
-``model_executor.sampler.draw_tokens``). No probability row is ever written: every pass re-reads the logits.
+"""One Triton program per row (8 warps, blocks of 64 logits): temperature softmax, top-k, top-p and min-p, and
+the inverse-CDF draw at a given uniform, with the top-k and top-p thresholds found by radix select (the GPU path
+of ``model_executor.sampler.draw_tokens``). No probability row is ever written: every pass re-reads the logits.
 
 Keys. A float32 logit's bits mapped to a uint32 whose unsigned order is the float order (``_ukeys``: negative
 floats flip every bit, the others set the sign bit). The weights ``e = exp((l - m) / T)`` (``m`` the row's max) are
@@ -12,11 +12,12 @@ before ``m`` is known.
 Radix select. Three digits of 11, 11 and 10 bits (2,048 bins). One pass over the row builds, for the elements that
 share the digits chosen so far, the count and the mass (sum of ``e``) of every bin of the next digit; the digit
 kept is the largest whose suffix (that bin and those above) still holds ``k`` elements (top-k) or ``top_p * S``
-of mass (top-p). A histogram of 2,048 bins is two small matrix products per block: the one-hot of the digit's
-high 6 bits (weighted by ``e`` for the mass) ``[64, BLOCK]`` times the one-hot of its low 5 bits ``[BLOCK, 32]``,
-so the sums run in a fixed order (deterministic, as two TP ranks need; no float atomics, which are what make
-flashinfer's radix top-p nondeterministic). On a GPU the products run on tensor cores at ``tf32x3`` (the weight
-split in two tf32 halves, ~22 bits; the one-hots are exact, so the counts are exact).
+of mass (top-p). A histogram of 2,048 bins is small matrix products per block of 64 elements: the one-hot of the
+digit's low 5 bits ``[32, BLOCK]`` times the one-hot of its high 6 bits ``[BLOCK, 64]`` (weighted by ``e`` for
+the mass), so the sums run in a fixed order (deterministic, as two TP ranks need; no float atomics, which are
+what make flashinfer's radix top-p nondeterministic). On a GPU they run on tensor cores in tf32: the one-hots
+are exact (so are the counts), the weight is split into its high 11 significant bits and the rest (two
+products, ~22 bits). A block with no element of the chosen bin skips its products (most blocks after pass 1).
 
 Passes over the row (``passes_out``), at most:
 1. the max ``m`` and the row's mass ``S`` (online, rescaled as flash attention's softmax) with the first digit's
@@ -72,29 +73,31 @@ def _key_value(key):
 
 @triton.jit
 def _block_hist(digit, sel, e, COUNT: tl.constexpr):
-    """Counts (``COUNT``; else zeros) and masses ``[64, 32]`` (bin ``hi * 32 + lo``) of ``digit [BLOCK]`` over the
-    ``sel`` elements. The mass is two tf32 products, of ``e``'s high 11 significant bits and of the rest (~22
-    bits in all; the one-hots are exact in tf32, so the counts are exact)."""
-    hit = (tl.arange(0, _HI)[:, None] == (digit >> 5)[None, :]) & sel[None, :]  # [64, BLOCK]
-    lo = ((digit & 31)[:, None] == tl.arange(0, _LO)[None, :]).to(tl.float32)  # [BLOCK, 32]
+    """Counts (``COUNT``; else zeros) and masses ``[32, 64]`` (bin ``hi * 32 + lo`` at ``[lo, hi]``) of ``digit
+    [BLOCK]`` over the ``sel`` elements: the one-hot of the low 5 bits ``[32, BLOCK]`` times that of the high 6
+    bits ``[BLOCK, 64]`` (M = 32: mma.sync on every arch; Triton 3.6's sm100 tensor-memory path fails on these
+    reductions). The mass is two tf32 products, of ``e``'s high 11 significant bits and of the rest (~22 bits in
+    all; the one-hots are exact in tf32, so the counts are exact)."""
+    lo = (tl.arange(0, _LO)[:, None] == (digit & 31)[None, :]).to(tl.float32)  # [32, BLOCK]
+    hit = ((digit >> 5)[:, None] == tl.arange(0, _HI)[None, :]) & sel[:, None]  # [BLOCK, 64]
     e_hi = (e.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)  # [BLOCK] tf32-exact
-    mass = tl.dot(tl.where(hit, e_hi[None, :], 0.0), lo, input_precision="tf32")  # [64, 32]
-    mass = tl.dot(tl.where(hit, (e - e_hi)[None, :], 0.0), lo, mass, input_precision="tf32")
+    mass = tl.dot(lo, tl.where(hit, e_hi[:, None], 0.0), input_precision="tf32")  # [32, 64]
+    mass = tl.dot(lo, tl.where(hit, (e - e_hi)[:, None], 0.0), mass, input_precision="tf32")
     if COUNT:
-        cnt = tl.dot(hit.to(tl.float32), lo, input_precision="tf32")  # [64, 32]
+        cnt = tl.dot(lo, hit.to(tl.float32), input_precision="tf32")  # [32, 64]
     else:
-        cnt = tl.zeros([_HI, _LO], dtype=tl.float32)
+        cnt = tl.zeros([_LO, _HI], dtype=tl.float32)
     return cnt, mass
 
 
 @triton.jit
 def _first_pass(base, V, temp, HIST, BLOCK: tl.constexpr):
-    """Pass 1: the max, the row's mass and (``HIST``) the first digit's count and mass histograms ``[64, 32]``."""
+    """Pass 1: the max, the row's mass and (``HIST``) the first digit's count and mass histograms ``[32, 64]``."""
     offs = tl.arange(0, BLOCK)
     m = -float("inf")
     s = 0.0
-    cnt = tl.zeros([_HI, _LO], dtype=tl.float32)
-    mass = tl.zeros([_HI, _LO], dtype=tl.float32)
+    cnt = tl.zeros([_LO, _HI], dtype=tl.float32)
+    mass = tl.zeros([_LO, _HI], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         valid = start + offs < V
         x = tl.load(base + start + offs, mask=valid, other=-float("inf")).to(tl.float32)
@@ -113,11 +116,11 @@ def _first_pass(base, V, temp, HIST, BLOCK: tl.constexpr):
 @triton.jit
 def _level_pass(base, V, m, temp, min_p, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
                 COUNT: tl.constexpr):
-    """A pass after the first: the histograms ``[64, 32]`` of the digit at ``SHIFT`` (``WIDTH`` bits) over the
+    """A pass after the first: the histograms ``[32, 64]`` of the digit at ``SHIFT`` (``WIDTH`` bits) over the
     elements whose higher bits equal ``prefix``, and the mass of ``e >= min_p`` (min-p's kept total)."""
     offs = tl.arange(0, BLOCK)
-    cnt = tl.zeros([_HI, _LO], dtype=tl.float32)
-    mass = tl.zeros([_HI, _LO], dtype=tl.float32)
+    cnt = tl.zeros([_LO, _HI], dtype=tl.float32)
+    mass = tl.zeros([_LO, _HI], dtype=tl.float32)
     kept = 0.0
     for start in range(0, V, BLOCK):
         valid = start + offs < V
@@ -125,23 +128,23 @@ def _level_pass(base, V, m, temp, min_p, prefix, SHIFT: tl.constexpr, WIDTH: tl.
         e = _weights(x, m, temp)  # [BLOCK]
         key = _ukeys(x)
         sel = valid & ((key >> (SHIFT + WIDTH)) == prefix)
-        c, w = _block_hist(((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), sel, e, COUNT)
-        cnt += c
-        mass += w
+        if tl.max(sel.to(tl.int32), 0) > 0:  # most blocks hold no key of the chosen bin: no products
+            c, w = _block_hist(((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), sel, e, COUNT)
+            cnt += c
+            mass += w
         kept += tl.sum(tl.where(e >= min_p, e, 0.0), 0)
     return cnt, mass, kept
 
 
 @triton.jit
 def _pick(h, mass, want):
-    """Over histograms ``[64, 32]`` (bin ``hi * 32 + lo``; kept 2-D: a reshape of the product's layout to 1-D
-    breaks Triton 3.6 on sm100): the largest bin whose suffix of ``h`` (that bin and those above) reaches
-    ``want`` (-1 if none), the count (or mass, as ``h``) strictly above it, and the mass strictly above it and in
-    it."""
-    idx = tl.arange(0, _HI)[:, None] * _LO + tl.arange(0, _LO)[None, :]  # [64, 32]
-    rows = tl.sum(h, 1)  # [64]
-    rows_above = tl.cumsum(rows, 0, reverse=True) - rows  # [64] the rows after each
-    suffix = rows_above[:, None] + tl.cumsum(h, 1, reverse=True)  # [64, 32]
+    """Over histograms ``[32, 64]`` (bin ``hi * 32 + lo`` at ``[lo, hi]``): the largest bin whose suffix of
+    ``h`` (that bin and those above) reaches ``want`` (-1 if none), the count (or mass, as ``h``) strictly above
+    it, and the mass strictly above it and in it."""
+    idx = tl.arange(0, _HI)[None, :] * _LO + tl.arange(0, _LO)[:, None]  # [32, 64]
+    cols = tl.sum(h, 0)  # [64] per high digit
+    cols_above = tl.cumsum(cols, 0, reverse=True) - cols  # [64] the high digits above each
+    suffix = cols_above[None, :] + tl.cumsum(h, 0, reverse=True)  # [32, 64]
     d = tl.max(tl.max(tl.where(suffix >= want, idx, -1), 1), 0)
     above = tl.sum(tl.sum(tl.where(idx > d, h, 0.0), 1), 0)
     m_above = tl.sum(tl.sum(tl.where(idx > d, mass, 0.0), 1), 0)
@@ -168,8 +171,8 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
     have_min = False
 
     # top-k: the k-th largest key, digit by digit; s_k the mass of keys >= it
-    m1 = tl.zeros([_HI, _LO], dtype=tl.float32)
-    m2 = tl.zeros([_HI, _LO], dtype=tl.float32)
+    m1 = tl.zeros([_LO, _HI], dtype=tl.float32)
+    m2 = tl.zeros([_LO, _HI], dtype=tl.float32)
     kd0 = -1
     kd1 = -1
     t_k = 0.0
@@ -260,7 +263,7 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
 
 
 def triton_draw_sampled(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        min_p: torch.Tensor, uniforms: torch.Tensor, block: int = 128,
+                        min_p: torch.Tensor, uniforms: torch.Tensor, block: int = 64,
                         passes_out: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens ``[n]`` int64 for sampled rows: logits ``[n, V]`` (any float dtype, contiguous rows), per row
     temperature (> 0), top_k (>= V: off), top_p (>= 1: off), min_p (<= 0: off) and uniforms in [0, 1).
