@@ -1,4 +1,4 @@
-"""One Triton program per row (8 warps, blocks of 64 logits): temperature softmax, top-k, top-p and min-p, and
+"""One Triton program per row (8 warps, blocks of 1,024 logits): temperature softmax, top-k, top-p and min-p, and
 the inverse-CDF draw at a given uniform, with the top-k and top-p thresholds found by radix select (the GPU path
 of ``model_executor.sampler.draw_tokens``). No probability row is ever written: every pass re-reads the logits.
 
@@ -12,12 +12,13 @@ before ``m`` is known.
 Radix select. Three digits of 11, 11 and 10 bits (2,048 bins). One pass over the row builds, for the elements that
 share the digits chosen so far, the count and the mass (sum of ``e``) of every bin of the next digit; the digit
 kept is the largest whose suffix (that bin and those above) still holds ``k`` elements (top-k) or ``top_p * S``
-of mass (top-p). A histogram of 2,048 bins is small matrix products per block of 64 elements: the one-hot of the
+of mass (top-p). A histogram of 2,048 bins is small matrix products per slice of 64 logits: the one-hot of the
 digit's low 5 bits ``[32, BLOCK]`` times the one-hot of its high 6 bits ``[BLOCK, 64]`` (weighted by ``e`` for
 the mass), so the sums run in a fixed order (deterministic, as two TP ranks need; no float atomics, which are
 what make flashinfer's radix top-p nondeterministic). On a GPU they run on tensor cores in tf32: the one-hots
 are exact (so are the counts), the weight is split into its high 11 significant bits and the rest (two
-products, ~22 bits). A block with no element of the chosen bin skips its products (most blocks after pass 1).
+products, ~22 bits). A block with no element of the chosen bin skips its products (most blocks after pass 1);
+the slices of one that has re-read it from cache.
 
 Passes over the row (``passes_out``), at most:
 1. the max ``m`` and the row's mass ``S`` (online, rescaled as flash attention's softmax) with the first digit's
@@ -48,6 +49,7 @@ import triton.language as tl
 
 _HI: tl.constexpr = tl.constexpr(64)  # bins of a digit's high 6 bits
 _LO: tl.constexpr = tl.constexpr(32)  # bins of its low 5 bits
+HIST_BLOCK = 64  # logits per histogram product (its K): more spills registers (triton_smem_check.py)
 _TINY: tl.constexpr = tl.constexpr(1.1754944e-38)  # least normal float32: a mass target above 0
 
 
@@ -91,34 +93,41 @@ def _block_hist(digit, sel, e, COUNT: tl.constexpr):
 
 
 @triton.jit
-def _first_pass(base, V, temp, HIST, BLOCK: tl.constexpr):
-    """Pass 1: the max, the row's mass and (``HIST``) the first digit's count and mass histograms ``[32, 64]``."""
+def _first_pass(base, V, temp, HIST, BLOCK: tl.constexpr, HBLOCK: tl.constexpr):
+    """Pass 1: the max, the row's mass and (``HIST``) the first digit's count and mass histograms ``[32, 64]``
+    (blocks of ``BLOCK`` logits; the histograms over their ``HBLOCK`` slices, re-read from cache)."""
     offs = tl.arange(0, BLOCK)
+    hoffs = tl.arange(0, HBLOCK)
     m = -float("inf")
     s = 0.0
     cnt = tl.zeros([_LO, _HI], dtype=tl.float32)
     mass = tl.zeros([_LO, _HI], dtype=tl.float32)
     for start in range(0, V, BLOCK):
-        valid = start + offs < V
-        x = tl.load(base + start + offs, mask=valid, other=-float("inf")).to(tl.float32)
+        x = tl.load(base + start + offs, mask=start + offs < V, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, 0))
         scale = tl.where(m_new > -float("inf"), tl.exp((m - m_new) / temp), 0.0)
-        e = _weights(x, m_new, temp)  # [BLOCK]
-        s = s * scale + tl.sum(e, 0)
+        s = s * scale + tl.sum(_weights(x, m_new, temp), 0)
         if HIST:
-            c, w = _block_hist(((_ukeys(x) >> 21) & 2047).to(tl.int32), valid, e, True)
-            cnt += c
-            mass = mass * scale + w
+            mass = mass * scale
+            for sub in range(start, start + BLOCK, HBLOCK):
+                valid = sub + hoffs < V
+                xs = tl.load(base + sub + hoffs, mask=valid, other=-float("inf")).to(tl.float32)  # [HBLOCK]
+                c, w = _block_hist(((_ukeys(xs) >> 21) & 2047).to(tl.int32), valid, _weights(xs, m_new, temp), True)
+                cnt += c
+                mass += w
         m = m_new
     return m, s, cnt, mass
 
 
 @triton.jit
 def _level_pass(base, V, m, temp, min_p, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-                COUNT: tl.constexpr):
+                HBLOCK: tl.constexpr, COUNT: tl.constexpr):
     """A pass after the first: the histograms ``[32, 64]`` of the digit at ``SHIFT`` (``WIDTH`` bits) over the
-    elements whose higher bits equal ``prefix``, and the mass of ``e >= min_p`` (min-p's kept total)."""
+    elements whose higher bits equal ``prefix``, and the mass of ``e >= min_p`` (min-p's kept total). Only a
+    block holding such an element builds histograms (over its ``HBLOCK`` slices that hold one): after the first
+    digit most blocks hold none."""
     offs = tl.arange(0, BLOCK)
+    hoffs = tl.arange(0, HBLOCK)
     cnt = tl.zeros([_LO, _HI], dtype=tl.float32)
     mass = tl.zeros([_LO, _HI], dtype=tl.float32)
     kept = 0.0
@@ -126,13 +135,18 @@ def _level_pass(base, V, m, temp, min_p, prefix, SHIFT: tl.constexpr, WIDTH: tl.
         valid = start + offs < V
         x = tl.load(base + start + offs, mask=valid, other=-float("inf")).to(tl.float32)
         e = _weights(x, m, temp)  # [BLOCK]
-        key = _ukeys(x)
-        sel = valid & ((key >> (SHIFT + WIDTH)) == prefix)
-        if tl.max(sel.to(tl.int32), 0) > 0:  # most blocks hold no key of the chosen bin: no products
-            c, w = _block_hist(((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), sel, e, COUNT)
-            cnt += c
-            mass += w
         kept += tl.sum(tl.where(e >= min_p, e, 0.0), 0)
+        hit = valid & ((_ukeys(x) >> (SHIFT + WIDTH)) == prefix)
+        if tl.max(hit.to(tl.int32), 0) > 0:
+            for sub in range(start, start + BLOCK, HBLOCK):
+                xs = tl.load(base + sub + hoffs, mask=sub + hoffs < V, other=-float("inf")).to(tl.float32)
+                key = _ukeys(xs)
+                sel = (sub + hoffs < V) & ((key >> (SHIFT + WIDTH)) == prefix)
+                if tl.max(sel.to(tl.int32), 0) > 0:
+                    c, w = _block_hist(((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), sel,
+                                       _weights(xs, m, temp), COUNT)
+                    cnt += c
+                    mass += w
     return cnt, mass, kept
 
 
@@ -154,7 +168,7 @@ def _pick(h, mass, want):
 
 @triton.jit
 def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_ptr, out_ptr, passes_ptr, V,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, HBLOCK: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     temp = tl.load(temp_ptr + row)
@@ -165,7 +179,7 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
     k_on = k < V
     p_on = top_p < 1.0
 
-    m, s_all, c0, m0 = _first_pass(base, V, temp, k_on | p_on, BLOCK)
+    m, s_all, c0, m0 = _first_pass(base, V, temp, k_on | p_on, BLOCK, HBLOCK)
     passes = 1
     kept_min = 0.0  # mass of e >= min_p, once a pass has summed it
     have_min = False
@@ -181,12 +195,12 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
         rem = k.to(tl.float32)
         kd0, above, s_k, m_at = _pick(c0, m0, rem)
         rem -= above
-        c1, m1, kept_min = _level_pass(base, V, m, temp, min_p, kd0.to(tl.uint32), 10, 11, BLOCK, True)
+        c1, m1, kept_min = _level_pass(base, V, m, temp, min_p, kd0.to(tl.uint32), 10, 11, BLOCK, HBLOCK, True)
         kd1, above, m_above, m_at = _pick(c1, m1, rem)
         rem -= above
         s_k += m_above
         prefix = (kd0.to(tl.uint32) << 11) | kd1.to(tl.uint32)
-        c2, m2, kept_min = _level_pass(base, V, m, temp, min_p, prefix, 0, 10, BLOCK, True)
+        c2, m2, kept_min = _level_pass(base, V, m, temp, min_p, prefix, 0, 10, BLOCK, HBLOCK, True)
         kd2, above, m_above, m_at = _pick(c2, m2, rem)
         s_k += m_above + m_at
         key = (prefix << 10) | kd2.to(tl.uint32)
@@ -205,7 +219,8 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
             want = tl.maximum(want - m_above, _TINY)
             h1 = m1
             if (pd0 != kd0) | (k >= V):
-                c1p, h1, kept_min = _level_pass(base, V, m, temp, min_p, pd0.to(tl.uint32), 10, 11, BLOCK, False)
+                c1p, h1, kept_min = _level_pass(base, V, m, temp, min_p, pd0.to(tl.uint32), 10, 11, BLOCK, HBLOCK,
+                                                False)
                 passes += 1
                 have_min = True
             pd1, m_above, m_dup, m_at = _pick(h1, h1, want)
@@ -215,7 +230,7 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
                 prefix = (pd0.to(tl.uint32) << 11) | pd1.to(tl.uint32)
                 h2 = m2
                 if (pd0 != kd0) | (pd1 != kd1) | (k >= V):
-                    c2p, h2, kept_min = _level_pass(base, V, m, temp, min_p, prefix, 0, 10, BLOCK, False)
+                    c2p, h2, kept_min = _level_pass(base, V, m, temp, min_p, prefix, 0, 10, BLOCK, HBLOCK, False)
                     passes += 1
                     have_min = True
                 pd2, m_above, m_dup, m_at = _pick(h2, h2, want)
@@ -263,7 +278,7 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
 
 
 def triton_draw_sampled(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        min_p: torch.Tensor, uniforms: torch.Tensor, block: int = 64,
+                        min_p: torch.Tensor, uniforms: torch.Tensor, block: int = 1024,
                         passes_out: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens ``[n]`` int64 for sampled rows: logits ``[n, V]`` (any float dtype, contiguous rows), per row
     temperature (> 0), top_k (>= V: off), top_p (>= 1: off), min_p (<= 0: off) and uniforms in [0, 1).
@@ -276,11 +291,12 @@ def triton_draw_sampled(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     logits = logits.contiguous()
     dev = logits.device
     passes = passes_out if passes_out is not None else torch.empty(n, dtype=torch.int32, device=dev)
+    bk = max(16, min(block, triton.next_power_of_2(vocab)))  # logits per block (a power of 2)
     _sample_rows[(n,)](
         logits, logits.stride(0), temperature.to(dev, torch.float32).contiguous(),
         top_k.to(dev, torch.int64).clamp(max=vocab).contiguous(), top_p.to(dev, torch.float32).contiguous(),
         min_p.to(dev, torch.float32).contiguous(), uniforms.to(dev, torch.float32).contiguous(), out, passes,
-        vocab, BLOCK=max(16, min(block, triton.next_power_of_2(vocab))),
+        vocab, BLOCK=bk, HBLOCK=min(bk, HIST_BLOCK),
         num_warps=8,
     )
     return out
