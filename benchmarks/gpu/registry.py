@@ -38,7 +38,7 @@ PYTEST_LIBS = ("pytest", "triton", "safetensors", "transformers", "tokenizers", 
 PARTS: tuple[PartSpec, ...] = (
     PartSpec("pytest_reference", "tests/gpu comparisons nothing else makes: the seeded sampling kernel at V 163,840, "
              "tree verify / sampling, the coin rule, DCP 8 MLA decode / extend / verify, mixed batches, vs the torch "
-             "reference", "checks_pytest:part_pytest_reference", 80, "reference", PYTEST_LIBS),
+             "reference", "checks_pytest:part_pytest_reference", 110, "reference", PYTEST_LIBS),
     PartSpec("triton_kernels", "Triton MoE (bf16, INT4) / MLA (decode, extend, verify, split-K 32k, fp8 KV) "
              "kernels vs the torch reference at Kimi TP 8 shapes", "checks_misc:part_triton_kernels", 50,
              "reference", ("triton",)),
@@ -53,23 +53,23 @@ PARTS: tuple[PartSpec, ...] = (
     PartSpec("ddtree_lossless", "DDTree with scripted drafts: greedy tokens == plain, depth >= 2 paths "
              "accepted, eager and CUDA graphs (float32)", "checks_engine:part_ddtree_lossless", 50, "reference",
              ENGINE_LIBS, ("checkpoint",)),
-    PartSpec("fp8_kv", "bf16 vs fp8_e4m3 KV cache: logits closeness", "checks_model:part_fp8_kv", 25, "reference",
+    PartSpec("fp8_kv", "bf16 vs fp8_e4m3 KV cache: logits closeness", "checks_model:part_fp8_kv", 20, "reference",
              ENGINE_LIBS, ("checkpoint",)),
     PartSpec("pytest_rest", "the other tests/gpu tests (pytest -m gpu, fallbacks allowed: the backend of each "
-             "listed)", "checks_pytest:part_pytest_rest", 25, "check", PYTEST_LIBS),
+             "listed)", "checks_pytest:part_pytest_rest", 20, "check", PYTEST_LIBS),
     PartSpec("moonvit_16k", "MoonViT (Kimi K2.6 sizes, random) on a 16,384-patch image: activation peak vs "
-             "the encoder reserve", "checks_misc:part_moonvit", 15, "check"),
+             "the encoder reserve", "checks_misc:part_moonvit", 10, "check"),
     PartSpec("dcp_graph", "DCP's all_gather / reduce_scatter captured in a CUDA graph (NCCL, world size 1)",
              "checks_misc:part_dcp_graph", 10, "check", min_start_s=5),
     PartSpec("triton_compiles", "zero Triton compiles (and CUDA graph captures) after warm-up under mixed "
-             "traffic, plain and ddtree", "checks_engine:part_triton_compiles", 30, "compile", ENGINE_LIBS,
+             "traffic, plain and ddtree", "checks_engine:part_triton_compiles", 25, "compile", ENGINE_LIBS,
              ("checkpoint",)),
     PartSpec("speed_sampler", "sampling kernel rows/s at V 163,840: radix select vs the bisection kernel "
              "(baseline; FAIL when slower)", "checks_speed:part_speed_sampler", 25, "speed", ("triton",)),
     PartSpec("dcp_vs_split_k", "MLA decode at 128k keys: the DCP kernel vs the split-K kernel, times",
-             "checks_speed:part_dcp_vs_split_k", 15, "speed", ("triton",)),
+             "checks_speed:part_dcp_vs_split_k", 10, "speed", ("triton",)),
     PartSpec("speed", "tokens/s: plain eager (baseline) vs plain and ddtree with CUDA graphs, batch 1 / 8, "
-             "context 4k (FAIL when graphs are slower than eager)", "checks_speed:part_speed", 35, "speed",
+             "context 4k (FAIL when graphs are slower than eager)", "checks_speed:part_speed", 30, "speed",
              ENGINE_LIBS, ("checkpoint",), min_start_s=30),
     PartSpec("tp_allreduce", "TP collectives over NCCL across the local GPUs (benchmarks/allreduce_check.py)",
              "checks_misc:part_tp_allreduce", 120, "multi-gpu", min_gpus=2),
