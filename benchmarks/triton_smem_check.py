@@ -24,8 +24,11 @@ import argparse
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, run from anywhere
 
 
 def _signature(kernel, ptr: str, const: dict, cache_ptr: str | None = None) -> dict[str, str]:
