@@ -9,6 +9,10 @@ the forward column is skipped with a message when the default model is unavailab
     python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda] [--no-model-fetch]
     python benchmarks/bench_kernels.py --device cuda --mla-dcp [--mla-context 131072]
 
+    python benchmarks/bench_kernels.py --sampler [--device cuda] [--sampler-rows 8]
+
+``--sampler``: instead, the sampling kernel's passes per row (radix select against the bisection it replaced)
+and on CUDA its rows/s, at V = 163,840 per filter combination (benchmarks/bench_sampler.py).
 ``--mla-dcp``: instead, the DCP Triton MLA decode (ddtree_serve/kernels/triton_mla_dcp.py) of one rank at batch 1 and
 long context, split-K (the planner's split count) against the single pass; CUDA only (skipped with a
 reason elsewhere: the interpreter at 128k keys would take hours).
@@ -213,7 +217,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--mla-dcp", action="store_true", help="DCP MLA decode: split-K vs single pass (CUDA)")
     ap.add_argument("--mla-context", type=int, default=131_072, help="keys per request for --mla-dcp")
+    ap.add_argument("--sampler", action="store_true", help="sampling kernel: passes per row and rows/s")
+    ap.add_argument("--sampler-rows", type=int, default=4, help="rows per configuration for --sampler")
     args = ap.parse_args()
+    if args.sampler:
+        from benchmarks.bench_sampler import bench_sampler
+
+        rows = bench_sampler(torch.device(args.device), args.sampler_rows)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(meta=dict(device=args.device), sampler=rows), indent=1))
+        print(f"wrote {args.out}")
+        return
     if args.mla_dcp:
         bench_mla_dcp_decode(torch.device(args.device), args.mla_context)
         return

@@ -1,16 +1,19 @@
 """The GPU check driver (benchmarks/gpu_check.sh runs it): every part of benchmarks/gpu/registry.py in its own
 process, in order, under one deadline, on whatever torch and Triton the machine has, offline, on one GPU.
 
-    python benchmarks/gpu_check.py [--out DIR] [--deadline-s 510] [--parts a,b] [--work DIR]
+    python benchmarks/gpu_check.py [--out DIR] [--deadline-s 525] [--parts a,b] [--work DIR]
 
 Each part ends PASS, FAIL or NOT AVAILABLE (CUDA missing, a library that does not import, fewer GPUs than it
 needs, a part it needs did not pass; the reason says which), with its wall time, its numbers and the
 backends that ran. A part still running at its timeout (its own, or what is left before the deadline) is a
 FAIL that keeps the numbers it had written; a part that would start with too little time left is
-"NOT RUN (time)". ``DIR/gpu_check.json`` (``--out``, default ``$OUT`` else ``bench_out``) is rewritten before
-and after every part, so a run cut from outside still reports what it did; each part's output is in
-``DIR/logs/NAME.log``. The checkpoint (a few GB) goes to ``--work`` (default ``$TMPDIR/ddtree_gpu_check``),
-never under ``DIR``.
+"NOT RUN (time)". The parts run in benchmarks/gpu/registry.py's order (by value: comparisons against a reference
+first, compiles and speed last), with timeouts that add up within the deadline. Two files go to ``DIR``
+(``--out``, default ``$OUT`` else ``bench_out``), both rewritten before and after every part so that a run cut
+from outside still reports what it did: ``gpu_check.json`` (the environment and every part's status, reason,
+numbers and backends) and ``part_logs.txt`` (each part's output, its last ``LOG_TAIL_CHARS``);
+benchmarks/gpu_check.sh adds ``gpu_check.log``. The parts' own files and the checkpoint (a few GB) go to
+``--work`` (default ``$TMPDIR/ddtree_gpu_check``), never under ``DIR``.
 
 Exit status: 1 when a part FAILED, else 2 when CUDA is not available (nothing ran), else 0.
 """
@@ -33,9 +36,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu.probe import missing  # noqa: E402
-from benchmarks.gpu.registry import PARTS, PROBED, PartSpec  # noqa: E402
+from benchmarks.gpu.registry import DEADLINE_S, PARTS, PROBE_TIMEOUT_S, PROBED, PartSpec  # noqa: E402
 
-DEFAULT_DEADLINE_S = 510.0  # 8.5 minutes: the check must end before 9
+DEFAULT_DEADLINE_S = float(DEADLINE_S)  # the check must end before 9 minutes
+LOG_TAIL_CHARS = 60_000  # of each part's output, in part_logs.txt
+OUT_FILES = ("gpu_check.json", "part_logs.txt")  # what the driver writes under --out (gpu_check.sh adds its log)
 
 
 def child_env() -> dict[str, str]:
@@ -48,7 +53,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def probe_environment(timeout_s: float = 90.0) -> dict[str, Any]:
+def probe_environment(timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     """benchmarks/gpu/probe.py's facts (in a child: the driver never initialises CUDA)."""
     try:
         p = subprocess.run([sys.executable, "-m", "benchmarks.gpu.probe", *PROBED], capture_output=True, text=True,
@@ -74,10 +79,11 @@ def blocked(spec: PartSpec, env: dict[str, Any], done: dict[str, dict[str, Any]]
     return None
 
 
-def run_part(spec: PartSpec, timeout_s: float, work: Path, out: Path) -> dict[str, Any]:
-    """Run ``spec`` in a child process (its own session, killed as a group at the timeout)."""
-    result = out / "parts" / f"{spec.name}.json"
-    log = out / "logs" / f"{spec.name}.log"
+def run_part(spec: PartSpec, timeout_s: float, work: Path) -> dict[str, Any]:
+    """Run ``spec`` in a child process (its own session, killed as a group at the timeout); its result JSON and
+    log under ``work``."""
+    result = work / "parts" / f"{spec.name}.json"
+    log = work / "logs" / f"{spec.name}.log"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.gpu.run_part", spec.name, "--work", str(work), "--result", str(result),
            "--deadline-s", f"{timeout_s:.0f}"]
@@ -102,6 +108,18 @@ def run_part(spec: PartSpec, timeout_s: float, work: Path, out: Path) -> dict[st
     elif rc is None:
         res["reason"] = f"{res.get('reason', '')} ({why})".strip()
     return res | {"wall_s": round(wall, 1)}
+
+
+def pack_logs(work: Path, out: Path) -> None:
+    """``out/part_logs.txt``: every part's log so far (its last ``LOG_TAIL_CHARS``), in the parts' order."""
+    chunks = []
+    for spec in PARTS:
+        log = work / "logs" / f"{spec.name}.log"
+        if log.exists():
+            chunks.append(f"===== {spec.name} =====\n{_tail(log, LOG_TAIL_CHARS)}\n")
+    tmp = out / "part_logs.tmp"
+    tmp.write_text("".join(chunks))
+    tmp.replace(out / "part_logs.txt")
 
 
 def _tail(path: Path, chars: int = 2500) -> str:
@@ -153,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     start = time.monotonic()
     out, work = Path(a.out), Path(a.work)
-    for d in (out / "parts", out / "logs", work):
+    for d in (out, work / "parts", work / "logs"):
         d.mkdir(parents=True, exist_ok=True)
     chosen = {n.strip() for n in a.parts.split(",") if n.strip()}
     env = probe_environment()
@@ -174,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report.set(spec, {"status": "RUNNING", "timeout_s": round(min(spec.timeout_s, left))})
             print(f"=== {spec.name}: {spec.title} (timeout {min(spec.timeout_s, left):.0f} s)", flush=True)
-            entry = run_part(spec, min(spec.timeout_s, left), work, out)
+            entry = run_part(spec, min(spec.timeout_s, left), work)
             print(f"--- {spec.name}: {entry['status']} in {entry['wall_s']} s", flush=True)
         report.set(spec, entry)
+        pack_logs(work, out)
     statuses = [p["status"] for p in report.data["parts"].values()]
     code = 1 if "FAIL" in statuses else (2 if not env.get("cuda") else 0)
     report.data |= {"finished": True, "exit_code": code}

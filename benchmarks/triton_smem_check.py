@@ -1,35 +1,34 @@
-"""Offline check (no GPU needed; Triton's bundled ptxas): compile the Triton MLA kernels
-(ddtree_serve/kernels/triton_mla.py, ddtree_serve/kernels/triton_mla_split.py, ddtree_serve/kernels/triton_mla_dcp.py at DCP 8) for each GPU
-architecture at the tiles ``ddtree_serve/kernels/triton_mla_plan.choose_mla_tiles`` picks there, and compare the shared
-memory of the cubin with the device's limit and with the plan's estimate; ptxas's registers per thread and
-spilled bytes are printed beside it (a refactor of the kernels must leave all three unchanged;
-benchmarks/triton_ir_dump.py compares their LLVM IR and PTX before and after one).
+"""Offline check (no GPU needed; Triton's bundled ptxas) of every Triton kernel the presets run, compiled as their
+real launches specialise them (benchmarks/triton_launch_compile.py: the host launch code runs on CPU tensors at
+Kimi K2.6's shapes, each launch is intercepted and compiled with its signature, alignment hints and options):
 
-    python benchmarks/triton_smem_check.py [--archs 90,100,103,120] [--heads 8,64]
+- MLA (ddtree_serve/kernels/triton_mla*.py): bfloat16 over a bfloat16 and over an fp8 cache (latent 512 + rope
+  64), TP 8 (8 local heads: decode, tree verify, split-K and its merge, the query-tiled extend) and DCP 8 (64
+  gathered heads: the same through the DCP kernels), at the tiles ``choose_mla_tiles`` picks for the arch;
+- the sampling kernel (ddtree_serve/kernels/triton_sampling.py) at V 163,840.
 
-Kimi K2.6 latent (512 + rope 64), float32 / bfloat16, and bfloat16 over an fp8 KV cache. Exits 1 when a
-chosen configuration does not fit or the estimate lies below the cubin. Run without ``TRITON_INTERPRET`` (the
-interpreter compiles nothing).
+Per kernel: ptxas's registers and spilled bytes, the cubin's shared memory, the arch's limit and the plan's
+estimate (``mla_smem_bytes``). Exits 1 when a kernel spills, needs more shared memory than the arch has, or more
+than the plan's estimate, or when the plan's figure is not the compiled one (``COMPILED_SMEM``; ``--table``
+prints the figures to paste there).
+
+    python benchmarks/triton_smem_check.py [--archs 90,100,103,120] [--caches bf16,fp8] [--jobs 2] [--table]
+
+Run without ``TRITON_INTERPRET`` (the interpreter compiles nothing). ``compile_mla`` (the kernels without launch
+hints, for benchmarks/triton_ir_dump.py's comparisons of a refactor) stays here.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
-import re
 import sys
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 
-
-@dataclass(frozen=True)
-class CubinStats:
-    shared: int  # bytes of shared memory (static + dynamic) the launch needs
-    registers: int  # per thread
-    spill_bytes: int  # ptxas's spill stores + spill loads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, run from anywhere
 
 
 def _signature(kernel, ptr: str, const: dict, cache_ptr: str | None = None) -> dict[str, str]:
@@ -62,7 +61,7 @@ DCP_SIZE = 8  # the DCP kernel's shard filter is compiled for Kimi K2.6's DCP 8
 def compile_mla(
     kernel, dtype: torch.dtype, arch: int, tiles, lat: int, rope: int, fp8: bool = False, tree: bool = False
 ):  # noqa: ANN201 (triton's CompiledKernel)
-    """``kernel`` (one of ``mla_kernels()``) compiled by Triton for ``sm<arch>`` at ``tiles`` (num_warps 4);
+    """``kernel`` (one of ``mla_kernels()``) compiled by Triton for ``sm<arch>`` at ``tiles`` (its num_warps);
     ``fp8``: over an fp8 cache (float8e4nv rows and float32 scales) read into ``dtype`` tiles; ``tree``: the
     tree-verify mask. Its ``asm`` holds every stage (ttir, ttgir, llir, ptx, cubin)."""
     import triton
@@ -85,32 +84,8 @@ def compile_mla(
         const["DCP_SIZE"] = DCP_SIZE
     ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     src = ASTSource(kernel, _signature(kernel, ptr, const, "*fp8e4nv" if fp8 else None), constexprs=const)
-    opts = dict(num_warps=4, num_stages=tiles.num_stages)
+    opts = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
-
-
-def cubin_stats(
-    kernel, dtype: torch.dtype, arch: int, tiles, lat: int, rope: int, fp8: bool = False
-) -> CubinStats:
-    """Compile ``kernel`` (``compile_mla``) and read its shared memory (``metadata.shared``) and ptxas's
-    register and spill counts. Always compiles (Triton's cache would skip ptxas)."""
-    import triton
-
-    knobs = triton.knobs
-    saved = (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log)
-    knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = True, True
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(log):  # ptxas -v's log, printed by Triton's CUDA backend
-            shared = int(compile_mla(kernel, dtype, arch, tiles, lat, rope, fp8).metadata.shared)
-    finally:
-        knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = saved
-    text = log.getvalue()
-    regs = re.search(r"Used (\d+) registers", text)
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
-    if regs is None or not spills:
-        raise RuntimeError(f"no register / spill counts in ptxas's log:\n{text}")
-    return CubinStats(shared, int(regs.group(1)), sum(spills))
 
 
 def mla_kernels() -> dict[str, object]:
@@ -122,39 +97,158 @@ def mla_kernels() -> dict[str, object]:
     return {"single": _mla_kernel, "split": _mla_split_kernel, "dcp": _mla_dcp_kernel}
 
 
+def _batch(mode, q_len: int, bs: int = 2, prefix: int = 100):  # noqa: ANN001, ANN202 - a ForwardBatch
+    """A CPU ForwardBatch of ``bs`` requests with ``q_len`` new tokens after ~``prefix`` cached ones."""
+    from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
+
+    prefix_lens = torch.tensor([prefix + 7 * b for b in range(bs)])
+    total = prefix_lens + q_len
+    width = int(total.max())
+    table = torch.arange(1, bs * width + 1).view(bs, width)  # [bs, K] slots
+    new = torch.cat([table[b, int(prefix_lens[b]): int(total[b])] for b in range(bs)])
+    tree = None
+    if mode == ForwardMode.TARGET_VERIFY:
+        tree = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool)).expand(bs, q_len, q_len)
+    z = torch.zeros(bs * q_len, dtype=torch.long)
+    return build_forward_batch(mode, z, z, new, table, torch.arange(bs), prefix_lens, torch.full((bs,), q_len),
+                               tree_mask=tree)
+
+
+def mla_preset_launches(arch: int, fp8: bool) -> list[tuple[str, object, object]]:
+    """``(group, tiles, Launch)`` of every MLA launch the Kimi presets make on ``sm<arch>``: TP 8 (8 heads) and DCP
+    8 (64 heads), decode / verify single-pass and split-K (with the merge), extend; bfloat16 queries over a
+    bfloat16 (``fp8`` False) or fp8 cache, at the tiles the plan picks there. Duplicates are dropped."""
+    from benchmarks.triton_launch_compile import capture_launches, launch_source
+    from ddtree_serve.kernels import triton_mla, triton_mla_dcp, triton_mla_extend, triton_mla_split
+    from ddtree_serve.kernels.triton_mla_extend import EXTEND_ROWS
+    from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES, choose_mla_tiles
+    from ddtree_serve.model_executor.forward_batch import ForwardMode
+
+    targets = {triton_mla: ("_mla_kernel",), triton_mla_dcp: ("_mla_dcp_kernel",),
+               triton_mla_extend: ("_mla_extend_kernel",),
+               triton_mla_split: ("_mla_split_kernel", "_mla_dcp_split_kernel", "_mla_merge_kernel")}
+    lat, rope, slots = 512, 64, 4096
+    limit = SMEM_OPTIN_BYTES[(arch // 10, arch % 10)]
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    cache = torch.zeros(slots, 1, lat + rope, dtype=cache_dtype)  # [slots, 1, L + R]
+    k_scale = torch.ones(slots, 2) if fp8 else None
+    out, seen = [], set()
+    for group, heads, dcp in (("tp8", 8, 1), ("dcp8", 64, 8)):
+        tiles = choose_mla_tiles(heads, lat, rope, torch.bfloat16, limit, arch, cache_dtype if fp8 else None)
+        ext = choose_mla_tiles(max(heads, EXTEND_ROWS), lat, rope, torch.bfloat16, limit, arch,
+                               cache_dtype if fp8 else None)
+        for mode, q_len in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 5), (ForwardMode.EXTEND, 16)):
+            fb = _batch(mode, q_len)
+            q = torch.zeros(fb.q_index.numel(), heads, lat + rope, dtype=torch.bfloat16)  # [T, H, L + R]
+            args = (q, cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens, fb.extend_lens, lat, 0.1)
+            t = ext if mode == ForwardMode.EXTEND else tiles
+            for splits in ((1,) if mode == ForwardMode.EXTEND else (1, 4)):
+                with capture_launches(targets) as sink:
+                    if dcp > 1:
+                        triton_mla_dcp.MLA_DCP_KERNELS[mode.value](*args, dcp_size=dcp, dcp_rank=0, k_scale=k_scale,
+                                                                   tiles=t, num_splits=splits)
+                    else:
+                        triton_mla.MLA_KERNELS[mode.value](*args, tiles=t, num_splits=splits, k_scale=k_scale)
+                for launch in sink:
+                    src, opts = launch_source(launch)
+                    key = (launch.name, repr(sorted(src.constants.items())), repr(src.attrs), repr(opts))
+                    if key not in seen:
+                        seen.add(key)
+                        out.append((group, t, launch))
+    return out
+
+
+def sampler_launch() -> object:
+    """The sampling kernel's launch at V 163,840 (64 rows, float32 logits)."""
+    from benchmarks.triton_launch_compile import capture_launches
+    from ddtree_serve.kernels import triton_sampling
+
+    n, vocab = 64, 163_840
+    with capture_launches({triton_sampling: ("_sample_rows",)}) as sink:
+        triton_sampling.triton_draw_sampled(torch.zeros(n, vocab), torch.ones(n), torch.full((n,), 40),
+                                            torch.full((n,), 0.9), torch.zeros(n), torch.rand(n))
+    return sink[0]
+
+
+def check_group(arch: int, cache: str) -> list[dict]:
+    """Compile one arch's launches for one cache kind (``cache`` "bf16" / "fp8"; "sampler": the sampling kernel):
+    one row per kernel with its figures and verdict."""
+    from benchmarks.triton_launch_compile import compile_launch, launch_source
+    from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES
+
+    limit = SMEM_OPTIN_BYTES[(arch // 10, arch % 10)]
+    todo = [("sampler", None, sampler_launch())] if cache == "sampler" else mla_preset_launches(arch, cache == "fp8")
+    rows = []
+    for group, tiles, launch in todo:
+        st = compile_launch(launch, arch)
+        src, _ = launch_source(launch)
+        tree = src.constants.get((launch.kernel.arg_names.index("TREE"),)) if "TREE" in launch.kernel.arg_names else None
+        rows.append(dict(arch=arch, cache=cache, group=group, kernel=launch.name, tree=tree,
+                         tiles=f"{tiles.block_h}x{tiles.block_n}" if tiles else "-", warps=st.num_warps,
+                         shared=st.shared, registers=st.registers, spills=st.spill_bytes, limit=limit,
+                         estimate=tiles.smem_bytes if tiles else None))
+    return rows
+
+
+def verdict(rows: list[dict]) -> list[str]:
+    """The failures among ``rows``: spills, shared memory over the arch's limit or over the plan's estimate, and a
+    plan figure that is not the largest compiled one of its tiles (the plan's ``COMPILED_SMEM``)."""
+    bad = []
+    for r in rows:
+        name = f"sm{r['arch']} {r['cache']} {r['group']} {r['kernel']} {r['tiles']}"
+        if r["spills"]:
+            bad.append(f"{name}: {r['spills']} B spilled")
+        if r["shared"] > r["limit"]:
+            bad.append(f"{name}: {r['shared']:,} B of shared memory > the limit {r['limit']:,}")
+        if r["estimate"] is not None and r["shared"] > r["estimate"]:
+            bad.append(f"{name}: {r['shared']:,} B of shared memory > the plan's {r['estimate']:,}")
+    for key, top in compiled_table(rows).items():
+        est = {r["estimate"] for r in rows if (r["arch"], r["cache"], r["tiles"]) == key}
+        if est != {top}:
+            bad.append(f"sm{key[0]} {key[1]} {key[2]}: the plan says {sorted(est)}, the largest cubin {top:,} B")
+    return bad
+
+
+def compiled_table(rows: list[dict]) -> dict[tuple[int, str, str], int]:
+    """The largest cubin shared memory per (arch, cache, tiles) over the MLA kernels compiled."""
+    top: dict[tuple[int, str, str], int] = {}
+    for r in rows:
+        if r["cache"] != "sampler":
+            key = (r["arch"], r["cache"], r["tiles"])
+            top[key] = max(top.get(key, 0), r["shared"])
+    return top
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--archs", default="90,100,103,120")
-    ap.add_argument("--heads", default="8,64")
+    ap.add_argument("--caches", default="bf16,fp8,sampler", help="bf16, fp8 (MLA over that cache), sampler")
+    ap.add_argument("--jobs", type=int, default=2, help="processes compiling in parallel")
+    ap.add_argument("--table", action="store_true", help="print the compiled figures as COMPILED_SMEM entries")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter compiles nothing")
         return 2
-    from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES, choose_mla_tiles
+    import triton
 
-    ok = True
-    for arch in (int(a) for a in args.archs.split(",")):
-        limit = SMEM_OPTIN_BYTES[(arch // 10, arch % 10)]
-        for dtype, fp8 in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-            cache = torch.float8_e4m3fn if fp8 else None
-            for heads in (int(h) for h in args.heads.split(",")):
-                tiles = choose_mla_tiles(heads, 512, 64, dtype, limit, arch, cache)
-                for kname, kernel in mla_kernels().items():
-                    st = cubin_stats(kernel, dtype, arch, tiles, 512, 64, fp8)
-                    shared = st.shared
-                    # the DCP kernel's cubin may exceed the estimate by its shard filter's scratch (sm120,
-                    # 64 heads: 128 B): only the device's limit is required of it
-                    good = shared <= limit and (shared <= tiles.smem_bytes or kname == "dcp")
-                    ok &= good
-                    name = f"{dtype}{'/fp8 KV' if fp8 else ''}"
-                    print(
-                        f"sm{arch} {name:22} heads {heads:3} {kernel.__name__:18} tiles "
-                        f"{tiles.block_h}x{tiles.block_n}: cubin {shared:7,} B, estimate "
-                        f"{tiles.smem_bytes:7,} B, limit {limit:7,} B, {st.registers:3} registers, "
-                        f"{st.spill_bytes:,} B spilled {'ok' if good else 'FAIL'}"
-                    )
-    print("ALL OK" if ok else "FAILED")
-    return 0 if ok else 1
+    groups = [(int(a), c) for a in args.archs.split(",") for c in args.caches.split(",")]
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(check_group, *zip(*groups, strict=True)))
+    rows = [r for group in results for r in group]
+    print(f"Triton {triton.__version__}")
+    for r in rows:
+        print(f"sm{r['arch']} {r['cache']:7} {r['group']:7} {r['kernel']:22} tree={r['tree']!s:5} tiles {r['tiles']:5} "
+              f"w{r['warps']}: cubin {r['shared']:7,} B, estimate {r['estimate'] or 0:7,} B, limit {r['limit']:7,} B, "
+              f"{r['registers']:3} registers, {r['spills']:,} B spilled")
+    if args.table:
+        for (arch, cache, tiles), shared in sorted(compiled_table(rows).items()):
+            bh, bn = tiles.split("x")
+            print(f"    ({arch}, {cache!r}, {bh}, {bn}): {shared},")
+    bad = verdict(rows)
+    for line in bad:
+        print("FAIL", line)
+    print("ALL OK" if not bad else "FAILED")
+    return 0 if not bad else 1
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
 """GPU check parts beside the checkpoint: the Triton kernels at Kimi shapes (benchmarks/gpu_triton_check.py's
 checks), MoonViT's activation peak on a 16k-patch image against the encoder reserve, DCP's collectives inside
-a CUDA graph, the multi-GPU checks (NOT AVAILABLE on one GPU), and the tests/gpu pytest files."""
+a CUDA graph and the multi-GPU checks (NOT AVAILABLE on one GPU); the tests/gpu pytest files run from
+benchmarks/gpu/checks_pytest.py."""
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 import time
@@ -167,30 +166,3 @@ def part_peer_access(ctx: PartContext) -> bool:
     ctx.numbers["matrix"] = [" ".join("X" if i == j else ("P2P" if torch.cuda.can_device_access_peer(i, j) else "-")
                                       for j in range(n)) for i in range(n)]
     return True
-
-
-def part_pytest_gpu(ctx: PartContext) -> bool:
-    """``pytest -m gpu tests/gpu`` without DDTREE_REQUIRE_CUDA_KERNELS (a missing flashinfer / sgl-kernel means
-    the torch / Triton fallbacks run; tests that need a library skip): counts, failures, skips and the
-    backend lines the tests print."""
-    env = dict(os.environ)
-    env.pop("DDTREE_REQUIRE_CUDA_KERNELS", None)
-    try:
-        p = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rfEs",
-                            "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=ROOT, env=env,
-                           timeout=max(10.0, ctx.left() - 10))
-        text, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        text, rc = out + "\n[cut: the part's time ran out]", None
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", text)}
-    lines = text.splitlines()
-    backends = lines[lines.index(next(x for x in lines if "backends that ran" in x)) + 1:] \
-        if any("backends that ran" in x for x in lines) else []
-    ctx.numbers |= {"exit": rc, "counts": counts,
-                    "failures": [x for x in lines if x.startswith(("FAILED", "ERROR"))][:40],
-                    "skips": [x for x in lines if x.startswith("SKIPPED")][:40], "output_tail": text[-4000:]}
-    ctx.backend["tests"] = "; ".join(x.strip() for x in backends if x.strip() and not x.startswith("="))[:2000]
-    if rc is None:
-        ctx.numbers["failure"] = "pytest did not finish in the part's time"
-    return rc == 0

@@ -6,9 +6,9 @@ kernel, which re-reads the whole prefix for every new token of a long prefill.
 Rows. A program's query tile is ``[BLOCK_ROWS, L + R]`` with row ``r`` = (token ``r // HB``, head
 ``pid_h * HB + r % HB``): ``HB = min(heads, BLOCK_ROWS)`` heads of ``BLOCK_M = BLOCK_ROWS // HB`` tokens
 (``BLOCK_ROWS`` is the plan's ``BLOCK_H``, so the tile takes the shared memory the plan estimated for that
-many heads, ddtree_serve/kernels/triton_mla_plan.py). At 8 local heads and 64 rows a program covers 8 tokens, where the
+many heads, ddtree_serve/kernels/triton_mla_plan.py). At 8 local heads and 32 rows a program covers 4 tokens, where the
 per-token kernel pads 8 heads to 16 rows; at 64 heads (DCP's gathered heads) ``BLOCK_M`` is 1 and the kernel
-is the per-token one. Rows past ``BLOCK_M * HB``, past the request's last token or past the heads are
+is the per-token one over 32 of them. (64 rows spill registers: the plan caps rows at 32.) Rows past ``BLOCK_M * HB``, past the request's last token or past the heads are
 masked (query 0, never stored).
 
 Causality: token ``i`` of request ``b`` (prefix ``P``) sees keys ``j <= P + i`` of ``kv_indices[b]``; the
@@ -36,7 +36,7 @@ from ddtree_serve.kernels.triton_mla_plan import MlaTiles, device_arch, device_s
 from ddtree_serve.kernels.triton_utils import dot_args
 
 LN2_C = tl.constexpr(0.6931471805599453)  # ln 2: base-2 scores -> a natural-log lse
-EXTEND_ROWS = 64  # preferred (token, head) rows per program; the plan may shrink it to fit shared memory
+EXTEND_ROWS = 32  # preferred (token, head) rows per program (the plan's most); it may shrink to fit shared memory
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def _mla_extend_kernel(
 
 def extend_tiles(s: MlaLaunch) -> MlaTiles:
     """The plan's tiles for ``EXTEND_ROWS`` (token, head) rows (or the launch's heads when more): the
-    preferred 64 rows shrink to 32 or 16, or the key tile to 16, where shared memory is short."""
+    preferred 32 rows shrink to 16, or the key tile to 16, where shared memory is short."""
     dev = (s.q.device.type, s.q.device.index)
     return tiles_for(max(s.heads, EXTEND_ROWS), s.lat, s.rope, s.q.dtype, device_smem_limit(*dev),
                      device_arch(*dev), s.cache.dtype if s.fp8 else None)  # fmt: skip
@@ -144,7 +144,7 @@ def launch_extend(s: MlaLaunch, extend_lens: torch.Tensor, out: torch.Tensor, ti
         s.scale_log2, heads, dcp_rank, s.q.stride(0), s.q.stride(1), s.cache.stride(0), s.scales.stride(0),
         s.kv_indices.stride(0), out.stride(0), out.stride(1), lse.stride(0), L=s.lat, R=s.rope, FP8=s.fp8, HB=hb,
         BLOCK_M=block_m, BLOCK_ROWS=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_L=tiles.block_l,
-        BLOCK_R=tiles.block_r, DCP_SIZE=dcp_size, LSE_OUT=lse_out is not None, num_warps=4,
+        BLOCK_R=tiles.block_r, DCP_SIZE=dcp_size, LSE_OUT=lse_out is not None, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **dot_args(s.q.dtype),
     )  # fmt: skip
     return out

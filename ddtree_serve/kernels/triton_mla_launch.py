@@ -61,7 +61,7 @@ class MlaLaunch:
         """The kernels' constexprs (``L`` .. ``BLOCK_R``) and launch options."""
         t = self.tiles
         return dict(L=self.lat, R=self.rope, TREE=self.tree, FP8=self.fp8, BLOCK_H=t.block_h, BLOCK_N=t.block_n,
-                    BLOCK_L=t.block_l, BLOCK_R=t.block_r, num_warps=4, num_stages=t.num_stages,
+                    BLOCK_L=t.block_l, BLOCK_R=t.block_r, num_warps=t.num_warps, num_stages=t.num_stages,
                     **dot_args(self.q.dtype))  # fmt: skip
 
 

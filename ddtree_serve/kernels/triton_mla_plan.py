@@ -3,36 +3,36 @@ that fit the device's shared memory, and how many key splits (flash-decoding) a 
 over shapes and device facts, so they are tested on CPU (tests/kernels/test_triton_mla_plan.py).
 
 Tiles. One program holds a ``[BLOCK_H, L + R]`` query tile and a ``[BLOCK_N, L + R]`` key tile in shared
-memory (the latent serves as K and V), plus a small scratch tile. ``mla_smem_bytes`` estimates that from
-the Triton 3.9 cubins (``metadata.shared`` of the kernel compiled for sm120, num_warps 4, num_stages 2,
-L 512, R 64; sm90 and sm100 alike unless noted):
+memory (the latent serves as K and V), plus a small scratch tile, and a float32 ``[BLOCK_H, L]`` accumulator in
+registers. Registers bound the rows: at L 512 a program of 64 rows spills 1.5-7 KB per thread at 4 warps and
+0.2-0.8 KB at 8, one of 32 rows spills at 4 warps and not at 8, and over an fp8 cache (its raw tile and the
+dequantization) 32 rows spill ~1 KB at 8 warps; so ``BLOCK_H`` is at most ``MAX_BLOCK_H`` 32
+(``MAX_BLOCK_H_FP8`` 16) and every program runs ``MLA_NUM_WARPS`` 8 warps (benchmarks/triton_smem_check.py,
+Triton 3.9, with the launch's alignment hints, sm90 / sm100 / sm103 / sm120: no spill).
+
+Shared memory: for the presets' tiles (bfloat16 queries, L 512, R 64) the compiled figure, the largest cubin
+over the kernels a preset launches (``COMPILED_SMEM``, which benchmarks/triton_smem_check.py fails on when it
+is not the compiled one): bfloat16 cache 16 x 32 56,320 B, 32 x 32 76,032 B; fp8 cache 16 x 32 86,528 B, the
+same on every arch. Elsewhere (float32, other latents) ``mla_smem_bytes`` estimates from the tiles, as read
+from Triton 3.9 cubins without launch hints at 4 warps (sm120, num_stages 2, L 512, R 64):
 
 ==========  =======  =======  ==========  ==========
 dtype       BLOCK_H  BLOCK_N  cubin (B)   estimate
 ==========  =======  =======  ==========  ==========
-bfloat16    16       32       59,392      59,392
-bfloat16    64       32       114,688     119,040   (sm90: 110,592)
-bfloat16    64       16       94,208      96,512
 float32     16       32       112,704     112,704
 float32     16       16       74,816      74,816
 float32     32       16       112,768     112,768
 float32     64       16       188,672     188,672
 ==========  =======  =======  ==========  ==========
 
-Over an fp8 cache (``--kv-cache-dtype fp8_e4m3``) the bfloat16 kernel also holds the fp8 key tile as loaded
-and float32 scratch of the dequantization: cubins add 904 B per key row at L 512 / R 64 to the bfloat16
-query and key tiles (sm120: 16 x 16 51,328 B, 32 x 16 69,760, 64 x 16 106,624, 64 x 32 139,520; 16 x 32
-84,224 on sm90 and sm120); the estimate adds ``BLOCK_N x ((L + R) + 4 R + 128)`` (960 B per row), so at 64
-heads on sm120 an fp8 cache takes 32 x 16 tiles.
-
-(sm100 adds a second key tile for 16-bit tiles of 64 heads: 143,384 B at 64 x 32; the estimate adds it
-for arch 100/103 or unknown). So float32 at ``BLOCK_H 16 / BLOCK_N 32`` (Kimi K2.6 at TP 8: 8 local heads)
-needs 112,704 B, more than sm120's 101,376 (RTX PRO 6000), and bfloat16 at 64 heads 114,688.
-``benchmarks/triton_smem_check.py`` recompiles the chosen tiles per architecture and compares. ``choose_mla_tiles`` keeps
-``BLOCK_H`` (all local heads in one program: the cache is read once) and shrinks ``BLOCK_N`` (32, then 16)
-before it splits the heads (``BLOCK_H`` 64 -> 32 -> 16); None when even 16 x 16 does not fit (then the
-backend resolution picks the torch reference, ddtree_serve/model_executor/kernel_backends.py). Without a limit (CPU,
-Triton's interpreter) it keeps the preferred tiles.
+Over an fp8 cache the estimate adds ``BLOCK_N x ((L + R) + 4 R + 128)`` (960 B per key row) for the fp8 tile as
+loaded and the float32 scratch of the dequantization; on datacenter Blackwell (sm100 / sm103, or an unknown
+arch) 16-bit tiles of 64 heads take a second key tile. So float32 at ``BLOCK_H 16 / BLOCK_N 32`` (Kimi K2.6 at
+TP 8: 8 local heads) needs 112,704 B, more than sm120's 101,376 (RTX PRO 6000). ``choose_mla_tiles`` keeps
+``BLOCK_H`` and shrinks ``BLOCK_N`` (32, then 16) before it splits the heads further (``BLOCK_H`` 32 -> 16);
+None when even 16 x 16 does not fit (then the backend resolution picks the torch reference,
+ddtree_serve/model_executor/kernel_backends.py). Without a limit (CPU, Triton's interpreter) it keeps the
+preferred tiles.
 
 Splits. A decode step at small batch launches few programs (batch 1 at TP 8: one program per layer) and
 each walks the whole context. ``choose_kv_splits`` splits the keys of each program into chunks walked by
@@ -64,6 +64,9 @@ SMEM_OPTIN_BYTES = {
     (12, 0): 101_376,
     (12, 1): 101_376,
 }
+MAX_BLOCK_H = 32  # rows per program: at 64 the float32 [64, L 512] accumulator spills at 4 and at 8 warps
+MAX_BLOCK_H_FP8 = 16  # over an fp8 cache the raw tile and its dequantization add registers: 32 rows spill ~1 KB
+MLA_NUM_WARPS = 8  # at 4 warps 32-row tiles spill (and 16-row extend tiles); at 8 none do (triton_smem_check.py)
 MIN_SPLIT_KEYS = 512  # a split walks at least this many keys (its merge costs one [BLOCK_H, L] row)
 MAX_SPLITS = 64
 SPLIT_MIN_CONTEXT = 2 * MIN_SPLIT_KEYS  # shorter contexts never split
@@ -77,10 +80,43 @@ class MlaTiles:
     block_r: int
     smem_bytes: int  # estimate (mla_smem_bytes)
     num_stages: int = 2
+    num_warps: int = 4
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+# Shared memory of the compiled MLA kernels, bytes: the largest over the kernels a preset launches (decode, verify,
+# split-K and merge, extend; TP 8 and DCP 8) at bfloat16 queries, latent 512 + rope 64, MLA_NUM_WARPS warps,
+# with the launch's alignment hints, Triton 3.9 (``python benchmarks/triton_smem_check.py --table``, which fails
+# when a figure here is not the compiled one). Key: (arch, cache "bf16" / "fp8", BLOCK_H, BLOCK_N).
+COMPILED_SMEM = {
+    (90, "bf16", 16, 32): 56320,
+    (90, "bf16", 32, 32): 76032,
+    (90, "fp8", 16, 32): 86528,
+    (100, "bf16", 16, 32): 56320,
+    (100, "bf16", 32, 32): 76032,
+    (100, "fp8", 16, 32): 86528,
+    (103, "bf16", 16, 32): 56320,
+    (103, "bf16", 32, 32): 76032,
+    (103, "fp8", 16, 32): 86528,
+    (120, "bf16", 16, 32): 56320,
+    (120, "bf16", 32, 32): 76032,
+    (120, "fp8", 16, 32): 86528,
+}
+
+
+def compiled_smem_bytes(block_h: int, block_n: int, block_l: int, block_r: int, dtype: torch.dtype,
+                        arch: int | None = None, cache_dtype: torch.dtype | None = None) -> int | None:
+    """``COMPILED_SMEM``'s figure for these tiles (None when it has none: another dtype, latent or tile); an
+    unknown ``arch`` takes the largest over the archs compiled."""
+    if dtype != torch.bfloat16 or (block_l, block_r) != (512, 64):
+        return None
+    cache = "fp8" if cache_dtype is not None and cache_dtype.itemsize == 1 else "bf16"
+    found = [v for (a, c, bh, bn), v in COMPILED_SMEM.items()
+             if (c, bh, bn) == (cache, block_h, block_n) and (arch is None or a == arch)]
+    return max(found) if found else None
 
 
 def mla_smem_bytes(
@@ -91,7 +127,11 @@ def mla_smem_bytes(
     dtype (``dtype``; with an fp8 ``cache_dtype`` the tiles are dequantized to ``dtype`` and the raw fp8 tile
     and its scratch are added), plus the scratch tile (float32 ``[BLOCK_H, BLOCK_N]`` and a row; at least 4 KiB for 16-bit). On
     datacenter Blackwell (``arch`` 100/103, or unknown) 16-bit tiles of 64 heads take a second key tile
-    (sm100 cubin: 143,384 B at 64 x 32 where sm90 and sm120 take 110,592)."""
+    (sm100 cubin: 143,384 B at 64 x 32 where sm90 and sm120 take 110,592). The compiled figure
+    (``compiled_smem_bytes``) where the table has one: the presets' tiles."""
+    compiled = compiled_smem_bytes(block_h, block_n, block_l, block_r, dtype, arch, cache_dtype)
+    if compiled is not None:
+        return compiled
     elem = torch.empty((), dtype=dtype).element_size()
     scratch = block_h * block_n * 4 + block_h * 4
     if elem < 4:
@@ -103,8 +143,11 @@ def mla_smem_bytes(
     return (block_h + block_n + (block_n if second_key else 0)) * (block_l + block_r) * elem + raw + scratch
 
 
-def preferred_block_h(heads: int) -> int:
-    return max(16, min(64, _pow2(heads)))
+def preferred_block_h(heads: int, cache_dtype: torch.dtype | None = None) -> int:
+    """Rows per program for ``heads`` local heads: all of them up to ``MAX_BLOCK_H`` (``MAX_BLOCK_H_FP8`` over an
+    fp8 cache), at least 16 (the smallest tensor-core tile)."""
+    cap = MAX_BLOCK_H_FP8 if cache_dtype is not None and cache_dtype.itemsize == 1 else MAX_BLOCK_H
+    return max(16, min(cap, _pow2(heads)))
 
 
 def choose_mla_tiles(
@@ -116,12 +159,12 @@ def choose_mla_tiles(
     ``cache_dtype``: an fp8 cache read into ``dtype`` tiles (None: the cache is ``dtype``). Order:
     preferred BLOCK_H with BLOCK_N 32 then 16, then half the heads per program; None when nothing fits."""
     block_l, block_r = max(16, _pow2(lat)), max(16, _pow2(rope))
-    block_h = preferred_block_h(heads)
+    block_h = preferred_block_h(heads, cache_dtype)
     while block_h >= 16:
         for block_n in (32, 16):
             smem = mla_smem_bytes(block_h, block_n, block_l, block_r, dtype, arch, cache_dtype)
             if smem_limit is None or smem <= smem_limit:
-                return MlaTiles(block_h, block_n, block_l, block_r, smem)
+                return MlaTiles(block_h, block_n, block_l, block_r, smem, num_warps=MLA_NUM_WARPS)
         block_h //= 2
     return None
 

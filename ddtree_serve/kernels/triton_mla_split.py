@@ -31,6 +31,9 @@ from ddtree_serve.kernels.triton_mla_keys import mla_attend, mla_token
 from ddtree_serve.kernels.triton_mla_launch import MlaLaunch
 
 LN2_C = tl.constexpr(0.6931471805599453)  # ln 2: the kernels' base-2 scores -> a natural-log lse
+# heads per merge program, whatever the attention tiles: its float32 [BLOCK_H, L] accumulator is registers only
+# (at 64 heads and L 512, 4 warps, ptxas spills ~14 KB per thread; at 16, none: benchmarks/triton_smem_check.py)
+MERGE_BLOCK_H = 16
 
 
 @triton.jit
@@ -204,9 +207,9 @@ def launch_split(s: MlaLaunch, out: torch.Tensor, num_splits: int, dcp_size: int
             *s.inputs(), o_part, lse, s.scale_log2, heads, num_splits, *tail, **s.meta(),
         )  # fmt: skip
     lse_o = lse if lse_out is None else lse_out  # [T, H] (unread without LSE_OUT)
-    _mla_merge_kernel[(t, head_blocks)](
+    _mla_merge_kernel[(t, triton.cdiv(heads, MERGE_BLOCK_H))](
         o_part, lse, out, lse_o, heads, num_splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), lse_o.stride(0), L=s.lat,
-        BLOCK_H=s.tiles.block_h, BLOCK_L=s.tiles.block_l, LSE_OUT=lse_out is not None, num_warps=4,
+        BLOCK_H=MERGE_BLOCK_H, BLOCK_L=s.tiles.block_l, LSE_OUT=lse_out is not None, num_warps=4,
     )  # fmt: skip
     return out

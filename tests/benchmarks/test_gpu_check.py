@@ -1,9 +1,10 @@
-"""benchmarks/gpu_check.sh on a machine without CUDA (quick: every part NOT AVAILABLE, the JSON written, exit 2)
-and the Kimi-shaped checkpoint writer (benchmarks/gpu/kimi_checkpoint.py) at tiny sizes: written in the
+"""benchmarks/gpu_check.sh on a machine without CUDA (quick: every part NOT AVAILABLE, the JSON written, exit 2,
+at most 8 files under $OUT), the parts' order (by value) and time budget (benchmarks/gpu/registry.py), and the Kimi-shaped checkpoint writer (benchmarks/gpu/kimi_checkpoint.py) at tiny sizes: written in the
 Hugging Face layout, loaded by the engine's model loader, one forward on CPU."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.gpu.kimi_checkpoint import KimiShape, write_kimi_checkpoint
-from benchmarks.gpu.registry import PARTS
+from benchmarks.gpu.registry import DEADLINE_S, GROUPS, PARTS, PROBE_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,29 @@ def test_gpu_check_on_cpu_reports_every_part_not_available(tmp_path):
         assert part["reason"].startswith("CUDA not available"), part
     assert "torch" in report["environment"] and "libraries" in report["environment"]
     assert (tmp_path / "out" / "gpu_check.log").exists()
+    files = sorted(str(f.relative_to(tmp_path / "out")) for f in (tmp_path / "out").rglob("*") if f.is_file())
+    assert files == ["gpu_check.json", "gpu_check.log", "part_logs.txt"], files  # at most 8 come back
+
+
+def test_parts_run_by_value_within_the_deadline():
+    """Comparisons against a reference first (the seeded sampler and DCP kernel tests, then the kernels, model
+    logits, graphs, lossless DDTree), compiles and speed last; the one-GPU parts' timeouts and the probe's add up
+    within the deadline, which ends before the lent machine's 9 minutes."""
+    names = [p.name for p in PARTS]
+    groups = [GROUPS.index(p.group) for p in PARTS]
+    assert groups == sorted(groups), names
+    assert names[0] == "pytest_reference"
+    reference = [p.name for p in PARTS if p.group == "reference"]
+    for name in ("triton_kernels", "model_logits", "cuda_graphs", "ddtree_lossless"):
+        assert name in reference
+    assert [p.name for p in PARTS if p.group == "speed"] == names[-5:-2]
+    assert {p.name for p in PARTS if p.group == "compile"} == {"triton_compiles"}
+    one_gpu = sum(p.timeout_s for p in PARTS if p.min_gpus == 1)
+    assert one_gpu + PROBE_TIMEOUT_S <= DEADLINE_S < 9 * 60 - 10
+    assert all(p.min_start_s <= p.timeout_s for p in PARTS)
+    for p in PARTS:  # every part's target exists
+        module, fn = p.target.split(":")
+        assert callable(getattr(importlib.import_module(f"benchmarks.gpu.{module}"), fn)), p.target
 
 
 def test_tp8_shape_is_kimi_k26_per_rank():

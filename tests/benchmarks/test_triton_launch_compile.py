@@ -1,0 +1,56 @@
+"""benchmarks/triton_launch_compile.py without compiling: the launches it intercepts from the host launch code and
+the signature, alignment hints, constexprs and options it gives them (the compiled kernels themselves:
+benchmarks/triton_smem_check.py, the slow test in tests/kernels/test_triton_mla_plan.py). Runs in a child
+without ``TRITON_INTERPRET`` (the interpreter's kernels are not ``JITFunction``s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_CHILD = r"""
+import json, torch
+from benchmarks.triton_launch_compile import capture_launches, launch_source
+from ddtree_serve.kernels import triton_sampling
+from benchmarks.triton_smem_check import mla_preset_launches
+
+out = {}
+for vocab in (163840, 163841):
+    n = 4
+    with capture_launches({triton_sampling: ("_sample_rows",)}) as sink:
+        got = triton_sampling.triton_draw_sampled(torch.zeros(n, vocab), torch.ones(n), torch.full((n,), 40),
+                                                  torch.full((n,), 0.9), torch.zeros(n), torch.rand(n))
+    src, opts = launch_source(sink[0])
+    names = sink[0].kernel.arg_names
+    out[vocab] = dict(n=len(sink), sig=src.signature, hinted=sorted(names[k[0]] for k in src.attrs),
+                      const={names[k[0]]: v for k, v in src.constants.items()}, opts=opts)
+launches = mla_preset_launches(90, False)
+out["mla"] = sorted({(l.name, str(t.block_h), str(l.kwargs.get("num_warps"))) for _, t, l in launches})
+print(json.dumps(out))
+"""
+
+
+def test_launches_are_specialised_as_the_launcher_would() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    p = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    even, odd = out["163840"], out["163841"]
+    assert even["n"] == 1 and even["sig"]["logits_ptr"] == "*fp32" and even["sig"]["V"] == "i32"
+    assert even["sig"]["BLOCK"] == "constexpr" and even["const"] == {"BLOCK": 1024, "HBLOCK": 64}
+    assert even["opts"] == {"num_warps": 8}
+    # 16-byte aligned tensors and integers divisible by 16 carry tt.divisibility, others do not
+    assert {"logits_ptr", "stride", "V", "out_ptr"} <= set(even["hinted"])
+    assert "V" not in odd["hinted"] and "stride" not in odd["hinted"]
+    # the MLA launches of the presets on sm90 (bfloat16 cache): TP 8 and DCP 8, every kernel, 8 warps
+    names = {name for name, _, _ in out["mla"]}
+    assert names == {"_mla_kernel", "_mla_split_kernel", "_mla_merge_kernel", "_mla_extend_kernel", "_mla_dcp_kernel",
+                     "_mla_dcp_split_kernel"}
+    for name, block_h, warps in out["mla"]:
+        assert int(block_h) <= 32 and warps == ("4" if name == "_mla_merge_kernel" else "8"), (name, block_h, warps)
