@@ -334,6 +334,10 @@ class ServerArgs(Area):
                                             default_help="the context length")
     max_waiting_requests: int = setting(1024, "Requests that may wait beyond --max-running-requests (503 with "
                                         "Retry-After beyond).", low=0)
+    allow_auto_truncate: bool = setting(False, "On /v1/chat/completions and /v1/completions, lower a max_tokens "
+                                        "beyond the room the context leaves after the prompt to that room "
+                                        "(finish_reason length) instead of answering 400 (the agent APIs always "
+                                        "do).")
     max_images_per_request: int = setting(8, "Most images one request may carry, models with a vision tower "
                                           "(400 beyond); 0: text only, the vision tower is not loaded.", low=0)
     max_image_bytes: int = setting(10 << 20, "Largest accepted image in bytes, decoded from its base64 data: URL "

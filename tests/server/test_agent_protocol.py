@@ -67,6 +67,27 @@ def test_messages_history_maps_to_chat_messages() -> None:
     assert off["chat_template_kwargs"] == {"thinking": False, "enable_thinking": False}
 
 
+def test_messages_system_role_messages_merge_into_the_system_prompt() -> None:
+    user = {"role": "user", "content": "hi"}
+    chat = _messages({"system": "Base.", "messages": [
+        user, {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+        {"role": "assistant", "content": "ok"}, {"role": "system", "content": "Late."}, user]})
+    assert chat["messages"] == [
+        {"role": "system", "content": [{"type": "text", "text": "Base."}, {"type": "text", "text": "Reminder."},
+                                       {"type": "text", "text": "Late."}]},
+        user, {"role": "assistant", "content": "ok"}, user]
+    only = _messages({"messages": [{"role": "system", "content": "S."}, user]})
+    assert only["messages"] == [{"role": "system", "content": [{"type": "text", "text": "S."}]}, user]
+    assert _messages({"system": "S.", "messages": [user]})["messages"][0] == {"role": "system", "content": "S."}
+    chat_request(chat)
+    with pytest.raises(APIError) as e:  # nothing but system messages
+        _messages({"messages": [{"role": "system", "content": "S."}]})
+    assert e.value.param == "messages"
+    with pytest.raises(APIError) as e:  # a system message holds text only
+        _messages({"messages": [{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}, user]})
+    assert e.value.param == "messages" and "text blocks only" in e.value.message
+
+
 @pytest.mark.parametrize("field", sorted(MESSAGES_REFUSED))
 def test_messages_refused_fields(field) -> None:
     with pytest.raises(APIError) as e:

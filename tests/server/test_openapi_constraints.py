@@ -149,8 +149,12 @@ RULES = [
      {"max_tokens": 4, "messages": USER, "tools": [{"name": "a-b", "input_schema": {}}]}),
     (MESSAGES, {"max_tokens": 4, "messages": USER, "thinking": {"type": "adaptive", "display": "omitted"}},
      "thinking", {"max_tokens": 4, "messages": USER, "thinking": {"type": "adaptive", "display": "summarized"}}),
-    (MESSAGES, {"max_tokens": 4, "messages": USER, "output_config": {"effort": "high"}}, "output_config",
-     {"max_tokens": 4, "messages": USER, "output_config": {}}),
+    (MESSAGES, {"max_tokens": 4, "messages": USER, "output_config": {"effort": "extreme"}}, "output_config",
+     {"max_tokens": 4, "messages": USER, "output_config": {"effort": "max"}}),
+    (MESSAGES, {"max_tokens": 4, "messages": [{"role": "system", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}]}, *USER]},
+     "messages", {"max_tokens": 4, "messages": [{"role": "system", "content": [{"type": "text", "text": "S"}]},
+                                                *USER]}),
     (MESSAGES, {"max_tokens": 4, "messages": USER, "speed": "fast"}, "speed", {"max_tokens": 4, "messages": USER}),
     (MESSAGES, {"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "1", "name": "f", "input": {}}]}]}, "messages",

@@ -90,8 +90,12 @@ def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
 
 
 class ChatHandler:
-    def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
-        self.config, self.tm, self.served = config, tm, served_model
+    """Chat completions. ``clamp``: a ``max_tokens`` beyond the room the context leaves after the prompt is
+    lowered to that room (finish ``length``) rather than refused: the agent APIs always, chat completions
+    with ``--allow-auto-truncate``."""
+
+    def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str, clamp: bool = False) -> None:
+        self.config, self.tm, self.served, self.clamp = config, tm, served_model, clamp
 
     def _parsers(self, req: ChatCompletionRequest, constraint: Constraint) -> tuple[
             str | None, str | None, bool, Constraint]:
@@ -136,7 +140,7 @@ class ChatHandler:
         ids, image_inputs = await self.prompt(req)
         max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
         try:
-            self.tm.check_length(len(ids), max_tokens)
+            self.tm.check_length(len(ids), None if self.clamp else max_tokens)
         except InputError as e:  # the prompt's length comes from 'messages'
             raise APIError(400, str(e), param="messages", code=e.code) from None
         reasoning, tool_parser, thinking, constraint = self._parsers(req, constraint)
@@ -148,7 +152,8 @@ class ChatHandler:
             if req.prediction is not None else ()
         group = [(GenerateReq(f"{base}-{i}", ids, dataclasses.replace(
                       make_params(req, max_tokens, i, req.num_logprobs, constraint=constraint,
-                                  vocab_size=self.tm.vocab_size), draft_hint=hint), image_inputs),
+                                  vocab_size=self.tm.vocab_size), draft_hint=hint,
+                      clamp_max_tokens=self.clamp), image_inputs),
                   DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         run = await start_generation(request, self.tm, group,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -77,7 +78,8 @@ class CompletionHandler:
                 ids = self.tm.encode_text(p) if isinstance(p, str) else list(p)
                 if not isinstance(p, str):
                     self.tm.check_token_ids(ids)
-                self.tm.check_length(len(ids), req.max_tokens)
+                clamp = self.config.server.allow_auto_truncate and bool(req.max_tokens)  # not echo's 0
+                self.tm.check_length(len(ids), None if clamp else req.max_tokens)
                 prompts.append(ids)
                 texts.append(p if isinstance(p, str) else self.tm.decode(ids))
         except InputError as e:
@@ -92,6 +94,8 @@ class CompletionHandler:
                 rid = f"{base}-{pi * req.n + j}"
                 params = make_params(req, req.max_tokens, j, req.logprobs, prompt_logprobs, constraint,
                                      self.tm.vocab_size)
+                if self.config.server.allow_auto_truncate and req.max_tokens:
+                    params = dataclasses.replace(params, clamp_max_tokens=True)
                 group.append((GenerateReq(rid, ids, params),
                               DetokenizeReq(rid, stop=tuple(req.stop_list()),
                                             stop_token_ids=tuple(req.stop_token_ids or ()),
