@@ -27,11 +27,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.http.chat_bridge import ChatRun, ChatTap, chat_request, check_refused, run_chat
 from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.protocol import ChatCompletionRequest
 from ddtree_serve.server.http.protocol_messages import InputMessage, MessagesRequest, anthropic_error
 from ddtree_serve.server.http.serving_chat import ChatHandler
 from ddtree_serve.server.http.serving_common import check_admission
-from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.thinking import apply_reasoning_effort, template_switches
 from ddtree_serve.server.tokenizer_manager import TokenizerManager
 
