@@ -146,7 +146,8 @@ def test_messages_output_config_format_is_json_schema(ant) -> None:
 MESSAGE_400 = [
     ({"max_tokens": None}, "max_tokens"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+    ({"thinking": {"type": "between_tools"}}, "between_tools"),
+    ({"messages": [{"role": "system", "content": "only a system message"}]}, "user"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
      "image"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]}, "prefill"),

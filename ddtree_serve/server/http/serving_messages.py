@@ -1,13 +1,17 @@
 """POST /v1/messages (Anthropic Messages), translated to and from an internal chat-completions request
 (ddtree_serve/server/http/chat_bridge.py): same template, prompt tokens, parsers and sampling as /v1/chat/completions.
 
-Request mapping: ``system`` -> a system message (text blocks as text parts); a user message's
+Request mapping: ``system``, then the text of every ``system``-role message of ``messages`` -> one system
+message (text blocks as text parts; Claude Code sends system messages inside ``messages``); a user message's
 ``tool_result`` blocks -> ``tool`` messages (in order, before the message's text); an assistant message's
 ``tool_use`` blocks -> ``tool_calls`` (``input`` as JSON arguments), ``thinking`` blocks -> its
 ``reasoning_content``; ``stop_sequences`` -> ``stop``; ``tool_choice`` auto/any/tool/none -> auto/required/
 the named function/none, ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false`` (the first call is
 kept); ``thinking`` disabled -> the template's ``thinking: false``, enabled or adaptive -> thinking on (the
-default of a thinking model; ``budget_tokens`` only where it cannot bind: at least ``max_tokens``). Response mapping: reasoning -> a ``thinking`` block, text -> a
+default of a thinking model; ``budget_tokens`` does not bound the reasoning) where a reasoning parser exists,
+else accepted without thinking blocks (logged once); ``output_config.effort`` -> chat's ``reasoning_effort``
+where the template has a thinking switch (else logged once); ``context_management`` accepted (no edits,
+logged once); ``max_tokens`` beyond the room the context leaves is lowered to it. Response mapping: reasoning -> a ``thinking`` block, text -> a
 ``text`` block, tool calls -> ``tool_use`` blocks; finish ``stop`` -> ``end_turn`` (``stop_sequence`` when
 one of ``stop_sequences`` ended it), ``length`` -> ``max_tokens``, ``tool_calls`` -> ``tool_use``; usage
 ``input_tokens`` counts the prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` those read.
