@@ -338,6 +338,9 @@ class ServerArgs(Area):
                                         "beyond the room the context leaves after the prompt to that room "
                                         "(finish_reason length) instead of answering 400 (the agent APIs always "
                                         "do).")
+    shutdown_timeout: float = setting(20.0, "On SIGTERM, seconds the requests in flight may run on while no new "
+                                      "ones are admitted; those still running then end with their API's final "
+                                      "event.", low=0)
     max_images_per_request: int = setting(8, "Most images one request may carry, models with a vision tower "
                                           "(400 beyond); 0: text only, the vision tower is not loaded.", low=0)
     max_image_bytes: int = setting(10 << 20, "Largest accepted image in bytes, decoded from its base64 data: URL "

@@ -68,6 +68,7 @@ class TokenizerManager:
         self.metrics = metrics
         self.ready = False
         self.dead: str | None = None
+        self.draining = False  # shutting down (SIGTERM): new requests 503, in-flight ones run on (server/drain.py)
         self.max_context_len = config.model.context_length or 0
         self.vocab_size = 0  # the model's, from SchedulerReady (0: not known yet)
         self.eos_token_ids: tuple[int, ...] = ()
@@ -108,7 +109,8 @@ class TokenizerManager:
 
     @property
     def serving(self) -> bool:
-        return self.ready and self.dead is None
+        """Loaded, every process alive, and not draining: new requests are admitted."""
+        return self.ready and self.dead is None and not self.draining
 
     def mark_dead(self, message: str) -> None:
         """A child process died: fail everything in flight with 503 and refuse new work."""

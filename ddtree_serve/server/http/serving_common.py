@@ -69,6 +69,11 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 def check_serving(tm: TokenizerManager) -> None:
+    """503 unless the server admits requests: starting, a dead process, or draining at shutdown (then with
+    Retry-After: another replica can take the request)."""
+    if tm.draining and tm.dead is None:
+        raise APIError(503, "the server is shutting down: it admits no new requests", code="service_unavailable",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
     if not tm.serving:
         raise APIError(503, tm.dead or "the server is starting: the model is not loaded yet",
                        code="service_unavailable")

@@ -52,7 +52,7 @@ REFUSED = {
     "user_profile_id": "no user profiles",
     "workspace_id": "no workspaces",
 }
-_STOP_REASON = {"length": "max_tokens", "tool_calls": "tool_use"}
+_STOP_REASON = {"length": "max_tokens", "abort": "max_tokens", "tool_calls": "tool_use"}  # abort: cut by a drain
 _PARAMS = {"stop": "stop_sequences", "messages": "messages", "max_tokens": "max_tokens", "tools": "tools",
            "response_format": "output_config", "tool_choice": "tool_choice", "reasoning_effort": "output_config"}
 

@@ -8,7 +8,8 @@ items -> messages of their role; consecutive ``function_call`` items -> one assi
 ``reasoning`` items -> the next assistant message's ``reasoning_content``; ``max_output_tokens`` ->
 ``max_tokens``; ``text.format`` -> ``response_format`` (json_schema through the grammar path). Output: a
 ``reasoning`` item (when the reasoning parser split some off), a ``message`` item with ``output_text``, and
-one ``function_call`` item per call; finish ``length`` -> status ``incomplete`` (``max_output_tokens``).
+one ``function_call`` item per call; finish ``length`` (or ``abort``: a reply cut by the server's drain at
+shutdown) -> status ``incomplete`` (``max_output_tokens``).
 Nothing is stored: ``store: true`` and ``previous_response_id`` are refused.
 """
 
@@ -185,7 +186,7 @@ class ResponsesHandler:
         for tc in calls:
             output.append(_call(_rid("fc"), tc["id"], tc["function"]["name"], tc["function"]["arguments"] or "",
                                 "completed"))
-        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        status = "incomplete" if choice["finish_reason"] in ("length", "abort") else "completed"
         usage = _usage(chat["usage"])
         return self.response(body, rid, created, status, output, usage)
 
@@ -215,7 +216,7 @@ class ResponsesHandler:
                 yield e
         for e in ev.close():
             yield e
-        status = "incomplete" if finish == "length" else "completed"
+        status = "incomplete" if finish in ("length", "abort") else "completed"  # abort: cut by a drain
         u = _usage(usage) if usage else None
         yield ev.emit(f"response.{status}", response=self.response(body, rid, created, status, ev.output, u))
 
