@@ -338,6 +338,9 @@ class ServerArgs(Area):
                                         "beyond the room the context leaves after the prompt to that room "
                                         "(finish_reason length) instead of answering 400 (the agent APIs always "
                                         "do).")
+    sampling_defaults: str = setting("model", "Where a request's missing temperature, top_p, top_k, min_p and "
+                                     "repetition_penalty come from: the checkpoint's generation_config.json "
+                                     "(model), or OpenAI's defaults (openai).", choices=("model", "openai"))
     shutdown_timeout: float = setting(20.0, "On SIGTERM, seconds the requests in flight may run on while no new "
                                       "ones are admitted; those still running then end with their API's final "
                                       "event.", low=0)

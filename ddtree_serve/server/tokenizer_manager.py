@@ -33,6 +33,7 @@ from ddtree_serve.server.io_struct import (
     TokenizedGenerateReq,
 )
 from ddtree_serve.server.multimodal.frontend import ImageLimits, VisionFrontend
+from ddtree_serve.server.sampling_defaults import describe, sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class TokenizerManager:
         self.metrics = metrics
         self.ready = False
         self.dead: str | None = None
+        # a request's missing sampling fields (--sampling-defaults; ddtree_serve/server/sampling_defaults.py)
+        self.sampling_defaults = sampling_defaults(config.server.sampling_defaults, config.model.model_path)
+        logger.info("%s", describe(config.server.sampling_defaults, self.sampling_defaults))
         self.draining = False  # shutting down (SIGTERM): new requests 503, in-flight ones run on (server/drain.py)
         self.max_context_len = config.model.context_length or 0
         self.vocab_size = 0  # the model's, from SchedulerReady (0: not known yet)

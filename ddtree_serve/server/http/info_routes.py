@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from ddtree_serve.server.config import ServerConfig, public_info
+from ddtree_serve.server.sampling_defaults import sampling_defaults
 
 
 def server_version() -> str:
@@ -45,7 +46,7 @@ def model_info(config: ServerConfig) -> dict[str, Any]:
         "tokenizer_path": path,  # the tokenizer is always loaded from the model directory
         "served_model_name": config.model.served_model_name or path,
         "is_generation": True,
-        "preferred_sampling_params": None,
+        "preferred_sampling_params": sampling_defaults(config.server.sampling_defaults, path) or None,
         "weight_version": "default",
         "has_image_understanding": isinstance(hf.get("vision_config"), dict)  # a MoonViT tower (kimi_k25.py)
         and "vt_hidden_size" in hf["vision_config"] and "media_placeholder_token_id" in hf

@@ -152,7 +152,8 @@ class ChatHandler:
             if req.prediction is not None else ()
         group = [(GenerateReq(f"{base}-{i}", ids, dataclasses.replace(
                       make_params(req, max_tokens, i, req.num_logprobs, constraint=constraint,
-                                  vocab_size=self.tm.vocab_size), draft_hint=hint,
+                                  vocab_size=self.tm.vocab_size, defaults=self.tm.sampling_defaults),
+                      draft_hint=hint,
                       clamp_max_tokens=self.clamp), image_inputs),
                   DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -93,7 +93,7 @@ class CompletionHandler:
             for j in range(req.n):
                 rid = f"{base}-{pi * req.n + j}"
                 params = make_params(req, req.max_tokens, j, req.logprobs, prompt_logprobs, constraint,
-                                     self.tm.vocab_size)
+                                     self.tm.vocab_size, self.tm.sampling_defaults)
                 if self.config.server.allow_auto_truncate and req.max_tokens:
                     params = dataclasses.replace(params, clamp_max_tokens=True)
                 group.append((GenerateReq(rid, ids, params),

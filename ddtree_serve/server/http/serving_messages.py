@@ -163,8 +163,9 @@ def to_chat(body: MessagesRequest, config: ServerConfig, chat_template: str | di
         messages.append({"role": "system", "content": system})
     for m in turns:
         messages.extend(_user(m) if m.role == "user" else [_assistant(m)])
-    chat: dict[str, Any] = {"messages": messages, "max_tokens": body.max_tokens, "temperature": body.temperature,
-                            "top_p": body.top_p, "stream": body.stream}
+    chat: dict[str, Any] = {"messages": messages, "max_tokens": body.max_tokens, "stream": body.stream,
+                            # sent ones only: a missing one takes the server's sampling default
+                            **{k: getattr(body, k) for k in ("temperature", "top_p") if k in body.model_fields_set}}
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     if body.top_k is not None:

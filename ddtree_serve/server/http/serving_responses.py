@@ -93,8 +93,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
 def to_chat(body: ResponsesRequest) -> dict[str, Any]:
     """The internal chat request body of ``body`` (APIError 400 for what cannot be served)."""
     _check(body)
-    chat: dict[str, Any] = {"messages": _messages(body), "temperature": body.temperature, "top_p": body.top_p,
-                            "stream": body.stream}
+    chat: dict[str, Any] = {"messages": _messages(body), "stream": body.stream,  # missing: the sampling default
+                            **{k: getattr(body, k) for k in ("temperature", "top_p") if k in body.model_fields_set}}
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     if body.max_output_tokens is not None:
