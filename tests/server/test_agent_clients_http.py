@@ -95,3 +95,21 @@ def test_max_tokens_beyond_the_room_is_clamped(srv) -> None:
     full = _post(srv.base, "/v1/messages", {"messages": [{"role": "user", "content": "apple " * 400}],
                                             "max_tokens": 10})
     assert full.status_code == 400 and full.json()["type"] == "error", full.text
+
+
+def test_chat_thinking_field_and_unknown_fields_logged_once(srv) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        r = _post(srv.base, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "thinking": {"type": "disabled"},
+                                                     "preserve_thinking": True, "x_client_flag": 1})
+        assert r.status_code == 200, r.text
+        assert _post(srv.base, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "x_client_flag": 1}).status_code == 200
+    r = _post(srv.base, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "thinking": {"type": "enabled"},
+                                                 "chat_template_kwargs": {"thinking": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking", r.text
+    log = srv.log.read_text()
+    for line in ("/v1/chat/completions: unknown field 'preserve_thinking' ignored",
+                 "/v1/chat/completions: unknown field 'x_client_flag' ignored",
+                 "/v1/completions: unknown field 'x_client_flag' ignored"):
+        assert log.count(line) == 1, line
+    assert "unknown field 'thinking'" not in log

@@ -147,3 +147,33 @@ def test_messages_context_management_is_accepted_and_noted() -> None:
     body = {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
     chat = _messages(body, notes=notes)
     assert "context_management" not in chat and [k for k, _ in notes] == ["context_management"]
+
+
+def test_moonshot_thinking_field_sets_the_switch() -> None:
+    from ddtree_serve.server.http.thinking import apply_thinking_field
+
+    for kind, on in (("enabled", True), ("disabled", False)):
+        req = apply_thinking_field(_req(thinking={"type": kind}, chat_template_kwargs={"x": 1}))
+        assert req.chat_template_kwargs == {"x": 1, "thinking": on, "enable_thinking": on}
+    same = apply_thinking_field(_req(thinking={"type": "disabled"}, reasoning_effort="none",
+                                     chat_template_kwargs={"thinking": False}))
+    assert same.chat_template_kwargs["thinking"] is False
+    plain = _req()
+    assert apply_thinking_field(plain) is plain
+    for body in ({"chat_template_kwargs": {"enable_thinking": True}}, {"reasoning_effort": "high"}):
+        with pytest.raises(APIError) as e:
+            apply_thinking_field(_req(thinking={"type": "disabled"}, **body))
+        assert e.value.status == 400 and e.value.param == "thinking", body
+    for bad in ({"type": "auto"}, {"type": "enabled", "keep": "all"}, {}):
+        with pytest.raises(APIError) as e:
+            _req(thinking=bad)
+        assert e.value.param == "thinking", bad
+
+
+def test_unknown_fields_are_recorded() -> None:
+    from ddtree_serve.server.http.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"messages": USER, "user": "u", "preserve_thinking": True, "foo": None, "temperature": None}
+    assert parse_body(ChatCompletionRequest, json.dumps(body).encode()).unknown_fields == ("preserve_thinking", "foo")
+    assert parse_body(CompletionRequest, b'{"prompt": "x", "bar": 1}').unknown_fields == ("bar",)
+    assert _req().unknown_fields == ()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.http.chat_images import chat_images
+from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -42,11 +44,13 @@ from ddtree_serve.server.http.serving_common import (
     usage_of,
 )
 from ddtree_serve.server.http.serving_structured import Constraint, constraint_of, reasoning_gate
-from ddtree_serve.server.http.thinking import apply_reasoning_effort, reasoning_tokens
+from ddtree_serve.server.http.thinking import apply_reasoning_effort, apply_thinking_field, reasoning_tokens
 from ddtree_serve.server.http.tool_history import template_messages
 from ddtree_serve.server.io_struct import DetokenizeReq, GenerateReq, ImageInput
 from ddtree_serve.server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, parse_tool_calls
 from ddtree_serve.server.tokenizer_manager import InputError, TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 
 def _messages(req: ChatCompletionRequest, image_marker: str = "", image_parts: bool = False) -> list[dict]:
@@ -96,6 +100,7 @@ class ChatHandler:
 
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str, clamp: bool = False) -> None:
         self.config, self.tm, self.served, self.clamp = config, tm, served_model, clamp
+        self.log_once = LogOnce(logger)  # unknown body fields, once per name
 
     def _parsers(self, req: ChatCompletionRequest, constraint: Constraint) -> tuple[
             str | None, str | None, bool, Constraint]:
@@ -130,7 +135,9 @@ class ChatHandler:
     async def handle(self, request: Request, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (ddtree_serve/server/http/api.py)."""
         check_admission(self.tm, req.model, self.served, req.n)
-        req = apply_reasoning_effort(req, self.config.server.reasoning_parser,
+        self.log_once.all([(f"unknown:{k}", f"/v1/chat/completions: unknown field {k!r} ignored")
+                           for k in req.unknown_fields])
+        req = apply_reasoning_effort(apply_thinking_field(req), self.config.server.reasoning_parser,
                                      getattr(self.tm.tokenizer, "chat_template", None))
         constraint = constraint_of(req, self.config.server.tool_call_parser)
         if req.tools and req.tool_choice != "none" and self.config.server.tool_call_parser is None:

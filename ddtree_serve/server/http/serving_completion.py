@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -10,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -35,6 +37,8 @@ from ddtree_serve.server.http.serving_common import (
 from ddtree_serve.server.http.serving_structured import constraint_of
 from ddtree_serve.server.io_struct import DetokenizeReq, GenerateReq
 from ddtree_serve.server.tokenizer_manager import InputError, TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 
 def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int,
@@ -63,6 +67,7 @@ def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset:
 class CompletionHandler:
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
         self.config, self.tm, self.served = config, tm, served_model
+        self.log_once = LogOnce(logger)  # unknown body fields, once per name
 
     async def handle(self, request: Request, req: CompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (ddtree_serve/server/http/api.py)."""
@@ -70,6 +75,8 @@ class CompletionHandler:
             raise APIError(400, "max_tokens must be at least 1; 0 is allowed only with echo (to score the "
                                 "prompt alone)", param="max_tokens", code="invalid_value")
         check_admission(self.tm, req.model, self.served, req.n * len(req.prompts()))
+        self.log_once.all([(f"unknown:{k}", f"/v1/completions: unknown field {k!r} ignored")
+                           for k in req.unknown_fields])
         constraint = constraint_of(req)
         prompts: list[list[int]] = []
         texts: list[str] = []
