@@ -4,7 +4,8 @@ parser, a 256-token context, ``--allow-auto-truncate``), issue 61: Claude Code's
 ``context_management``, ``max_tokens`` 32000 on a small context) is served, the fields the model cannot act
 on are logged once; a ``max_tokens`` beyond the room the context leaves is lowered to the room on Messages
 and Responses (stop reason ``max_tokens`` / status ``incomplete``) and, with the flag, on chat and
-completions (``length``)."""
+completions (``length``); chat's Moonshot ``thinking`` field is taken, and unknown body fields are logged once
+per name."""
 
 from __future__ import annotations
 

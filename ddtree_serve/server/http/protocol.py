@@ -26,6 +26,7 @@ from ddtree_serve.server.http.protocol_chat_message import (  # noqa: F401 - re-
     ChatMessage,
     ImagePart,
     ImageURL,
+    MoonshotThinking,
     Prediction,
     TextPart,
 )
@@ -233,25 +234,6 @@ CHAT_REFUSED = {  # chat fields refused whenever set (field -> why)
                           "results",
     "verbosity": "no verbosity levels; bound the reply with max_tokens",
 }
-
-
-class MoonshotThinking(BaseModel):
-    """Moonshot's thinking switch on chat completions (Kimi K2.x): ``{"type": "enabled" | "disabled"}``, the
-    template's ``thinking`` / ``enable_thinking`` (ddtree_serve/server/http/thinking.py). ``keep`` (which past
-    reasoning stays in the prompt) is refused: the template decides (docs/API.md)."""
-
-    model_config = _REQ
-    type: Literal["enabled", "disabled"]
-    keep: None = Field(None, json_schema_extra={"type": "null"})
-
-    @field_validator("keep", mode="before")
-    @classmethod
-    def _keep_refused(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("thinking.keep is not supported: the chat template decides which past reasoning stays "
-                             "in the prompt (every history message's reasoning_content reaches it); a template "
-                             "that reads preserve_thinking takes it from chat_template_kwargs")
-        return v
 
 
 class ChatCompletionRequest(_SamplingFields):
