@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.http.metrics import ServerMetrics
+from ddtree_serve.server.http.tool_prompt import template_reads_tools
 from ddtree_serve.server.io_struct import (
     AbortReq,
     BatchTextOut,
@@ -72,6 +73,13 @@ class TokenizerManager:
         # a request's missing sampling fields (--sampling-defaults; ddtree_serve/server/sampling_defaults.py)
         self.sampling_defaults = sampling_defaults(config.server.sampling_defaults, config.model.model_path)
         logger.info("%s", describe(config.server.sampling_defaults, self.sampling_defaults))
+        # a template that renders no tools gets them in the system turn (ddtree_serve/server/http/tool_prompt.py)
+        parser = config.server.tool_call_parser
+        self.tools_in_system = parser is not None and not template_reads_tools(getattr(tokenizer, "chat_template",
+                                                                                        None))
+        if self.tools_in_system:
+            logger.info("the chat template renders no tools: a request's tools are written into the system turn "
+                        "in the %s format", parser)
         self.draining = False  # shutting down (SIGTERM): new requests 503, in-flight ones run on (server/drain.py)
         self.max_context_len = config.model.context_length or 0
         self.vocab_size = 0  # the model's, from SchedulerReady (0: not known yet)

@@ -46,6 +46,7 @@ from ddtree_serve.server.http.serving_common import (
 from ddtree_serve.server.http.serving_structured import Constraint, constraint_of, reasoning_gate
 from ddtree_serve.server.http.thinking import apply_reasoning_effort, apply_thinking_field, reasoning_tokens
 from ddtree_serve.server.http.tool_history import template_messages
+from ddtree_serve.server.http.tool_prompt import tools_in_system
 from ddtree_serve.server.io_struct import DetokenizeReq, GenerateReq, ImageInput
 from ddtree_serve.server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, parse_tool_calls
 from ddtree_serve.server.tokenizer_manager import InputError, TokenizerManager
@@ -123,7 +124,11 @@ class ChatHandler:
         images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
 
         def encode(image_parts: bool, marker: str) -> list[int]:
-            messages = template_messages(_messages(req, marker, image_parts), self.config.server.tool_call_parser)
+            parser = self.config.server.tool_call_parser
+            messages = template_messages(_messages(req, marker, image_parts), parser)
+            if tools and parser and self.tm.tools_in_system:  # the template renders none: the system turn holds them
+                return self.tm.encode_chat(tools_in_system(messages, tools, parser), None, req.chat_template_kwargs,
+                                           req.add_generation_prompt, req.continue_final_message)
             return self.tm.encode_chat(messages, tools, req.chat_template_kwargs, req.add_generation_prompt,
                                        req.continue_final_message)
 
