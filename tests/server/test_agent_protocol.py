@@ -123,6 +123,40 @@ def test_responses_items_map_to_chat_messages() -> None:
     assert _responses({"input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
 
 
+def test_responses_codex_tools() -> None:
+    """Namespace tools are flattened (NS__NAME) and their past calls too; other tool types are not offered,
+    noted once per type; reasoning.summary is accepted."""
+    from ddtree_serve.server.http.responses_tools import map_tools
+
+    notes: list = []
+    body = {"input": [{"role": "user", "content": "hi"},
+                      {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "collab",
+                       "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "ok", "name": "spawn_agent",
+                       "namespace": "collab"}],
+            "tools": [{"type": "function", "name": "shell", "parameters": SCHEMA}, {"type": "web_search"},
+                      {"type": "namespace", "name": "collab", "description": "agents", "tools": [
+                          {"type": "function", "name": "spawn_agent", "description": "d", "parameters": SCHEMA}]},
+                      {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}}, {"type": "web_search"}],
+            "reasoning": {"summary": "auto"}, "store": False}
+    req = parse_body(ResponsesRequest, json.dumps(body).encode())
+    chat = responses_to_chat(req, notes)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["shell", "collab__spawn_agent"]
+    assert chat["tools"][1]["function"]["description"] == "d"
+    assert chat["messages"][1]["tool_calls"][0]["function"]["name"] == "collab__spawn_agent"
+    assert [k for k, _ in notes] == ["tool:web_search", "tool:custom"]
+    chat_request(chat)
+    tools = map_tools(req.tools)
+    assert tools.call_names("collab__spawn_agent") == {"name": "spawn_agent", "namespace": "collab"}
+    assert tools.call_names("shell") == {"name": "shell"}
+    for bad in ([{"type": "function", "name": "collab__f"}, {"type": "namespace", "name": "collab", "tools": [
+            {"type": "function", "name": "f"}]}], [{"type": "namespace", "name": "n" * 40, "tools": [
+                {"type": "function", "name": "f" * 30}]}]):
+        with pytest.raises(APIError) as e:
+            _responses({"input": "hi", "tools": bad})
+        assert e.value.param == "tools", bad
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     *[({f: "x"}, f) for f in sorted(RESPONSES_REFUSED)],
     ({"store": True}, "store"), ({"include": ["file_search_call.results"]}, "include"),

@@ -16,6 +16,7 @@ Nothing is stored: ``store: true`` and ``previous_response_id`` are refused.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,9 +28,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.http.chat_bridge import ChatRun, chat_request, check_refused, run_chat
 from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.protocol import ChatCompletionRequest
 from ddtree_serve.server.http.protocol_responses import MessageItem, ResponsesRequest
+from ddtree_serve.server.http.responses_tools import ToolMap, flat_name, map_tools
 from ddtree_serve.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 REFUSED = {
     "previous_response_id": "this server stores no responses; send the whole conversation as input",
@@ -56,11 +61,6 @@ def _check(body: ResponsesRequest) -> None:
     if body.truncation == "auto":
         raise APIError(400, "truncation 'auto' is not supported: an input over the context length is a 400",
                        param="truncation", code="unsupported_value")
-    summary = body.reasoning.summary or body.reasoning.generate_summary if body.reasoning is not None else None
-    if summary is not None:
-        raise APIError(400, f"reasoning.summary {summary!r} is not supported: the reasoning is never summarized; it "
-                            "comes back whole, as the reasoning item's reasoning_text content", param="reasoning",
-                       code="unsupported_parameter")
     if body.text is not None and body.text.verbosity is not None:
         raise APIError(400, "text.verbosity is not supported", param="text", code="unsupported_parameter")
 
@@ -83,25 +83,35 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": None})
                 if reasoning:
                     messages[-1]["reasoning_content"], reasoning = reasoning, ""
+            name = it.name if it.namespace is None else flat_name(it.namespace, it.name)  # as the tools are served
             messages[-1].setdefault("tool_calls", []).append(
-                {"id": it.call_id, "type": "function", "function": {"name": it.name, "arguments": it.arguments}})
+                {"id": it.call_id, "type": "function", "function": {"name": name, "arguments": it.arguments}})
         else:
             messages.append({"role": "tool", "tool_call_id": it.call_id, "content": it.text()})
     return messages
 
 
-def to_chat(body: ResponsesRequest) -> dict[str, Any]:
-    """The internal chat request body of ``body`` (APIError 400 for what cannot be served)."""
+def wants_summary(body: ResponsesRequest) -> bool:
+    """``reasoning.summary`` (or ``generate_summary``) asked: the reasoning item's summary holds the reasoning."""
+    return body.reasoning is not None and (body.reasoning.summary or body.reasoning.generate_summary) is not None
+
+
+def to_chat(body: ResponsesRequest, notes: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """The internal chat request body of ``body`` (APIError 400 for what cannot be served); ``notes``
+    receives ``(key, message)`` for the tool types not offered (the handler logs each once)."""
     _check(body)
+    tools = map_tools(body.tools)
+    for kind in tools.not_offered:
+        (notes if notes is not None else []).append((f"tool:{kind}", f"/v1/responses: {kind!r} tools are not "
+                                                     "offered to the model (the server cannot run them)"))
     chat: dict[str, Any] = {"messages": _messages(body), "stream": body.stream,  # missing: the sampling default
                             **{k: getattr(body, k) for k in ("temperature", "top_p") if k in body.model_fields_set}}
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     if body.max_output_tokens is not None:
         chat["max_tokens"] = body.max_output_tokens
-    if body.tools:
-        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in body.tools]
+    if tools.chat_tools:
+        chat["tools"] = tools.chat_tools
     if body.tool_choice is not None:
         chat["tool_choice"] = body.tool_choice if isinstance(body.tool_choice, str) else {
             "type": "function", "function": {"name": body.tool_choice.name}}
@@ -119,9 +129,9 @@ def to_chat(body: ResponsesRequest) -> dict[str, Any]:
     return chat
 
 
-def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
+def chat_of(body: ResponsesRequest, notes: list[tuple[str, str]] | None = None) -> ChatCompletionRequest:
     """The validated internal chat request of ``body``; a refusal is the 400 of this API's field."""
-    return chat_request(to_chat(body), _PARAMS)
+    return chat_request(to_chat(body, notes), _PARAMS)
 
 
 def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
@@ -140,11 +150,16 @@ def _rid(prefix: str) -> str:
 
 
 class ResponsesHandler:
+    """/v1/responses; the tool types not offered are logged once (``log_once``, this handler's own)."""
+
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
         self.config, self.tm, self.served = config, tm, served_model
+        self.log_once = LogOnce(logger)
 
     async def handle(self, request: Request, body: ResponsesRequest) -> Response:
-        req = chat_of(body)
+        notes: list[tuple[str, str]] = []
+        req = chat_of(body, notes)
+        self.log_once.all(notes)
         if body.model is not None:
             req = req.model_copy(update={"model": body.model})
         run = await run_chat(self.config, self.tm, self.served, request, req, _PARAMS)
@@ -176,22 +191,24 @@ class ResponsesHandler:
         choice = chat["choices"][0]
         msg = choice["message"]
         output: list[dict[str, Any]] = []
+        tools = map_tools(body.tools)
         reasoning = msg.get("reasoning_content") or ""
         if reasoning:
-            output.append({"type": "reasoning", "id": _rid("rs"), "summary": [], "status": "completed",
-                           "content": [{"type": "reasoning_text", "text": reasoning}]})
+            output.append({"type": "reasoning", "id": _rid("rs"), "summary": _summary(reasoning, body),
+                           "status": "completed", "content": [{"type": "reasoning_text", "text": reasoning}]})
         calls = msg.get("tool_calls") or []
         if msg.get("content") or not calls:
             output.append(_message(_rid("msg"), msg.get("content") or "", "completed"))
         for tc in calls:
-            output.append(_call(_rid("fc"), tc["id"], tc["function"]["name"], tc["function"]["arguments"] or "",
+            output.append(_call(_rid("fc"), tc["id"], tools.call_names(tc["function"]["name"]),
+                                tc["function"]["arguments"] or "",
                                 "completed"))
         status = "incomplete" if choice["finish_reason"] in ("length", "abort") else "completed"
         usage = _usage(chat["usage"])
         return self.response(body, rid, created, status, output, usage)
 
     async def _stream(self, run: ChatRun, body: ResponsesRequest, rid: str, created: int) -> AsyncIterator[str]:
-        ev = _Events()
+        ev = _Events(map_tools(body.tools), wants_summary(body))
         yield ev.emit("response.created", response=self.response(body, rid, created, "in_progress", [], None))
         yield ev.emit("response.in_progress", response=self.response(body, rid, created, "in_progress", [], None))
         finish, usage = None, None
@@ -227,16 +244,23 @@ def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
             status == "completed" else []}
 
 
-def _call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+def _call(item_id: str, call_id: str, names: dict[str, str], arguments: str, status: str) -> dict[str, Any]:
+    """A function_call item; ``names``: its ``name`` (and ``namespace``: ``ToolMap.call_names``)."""
+    return {"type": "function_call", "id": item_id, "call_id": call_id, **names, "arguments": arguments,
             "status": status}
+
+
+def _summary(reasoning: str, body: ResponsesRequest) -> list[dict[str, str]]:
+    """The reasoning item's ``summary``: the whole reasoning when a summary was asked (nothing is shortened)."""
+    return [{"type": "summary_text", "text": reasoning}] if reasoning and wants_summary(body) else []
 
 
 class _Events:
     """The Responses event stream of a chat stream: one output item open at a time (reasoning, message, or a
     function call), opened by the first delta of its kind and closed by the next item or the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolMap, summary: bool) -> None:
+        self.tools, self.summary = tools, summary  # a call's names; whether the reasoning is also the summary
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items, in order
         self.kind: str | None = None
@@ -284,7 +308,8 @@ class _Events:
             fn = tc.get("function") or {}
             if self.kind != f"call:{tc.get('index')}":
                 out += self._open(f"call:{tc.get('index')}", _call(_rid("fc"), tc.get("id") or "",
-                                                                   fn.get("name") or "", "", "in_progress"))
+                                                                   self.tools.call_names(fn.get("name") or ""), "",
+                                                                   "in_progress"))
             if fn.get("arguments"):
                 self.buf += fn["arguments"]
                 out.append(self.emit("response.function_call_arguments.delta", item_id=self.item["id"],
@@ -299,7 +324,16 @@ class _Events:
         if item["type"] == "reasoning":
             out.append(self.emit("response.reasoning_text.done", item_id=item["id"], output_index=i,
                                  content_index=0, text=text))
-            done = {**item, "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+            summary = [{"type": "summary_text", "text": text}] if self.summary and text else []
+            for part in summary:  # the summary is the reasoning, sent whole once it is complete
+                ids = {"item_id": item["id"], "output_index": i, "summary_index": 0}
+                out += [self.emit("response.reasoning_summary_part.added", **ids,
+                                  part={"type": "summary_text", "text": ""}),
+                        self.emit("response.reasoning_summary_text.delta", **ids, delta=part["text"]),
+                        self.emit("response.reasoning_summary_text.done", **ids, text=part["text"]),
+                        self.emit("response.reasoning_summary_part.done", **ids, part=part)]
+            done = {**item, "summary": summary, "content": [{"type": "reasoning_text", "text": text}],
+                    "status": "completed"}
         elif item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out.append(self.emit("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
