@@ -104,21 +104,17 @@ class ReasoningText(BaseModel):
 
 
 class ReasoningItem(BaseModel):
-    """An earlier reply's reasoning: its text becomes the next assistant message's ``reasoning_content``."""
+    """An earlier reply's reasoning: its text becomes the next assistant message's ``reasoning_content``;
+    ``encrypted_content`` (sealed by this server: ddtree_serve/server/http/reasoning_seal.py) holds it whole and
+    is opened by the handler."""
 
     model_config = _REQ
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
-    encrypted_content: str | None = Field(None, json_schema_extra=only_null("this server never produces it"))
+    encrypted_content: str | None = None
     status: str | None = None
-
-    @model_validator(mode="after")
-    def _no_encrypted(self) -> ReasoningItem:
-        if self.encrypted_content is not None:
-            raise ValueError("encrypted reasoning is not supported (this server never produces it)")
-        return self
 
     def text(self) -> str:
         return "".join(p.text for p in (self.content or self.summary))
@@ -238,8 +234,7 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     store: bool | None = Field(None, json_schema_extra={"anyOf": [{"const": False}, {"type": "null"}]})
-    include: list[str] | None = Field(None, json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0},
-                                                                         {"type": "null"}]})
+    include: list[Literal["reasoning.encrypted_content"]] | None = None  # the one optional output produced
     truncation: Literal["auto", "disabled"] | None = Field(None, json_schema_extra={"enum": ["disabled", None]})
     reasoning: ReasoningConfig | None = None
     # known, refused (ddtree_serve/server/http/serving_responses.py REFUSED)

@@ -31,6 +31,7 @@ from ddtree_serve.server.http.errors import APIError
 from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.protocol import ChatCompletionRequest
 from ddtree_serve.server.http.protocol_responses import MessageItem, ResponsesRequest
+from ddtree_serve.server.http.reasoning_seal import ENV_KEY, ReasoningSeal, SealError
 from ddtree_serve.server.http.responses_tools import ToolMap, flat_name, map_tools
 from ddtree_serve.server.tokenizer_manager import TokenizerManager
 
@@ -55,9 +56,6 @@ def _check(body: ResponsesRequest) -> None:
     if body.store:
         raise APIError(400, "store: true is not supported: this server keeps no state between requests (send "
                             "store: false, or omit it)", param="store", code="unsupported_parameter")
-    if body.include:
-        raise APIError(400, f"include is not supported: none of {body.include} is produced", param="include",
-                       code="unsupported_parameter")
     if body.truncation == "auto":
         raise APIError(400, "truncation 'auto' is not supported: an input over the context length is a 400",
                        param="truncation", code="unsupported_value")
@@ -65,7 +63,21 @@ def _check(body: ResponsesRequest) -> None:
         raise APIError(400, "text.verbosity is not supported", param="text", code="unsupported_parameter")
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def _reasoning_text(item: Any, seal: ReasoningSeal | None) -> str:
+    """A reasoning item's text: its sealed ``encrypted_content`` opened (a 400 naming ``input`` where it does
+    not open), else its content / summary text."""
+    if item.encrypted_content is None:
+        return item.text()
+    try:
+        if seal is None:
+            raise SealError("no seal key here")
+        return seal.open(item.encrypted_content)
+    except SealError as e:
+        raise APIError(400, f"input: a reasoning item's encrypted_content does not open: {e}", param="input",
+                       code="invalid_encrypted_content") from None
+
+
+def _messages(body: ResponsesRequest, seal: ReasoningSeal | None = None) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
@@ -73,7 +85,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     reasoning = ""
     for it in items:
         if it.type == "reasoning":
-            reasoning += it.text()
+            reasoning += _reasoning_text(it, seal)
         elif it.type == "message":
             messages.append({"role": it.role, "content": it.chat_content()})
             if it.role == "assistant" and reasoning:
@@ -96,15 +108,17 @@ def wants_summary(body: ResponsesRequest) -> bool:
     return body.reasoning is not None and (body.reasoning.summary or body.reasoning.generate_summary) is not None
 
 
-def to_chat(body: ResponsesRequest, notes: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+def to_chat(body: ResponsesRequest, notes: list[tuple[str, str]] | None = None,
+            seal: ReasoningSeal | None = None) -> dict[str, Any]:
     """The internal chat request body of ``body`` (APIError 400 for what cannot be served); ``notes``
-    receives ``(key, message)`` for the tool types not offered (the handler logs each once)."""
+    receives ``(key, message)`` for the tool types not offered (the handler logs each once); ``seal`` opens
+    the reasoning items' ``encrypted_content``."""
     _check(body)
     tools = map_tools(body.tools)
     for kind in tools.not_offered:
         (notes if notes is not None else []).append((f"tool:{kind}", f"/v1/responses: {kind!r} tools are not "
                                                      "offered to the model (the server cannot run them)"))
-    chat: dict[str, Any] = {"messages": _messages(body), "stream": body.stream,  # missing: the sampling default
+    chat: dict[str, Any] = {"messages": _messages(body, seal), "stream": body.stream,  # missing: the sampling default
                             **{k: getattr(body, k) for k in ("temperature", "top_p") if k in body.model_fields_set}}
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
@@ -129,9 +143,11 @@ def to_chat(body: ResponsesRequest, notes: list[tuple[str, str]] | None = None) 
     return chat
 
 
-def chat_of(body: ResponsesRequest, notes: list[tuple[str, str]] | None = None) -> ChatCompletionRequest:
-    """The validated internal chat request of ``body``; a refusal is the 400 of this API's field."""
-    return chat_request(to_chat(body, notes), _PARAMS)
+def chat_of(body: ResponsesRequest, notes: list[tuple[str, str]] | None = None,
+            seal: ReasoningSeal | None = None) -> ChatCompletionRequest:
+    """The validated internal chat request of ``body`` (``to_chat``'s arguments); a refusal is the 400 of
+    this API's field."""
+    return chat_request(to_chat(body, notes, seal), _PARAMS)
 
 
 def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
@@ -155,10 +171,18 @@ class ResponsesHandler:
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
         self.config, self.tm, self.served = config, tm, served_model
         self.log_once = LogOnce(logger)
+        self.seal = ReasoningSeal.from_config(config.server.reasoning_seal_key)  # encrypted_content
+        if self.seal.ephemeral:
+            logger.info("reasoning.encrypted_content is sealed with a random key of this process (set "
+                        "--reasoning-seal-key or %s to open it on every replica and after a restart)", ENV_KEY)
+
+    def sealed(self, body: ResponsesRequest) -> ReasoningSeal | None:
+        """The seal for a reply's reasoning items, where the request includes ``reasoning.encrypted_content``."""
+        return self.seal if "reasoning.encrypted_content" in (body.include or []) else None
 
     async def handle(self, request: Request, body: ResponsesRequest) -> Response:
         notes: list[tuple[str, str]] = []
-        req = chat_of(body, notes)
+        req = chat_of(body, notes, self.seal)
         self.log_once.all(notes)
         if body.model is not None:
             req = req.model_copy(update={"model": body.model})
@@ -194,8 +218,7 @@ class ResponsesHandler:
         tools = map_tools(body.tools)
         reasoning = msg.get("reasoning_content") or ""
         if reasoning:
-            output.append({"type": "reasoning", "id": _rid("rs"), "summary": _summary(reasoning, body),
-                           "status": "completed", "content": [{"type": "reasoning_text", "text": reasoning}]})
+            output.append(_reasoning_item(_rid("rs"), reasoning, _summary(reasoning, body), self.sealed(body)))
         calls = msg.get("tool_calls") or []
         if msg.get("content") or not calls:
             output.append(_message(_rid("msg"), msg.get("content") or "", "completed"))
@@ -208,7 +231,7 @@ class ResponsesHandler:
         return self.response(body, rid, created, status, output, usage)
 
     async def _stream(self, run: ChatRun, body: ResponsesRequest, rid: str, created: int) -> AsyncIterator[str]:
-        ev = _Events(map_tools(body.tools), wants_summary(body))
+        ev = _Events(map_tools(body.tools), wants_summary(body), self.sealed(body))
         yield ev.emit("response.created", response=self.response(body, rid, created, "in_progress", [], None))
         yield ev.emit("response.in_progress", response=self.response(body, rid, created, "in_progress", [], None))
         finish, usage = None, None
@@ -250,6 +273,16 @@ def _call(item_id: str, call_id: str, names: dict[str, str], arguments: str, sta
             "status": status}
 
 
+def _reasoning_item(item_id: str, text: str, summary: list[dict[str, str]], seal: ReasoningSeal | None
+                    ) -> dict[str, Any]:
+    """A finished reasoning item; with ``seal``, its ``encrypted_content`` holds ``text`` sealed."""
+    item = {"type": "reasoning", "id": item_id, "summary": summary, "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}
+    if seal is not None:
+        item["encrypted_content"] = seal.seal(text)
+    return item
+
+
 def _summary(reasoning: str, body: ResponsesRequest) -> list[dict[str, str]]:
     """The reasoning item's ``summary``: the whole reasoning when a summary was asked (nothing is shortened)."""
     return [{"type": "summary_text", "text": reasoning}] if reasoning and wants_summary(body) else []
@@ -259,8 +292,9 @@ class _Events:
     """The Responses event stream of a chat stream: one output item open at a time (reasoning, message, or a
     function call), opened by the first delta of its kind and closed by the next item or the end."""
 
-    def __init__(self, tools: ToolMap, summary: bool) -> None:
-        self.tools, self.summary = tools, summary  # a call's names; whether the reasoning is also the summary
+    def __init__(self, tools: ToolMap, summary: bool, seal: ReasoningSeal | None) -> None:
+        # a call's names; whether the reasoning is also the summary; the seal of encrypted_content
+        self.tools, self.summary, self.seal = tools, summary, seal
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items, in order
         self.kind: str | None = None
@@ -332,8 +366,7 @@ class _Events:
                         self.emit("response.reasoning_summary_text.delta", **ids, delta=part["text"]),
                         self.emit("response.reasoning_summary_text.done", **ids, text=part["text"]),
                         self.emit("response.reasoning_summary_part.done", **ids, part=part)]
-            done = {**item, "summary": summary, "content": [{"type": "reasoning_text", "text": text}],
-                    "status": "completed"}
+            done = _reasoning_item(item["id"], text, summary, self.seal)
         elif item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out.append(self.emit("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
