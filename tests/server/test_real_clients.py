@@ -46,14 +46,16 @@ def test_claude_code_print_mode(tmp_path) -> None:
     from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
-    with running_server(["--tool-call-parser", "hermes", "--served-model-name", "default"], tmp_path) as srv:
+    args = ["--tool-call-parser", "hermes", "--served-model-name", "default", "--dtype", "float32"]
+    with running_server(args, tmp_path, timeout=600) as srv:
         home = tmp_path / "home"
         home.mkdir()
         env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": srv.base, "ANTHROPIC_API_KEY": "sk-local",
                "ANTHROPIC_MODEL": "default", "ANTHROPIC_SMALL_FAST_MODEL": "default",
                "ANTHROPIC_DEFAULT_HAIKU_MODEL": "default", "ANTHROPIC_DEFAULT_SONNET_MODEL": "default",
                "ANTHROPIC_DEFAULT_OPUS_MODEL": "default", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
-               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+               "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32"}  # a short answer: CPU decoding after a long system prompt
         done = subprocess.run([str(claude), "-p", "say hi", "--model", "default", "--tools", ""], env=env,
                               cwd=tmp_path, capture_output=True, text=True, timeout=600)
         log = srv.log.read_text()
