@@ -68,3 +68,36 @@ def test_claude_code_print_mode(tmp_path) -> None:
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-3000:])
     assert done.stdout.strip(), done.stderr[-2000:]
     assert "POST /v1/messages" in log
+
+
+CODEX = "0.171.0"  # pinned: the release this test was written against
+
+
+@pytest.mark.slow
+def test_codex_exec(tmp_path) -> None:
+    """Codex CLI's ``codex exec`` through a custom provider with ``wire_api = "responses"``: its requests
+    (developer messages, a namespace tool (multi_agent_v1) and a built-in one (web_search),
+    ``include: ["reasoning.encrypted_content"]``, ``reasoning.summary``, ``store: false``) are served and it
+    prints an answer with exit status 0."""
+    codex = _install("@openai/codex", CODEX, "codex")
+    from ddtree_serve.model_executor.default_model import ensure_default_model
+
+    ensure_default_model()
+    args = ["--tool-call-parser", "hermes", "--served-model-name", "default", "--dtype", "float32"]
+    with running_server(args, tmp_path, timeout=600) as srv:
+        home = tmp_path / "codex"
+        home.mkdir()
+        (home / "config.toml").write_text(
+            'model = "default"\nmodel_provider = "ddtree"\n\n[model_providers.ddtree]\nname = "ddtree"\n'
+            f'base_url = "{srv.base}/v1"\nwire_api = "responses"\nenv_key = "DDTREE_KEY"\n')
+        env = {**os.environ, "HOME": str(tmp_path), "CODEX_HOME": str(home), "DDTREE_KEY": "sk-local"}
+        # Codex's own base instructions (17 KB) and goal tools do not fit the default model's 8,192 tokens
+        # beside its other tools (written into the prompt: docs/API.md): a one-line instructions file instead
+        (home / "instructions.md").write_text("You are a helpful assistant. Answer in one short sentence.\n")
+        done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "-s", "read-only", "--disable", "goals",
+                               "-c", f"model_instructions_file={home / 'instructions.md'}", "say hi"], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        log = srv.log.read_text()
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:], log[-3000:])
+    assert done.stdout.strip(), done.stderr[-2000:]
+    assert "POST /v1/responses" in log

@@ -69,7 +69,7 @@ def base(tmp_path_factory):
 
     ensure_default_model()
     args = ["--reasoning-parser", "deepseek-r1", "--reasoning-seal-key", KEY, "--dtype", "float32"]
-    with running_server(args, tmp_path_factory.mktemp("seal")) as s:
+    with running_server(args, tmp_path_factory.mktemp("seal"), timeout=600) as s:
         yield s.base
 
 
