@@ -229,7 +229,7 @@ def test_responses_text_format_json_schema(oai) -> None:
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"), ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"), ({"include": ["file_search_call.results"]}, "include"),
     ({"tools": [{"type": "function", "name": "a.b"}]}, "tools"), ({"max_output_tokens": 0}, "max_output_tokens")])
 def test_responses_refusals_are_openai_400s(oai, extra, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:
