@@ -85,6 +85,7 @@ def test_a_server_applies_the_checkpoint_defaults(greedy_model, tmp_path) -> Non
         r = httpx.post(srv.base + "/v1/responses", json={"input": msgs[0]["content"], "max_output_tokens": 24},
                        timeout=120).json()
         assert r["output"][0]["content"][0]["text"] == greedy
+        assert r["temperature"] == 0.0 and r["top_p"] == 1.0  # the values in force are echoed
 
 
 @pytest.mark.slow  # a second server start

@@ -203,12 +203,18 @@ class ResponsesHandler:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.served,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "store": False, "temperature": body.temperature, "top_p": body.top_p,
+            "previous_response_id": None, "store": False, **self._sampling(body),
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": tc.model_dump() if tc is not None and not isinstance(tc, str) else (tc or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "truncation": "disabled",
             "usage": usage, "metadata": body.metadata or {}, "user": body.user,
         }
+
+    def _sampling(self, body: ResponsesRequest) -> dict[str, float]:
+        """``temperature`` and ``top_p`` in force: the request's, else the server's sampling defaults."""
+        defaults = self.tm.sampling_defaults
+        return {k: getattr(body, k) if k in body.model_fields_set else defaults.get(k, getattr(body, k))
+                for k in ("temperature", "top_p")}
 
     def _collect(self, run: ChatRun, body: ResponsesRequest, rid: str, created: int) -> dict[str, Any]:
         chat = run.json
