@@ -35,7 +35,10 @@ class SamplingParams:
     ``prompt_logprobs`` (vLLM's name): None for none; k >= 0 scores the prompt during prefill: for every
     prompt token after the first, its raw-model logprob given the tokens before it plus the top-k
     alternatives (the first token has no context: ``None``). ``max_tokens`` 0 is allowed only with
-    ``prompt_logprobs``: the request is prefilled, scored and finishes ("length") without sampling."""
+    ``prompt_logprobs``: the request is prefilled, scored and finishes ("length") without sampling.
+    ``clamp_max_tokens``: a ``max_tokens`` beyond the room the request limit leaves after the prompt is lowered
+    to that room at admission (the reply then ends with "length" there) instead of refused (the HTTP agent
+    APIs; chat and completions with ``--allow-auto-truncate``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -58,6 +61,7 @@ class SamplingParams:
     reasoning_handoff_ids: tuple[int, ...] = ()
     min_tokens: int = 0  # no stop token before this many output tokens (vLLM's min_tokens)
     min_tokens_ban: tuple[int, ...] = ()  # the ids banned until then: EOS and stop_token_ids (set at admission)
+    clamp_max_tokens: bool = False  # max_tokens beyond the room left is lowered to it at admission
     draft_hint: tuple[int, ...] = ()  # a predicted output (OpenAI's prediction): a suffix-draft source, never output
 
     @property

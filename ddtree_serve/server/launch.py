@@ -1,8 +1,10 @@
 """Start the server: scheduler and detokenizer processes, HTTP (FastAPI + uvicorn) in this process.
 
 Processes talk over ZMQ ``ipc://`` sockets in a private temporary directory. /health answers 503 until the
-scheduler has loaded the model, then 200. SIGINT/SIGTERM stop uvicorn, then the children (SIGTERM, then
-SIGKILL after a grace period); children also die with the parent (PR_SET_PDEATHSIG). If a child dies, the
+scheduler has loaded the model, then 200. SIGTERM drains first (ddtree_serve/server/drain.py: no new requests,
+those in flight finish for up to --shutdown-timeout seconds, the rest end with their API's final event);
+SIGINT, or a second SIGTERM, stops uvicorn at once; then the children stop (SIGTERM, then SIGKILL after a
+grace period); children also die with the parent (PR_SET_PDEATHSIG). If a child dies, the
 server answers 503 for a moment, then exits with status 1.
 """
 
@@ -39,6 +41,7 @@ def launch_server(config: ServerConfig) -> int:
     import uvicorn
 
     from ddtree_serve.server.detokenizer import run_detokenizer_process
+    from ddtree_serve.server.drain import DrainingServer
     from ddtree_serve.server.http.api import create_app
     from ddtree_serve.server.http.metrics import ServerMetrics
     from ddtree_serve.server.process_utils import load_tokenizer
@@ -72,9 +75,9 @@ def launch_server(config: ServerConfig) -> int:
             p.start()
         tm = TokenizerManager(config, endpoints, tokenizer, ServerMetrics(served))
         app = create_app(config, tm)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+        server = DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                                log_level=config.server.log_level, loop="asyncio",
-                                               timeout_graceful_shutdown=3))
+                                               timeout_graceful_shutdown=3), tm, config.server.shutdown_timeout)
         stop_watch = threading.Event()
         died: list[str] = []
 

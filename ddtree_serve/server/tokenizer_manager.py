@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.http.metrics import ServerMetrics
+from ddtree_serve.server.http.tool_prompt import template_reads_tools
 from ddtree_serve.server.io_struct import (
     AbortReq,
     BatchTextOut,
@@ -33,6 +34,7 @@ from ddtree_serve.server.io_struct import (
     TokenizedGenerateReq,
 )
 from ddtree_serve.server.multimodal.frontend import ImageLimits, VisionFrontend
+from ddtree_serve.server.sampling_defaults import describe, sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,17 @@ class TokenizerManager:
         self.metrics = metrics
         self.ready = False
         self.dead: str | None = None
+        # a request's missing sampling fields (--sampling-defaults; ddtree_serve/server/sampling_defaults.py)
+        self.sampling_defaults = sampling_defaults(config.server.sampling_defaults, config.model.model_path)
+        logger.info("%s", describe(config.server.sampling_defaults, self.sampling_defaults))
+        # a template that renders no tools gets them in the system turn (ddtree_serve/server/http/tool_prompt.py)
+        parser = config.server.tool_call_parser
+        self.tools_in_system = parser is not None and not template_reads_tools(getattr(tokenizer, "chat_template",
+                                                                                        None))
+        if self.tools_in_system:
+            logger.info("the chat template renders no tools: a request's tools are written into the system turn "
+                        "in the %s format", parser)
+        self.draining = False  # shutting down (SIGTERM): new requests 503, in-flight ones run on (server/drain.py)
         self.max_context_len = config.model.context_length or 0
         self.vocab_size = 0  # the model's, from SchedulerReady (0: not known yet)
         self.eos_token_ids: tuple[int, ...] = ()
@@ -108,7 +121,8 @@ class TokenizerManager:
 
     @property
     def serving(self) -> bool:
-        return self.ready and self.dead is None
+        """Loaded, every process alive, and not draining: new requests are admitted."""
+        return self.ready and self.dead is None and not self.draining
 
     def mark_dead(self, message: str) -> None:
         """A child process died: fail everything in flight with 503 and refuse new work."""

@@ -16,7 +16,12 @@ this normalisation, must be accepted. Each step names the rule it stands for:
   answers a preceding assistant turn with tool calls (an order between list items, which JSON Schema cannot
   state): an unanswered one becomes a user message / text.
 - a Messages conversation ends with a user turn (a final assistant message, a prefill, is refused: the last
-  item of a list, which JSON Schema cannot single out): a user message is appended after a final assistant one.
+  item of a list, which JSON Schema cannot single out; ``system`` messages do not count, they join the system
+  prompt): a user message is appended after a final assistant one, or to a conversation of system messages.
+- a Responses reasoning item's ``encrypted_content`` must be a token this server sealed (its key): removed.
+- a Responses ``namespace`` tool's functions are served as ``NS__NAME``, which must be at most 64 characters
+  and no other tool's name (a comparison between fields): such a function (or a function tool of that name)
+  is removed.
 - ``reasoning_effort`` (Responses ``reasoning.effort``): needs a chat template with a thinking switch (the
   model; the default model's has none): removed.
 - a Messages ``thinking.budget_tokens``: at least ``max_tokens`` (a comparison between fields): removed when
@@ -98,13 +103,38 @@ def normalise(label: str, body: Any) -> Any:
                     lambda c, t: c.update(name=t["name"]) if c.get("type") == "tool" else None)
         _answered_tool_results(body.get("messages"))
         messages = body.get("messages")
-        if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
-                and messages[-1].get("role") == "assistant":
+        turns = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "system")] \
+            if isinstance(messages, list) else []
+        if isinstance(messages, list) and (not turns or (isinstance(turns[-1], dict)
+                                                         and turns[-1].get("role") == "assistant")):
             messages.append({"role": "user", "content": "Go on."})
     elif label == "POST /v1/responses":
         _named_tool(body.get("tool_choice"), body.get("tools"), lambda c, t: c.update(name=t["name"]))
         _answered_call_outputs(body.get("input"))
+        for item in body.get("input") if isinstance(body.get("input"), list) else []:
+            if isinstance(item, dict) and item.get("type") == "reasoning":
+                item.pop("encrypted_content", None)
+        _served_tool_names(body.get("tools"))
     return body
+
+
+def _served_tool_names(tools: Any) -> None:
+    """Remove the Responses functions whose served name (``NS__NAME`` in a namespace) is over 64 characters
+    or another tool's."""
+    seen: set[str] = set()
+    for tool in list(tools) if isinstance(tools, list) else []:
+        if not isinstance(tool, dict):
+            continue
+        if tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+            for sub in list(tool["tools"]):
+                name = f"{tool.get('name')}__{sub.get('name') if isinstance(sub, dict) else ''}"
+                if len(name) > 64 or name in seen:
+                    tool["tools"].remove(sub)
+                seen.add(name)
+        elif tool.get("type") == "function":
+            if tool.get("name") in seen:
+                tools.remove(tool)
+            seen.add(tool.get("name"))
 
 
 def _ids_in_vocab(prompt: Any) -> Any:

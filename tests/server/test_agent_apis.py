@@ -146,7 +146,8 @@ def test_messages_output_config_format_is_json_schema(ant) -> None:
 MESSAGE_400 = [
     ({"max_tokens": None}, "max_tokens"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+    ({"thinking": {"type": "between_tools"}}, "between_tools"),
+    ({"messages": [{"role": "system", "content": "only a system message"}]}, "user"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
      "image"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]}, "prefill"),
@@ -228,8 +229,8 @@ def test_responses_text_format_json_schema(oai) -> None:
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"), ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"tools": [{"type": "web_search"}]}, "tools"), ({"max_output_tokens": 0}, "max_output_tokens")])
+    ({"reasoning": {"effort": "high"}}, "reasoning"), ({"include": ["file_search_call.results"]}, "include"),
+    ({"tools": [{"type": "function", "name": "a.b"}]}, "tools"), ({"max_output_tokens": 0}, "max_output_tokens")])
 def test_responses_refusals_are_openai_400s(oai, extra, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model="default", input="hi", extra_body=extra)
@@ -275,3 +276,37 @@ def test_messages_count_tokens_and_documents(base, ant) -> None:
     r = _post(base, "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [
         {**doc, "citations": {"enabled": True}}]}]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_responses_as_codex_sends_them(base, oai) -> None:
+    """Issue 61: a namespace tool is served flattened and its call comes back with its name and namespace, a
+    built-in tool is not offered (the request is served), reasoning.summary is accepted; streamed and not."""
+    ns = {"type": "namespace", "name": "weather", "description": "Weather tools", "tools": [
+        {"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER}]}
+    body = {"input": QUESTION, "tools": [ns, {"type": "web_search"}], "tool_choice": "required",
+            "parallel_tool_calls": False, "reasoning": {"summary": "auto"}, "store": False, "max_output_tokens": 60,
+            "temperature": 0}
+    r = _post(base, "/v1/responses", body)
+    assert r.status_code == 200, r.text
+    calls = [o for o in r.json()["output"] if o["type"] == "function_call"]
+    assert calls and calls[0]["name"] == "get_weather" and calls[0]["namespace"] == "weather", r.json()["output"]
+    assert jsonschema_rs.is_valid(WEATHER, json.loads(calls[0]["arguments"]))
+    events = _events(base, "/v1/responses", body)
+    done = [d["item"] for n, d in events if n == "response.output_item.done" and d["item"]["type"] == "function_call"]
+    assert [(c["name"], c["namespace"], c["arguments"]) for c in done] == [
+        (c["name"], c["namespace"], c["arguments"]) for c in calls]
+    # the call goes back in the history, namespaced; the answer equals the plain function tool's
+    follow = [{"role": "user", "content": QUESTION}, {**calls[0], "status": "completed"},
+              {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "18 degrees"}]
+    a = _post(base, "/v1/responses", {"input": follow, "tools": [ns], "max_output_tokens": 12, "temperature": 0})
+    flat = {**calls[0], "name": "weather__get_weather"}
+    flat.pop("namespace")
+    b = _post(base, "/v1/responses", {"input": [follow[0], flat, follow[2]], "max_output_tokens": 12,
+                                      "temperature": 0, "tools": [{**ns["tools"][0], "name": "weather__get_weather",
+                                                                   "description": "Current weather in a city"}]})
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+
+    def seen(out: list[dict]) -> list:
+        return [(o["type"], o.get("content"), o.get("arguments")) for o in out]
+
+    assert seen(a.json()["output"]) == seen(b.json()["output"])  # the same prompt: the same greedy reply

@@ -67,6 +67,27 @@ def test_messages_history_maps_to_chat_messages() -> None:
     assert off["chat_template_kwargs"] == {"thinking": False, "enable_thinking": False}
 
 
+def test_messages_system_role_messages_merge_into_the_system_prompt() -> None:
+    user = {"role": "user", "content": "hi"}
+    chat = _messages({"system": "Base.", "messages": [
+        user, {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+        {"role": "assistant", "content": "ok"}, {"role": "system", "content": "Late."}, user]})
+    assert chat["messages"] == [
+        {"role": "system", "content": [{"type": "text", "text": "Base."}, {"type": "text", "text": "Reminder."},
+                                       {"type": "text", "text": "Late."}]},
+        user, {"role": "assistant", "content": "ok"}, user]
+    only = _messages({"messages": [{"role": "system", "content": "S."}, user]})
+    assert only["messages"] == [{"role": "system", "content": [{"type": "text", "text": "S."}]}, user]
+    assert _messages({"system": "S.", "messages": [user]})["messages"][0] == {"role": "system", "content": "S."}
+    chat_request(chat)
+    with pytest.raises(APIError) as e:  # nothing but system messages
+        _messages({"messages": [{"role": "system", "content": "S."}]})
+    assert e.value.param == "messages"
+    with pytest.raises(APIError) as e:  # a system message holds text only
+        _messages({"messages": [{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}, user]})
+    assert e.value.param == "messages" and "text blocks only" in e.value.message
+
+
 @pytest.mark.parametrize("field", sorted(MESSAGES_REFUSED))
 def test_messages_refused_fields(field) -> None:
     with pytest.raises(APIError) as e:
@@ -100,6 +121,40 @@ def test_responses_items_map_to_chat_messages() -> None:
                                                                               "strict": True}}
     chat_request(chat)
     assert _responses({"input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_responses_codex_tools() -> None:
+    """Namespace tools are flattened (NS__NAME) and their past calls too; other tool types are not offered,
+    noted once per type; reasoning.summary is accepted."""
+    from ddtree_serve.server.http.responses_tools import map_tools
+
+    notes: list = []
+    body = {"input": [{"role": "user", "content": "hi"},
+                      {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "collab",
+                       "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "ok", "name": "spawn_agent",
+                       "namespace": "collab"}],
+            "tools": [{"type": "function", "name": "shell", "parameters": SCHEMA}, {"type": "web_search"},
+                      {"type": "namespace", "name": "collab", "description": "agents", "tools": [
+                          {"type": "function", "name": "spawn_agent", "description": "d", "parameters": SCHEMA}]},
+                      {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}}, {"type": "web_search"}],
+            "reasoning": {"summary": "auto"}, "store": False}
+    req = parse_body(ResponsesRequest, json.dumps(body).encode())
+    chat = responses_to_chat(req, notes)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["shell", "collab__spawn_agent"]
+    assert chat["tools"][1]["function"]["description"] == "d"
+    assert chat["messages"][1]["tool_calls"][0]["function"]["name"] == "collab__spawn_agent"
+    assert [k for k, _ in notes] == ["tool:web_search", "tool:custom"]
+    chat_request(chat)
+    tools = map_tools(req.tools)
+    assert tools.call_names("collab__spawn_agent") == {"name": "spawn_agent", "namespace": "collab"}
+    assert tools.call_names("shell") == {"name": "shell"}
+    for bad in ([{"type": "function", "name": "collab__f"}, {"type": "namespace", "name": "collab", "tools": [
+            {"type": "function", "name": "f"}]}], [{"type": "namespace", "name": "n" * 40, "tools": [
+                {"type": "function", "name": "f" * 30}]}]):
+        with pytest.raises(APIError) as e:
+            _responses({"input": "hi", "tools": bad})
+        assert e.value.param == "tools", bad
 
 
 @pytest.mark.parametrize(("extra", "param"), [

@@ -1,7 +1,8 @@
 """The thinking fields without a server (ddtree_serve/server/http/thinking.py and the agent translations): chat's
 ``reasoning_effort`` goes through the template's thinking switch or is a 400 naming it; Responses'
-``reasoning.effort`` becomes it (``reasoning.summary`` is refused); Anthropic ``thinking`` enabled is served
-where its ``budget_tokens`` cannot bind (at least ``max_tokens``) and refused where it would have to."""
+``reasoning.effort`` becomes it (``reasoning.summary`` is accepted); Anthropic ``thinking`` and
+``output_config.effort`` go through the thinking switch where the model has one and are accepted (noted for
+a log-once line) where it has none; ``context_management`` is accepted and noted."""
 
 from __future__ import annotations
 
@@ -79,31 +80,98 @@ def _responses(body: dict) -> dict:
 def test_responses_reasoning() -> None:
     assert _responses({"reasoning": {"effort": "minimal"}})["reasoning_effort"] == "minimal"
     assert "reasoning_effort" not in _responses({"reasoning": {}})
-    for key in ("summary", "generate_summary"):
-        with pytest.raises(APIError) as e:
-            _responses({"reasoning": {"effort": "high", key: "auto"}})
-        assert e.value.param == "reasoning" and "summarized" in e.value.message
+    for key in ("summary", "generate_summary"):  # accepted: the reasoning item's summary is the whole reasoning
+        assert _responses({"reasoning": {"effort": "high", key: "auto"}})["reasoning_effort"] == "high"
     with pytest.raises(APIError) as e:
         parse_body(ResponsesRequest, json.dumps({"input": "hi", "reasoning": {"effort": "max"}}).encode())
     assert e.value.param == "reasoning"
 
 
-def _messages(body: dict, reasoning_parser: str | None = "kimi_k2") -> dict:
+def _messages(body: dict, reasoning_parser: str | None = "kimi_k2", template: str | None = KIMI_TEMPLATE,
+              notes: list | None = None) -> dict:
     req = parse_body(MessagesRequest, json.dumps({"max_tokens": 64, "messages": USER, **body}).encode())
-    return messages_to_chat(req, ServerConfig.from_flat({"reasoning_parser": reasoning_parser}))
+    return messages_to_chat(req, ServerConfig.from_flat({"reasoning_parser": reasoning_parser}), template, notes)
 
 
 def test_messages_thinking_enabled() -> None:
     for thinking in ({"type": "enabled"}, {"type": "enabled", "budget_tokens": 64},
                      {"type": "enabled", "budget_tokens": 4096}, {"type": "adaptive"}):
-        chat = _messages({"thinking": thinking})  # thinking on: the thinking model's default
+        notes: list = []
+        chat = _messages({"thinking": thinking}, notes=notes)  # thinking on: the thinking model's default
         assert "chat_template_kwargs" not in chat and "reasoning_effort" not in chat, thinking
-    refused = [({"type": "enabled", "budget_tokens": 63}, "thinking.budget_tokens (63) below max_tokens (64)"),
-               ({"type": "between_tools"}, "between_tools"), ({"type": "adaptive", "display": "omitted"}, "omitted")]
+        assert notes == [], thinking
+    notes = []  # Claude Code's budget below max_tokens: accepted, noted (it does not bound the reasoning)
+    assert "chat_template_kwargs" not in _messages({"thinking": {"type": "enabled", "budget_tokens": 63}},
+                                                   notes=notes)
+    assert [k for k, _ in notes] == ["thinking.budget_tokens"]
+    refused = [({"type": "between_tools"}, "between_tools"), ({"type": "adaptive", "display": "omitted"}, "omitted")]
     for thinking, words in refused:
         with pytest.raises(APIError) as e:
             _messages({"thinking": thinking})
         assert e.value.status == 400 and e.value.param == "thinking" and words in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("kind", ["enabled", "adaptive"])
+def test_messages_thinking_without_a_reasoning_parser_is_accepted_and_noted(kind) -> None:
+    notes: list = []
+    chat = _messages({"thinking": {"type": kind, "budget_tokens": 31999}}, reasoning_parser=None, notes=notes)
+    assert "chat_template_kwargs" not in chat and "reasoning_effort" not in chat
+    assert [k for k, _ in notes] == ["thinking"] and "without a reasoning parser" in notes[0][1]
+
+
+def test_messages_effort_maps_to_the_thinking_switch() -> None:
+    for effort, chat_effort in (("low", "low"), ("medium", "medium"), ("high", "high"), ("max", "xhigh")):
+        notes: list = []
+        chat = _messages({"output_config": {"effort": effort}}, notes=notes)
+        assert chat["reasoning_effort"] == chat_effort and notes == []
+        applied = apply_reasoning_effort(chat_request(chat), "kimi_k2", KIMI_TEMPLATE)
+        assert applied.chat_template_kwargs == {"thinking": True}
+    # accepted with no effect (noted): no reasoning parser, a template without a switch, thinking disabled
+    for kw in ({"reasoning_parser": None}, {"template": NO_SWITCH}):
+        notes = []
+        chat = _messages({"output_config": {"effort": "high"}, "thinking": {"type": "adaptive"}}, notes=notes, **kw)
+        assert "reasoning_effort" not in chat and any(k.startswith("output_config.effort") for k, _ in notes), kw
+    notes = []
+    chat = _messages({"output_config": {"effort": "low"}, "thinking": {"type": "disabled"}}, notes=notes)
+    assert "reasoning_effort" not in chat and chat["chat_template_kwargs"]["thinking"] is False
+    assert "thinking is disabled" in notes[0][1]
     with pytest.raises(APIError) as e:
-        _messages({"thinking": {"type": "enabled", "budget_tokens": 4096}}, reasoning_parser=None)
-    assert "without a reasoning parser" in e.value.message
+        _messages({"output_config": {"effort": "extreme"}})
+    assert e.value.param == "output_config"
+
+
+def test_messages_context_management_is_accepted_and_noted() -> None:
+    notes: list = []
+    body = {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+    chat = _messages(body, notes=notes)
+    assert "context_management" not in chat and [k for k, _ in notes] == ["context_management"]
+
+
+def test_moonshot_thinking_field_sets_the_switch() -> None:
+    from ddtree_serve.server.http.thinking import apply_thinking_field
+
+    for kind, on in (("enabled", True), ("disabled", False)):
+        req = apply_thinking_field(_req(thinking={"type": kind}, chat_template_kwargs={"x": 1}))
+        assert req.chat_template_kwargs == {"x": 1, "thinking": on, "enable_thinking": on}
+    same = apply_thinking_field(_req(thinking={"type": "disabled"}, reasoning_effort="none",
+                                     chat_template_kwargs={"thinking": False}))
+    assert same.chat_template_kwargs["thinking"] is False
+    plain = _req()
+    assert apply_thinking_field(plain) is plain
+    for body in ({"chat_template_kwargs": {"enable_thinking": True}}, {"reasoning_effort": "high"}):
+        with pytest.raises(APIError) as e:
+            apply_thinking_field(_req(thinking={"type": "disabled"}, **body))
+        assert e.value.status == 400 and e.value.param == "thinking", body
+    for bad in ({"type": "auto"}, {"type": "enabled", "keep": "all"}, {}):
+        with pytest.raises(APIError) as e:
+            _req(thinking=bad)
+        assert e.value.param == "thinking", bad
+
+
+def test_unknown_fields_are_recorded() -> None:
+    from ddtree_serve.server.http.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"messages": USER, "user": "u", "preserve_thinking": True, "foo": None, "temperature": None}
+    assert parse_body(ChatCompletionRequest, json.dumps(body).encode()).unknown_fields == ("preserve_thinking", "foo")
+    assert parse_body(CompletionRequest, b'{"prompt": "x", "bar": 1}').unknown_fields == ("bar",)
+    assert _req().unknown_fields == ()

@@ -66,7 +66,7 @@ def _responses(ok: type) -> dict:
 
 def create_app(config: ServerConfig, tm: TokenizerManager) -> FastAPI:
     served = served_model_name(config)
-    chat = ChatHandler(config, tm, served)
+    chat = ChatHandler(config, tm, served, clamp=config.server.allow_auto_truncate)
     completion = CompletionHandler(config, tm, served)
     api_key = config.server.api_key
 

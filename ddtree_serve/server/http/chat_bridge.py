@@ -105,12 +105,14 @@ class ChatRun:
 
 
 async def run_chat(config: ServerConfig, tm: TokenizerManager, served: str, request: Request,
-                   req: ChatCompletionRequest, param_names: dict[str, str] | None = None) -> ChatRun:
+                   req: ChatCompletionRequest, param_names: dict[str, str] | None = None,
+                   clamp: bool = True) -> ChatRun:
     """Run ``req`` through the chat handler (its APIErrors propagate: admission, template, length, grammar;
-    their ``param`` renamed to the client's API through ``param_names``, as ``chat_request``'s)."""
+    their ``param`` renamed to the client's API through ``param_names``, as ``chat_request``'s). ``clamp``:
+    a ``max_tokens`` beyond the room the context leaves is lowered to it (the agent APIs' rule)."""
     tap = ChatTap(tm)
     try:
-        response = await ChatHandler(config, tap, served).handle(request, req)  # type: ignore[arg-type]
+        response = await ChatHandler(config, tap, served, clamp).handle(request, req)  # type: ignore[arg-type]
     except APIError as e:
         if e.param and param_names and e.param in param_names:
             e.param = param_names[e.param]

@@ -19,13 +19,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from ddtree_serve.server.config import ServerConfig, config_fields
+from ddtree_serve.server.sampling_defaults import sampling_defaults
 
 
 def public_info(config: ServerConfig) -> dict[str, Any]:
-    """Every setting by flat name, for ``GET /server_info`` (the API key is withheld), plus
+    """Every setting by flat name, for ``GET /server_info`` (the API key and the seal key are withheld), plus
     ``speculative_lossy``: whether accept thresholds below 1 make sampled verification lossy."""
     out = {flat: getattr(getattr(config, area), f.name) for flat, area, _, f in config_fields()}
     out["api_key"] = None if config.server.api_key is None else "(set)"
+    out["reasoning_seal_key"] = None if config.server.reasoning_seal_key is None else "(set)"
     out["speculative_lossy"] = config.speculative.lossy
     return out
 
@@ -54,7 +56,7 @@ def model_info(config: ServerConfig) -> dict[str, Any]:
         "tokenizer_path": path,  # the tokenizer is always loaded from the model directory
         "served_model_name": config.model.served_model_name or path,
         "is_generation": True,
-        "preferred_sampling_params": None,
+        "preferred_sampling_params": sampling_defaults(config.server.sampling_defaults, path) or None,
         "weight_version": "default",
         "has_image_understanding": isinstance(hf.get("vision_config"), dict)  # a MoonViT tower (kimi_k25.py)
         and "vt_hidden_size" in hf["vision_config"] and "media_placeholder_token_id" in hf

@@ -12,12 +12,21 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ddtree_serve.server.http.protocol_chat_message import (  # noqa: F401 - re-exported
     ChatMessage,
     ImagePart,
     ImageURL,
+    MoonshotThinking,
     Prediction,
     TextPart,
 )
@@ -109,6 +118,7 @@ class _SamplingFields(BaseModel):
     default, as OpenAI's API treats it."""
 
     model_config = ConfigDict(**{**_REQ, "json_schema_extra": null_default_schema()})
+    _unknown: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="before")
     @classmethod
@@ -116,6 +126,20 @@ class _SamplingFields(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown(cls, data: Any, handler: Any) -> Any:
+        """Record the body's field names this model does not know (ignored; the handler logs each once)."""
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, _SamplingFields):
+            model._unknown = tuple(k for k in data if isinstance(k, str) and k not in cls.model_fields)
+        return model
+
+    @property
+    def unknown_fields(self) -> tuple[str, ...]:
+        """The body's fields this server does not know (ignored, as OpenAI's API ignores them)."""
+        return self._unknown
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -233,6 +257,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None  # False: at most one call (the first one the model makes)
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None  # none/minimal: thinking off; else on (or a 400)
+    thinking: MoonshotThinking | None = None  # Moonshot's switch: the template's thinking / enable_thinking
     separate_reasoning: bool = True
     add_generation_prompt: bool = True  # vLLM: the template's assistant header after the messages
     continue_final_message: bool = False  # vLLM: the reply continues the last (assistant) message

@@ -1,11 +1,12 @@
 """The messages of a chat request: text and image parts, a message with OpenAI's per-role rules (validated and
-published as JSON Schema if/then), and a predicted output. ddtree_serve/server/http/protocol.py re-exports them."""
+published as JSON Schema if/then), a predicted output, and Moonshot's thinking switch.
+ddtree_serve/server/http/protocol.py re-exports them."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ddtree_serve.server.http.protocol_rules import needs
 from ddtree_serve.server.http.protocol_tools import REQUEST_CONFIG as _REQ
@@ -107,3 +108,22 @@ class Prediction(BaseModel):
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class MoonshotThinking(BaseModel):
+    """Moonshot's thinking switch on chat completions (Kimi K2.x): ``{"type": "enabled" | "disabled"}``, the
+    template's ``thinking`` / ``enable_thinking`` (ddtree_serve/server/http/thinking.py). ``keep`` (which past
+    reasoning stays in the prompt) is refused: the template decides (docs/API.md)."""
+
+    model_config = _REQ
+    type: Literal["enabled", "disabled"]
+    keep: None = Field(None, json_schema_extra={"type": "null"})
+
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _keep_refused(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("thinking.keep is not supported: the chat template decides which past reasoning stays "
+                             "in the prompt (every history message's reasoning_content reaches it); a template "
+                             "that reads preserve_thinking takes it from chat_template_kwargs")
+        return v

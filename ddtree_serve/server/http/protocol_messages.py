@@ -134,12 +134,14 @@ def _blocks_not(*kinds: str) -> dict:
 
 class InputMessage(BaseModel):
     """``_blocks_of_role``, published: tool_use and thinking blocks only in assistant messages, tool_result,
-    image and document blocks only in user messages."""
+    image and document blocks only in user messages, text only in system messages (Claude Code sends
+    ``system``-role messages inside ``messages``; the handler merges their text into the system prompt)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
         if_then(has("role", {"const": "user"}), _blocks_not("tool_use", "thinking")),
-        if_then(has("role", {"const": "assistant"}), _blocks_not("tool_result", "image", "document"))]})
-    role: Literal["user", "assistant"]
+        if_then(has("role", {"const": "assistant"}), _blocks_not("tool_result", "image", "document")),
+        if_then(has("role", {"const": "system"}), _blocks_not(*(t for t in BLOCK_TYPES if t != "text")))]})
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
     @model_validator(mode="before")
@@ -161,8 +163,11 @@ class InputMessage(BaseModel):
 
     @model_validator(mode="after")
     def _blocks_of_role(self) -> InputMessage:
-        """tool_use and thinking blocks are the assistant's; tool_result blocks the user's."""
+        """tool_use and thinking blocks are the assistant's; tool_result blocks the user's; a system message
+        holds text."""
         for block in self.content if isinstance(self.content, list) else []:
+            if self.role == "system" and block.type != "text":
+                raise ValueError(f"a 'system' message holds text blocks only, not {block.type!r}")
             if block.type in ("tool_use", "thinking") and self.role != "assistant":
                 raise ValueError(f"a {block.type!r} block belongs in an 'assistant' message")
             if block.type in ("tool_result", "image", "document") and self.role != "user":
@@ -199,8 +204,9 @@ class AnthropicToolChoice(BaseModel):
 
 class ThinkingConfig(BaseModel):
     """Parsed in all of Anthropic's forms; served (and so published) are ``disabled``, ``adaptive`` and
-    ``enabled`` (with a reasoning parser: ddtree_serve/server/http/serving_messages.py; ``budget_tokens`` at least
-    ``max_tokens``, a comparison the spec cannot state), with the reasoning displayed."""
+    ``enabled`` (ddtree_serve/server/http/serving_messages.py: the model's thinking switch where a reasoning
+    parser exists, accepted without thinking blocks where the model cannot think; ``budget_tokens`` does not
+    bound the reasoning), with the reasoning displayed."""
 
     model_config = _REQ
     type: Literal["enabled", "disabled", "adaptive", "between_tools"] = Field(
@@ -216,11 +222,12 @@ class JsonOutputFormat(BaseModel):
 
 
 class OutputConfig(BaseModel):
-    """``format``: the reply is JSON following the schema (grammar-constrained); ``effort`` is refused."""
+    """``format``: the reply is JSON following the schema (grammar-constrained); ``effort``: the reasoning
+    effort, mapped to the model's thinking switch where it has one (ddtree_serve/server/http/serving_messages.py)."""
 
     model_config = _REQ
     format: JsonOutputFormat | None = None
-    effort: Any = Field(None, json_schema_extra=only_null("no effort levels"))
+    effort: Literal["low", "medium", "high", "max"] | None = None
 
 
 class Metadata(BaseModel):
@@ -258,11 +265,11 @@ class MessagesRequest(BaseModel):
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None  # accepted: the server never edits the context
     # known, refused (ddtree_serve/server/http/serving_messages.py REFUSED)
     service_tier: Any = Field(None, json_schema_extra=only_null("one tier is served"))
     container: Any = Field(None, json_schema_extra=only_null("no code-execution containers"))
     mcp_servers: Any = Field(None, json_schema_extra=only_null("no MCP connector"))
-    context_management: Any = Field(None, json_schema_extra=only_null("the context is never edited"))
     output_format: Any = Field(None, json_schema_extra=only_null("use output_config.format"))
     inference_geo: Any = Field(None, json_schema_extra=only_null("served where this server runs"))
     speed: Any = Field(None, json_schema_extra=only_null("one speed is served"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from ddtree_serve.server.http.protocol_rules import (
     CHAT_TOOL_RULES,
@@ -72,11 +72,15 @@ class MessageItem(BaseModel):
 
 
 class FunctionCallItem(BaseModel):
+    """An earlier call; ``namespace``: the call of a namespace tool's function (served flattened,
+    ddtree_serve/server/http/responses_tools.py)."""
+
     model_config = _REQ
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
@@ -100,21 +104,17 @@ class ReasoningText(BaseModel):
 
 
 class ReasoningItem(BaseModel):
-    """An earlier reply's reasoning: its text becomes the next assistant message's ``reasoning_content``."""
+    """An earlier reply's reasoning: its text becomes the next assistant message's ``reasoning_content``;
+    ``encrypted_content`` (sealed by this server: ddtree_serve/server/http/reasoning_seal.py) holds it whole and
+    is opened by the handler."""
 
     model_config = _REQ
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
-    encrypted_content: str | None = Field(None, json_schema_extra=only_null("this server never produces it"))
+    encrypted_content: str | None = None
     status: str | None = None
-
-    @model_validator(mode="after")
-    def _no_encrypted(self) -> ReasoningItem:
-        if self.encrypted_content is not None:
-            raise ValueError("encrypted reasoning is not supported (this server never produces it)")
-        return self
 
     def text(self) -> str:
         return "".join(p.text for p in (self.content or self.summary))
@@ -125,7 +125,7 @@ InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | 
 
 
 class FunctionTool(BaseModel):
-    """A function tool; other tool types (web search, file search, MCP, ...) are refused by validation."""
+    """A function tool."""
 
     model_config = _REQ
     type: Literal["function"]
@@ -133,6 +133,33 @@ class FunctionTool(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class NamespaceTool(BaseModel):
+    """Codex's group of function tools (an MCP server's, ...): served flattened, ``NAME__FUNCTION``."""
+
+    model_config = _REQ
+    type: Literal["namespace"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+class OtherTool(BaseModel):
+    """A tool of another type (a built-in tool such as ``web_search``, ``file_search``; a freeform ``custom``
+    tool): accepted and not offered to the model (ddtree_serve/server/http/responses_tools.py)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: str = Field(json_schema_extra={"not": {"enum": ["function", "namespace"]}})  # the spec's oneOf: one match
+
+
+def _tool_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return kind if kind in ("function", "namespace") else "other"
+
+
+ResponsesTool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")]
+                          | Annotated[OtherTool, Tag("other")], Discriminator(_tool_kind)]
 
 
 class NamedFunction(BaseModel):
@@ -175,14 +202,13 @@ _JSON_TEXT = has("text", {"type": "object", "required": ["format"], "properties"
 
 class ReasoningConfig(BaseModel):
     """``reasoning``: ``effort`` is applied through the model's thinking switch (as chat's
-    ``reasoning_effort``: ddtree_serve/server/http/thinking.py); a ``summary`` is refused (the reasoning is returned whole)."""
+    ``reasoning_effort``: ddtree_serve/server/http/thinking.py); with a ``summary`` the reasoning item's summary
+    holds the whole reasoning (it is never shortened)."""
 
     model_config = _REQ
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = Field(
-        None, json_schema_extra=only_null("the reasoning is returned whole, never summarized"))
-    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(  # the deprecated name of summary
-        None, json_schema_extra=only_null("the reasoning is returned whole, never summarized"))
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated name of summary
 
 
 class ResponsesRequest(BaseModel):
@@ -198,7 +224,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    tools: list[FunctionTool] | None = None
+    tools: list[ResponsesTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -208,8 +234,7 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     store: bool | None = Field(None, json_schema_extra={"anyOf": [{"const": False}, {"type": "null"}]})
-    include: list[str] | None = Field(None, json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0},
-                                                                         {"type": "null"}]})
+    include: list[Literal["reasoning.encrypted_content"]] | None = None  # the one optional output produced
     truncation: Literal["auto", "disabled"] | None = Field(None, json_schema_extra={"enum": ["disabled", None]})
     reasoning: ReasoningConfig | None = None
     # known, refused (ddtree_serve/server/http/serving_responses.py REFUSED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.http.chat_images import chat_images
+from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -42,11 +44,14 @@ from ddtree_serve.server.http.serving_common import (
     usage_of,
 )
 from ddtree_serve.server.http.serving_structured import Constraint, constraint_of, reasoning_gate
-from ddtree_serve.server.http.thinking import apply_reasoning_effort, reasoning_tokens
+from ddtree_serve.server.http.thinking import apply_reasoning_effort, apply_thinking_field, reasoning_tokens
 from ddtree_serve.server.http.tool_history import template_messages
+from ddtree_serve.server.http.tool_prompt import tools_in_system
 from ddtree_serve.server.io_struct import DetokenizeReq, GenerateReq, ImageInput
 from ddtree_serve.server.parsers import ReasoningParser, ToolCallParser, parse_reasoning, parse_tool_calls
 from ddtree_serve.server.tokenizer_manager import InputError, TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 
 def _messages(req: ChatCompletionRequest, image_marker: str = "", image_parts: bool = False) -> list[dict]:
@@ -90,8 +95,13 @@ def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
 
 
 class ChatHandler:
-    def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
-        self.config, self.tm, self.served = config, tm, served_model
+    """Chat completions. ``clamp``: a ``max_tokens`` beyond the room the context leaves after the prompt is
+    lowered to that room (finish ``length``) rather than refused: the agent APIs always, chat completions
+    with ``--allow-auto-truncate``."""
+
+    def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str, clamp: bool = False) -> None:
+        self.config, self.tm, self.served, self.clamp = config, tm, served_model, clamp
+        self.log_once = LogOnce(logger)  # unknown body fields, once per name
 
     def _parsers(self, req: ChatCompletionRequest, constraint: Constraint) -> tuple[
             str | None, str | None, bool, Constraint]:
@@ -114,7 +124,11 @@ class ChatHandler:
         images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
 
         def encode(image_parts: bool, marker: str) -> list[int]:
-            messages = template_messages(_messages(req, marker, image_parts), self.config.server.tool_call_parser)
+            parser = self.config.server.tool_call_parser
+            messages = template_messages(_messages(req, marker, image_parts), parser)
+            if tools and parser and self.tm.tools_in_system:  # the template renders none: the system turn holds them
+                return self.tm.encode_chat(tools_in_system(messages, tools, parser), None, req.chat_template_kwargs,
+                                           req.add_generation_prompt, req.continue_final_message)
             return self.tm.encode_chat(messages, tools, req.chat_template_kwargs, req.add_generation_prompt,
                                        req.continue_final_message)
 
@@ -126,7 +140,9 @@ class ChatHandler:
     async def handle(self, request: Request, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (ddtree_serve/server/http/api.py)."""
         check_admission(self.tm, req.model, self.served, req.n)
-        req = apply_reasoning_effort(req, self.config.server.reasoning_parser,
+        self.log_once.all([(f"unknown:{k}", f"/v1/chat/completions: unknown field {k!r} ignored")
+                           for k in req.unknown_fields])
+        req = apply_reasoning_effort(apply_thinking_field(req), self.config.server.reasoning_parser,
                                      getattr(self.tm.tokenizer, "chat_template", None))
         constraint = constraint_of(req, self.config.server.tool_call_parser)
         if req.tools and req.tool_choice != "none" and self.config.server.tool_call_parser is None:
@@ -136,7 +152,7 @@ class ChatHandler:
         ids, image_inputs = await self.prompt(req)
         max_tokens = req.max_new_tokens  # None: until the request limit (the scheduler resolves it)
         try:
-            self.tm.check_length(len(ids), max_tokens)
+            self.tm.check_length(len(ids), None if self.clamp else max_tokens)
         except InputError as e:  # the prompt's length comes from 'messages'
             raise APIError(400, str(e), param="messages", code=e.code) from None
         reasoning, tool_parser, thinking, constraint = self._parsers(req, constraint)
@@ -148,7 +164,9 @@ class ChatHandler:
             if req.prediction is not None else ()
         group = [(GenerateReq(f"{base}-{i}", ids, dataclasses.replace(
                       make_params(req, max_tokens, i, req.num_logprobs, constraint=constraint,
-                                  vocab_size=self.tm.vocab_size), draft_hint=hint), image_inputs),
+                                  vocab_size=self.tm.vocab_size, defaults=self.tm.sampling_defaults),
+                      draft_hint=hint,
+                      clamp_max_tokens=self.clamp), image_inputs),
                   DetokenizeReq(f"{base}-{i}", **det_common)) for i in range(req.n)]
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         run = await start_generation(request, self.tm, group,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -69,6 +69,11 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 def check_serving(tm: TokenizerManager) -> None:
+    """503 unless the server admits requests: starting, a dead process, or draining at shutdown (then with
+    Retry-After: another replica can take the request)."""
+    if tm.draining and tm.dead is None:
+        raise APIError(503, "the server is shutting down: it admits no new requests", code="service_unavailable",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
     if not tm.serving:
         raise APIError(503, tm.dead or "the server is starting: the model is not loaded yet",
                        code="service_unavailable")
@@ -108,17 +113,30 @@ def engine_error(out: TextOut, names: dict[str, str] | None = None) -> APIError:
     return APIError(out.error_status, out.error or "request failed", param=param if out.error_status < 500 else None)
 
 
+def sampling_fields(req: Any, defaults: Mapping[str, int | float] | None) -> dict[str, Any]:
+    """``req``'s temperature, top_p, top_k, min_p and repetition_penalty: a field the request left out (or sent
+    null) takes ``defaults``' value where it has one (``--sampling-defaults model``), else the request model's."""
+    fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+              "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty}
+    for name, value in (defaults or {}).items():
+        if name in fields and (name not in req.model_fields_set or getattr(req, name) is None):
+            fields[name] = value
+    return fields
+
+
 def make_params(req: Any, max_tokens: int | None, choice: int, logprobs: int | None,
                 prompt_logprobs: int | None = None, constraint: Constraint | None = None,
-                vocab_size: int | None = None) -> SamplingParams:
+                vocab_size: int | None = None, defaults: Mapping[str, int | float] | None = None) -> SamplingParams:
     """The engine's parameters of choice ``choice``; a value they refuse (``vocab_size``: the model's, for
-    ``logit_bias`` ids) is a 400 naming the field."""
+    ``logit_bias`` ids) is a 400 naming the field. ``defaults``: the server's sampling defaults
+    (``sampling_fields``)."""
+    s = sampling_fields(req, defaults)
     params = SamplingParams(
-        temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
+        temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]), min_p=float(s["min_p"]),
         seed=None if req.seed is None else req.seed + choice, max_tokens=None if max_tokens is None else int(max_tokens),
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
         presence_penalty=float(req.presence_penalty or 0.0), frequency_penalty=float(req.frequency_penalty or 0.0),
-        repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
+        repetition_penalty=float(s["repetition_penalty"]),
         logit_bias=req.logit_bias_ids(),
         prompt_logprobs=prompt_logprobs, min_tokens=int(getattr(req, "min_tokens", 0) or 0),
         **(constraint.fields() if constraint is not None else {}),

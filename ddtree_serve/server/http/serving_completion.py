@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -9,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -34,6 +37,8 @@ from ddtree_serve.server.http.serving_common import (
 from ddtree_serve.server.http.serving_structured import constraint_of
 from ddtree_serve.server.io_struct import DetokenizeReq, GenerateReq
 from ddtree_serve.server.tokenizer_manager import InputError, TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 
 def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int,
@@ -62,6 +67,7 @@ def _logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset:
 class CompletionHandler:
     def __init__(self, config: ServerConfig, tm: TokenizerManager, served_model: str) -> None:
         self.config, self.tm, self.served = config, tm, served_model
+        self.log_once = LogOnce(logger)  # unknown body fields, once per name
 
     async def handle(self, request: Request, req: CompletionRequest) -> JSONResponse | StreamingResponse:
         """``req``: the body, validated by the route (ddtree_serve/server/http/api.py)."""
@@ -69,6 +75,8 @@ class CompletionHandler:
             raise APIError(400, "max_tokens must be at least 1; 0 is allowed only with echo (to score the "
                                 "prompt alone)", param="max_tokens", code="invalid_value")
         check_admission(self.tm, req.model, self.served, req.n * len(req.prompts()))
+        self.log_once.all([(f"unknown:{k}", f"/v1/completions: unknown field {k!r} ignored")
+                           for k in req.unknown_fields])
         constraint = constraint_of(req)
         prompts: list[list[int]] = []
         texts: list[str] = []
@@ -77,7 +85,8 @@ class CompletionHandler:
                 ids = self.tm.encode_text(p) if isinstance(p, str) else list(p)
                 if not isinstance(p, str):
                     self.tm.check_token_ids(ids)
-                self.tm.check_length(len(ids), req.max_tokens)
+                clamp = self.config.server.allow_auto_truncate and bool(req.max_tokens)  # not echo's 0
+                self.tm.check_length(len(ids), None if clamp else req.max_tokens)
                 prompts.append(ids)
                 texts.append(p if isinstance(p, str) else self.tm.decode(ids))
         except InputError as e:
@@ -91,7 +100,9 @@ class CompletionHandler:
             for j in range(req.n):
                 rid = f"{base}-{pi * req.n + j}"
                 params = make_params(req, req.max_tokens, j, req.logprobs, prompt_logprobs, constraint,
-                                     self.tm.vocab_size)
+                                     self.tm.vocab_size, self.tm.sampling_defaults)
+                if self.config.server.allow_auto_truncate and req.max_tokens:
+                    params = dataclasses.replace(params, clamp_max_tokens=True)
                 group.append((GenerateReq(rid, ids, params),
                               DetokenizeReq(rid, stop=tuple(req.stop_list()),
                                             stop_token_ids=tuple(req.stop_token_ids or ()),

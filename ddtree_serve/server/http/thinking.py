@@ -75,6 +75,26 @@ def apply_reasoning_effort(req: ChatCompletionRequest, reasoning_parser: str | N
     return req.model_copy(update={"chat_template_kwargs": kwargs})
 
 
+def apply_thinking_field(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """``req`` with Moonshot's ``thinking: {"type": "enabled" | "disabled"}`` applied to ``chat_template_kwargs``
+    (``thinking`` and ``enable_thinking``, the switch ``chat_template_kwargs`` sets; templates without one
+    ignore it); APIError 400 naming ``thinking`` where the request's own ``chat_template_kwargs`` or
+    ``reasoning_effort`` set the switch the other way."""
+    if req.thinking is None:
+        return req
+    on = req.thinking.type == "enabled"
+    kwargs = dict(req.chat_template_kwargs or {})
+    for name in SWITCH_VARIABLES:
+        if name in kwargs and bool(kwargs[name]) != on:
+            raise APIError(400, f"thinking {req.thinking.type!r} contradicts chat_template_kwargs.{name} "
+                                f"{kwargs[name]!r}", param="thinking", code="conflicting_parameters")
+    if req.reasoning_effort is not None and (req.reasoning_effort not in EFFORT_OFF) != on:
+        raise APIError(400, f"thinking {req.thinking.type!r} contradicts reasoning_effort {req.reasoning_effort!r}",
+                       param="thinking", code="conflicting_parameters")
+    kwargs.update({name: on for name in SWITCH_VARIABLES})
+    return req.model_copy(update={"chat_template_kwargs": kwargs})
+
+
 def reasoning_tokens(tokenizer: Any, reasoning_texts: Iterable[str]) -> int:
     """Tokens of the reasoning sections (one text per choice), each encoded without special tokens."""
     return sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in reasoning_texts if t)

@@ -27,6 +27,7 @@ from ddtree_serve.server.http.protocol_tools import REQUEST_CONFIG as _REQ
 from ddtree_serve.server.http.serving_chat import _messages as chat_messages
 from ddtree_serve.server.http.serving_common import check_model
 from ddtree_serve.server.http.tool_history import template_messages
+from ddtree_serve.server.http.tool_prompt import tools_in_system
 from ddtree_serve.server.tokenizer_manager import TokenizerManager
 
 _PROMPT_ONLY = {"properties": {"tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
@@ -95,10 +96,14 @@ def tokenize(tm: TokenizerManager, req: TokenizeRequest) -> list[int]:
     if any(m.image_urls() for m in chat.messages):
         raise APIError(400, "/tokenize does not take images; send text parts (an image's token count: "
                             "docs/API.md, Images)", param="messages", code="unsupported_content")
-    messages = template_messages(chat_messages(chat), tm.config.server.tool_call_parser)
+    parser = tm.config.server.tool_call_parser
+    messages = template_messages(chat_messages(chat), parser)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if tools and parser and tm.tools_in_system:  # as chat completions: the system turn holds them
+        messages, tools = tools_in_system(messages, tools, parser), None
     try:
         text = tok.apply_chat_template(
-            messages, tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            messages, tools=tools,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
             tokenize=False, **(req.chat_template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - template errors are input errors

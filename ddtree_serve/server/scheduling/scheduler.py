@@ -131,6 +131,9 @@ class Scheduler:
                                      f"{self.max_request_tokens} tokens (context length {self.max_context_len}, "
                                      f"KV cache {self.runner.num_slots} tokens)", "prompt")
             p = dataclasses.replace(p, max_tokens=self.max_request_tokens - n)
+        elif p.clamp_max_tokens and self.max_request_tokens > n and n + p.max_tokens > self.max_request_tokens:
+            room = self.max_request_tokens - n  # lowered to the room left (the agent APIs; --allow-auto-truncate)
+            p = dataclasses.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
         if n + p.max_tokens > self.max_context_len:
             raise AdmissionError(f"prompt ({n} tokens) plus max_tokens ({p.max_tokens}) exceeds the context length "
                                  f"{self.max_context_len}", "prompt")  # OpenAI names the prompt (messages)
