@@ -11,8 +11,9 @@ import json
 import httpx
 import pytest
 
-from ddtree_serve.server.config import ServerConfig, public_info
+from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.info_routes import public_info
 from ddtree_serve.server.http.protocol_responses import ResponsesRequest
 from ddtree_serve.server.http.reasoning_seal import ENV_KEY, ReasoningSeal, SealError
 from ddtree_serve.server.http.serving_common import parse_body
