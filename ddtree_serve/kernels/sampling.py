@@ -26,6 +26,7 @@ from ddtree_serve.kernels.dispatch import (
     CudaKernelUnavailable,
     cuda_kernels_required,
     import_cuda_library,
+    one_kernel,
     use_cuda_kernels,
 )
 
@@ -73,9 +74,10 @@ def _check_probs(probs: torch.Tensor, name: str = "probs") -> None:
 
 
 def _row_param(
-    value: torch.Tensor | float | int, probs: torch.Tensor, dtype: torch.dtype, name: str
+    value: torch.Tensor | float | int, probs: torch.Tensor, dtype: torch.dtype, name: str, validate: bool = True
 ) -> torch.Tensor:
-    """Broadcast a scalar or ``[n]`` tensor parameter to ``[n]`` on probs' device."""
+    """Broadcast a scalar or ``[n]`` tensor parameter to ``[n]`` on probs' device; ``validate``: refuse NaN (a
+    read back; callers whose values were checked on the host skip it)."""
     n = probs.shape[0]
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
@@ -85,7 +87,7 @@ def _row_param(
         out = value.to(device=probs.device, dtype=dtype)
     else:
         out = torch.full((n,), value, dtype=dtype, device=probs.device)
-    if dtype.is_floating_point and bool(torch.isnan(out).any()):
+    if validate and dtype.is_floating_point and bool(torch.isnan(out).any()):
         raise ValueError(f"{name} contains NaN")
     return out
 
@@ -97,27 +99,31 @@ def _renorm(probs: torch.Tensor, keep: torch.Tensor, active: torch.Tensor) -> to
     return torch.where(active[:, None], kept / total, probs)
 
 
-def top_k_renorm_prob(probs: torch.Tensor, top_k: torch.Tensor | int) -> torch.Tensor:
+def top_k_renorm_prob(probs: torch.Tensor, top_k: torch.Tensor | int, maybe_active: bool | None = None
+                      ) -> torch.Tensor:
     """Keep, per row, every probability ``>=`` the row's k-th largest value (ties at the k-th value are
     kept, so more than k entries may survive), zero the rest, renormalise.
 
     probs ``[n, V]``; top_k int or int tensor ``[n]``. ``top_k <= 0`` or ``>= V`` leaves the row unchanged.
+    ``maybe_active``: whether any row may filter, as the caller knows it (no read back; values taken as
+    checked); None: read it back.
     """
     _check_probs(probs)
     vocab = probs.shape[1]
-    k = _row_param(top_k, probs, torch.int64, "top_k")  # [n]
+    k = _row_param(top_k, probs, torch.int64, "top_k", validate=maybe_active is None)  # [n]
     active = (k > 0) & (k < vocab)  # [n]
-    if probs.shape[0] == 0 or not bool(active.any()):
+    if probs.shape[0] == 0 or not (bool(active.any()) if maybe_active is None else maybe_active):
         return probs.clone()
     fn = _flashinfer_filter(probs, _FI_TOP_K)
     if fn:
         kk = torch.where(active, k, torch.full_like(k, vocab)).to(torch.int32)
         out = fn(probs.float(), kk, is_deterministic=True)
         return torch.where(active[:, None], out.to(probs.dtype), probs)
-    k_max = int(k[active].max())
-    top_vals = torch.topk(probs, k_max, dim=-1, sorted=True).values  # [n, k_max]
-    kth = top_vals.gather(1, (k.clamp(1, k_max) - 1)[:, None])  # [n, 1]
-    return _renorm(probs, probs >= kth, active)
+    with one_kernel():  # the reference of flashinfer's one launch (a simulated device counts it so)
+        k_max = int(torch.where(active, k, 1).max())
+        top_vals = torch.topk(probs, k_max, dim=-1, sorted=True).values  # [n, k_max]
+        kth = top_vals.gather(1, (k.clamp(1, k_max) - 1)[:, None])  # [n, 1]
+        return _renorm(probs, probs >= kth, active)
 
 
 def _top_p_threshold(rows: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,33 +155,36 @@ def _top_p_threshold(rows: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor,
     return thr, found
 
 
-def top_p_renorm_prob(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
+def top_p_renorm_prob(probs: torch.Tensor, top_p: torch.Tensor | float, maybe_active: bool | None = None
+                      ) -> torch.Tensor:
     """Nucleus filter: keep the probabilities ``>= t`` where ``t`` is the largest threshold whose kept
     mass reaches ``top_p`` (the shortest descending prefix with mass ``>= top_p``, extended by ties),
     zero the rest, renormalise. probs ``[n, V]``; top_p float or ``[n]``; ``top_p >= 1`` leaves the row
-    unchanged; ``top_p <= 0`` keeps only the maximum (and its ties)."""
+    unchanged; ``top_p <= 0`` keeps only the maximum (and its ties). ``maybe_active``: as ``top_k_renorm_prob``."""
     _check_probs(probs)
-    p = _row_param(top_p, probs, torch.float32, "top_p")  # [n]
+    p = _row_param(top_p, probs, torch.float32, "top_p", validate=maybe_active is None)  # [n]
     active = p < 1.0  # [n]
-    if probs.shape[0] == 0 or not bool(active.any()):
+    if probs.shape[0] == 0 or not (bool(active.any()) if maybe_active is None else maybe_active):
         return probs.clone()
     fn = _flashinfer_filter(probs, _FI_TOP_P)
     if fn:
         out = fn(probs.float(), torch.where(active, p, torch.ones_like(p)), is_deterministic=True)
         return torch.where(active[:, None], out.to(probs.dtype), probs)
-    thr = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)  # [n]
-    act_idx = active.nonzero()[:, 0]  # [a]
-    thr[act_idx] = _top_p_threshold(probs[act_idx], p[act_idx].to(probs.dtype))[0]
-    return _renorm(probs, probs >= thr[:, None], active)
+    with one_kernel():  # the reference of flashinfer's one launch (a simulated device counts it so)
+        thr = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)  # [n]
+        act_idx = active.nonzero()[:, 0]  # [a]
+        thr[act_idx] = _top_p_threshold(probs[act_idx], p[act_idx].to(probs.dtype))[0]
+        return _renorm(probs, probs >= thr[:, None], active)
 
 
-def min_p_renorm_prob(probs: torch.Tensor, min_p: torch.Tensor | float) -> torch.Tensor:
+def min_p_renorm_prob(probs: torch.Tensor, min_p: torch.Tensor | float, maybe_active: bool | None = None
+                      ) -> torch.Tensor:
     """Keep probabilities ``>= min_p * max(row)``, zero the rest, renormalise. ``min_p <= 0`` leaves the
-    row unchanged. probs ``[n, V]``; min_p float or ``[n]``."""
+    row unchanged. probs ``[n, V]``; min_p float or ``[n]``. ``maybe_active``: as ``top_k_renorm_prob``."""
     _check_probs(probs)
-    mp = _row_param(min_p, probs, probs.dtype, "min_p")  # [n]
+    mp = _row_param(min_p, probs, probs.dtype, "min_p", validate=maybe_active is None)  # [n]
     active = mp > 0  # [n]
-    if probs.shape[0] == 0 or not bool(active.any()):
+    if probs.shape[0] == 0 or not (bool(active.any()) if maybe_active is None else maybe_active):
         return probs.clone()
     pivot = probs.max(dim=-1).values * mp  # [n]
     return _renorm(probs, probs >= pivot[:, None], active)

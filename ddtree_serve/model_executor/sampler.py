@@ -41,6 +41,10 @@ class BatchSamplingInfo:
     min_p: torch.Tensor  # float32
     is_greedy: torch.Tensor  # bool
     greedy_only: bool | None = None  # every row greedy, as the host knows it (None: read is_greedy back)
+    # (top-k, top-p, min-p, greedy): whether any row MAY use each, as the host knows it (None: read back). A True
+    # where no row does changes nothing (every filter keeps inactive rows as they are), so rows taken from the
+    # batch keep the batch's flags
+    maybe: tuple[bool, bool, bool, bool] | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> BatchSamplingInfo:
@@ -53,6 +57,8 @@ class BatchSamplingInfo:
             min_p=upload([p.min_p for p in params], device, torch.float32),
             is_greedy=upload(greedy, device, torch.bool),
             greedy_only=all(greedy),
+            maybe=(any(0 < p.top_k < vocab for p in params), any(p.top_p < 1.0 for p in params),
+                   any(p.min_p > 0 for p in params), any(greedy)),
         )
 
     @property
@@ -63,12 +69,17 @@ class BatchSamplingInfo:
         """Each request's parameters for ``n`` consecutive rows (``[bs * n]``: a tree's nodes)."""
         return BatchSamplingInfo(*(x.repeat_interleave(n) for x in (self.temperature, self.top_k, self.top_p,
                                                                       self.min_p, self.is_greedy)),
-                                 greedy_only=self.greedy_only)
+                                 greedy_only=self.greedy_only, maybe=self.maybe)
 
     def take(self, rows: torch.Tensor) -> BatchSamplingInfo:
         """The parameters of ``rows`` (an index tensor)."""
         return BatchSamplingInfo(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                                 self.is_greedy[rows])
+                                 self.is_greedy[rows], maybe=self.maybe)
+
+    def uses(self, i: int, active: torch.Tensor) -> bool:
+        """Whether any row may use part ``i`` of ``maybe`` (``active``: the rows' tensor test, read back when the
+        host does not know)."""
+        return self.maybe[i] if self.maybe is not None else bool(active.any())
 
 
 def processed_probs(logits: torch.Tensor, info: BatchSamplingInfo) -> torch.Tensor:
@@ -83,13 +94,14 @@ def processed_probs(logits: torch.Tensor, info: BatchSamplingInfo) -> torch.Tens
         return x.repeat_interleave(n)  # [bs * n]
 
     probs = torch.softmax(flat / info.temperature[:, None, None], dim=-1).reshape(bs * n, vocab)
-    if bool((info.top_k < vocab).any()):
-        probs = top_k_renorm_prob(probs, rep(info.top_k))
-    if bool((info.top_p < 1.0).any()):
-        probs = top_p_renorm_prob(probs, rep(info.top_p))
-    if bool((info.min_p > 0).any()):
-        probs = min_p_renorm_prob(probs, rep(info.min_p))
-    if bool(info.is_greedy.any()):
+    known = info.maybe is not None  # the filters then skip their own read of whether a row is active
+    if info.uses(0, info.top_k < vocab):
+        probs = top_k_renorm_prob(probs, rep(info.top_k), maybe_active=True if known else None)
+    if info.uses(1, info.top_p < 1.0):
+        probs = top_p_renorm_prob(probs, rep(info.top_p), maybe_active=True if known else None)
+    if info.uses(2, info.min_p > 0):
+        probs = min_p_renorm_prob(probs, rep(info.min_p), maybe_active=True if known else None)
+    if info.uses(3, info.is_greedy):
         one_hot = torch.zeros_like(probs)
         one_hot.scatter_(1, flat.reshape(bs * n, vocab).argmax(-1, keepdim=True), 1.0)
         probs = torch.where(rep(info.is_greedy)[:, None], one_hot, probs)
@@ -126,18 +138,16 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
     kernel ``kernels.triton_sampling`` draws them without writing probabilities at all."""
     n, vocab = logits.shape
     out = logits.argmax(-1)  # [n]
-    sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample
-    if sampled.numel() == 0:
+    if info.all_greedy:
         return out
-    if logits.is_cuda:  # one Triton program per row: no probability row is ever written
-        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled
+    if logits.is_cuda:  # one Triton program per row, every row (no read back of which rows sample), no
+        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled  # probability row written
 
-        sub = info.take(sampled)
-        out[sampled] = triton_draw_sampled(logits[sampled], sub.temperature, sub.top_k, sub.top_p, sub.min_p,
-                                           uniforms[sampled])
-        return out
+        drawn = triton_draw_sampled(logits, info.temperature, info.top_k, info.top_p, info.min_p, uniforms)  # [n]
+        return torch.where(info.is_greedy, out, drawn)
     step = max(1, budget_bytes // (vocab * 4 * 3))  # probs + cumsum + masks of one block
     with one_kernel():  # the reference of the Triton kernel's one launch (a simulated device counts it so)
+        sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample
         for lo in range(0, sampled.numel(), step):
             rows = sampled[lo:lo + step]  # [k]
             probs = processed_probs(logits[rows].float(), info.take(rows))  # [k, V]

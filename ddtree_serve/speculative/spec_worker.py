@@ -318,7 +318,7 @@ class SpecWorker:
         res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy, keys,
                           min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
                           want_reach=ctl is not None, generators=[q.generator for q in reqs],
-                          greedy_only=info.greedy_only)
+                          greedy_only=info.greedy_only, maybe=info.maybe)
         t.lap("verify")
         # the step's one read of its results: accepted paths and tokens (and the controller's reach)
         read = read_back(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []))

@@ -123,10 +123,11 @@ def verify_info(
     vocab: int,
     device: torch.device,
     greedy_only: bool | None = None,
+    maybe: tuple[bool, bool, bool, bool] | None = None,
 ) -> BatchSamplingInfo:
     """The sampler's per-request parameters from verification's tensors (``top_k <= 0`` or past the
     vocabulary: off; temperature of greedy rows unused). ``greedy_only``: every row greedy, as the host knows it
-    (None: read back when asked)."""
+    (None: read back when asked); ``maybe``: ``BatchSamplingInfo.maybe`` (which filters any row may use)."""
     greedy = is_greedy.to(device=device, dtype=torch.bool)  # [bs]
     temp = temperature.to(device=device, dtype=torch.float32)  # [bs]
     k = top_k.to(device=device, dtype=torch.int64)  # [bs]
@@ -138,6 +139,7 @@ def verify_info(
                                                                                        dtype=torch.float32),
         is_greedy=greedy,
         greedy_only=greedy_only,
+        maybe=maybe,
     )
 
 
@@ -223,6 +225,7 @@ def verify_tree(
     want_reach: bool = False,
     generators: Sequence[torch.Generator | None] | None = None,
     greedy_only: bool | None = None,
+    maybe: tuple[bool, bool, bool, bool] | None = None,
 ) -> VerifyResult:
     """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification; with thresholds
     1, sampled rows give plain decoding's tokens for the same seed).
@@ -245,7 +248,7 @@ def verify_tree(
     predicts = torch.full((bs * d,), -1, dtype=torch.int32, device=dev)  # [bs*D]
     accept_index = torch.full((bs, s), -1, dtype=torch.int32, device=dev)  # [bs, S], global rows
     accept_num = torch.zeros(bs, dtype=torch.int32, device=dev)  # [bs]
-    info = verify_info(temperature, top_k, top_p, is_greedy, min_p, target_logits.shape[-1], dev, greedy_only)
+    info = verify_info(temperature, top_k, top_p, is_greedy, min_p, target_logits.shape[-1], dev, greedy_only, maybe)
     logits = apply_tree_penalties(
         target_logits, penalties, tree.candidates, tree.tree_mask, tree.parents >= 0
     )  # [bs, D, V] processed (target_logits itself without penalties)
