@@ -20,10 +20,7 @@ import torch
 
 from ddtree_serve.model_executor.forward_batch import (
     ForwardBatch,
-    ForwardMode,
     HostShape,
-    build_forward_batch,
-    flat_rows,
 )
 from ddtree_serve.model_executor.grammar import (
     draft_pop_budgets,
@@ -61,6 +58,7 @@ from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, resolv
 from ddtree_serve.speculative.step_cost import StepCostModel
 from ddtree_serve.speculative.step_timer import StepTimer
 from ddtree_serve.speculative.suffix_index import SuffixConfig, SuffixProposer
+from ddtree_serve.speculative.tree_forward import draft_forward, padded_width, verify_forward
 from ddtree_serve.speculative.types import DecodeResult, OutOfKVSlots, SpecRequest, SpecSettings
 from ddtree_serve.speculative.verify import verify_tree
 from ddtree_serve.speculative.worker_shape import drafter_model_config, resolve_block, step_shape
@@ -179,12 +177,14 @@ class SpecWorker:
         such width, or whose padded trees would pass its verify cap, stays ragged (eager)."""
         self.verify_widths = dict(widths)
 
-    def _padded_width(self, bs: int, width: int, cap: int | None) -> int | None:
-        pad_bs = next((b for b in self.verify_widths if b >= bs), None)
-        if pad_bs is None:
-            return None
-        w = next((w for w in self.verify_widths[pad_bs] if w >= width), None)
-        return None if w is None or (cap is not None and bs * w > cap) else w
+    def pad_for_graphs(self, graph_batch_sizes: tuple[int, ...]) -> None:
+        """With CUDA graphs on (``graph_batch_sizes``; after ``max_verify_tokens`` is set): pad to the widths the
+        server captures (``cuda_graph_runner.serving_graph_keys``)."""
+        if graph_batch_sizes:
+            from ddtree_serve.model_executor.cuda_graph_runner import serving_graph_keys, verify_widths
+
+            self.pad_trees_to(verify_widths(serving_graph_keys(graph_batch_sizes, self.capture_layer_ids,
+                                                               self.budget, self.max_verify_tokens, self.auto)))
 
     @property
     def max_step_tokens(self) -> int:
@@ -294,7 +294,7 @@ class SpecWorker:
         n_used = np.minimum(budgets.numpy(), popped.counts)  # [bs] nodes per tree (the host's: assemble_tree's)
         if not (n_used > 0).any():  # every tree is its root alone
             return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
-        pad = self._padded_width(bs, 1 + int(n_used.max()), cap)  # a captured width, or None: ragged
+        pad = padded_width(self.verify_widths, bs, 1 + int(n_used.max()), cap)  # a captured width, or None: ragged
         tree = assemble_tree(popped, budgets, roots, cached, dev, width=pad)
         t.lap("build")
         built_at = t.now() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
@@ -389,58 +389,12 @@ class SpecWorker:
         return r.tp.broadcast_object(suffix)
 
     def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int) -> torch.Tensor:
-        """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]; ``max_cached``: the
-        largest root position (the host's, so no size is read back)."""
-        r, bsz, bs = self.runner, self.block_size, idx.shape[0]
+        """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V] (``tree_forward``)."""
         self.flush_context()
-        block = r.slots.place_block(idx, cached, bsz)  # [bs, B] temporary slots for the block's own K/V
-        slots = block.view(-1)  # [bs*B]
-        offs = torch.arange(bsz, device=r.device)  # [B]
-        ids = torch.full((bs, bsz), int(self.drafter.mask_token_id), device=r.device)  # [bs, B]
-        ids[:, 0] = roots
-        fb = build_forward_batch(
-            ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.slots.table,
-            idx, cached, torch.full((bs,), bsz, device=r.device),
-            tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool, device=r.device),
-            input_embeds=r.model.embed(ids.view(-1)), dense_mask=getattr(self.drafter, "reads_attn_mask", True),
-            host=HostShape(bs * bsz, bsz, max_cached + bsz))
-        hidden = self.drafter(fb, self.draft_kv, self.draft_backend).view(bs, bsz, -1)  # [bs, B, H]
-        r.slots.free(slots)
-        return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
+        return draft_forward(self.runner, self.drafter, self.draft_kv, self.draft_backend, self.block_size, idx,
+                             cached, roots, max_cached)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
                         host: HostShape | None = None, padded: bool = False):
-        """Target forward over every used tree slot (root included) with the ancestor-only mask: ragged, a
-        request with fewer nodes than the widest tree costs only its own tokens. Returns logits and captured
-        features in the padded ``[bs, D]`` layout (rows of unused slots are zero and no link reaches them)
-        and the KV slots ``[bs, D]`` (-1 for unused slots). ``host``: the forward's sizes as the host knows them
-        (tokens, D, the longest context); None reads them back. ``padded``: every slot runs, unused ones too (a
-        uniform width that replays a captured graph; their outputs are never read, their slots freed by the
-        commit)."""
-        r = self.runner
-        bs, d = tree.candidates.shape
-        if padded:
-            lens = torch.full((bs,), d, dtype=torch.int64, device=r.device)  # [bs] every slot
-        else:
-            lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
-        if host is None:
-            used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
-            dest = used.view(-1).nonzero().squeeze(1)  # [T] padded rows of the used slots
-        else:
-            dest = flat_rows(lens, d, host.tokens)  # [T] the same rows, no read back
-        positions = tree.positions.view(-1)[dest]  # [T]
-        # [T] row after row at table columns cached[b]..cached[b]+lens[b]-1; DCP: each node on its position's rank
-        flat = r.slots.place(idx, cached, lens, positions=positions, total=int(dest.shape[0]))
-        slots = torch.full((bs * d,), -1, dtype=torch.int64, device=r.device).index_copy_(0, dest, flat)  # [bs*D]
-        fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
-            ForwardMode.TARGET_VERIFY, tree.candidates.view(-1)[dest], positions, flat, r.slots.table, idx, cached,
-            lens, tree_mask=tree.tree_mask, capture_layer_ids=self.capture_layer_ids, dense_mask=r.dense_mask,
-            host=host)
-        out = r.forward(fb)
-        # scatters by index: a boolean-mask assignment here would synchronise while the forward runs
-        rows = r.logits(out.hidden)  # [T, V]
-        logits = rows.new_zeros(bs * d, rows.shape[-1]).index_copy_(0, dest, rows)  # [bs*D, V]
-        captured = None  # no drafter: nothing captured
-        if out.captured is not None:
-            captured = out.captured.new_zeros(bs * d, out.captured.shape[-1]).index_copy_(0, dest, out.captured)
-        return logits.view(bs, d, -1), captured, slots.view(bs, d)
+        """The tree's target forward (``tree_forward.verify_forward``): logits [bs, D, V], captured, slots [bs, D]."""
+        return verify_forward(self.runner, tree, idx, cached, self.capture_layer_ids, host, padded)

@@ -94,6 +94,11 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens to cache before decoding: all of them, except the last emitted token (the next root)."""
+        return self.seq_len - (1 if self.output_ids else 0)
+
+    @property
     def prefill_done(self) -> bool:
         """All tokens but the last emitted one are cached (decode invariant)."""
         return bool(self.output_ids) and self.num_cached == self.seq_len - 1

@@ -110,12 +110,7 @@ class Scheduler:
         if spec is not None:
             spec.allocate_kv()
             spec.max_verify_tokens = self.workspace.max_verify_tokens
-            if self.runner.graph_batch_sizes:  # trees padded to the captured widths (docs/DESIGN.md 4.17)
-                from ddtree_serve.model_executor.cuda_graph_runner import serving_graph_keys, verify_widths
-
-                spec.pad_trees_to(verify_widths(serving_graph_keys(
-                    self.runner.graph_batch_sizes, spec.capture_layer_ids, spec.budget, spec.max_verify_tokens,
-                    spec.auto)))
+            spec.pad_for_graphs(self.runner.graph_batch_sizes)  # trees padded to captured widths (DESIGN 4.17)
 
     # ---------------------------------------------------------------- requests in / out
     def add_request(self, req: GenerateReq) -> None:
@@ -265,9 +260,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) + len(reqs) < self.config.scheduler.max_running_requests:
             req = self.waiting[0]
             fresh = req.req_pool_idx is None
-            if fresh and not kv.admit(req, _prefill_len(req)):  # a request row and the cached prefix
+            if fresh and not kv.admit(req, req.prefill_len):  # a request row and the cached prefix
                 break
-            n = min(_prefill_len(req) - req.num_cached, budget)
+            n = min(req.prefill_len - req.num_cached, budget)
             if n > kv.available - headroom - planned:
                 if fresh:
                     kv.release(req)  # no room yet: unlock the matched prefix again
@@ -278,7 +273,7 @@ class Scheduler:
             lens.append(n)
             budget -= n
             planned += n
-            if req.num_cached + n == _prefill_len(req):
+            if req.num_cached + n == req.prefill_len:
                 self.waiting.popleft()
             else:
                 break  # a partially prefilled request stays at the head of the queue
@@ -290,7 +285,7 @@ class Scheduler:
         for req, n in zip(batch.reqs, batch.chunk_lens, strict=True):
             start = req.num_cached
             ids.extend(req.all_ids[start:start + n])
-            ends.append(start + n == _prefill_len(req) and not req.output_ids)  # needs a first token
+            ends.append(start + n == req.prefill_len and not req.output_ids)  # needs a first token
         cum = torch.tensor(batch.chunk_lens).cumsum(0) - 1
         done = [i for i, e in enumerate(ends) if e]
         self.kv.ensure_free(sum(batch.chunk_lens))  # evicts unused cached prefixes when short
@@ -318,7 +313,7 @@ class Scheduler:
             if i in scored_only:  # max_tokens 0: the prompt is scored, nothing is generated
                 self._release(req)
                 self._finish_out(req, "length")
-            elif req.num_cached == _prefill_len(req):
+            elif req.num_cached == req.prefill_len:
                 self.running.append(req)  # a retracted request resumes without a new token
         return results
 
@@ -402,7 +397,3 @@ class Scheduler:
         req.sent_tokens = len(req.output_ids)
         self.outbox.append(out)
 
-
-def _prefill_len(req: Req) -> int:
-    """Tokens to cache before decoding: all of them, except the last emitted token (the next root)."""
-    return req.seq_len - (1 if req.output_ids else 0)

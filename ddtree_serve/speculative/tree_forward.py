@@ -1,0 +1,80 @@
+"""The speculative step's two tree-shaped forwards (docs/DESIGN.md 3, 4.17): the DFlash drafter over each
+request's block, and the target over each request's tree with the ancestor-only mask, ragged or padded to a
+captured width; their sizes come from the host (``HostShape``), so building them reads nothing back."""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree_serve.model_executor.forward_batch import ForwardMode, HostShape, build_forward_batch, flat_rows
+from ddtree_serve.model_executor.kv_cache import KVCache
+from ddtree_serve.model_executor.model_runner import ModelRunner
+from ddtree_serve.speculative.ddtree import DraftTree
+
+
+def padded_width(widths: dict[int, tuple[int, ...]], bs: int, width: int, cap: int | None) -> int | None:
+    """The smallest captured width (``widths``: padded batch size -> widths) of ``bs``'s padded batch size that
+    holds a tree of ``width`` slots and keeps ``bs`` padded trees within ``cap``; None: stay ragged."""
+    pad_bs = next((b for b in widths if b >= bs), None)
+    if pad_bs is None:
+        return None
+    w = next((w for w in widths[pad_bs] if w >= width), None)
+    return None if w is None or (cap is not None and bs * w > cap) else w
+
+
+def draft_forward(r: ModelRunner, drafter: torch.nn.Module, draft_kv: KVCache, backend: object, bsz: int,
+                  idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int) -> torch.Tensor:
+    """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]; ``max_cached``: the
+    largest root position (the host's, so no size is read back)."""
+    bs = idx.shape[0]
+    block = r.slots.place_block(idx, cached, bsz)  # [bs, B] temporary slots for the block's own K/V
+    slots = block.view(-1)  # [bs*B]
+    offs = torch.arange(bsz, device=r.device)  # [B]
+    ids = torch.full((bs, bsz), int(drafter.mask_token_id), device=r.device)  # [bs, B]
+    ids[:, 0] = roots
+    fb = build_forward_batch(
+        ForwardMode.TARGET_VERIFY, ids.view(-1), (cached[:, None] + offs).view(-1), slots, r.slots.table,
+        idx, cached, torch.full((bs,), bsz, device=r.device),
+        tree_mask=torch.ones(bs, bsz, bsz, dtype=torch.bool, device=r.device),
+        input_embeds=r.model.embed(ids.view(-1)), dense_mask=getattr(drafter, "reads_attn_mask", True),
+        host=HostShape(bs * bsz, bsz, max_cached + bsz))
+    hidden = drafter(fb, draft_kv, backend).view(bs, bsz, -1)  # [bs, B, H]
+    r.slots.free(slots)
+    return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
+
+
+def verify_forward(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
+                   capture_layer_ids: tuple[int, ...], host: HostShape | None = None, padded: bool = False):
+    """Target forward over every used tree slot (root included) with the ancestor-only mask: ragged, a
+    request with fewer nodes than the widest tree costs only its own tokens. Returns logits and captured
+    features in the padded ``[bs, D]`` layout (rows of unused slots are zero and no link reaches them)
+    and the KV slots ``[bs, D]`` (-1 for unused slots). ``host``: the forward's sizes as the host knows them
+    (tokens, D, the longest context); None reads them back. ``padded``: every slot runs, unused ones too (a
+    uniform width that replays a captured graph; their outputs are never read, their slots freed by the
+    commit)."""
+    bs, d = tree.candidates.shape
+    if padded:
+        lens = torch.full((bs,), d, dtype=torch.int64, device=r.device)  # [bs] every slot
+    else:
+        lens = tree.num_nodes.to(r.device) + 1  # [bs] root + nodes
+    if host is None:
+        used = torch.arange(d, device=r.device)[None, :] < lens[:, None]  # [bs, D]
+        dest = used.view(-1).nonzero().squeeze(1)  # [T] padded rows of the used slots
+    else:
+        dest = flat_rows(lens, d, host.tokens)  # [T] the same rows, no read back
+    positions = tree.positions.view(-1)[dest]  # [T]
+    # [T] row after row at table columns cached[b]..cached[b]+lens[b]-1; DCP: each node on its position's rank
+    flat = r.slots.place(idx, cached, lens, positions=positions, total=int(dest.shape[0]))
+    slots = torch.full((bs * d,), -1, dtype=torch.int64, device=r.device).index_copy_(0, dest, flat)  # [bs*D]
+    fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
+        ForwardMode.TARGET_VERIFY, tree.candidates.view(-1)[dest], positions, flat, r.slots.table, idx, cached,
+        lens, tree_mask=tree.tree_mask, capture_layer_ids=capture_layer_ids, dense_mask=r.dense_mask,
+        host=host)
+    out = r.forward(fb)
+    # scatters by index: a boolean-mask assignment here would synchronise while the forward runs
+    rows = r.logits(out.hidden)  # [T, V]
+    logits = rows.new_zeros(bs * d, rows.shape[-1]).index_copy_(0, dest, rows)  # [bs*D, V]
+    captured = None  # no drafter: nothing captured
+    if out.captured is not None:
+        captured = out.captured.new_zeros(bs * d, out.captured.shape[-1]).index_copy_(0, dest, out.captured)
+    return logits.view(bs, d, -1), captured, slots.view(bs, d)
