@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from ddtree_serve.model_executor.model_runner import ModelRunner
-from ddtree_serve.model_executor.read_back import read_back
 from ddtree_serve.model_executor.sampler import token_logprobs
 from ddtree_serve.model_executor.sampling_params import find_stop
 from ddtree_serve.model_executor.uploads import upload
@@ -29,17 +28,15 @@ if TYPE_CHECKING:
 
 def commit(r: ModelRunner, reqs: Sequence[SpecRequest], tree: DraftTree, res: VerifyResult, idx: torch.Tensor,
            cached: torch.Tensor, tree_slots: torch.Tensor, captured: torch.Tensor | None, eos_ids: tuple[int, ...],
-           write_context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-           placed: int | None = None, paths: tuple[np.ndarray, np.ndarray] | None = None) -> list[DecodeResult]:
+           write_context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None], placed: int,
+           paths: tuple[np.ndarray, np.ndarray]) -> list[DecodeResult]:
     """Unified commit for greedy and sampled verification: keep the KV of the root and the accepted
     nodes (path order) up to a stop, free every other tree slot, feed the kept nodes' hidden states
     to the drafter's context (``write_context``; ``captured`` None: no drafter), and return the emitted tokens
     with the accepted suffix-draft nodes counted. ``placed``: the tree slots the verify forward placed in all
     (roots included), as the host knows them. ``paths``: ``accept_length`` [bs] and ``emitted_tokens`` [bs, S] as
-    the step already read them back (``read_back``); None reads them here (one read)."""
+    the step already read them back (``model_executor/read_back.py``)."""
     bs, d = tree_slots.shape
-    if paths is None:
-        paths = tuple(read_back(res.accept_length, res.emitted_tokens))
     acc = paths[0].tolist()
     emitted = paths[1].tolist()
     keep = []
@@ -58,9 +55,7 @@ def commit(r: ModelRunner, reqs: Sequence[SpecRequest], tree: DraftTree, res: Ve
     kept_flat = vb_t * d + kept_local  # [n_kept] rows of the padded [bs * D] layout
     kept_slots = tree_slots.view(-1)[kept_flat]  # [n_kept]
     pos = cached.index_select(0, vb_t) + vj_t  # [n_kept] absolute positions
-    drop = _dropped_slots(tree_slots, kept_flat, placed - len(vb)) if placed is not None else \
-        tree_slots[~torch.zeros(bs * d, dtype=torch.bool, device=r.device).index_fill_(0, kept_flat, True).view(bs, d)
-                   & (tree_slots >= 0)]
+    drop = _dropped_slots(tree_slots, kept_flat, placed - len(vb))  # [n_drop] every other placed slot
     r.slots.keep_path(idx.index_select(0, vb_t), pos, kept_slots, drop)
     if captured is not None:
         write_context(captured[kept_flat], pos, kept_slots)

@@ -175,7 +175,7 @@ class SpecWorker:
         so it replays a captured CUDA graph (docs/DESIGN.md 4.17): the padding slots are the tree's unused slots
         (no link reaches them, never accepted), run through the forward and freed by the commit. A step with no
         such width, or whose padded trees would pass its verify cap, stays ragged (eager)."""
-        self.verify_widths = dict(widths)
+        self.verify_widths = dict(sorted(widths.items()))  # ascending: the first that holds a batch
 
     def pad_for_graphs(self, graph_batch_sizes: tuple[int, ...]) -> None:
         """With CUDA graphs on (``graph_batch_sizes``; after ``max_verify_tokens`` is set): pad to the widths the

@@ -113,5 +113,4 @@ def test_tracker_classifies_reads_shapes_copies_and_launches() -> None:
         _ = b.shape, len(b)  # metadata: nothing
     kinds = [(e.kind, e.op.rsplit(".", 1)[-1]) for e in clock.counters.syncs]
     assert kinds == [("h2d", "tensor"), ("shape", "__getitem__"), ("read", "item")]
-    assert all(e.where.endswith(".py:" + e.where.rsplit(":", 1)[-1]) and "test_sync_budget" in e.where
-               for e in clock.counters.syncs)
+    assert all("tests/sim/test_sync_budget.py:" in e.where for e in clock.counters.syncs)  # our line, not torch's
