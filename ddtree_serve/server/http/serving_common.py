@@ -284,7 +284,13 @@ async def start_generation(request: Request, tm: TokenizerManager, group: list[t
                            names: dict[str, str] | None = None) -> Generation:
     """Submit ``group``, watch the client for a disconnect (which aborts every request of the group), and wait
     for the first output so that an immediate rejection is an HTTP error rather than a stream. ``names``: the
-    API's names of the engine's fields (``param_names``): an engine refusal is a 400 naming the API's field."""
+    API's names of the engine's fields (``param_names``): an engine refusal is a 400 naming the API's field.
+
+    The serving check is repeated here, with no await between it and the submission: a request admitted before
+    a SIGTERM but still being prepared (templating, image decoding) when the drain starts gets the drain's 503
+    with Retry-After, never an internal error, and a submitted request is in ``tm.states``, which the drain
+    waits for."""
+    check_serving(tm)
     gen = tm.generate(group)
     watcher = asyncio.create_task(watch_disconnect(request, tm, [g[0].rid for g in group]))
     try:
