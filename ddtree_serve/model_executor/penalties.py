@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.model_executor.uploads import upload
 
 
 class TokenCounts:
@@ -42,12 +43,12 @@ class TokenCounts:
         self.generated = torch.zeros(vocab, dtype=torch.float32, device=device)  # [V]
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
         if prompt_ids:
-            self.seen[torch.tensor(list(prompt_ids), device=device)] = True
+            self.seen[upload(list(prompt_ids), device, torch.int64)] = True
 
     def add(self, tokens: Sequence[int]) -> None:
         """Record committed generated tokens."""
         if tokens:
-            ids = torch.tensor(list(tokens), device=self.generated.device)  # [n]
+            ids = upload(list(tokens), self.generated.device, torch.int64)  # [n]
             self.generated.index_add_(0, ids, torch.ones(len(tokens), device=ids.device))
             self.seen[ids] = True
 
@@ -87,25 +88,20 @@ class BatchPenalties:
                 seen[b] = c.seen
         bias = None
         if any(p.logit_bias for p in params):
-            bias = torch.zeros(bs, vocab, dtype=torch.float32, device=device)  # [bs, V]
-            for b, p in enumerate(params):
-                if p.logit_bias:
-                    ids = torch.tensor([int(t) for t in p.logit_bias], device=device)
-                    bias[b, ids] = torch.tensor([float(v) for v in p.logit_bias.values()], device=device)
+            entries = [(b, int(t), float(v)) for b, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+            bias = _scattered(entries, bs, vocab, torch.float32, device)  # [bs, V]
 
         def col(name: str) -> torch.Tensor:
-            return torch.tensor([float(getattr(p, name)) for p in params], dtype=torch.float32, device=device)
+            return upload([float(getattr(p, name)) for p in params], device, torch.float32)  # [bs]
 
         ban = ban_left = None
         if any(p.min_tokens > 0 and p.min_tokens_ban for p in params):
-            ban = torch.zeros(bs, vocab, dtype=torch.bool, device=device)  # [bs, V]
-            for b, p in enumerate(params):
-                if p.min_tokens > 0 and p.min_tokens_ban:
-                    ban[b, torch.tensor([t for t in p.min_tokens_ban if 0 <= t < vocab], dtype=torch.int64,
-                                        device=device)] = True
+            entries = [(b, t, True) for b, p in enumerate(params) if p.min_tokens > 0 for t in p.min_tokens_ban
+                       if 0 <= t < vocab]
+            ban = _scattered(entries, bs, vocab, torch.bool, device)  # [bs, V]
             done = list(lengths) if lengths is not None else [0] * bs
-            ban_left = torch.tensor([p.min_tokens - n for p, n in zip(params, done, strict=True)],
-                                    dtype=torch.int64, device=device)  # [bs]
+            ban_left = upload([p.min_tokens - n for p, n in zip(params, done, strict=True)], device,
+                              torch.int64)  # [bs]
         return cls(
             col("presence_penalty"),
             col("frequency_penalty"),
@@ -116,6 +112,18 @@ class BatchPenalties:
             ban,
             ban_left,
         )
+
+
+def _scattered(entries: Sequence[tuple[int, int, float | bool]], bs: int, vocab: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """A ``[bs, V]`` tensor of zeros with ``entries`` ``(row, token id, value)`` written in, uploaded as three
+    host lists in one scatter (no per-row copy, no synchronisation: ``uploads.upload``)."""
+    out = torch.zeros(bs, vocab, dtype=dtype, device=device)  # [bs, V]
+    if entries:
+        rows, ids, values = zip(*entries, strict=True)
+        out.index_put_((upload(rows, device, torch.int64), upload(ids, device, torch.int64)),
+                       upload(values, device, dtype))  # [n] each
+    return out
 
 
 def _subtrahend(count: torch.Tensor, pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:

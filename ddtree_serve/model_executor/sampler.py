@@ -27,6 +27,7 @@ from ddtree_serve.model_executor.grammar.masks import mask_logits
 from ddtree_serve.model_executor.grammar.state import GrammarState
 from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
+from ddtree_serve.model_executor.read_back import read_back
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.model_executor.uploads import upload
 
@@ -170,13 +171,10 @@ def sample(logits: torch.Tensor, info: BatchSamplingInfo, keys: SampleKeys,
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """Raw-model logprobs of ``tokens`` [n] under ``logits`` [n, V] with the top ``top_n`` alternatives."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
-    if top_n > 0:
-        vals, ids = lp.topk(top_n, dim=-1)
-        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
-    else:
-        tops = [[] for _ in chosen]
-    return list(zip(chosen, tops, strict=True))
+    vals, ids = lp.topk(top_n, dim=-1)  # [n, top_n] each (top_n may be 0)
+    chosen, vals_h, ids_h = read_back(lp.gather(1, tokens[:, None])[:, 0], vals, ids)  # one read
+    tops = [list(zip(i, v, strict=True)) for i, v in zip(ids_h.tolist(), vals_h.tolist(), strict=True)]
+    return list(zip(chosen.tolist(), tops, strict=True))
 
 
 class SamplingRequest(Protocol):

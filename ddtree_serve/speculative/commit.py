@@ -87,4 +87,4 @@ def attach_logprobs(reqs: Sequence[SpecRequest], res: VerifyResult, logits: torc
             continue
         k = len(r.tokens)
         rows = logits[b, res.accept_index[b, :k]]  # [k, V] rows of the root and accepted nodes
-        r.logprobs = token_logprobs(rows, torch.tensor(r.tokens, device=rows.device), q.params.logprobs)
+        r.logprobs = token_logprobs(rows, upload(r.tokens, rows.device, torch.int64), q.params.logprobs)
