@@ -12,7 +12,13 @@ import ipaddress
 
 import pytest
 
-from ddtree_serve.server.multimodal.media_fetch import AllowList, FetchLimits, MediaFetcher, MediaFetchError, is_public
+from ddtree_serve.server.multimodal.media_fetch import (
+    AllowList,
+    FetchLimits,
+    MediaFetcher,
+    MediaFetchError,
+    is_public,
+)
 from tests.server.image_files import image_bytes, random_image
 from tests.server.media_server import media_server
 
