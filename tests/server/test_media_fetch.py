@@ -130,3 +130,20 @@ def test_address_classes_and_allow_list_entries():
     for bad in ("http://example.com", ".example.com", "a/b"):
         with pytest.raises(ValueError, match="neither a domain"):
             AllowList.parse(bad)
+
+
+def test_a_request_that_goes_away_does_not_cancel_a_shared_download(srv):
+    f = _fetcher(timeout=6)
+    before = srv.hits.get("/slow.png", 0)
+
+    async def go():
+        first = asyncio.ensure_future(f.fetch(srv.base + "/slow.png", 100_000, PNG))
+        second = asyncio.ensure_future(f.fetch(srv.base + "/slow.png", 100_000, PNG))
+        await asyncio.sleep(0.3)
+        first.cancel()
+        got = await second
+        assert first.cancelled()
+        return got
+
+    got = asyncio.run(go())
+    assert got.data == image_bytes(random_image(1, (84, 56))) and srv.hits["/slow.png"] == before + 1

@@ -135,10 +135,11 @@ class MediaFetcher:
         self.cache_bytes, self.cache_ttl_s = cache_bytes, cache_ttl_s
         self._cache: OrderedDict[str, tuple[float, Fetched]] = OrderedDict()
         self._cached_bytes = 0
-        self._inflight: dict[tuple[str, int], asyncio.Future[Fetched]] = {}
+        self._inflight: dict[tuple[str, int, tuple[str, ...]], asyncio.Future[Fetched]] = {}
 
     async def fetch(self, url: str, max_bytes: int, content_types: tuple[str, ...], what: str = "media") -> Fetched:
-        """The body of ``url`` (cached, or shared with a fetch of it in flight); MediaFetchError naming why not."""
+        """The body of ``url`` (cached, or shared with a fetch of it in flight); MediaFetchError naming why not.
+        A download runs as its own task: a request that goes away does not cancel it for others sharing it."""
         if self.allow.empty:
             raise MediaFetchError(f"{what} URLs are not fetched by this server unless the operator allows their "
                                   f"hosts with {FLAG}; send the {what} inline as a data: URL")
@@ -147,32 +148,25 @@ class MediaFetcher:
                 and _type_ok(hit[1].content_type, content_types):
             self._cache.move_to_end(url)
             return hit[1]
-        key = (url, max_bytes)
-        shared = self._inflight.get(key)
-        if shared is not None:
-            return await asyncio.shield(shared)
-        fut: asyncio.Future[Fetched] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = fut
+        key = (url, max_bytes, content_types)
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._download(url, max_bytes, content_types, what))
+            self._inflight[key] = task
+            task.add_done_callback(lambda t: self._finished(key, t))
+        return await asyncio.shield(task)
+
+    def _finished(self, key: tuple[str, int, tuple[str, ...]], task: asyncio.Future[Fetched]) -> None:
+        self._inflight.pop(key, None)
+        if not task.cancelled() and task.exception() is None:  # exception(): retrieved, even if nobody awaits
+            self._store(key[0], task.result())
+
+    async def _download(self, url: str, max_bytes: int, content_types: tuple[str, ...], what: str) -> Fetched:
         try:
-            got = await asyncio.wait_for(self._fetch(url, max_bytes, content_types, what), self.limits.timeout_s)
+            return await asyncio.wait_for(self._fetch(url, max_bytes, content_types, what), self.limits.timeout_s)
         except asyncio.TimeoutError:
-            err = MediaFetchError(f"fetching {what} URL {short(url)} timed out after {self.limits.timeout_s:g} s "
-                                  "(--media-fetch-timeout)")
-            fut.set_exception(err)
-            raise err from None
-        except MediaFetchError as e:
-            fut.set_exception(e)
-            raise
-        except BaseException as e:  # cancelled: whoever shares this download gets an error, never a hang
-            fut.set_exception(MediaFetchError(f"fetching {what} URL {short(url)} was interrupted"))
-            raise e
-        finally:
-            self._inflight.pop(key, None)
-            if fut.done() and not fut.cancelled():
-                fut.exception()  # retrieved: no "never retrieved" warning when nobody shared it
-        fut.set_result(got)
-        self._store(url, got)
-        return got
+            raise MediaFetchError(f"fetching {what} URL {short(url)} timed out after {self.limits.timeout_s:g} s "
+                                  "(--media-fetch-timeout)") from None
 
     def _store(self, url: str, got: Fetched) -> None:
         if len(got.data) > self.cache_bytes:
