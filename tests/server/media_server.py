@@ -10,12 +10,14 @@ one route per behaviour a fetch must survive:
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from tests.server.image_files import image_bytes, random_image
@@ -104,13 +106,42 @@ def _handler(state: MediaServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def self_signed(dir_: Path, name: str) -> tuple[Path, Path]:
+    """A CA-less self-signed certificate for DNS name ``name`` (and its key), as PEM files in ``dir_``."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = dir_ / f"{name}.crt", dir_ / f"{name}.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
 @contextmanager
-def media_server() -> Iterator[MediaServer]:
-    """The server, serving until the block ends."""
+def media_server(tls: tuple[Path, Path] | None = None) -> Iterator[MediaServer]:
+    """The server, serving until the block ends; ``tls`` (certificate, key): over HTTPS."""
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(MediaServer("", 0)))
     httpd.daemon_threads = True
     port = httpd.server_address[1]
-    state = MediaServer(f"http://127.0.0.1:{port}", port)
+    if tls is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(*tls)
+        httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    state = MediaServer(f"{'https' if tls else 'http'}://127.0.0.1:{port}", port)
     httpd.RequestHandlerClass = _handler(state)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()

@@ -147,3 +147,26 @@ def test_a_request_that_goes_away_does_not_cancel_a_shared_download(srv):
 
     got = asyncio.run(go())
     assert got.data == image_bytes(random_image(1, (84, 56))) and srv.hits["/slow.png"] == before + 1
+
+
+def test_https_goes_to_the_checked_address_and_verifies_the_urls_name(tmp_path):
+    """The URL's host name resolves (localhost -> 127.0.0.1, listed), the connection goes to that address, and
+    TLS checks the certificate against the name (SNI): a certificate for the name passes, one for another name
+    does not, and an untrusted one does not."""
+    import ssl
+
+    from tests.server.media_server import self_signed
+
+    good, other = self_signed(tmp_path, "localhost"), self_signed(tmp_path, "other.example")
+    trust = ssl.create_default_context(cafile=str(good[0]))
+    trust.load_verify_locations(cafile=str(other[0]))
+    allow = AllowList.parse("localhost 127.0.0.1")
+    with media_server(tls=good) as s:
+        got = asyncio.run(MediaFetcher(allow, FetchLimits(5, 2), verify=trust).fetch(
+            f"https://localhost:{s.port}/img/2.png", 100_000, PNG))
+        assert got.data == image_bytes(random_image(2, (84, 56)))
+        with pytest.raises(MediaFetchError, match="CERTIFICATE_VERIFY_FAILED"):  # not trusted by default
+            _fetch(MediaFetcher(allow, FetchLimits(5, 2)), f"https://localhost:{s.port}/img/2.png")
+    with media_server(tls=other) as s:
+        with pytest.raises(MediaFetchError, match="CERTIFICATE_VERIFY_FAILED|hostname"):  # the name is checked
+            _fetch(MediaFetcher(allow, FetchLimits(5, 2), verify=trust), f"https://localhost:{s.port}/img/2.png")

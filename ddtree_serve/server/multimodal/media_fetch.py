@@ -32,6 +32,7 @@ import asyncio
 import hashlib
 import ipaddress
 import socket
+import ssl
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -130,8 +131,9 @@ class MediaFetcher:
     in-flight downloads live on the instance, used from the server's event loop)."""
 
     def __init__(self, allow: AllowList, limits: FetchLimits, cache_bytes: int = CACHE_BYTES,
-                 cache_ttl_s: float = CACHE_TTL_S) -> None:
-        self.allow, self.limits = allow, limits
+                 cache_ttl_s: float = CACHE_TTL_S, verify: ssl.SSLContext | bool = True) -> None:
+        """``verify``: TLS verification (an ``SSLContext`` with other trusted roots: tests)."""
+        self.allow, self.limits, self.verify = allow, limits, verify
         self.cache_bytes, self.cache_ttl_s = cache_bytes, cache_ttl_s
         self._cache: OrderedDict[str, tuple[float, Fetched]] = OrderedDict()
         self._cached_bytes = 0
@@ -185,7 +187,8 @@ class MediaFetcher:
 
         t = self.limits.timeout_s
         current = url
-        async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=httpx.Timeout(t)) as client:
+        async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=httpx.Timeout(t),
+                                     verify=self.verify) as client:
             for hop in range(self.limits.max_redirects + 1):
                 target, headers, ext = await self._pin(current, what)
                 try:
