@@ -118,7 +118,7 @@ def video_placeholder(model_dir: str) -> str:
 
 
 class VisionFrontend:
-    """One served model's image inputs (None of it for a model without a vision tower)."""
+    """One served model's image and video inputs (None of it for a model without a vision tower)."""
 
     def __init__(self, processor: ImageProcessorConfig, placeholder_id: int, limits: ImageLimits,
                  video: VideoProcessorConfig | None = None, video_limits: VideoLimits | None = None,
@@ -149,15 +149,19 @@ class VisionFrontend:
         proc = ImageProcessorConfig.from_model_dir(model_dir, vision.patch_size, vision.merge_kernel[0])
         video = None
         if max_videos > 0 and video_limits is not None:
-            video = VideoProcessorConfig.from_model_dir(model_dir)
-            if video.temporal_merge_kernel_size > vision.pos_emb_time:
+            try:
+                video = VideoProcessorConfig.from_model_dir(model_dir)
+            except (ValueError, TypeError) as e:
+                logger.warning("video inputs off: %s", e)
+            if video is not None and video.temporal_merge_kernel_size > vision.pos_emb_time:
                 logger.warning("video inputs off: chunks of %d frames, but the tower has %d temporal positions",
                                video.temporal_merge_kernel_size, vision.pos_emb_time)
                 video = None
         return cls(proc, token, limits, video, video_limits, fetcher, video_placeholder(model_dir), max_videos)
 
     def load(self, urls: list[str]) -> list[PreparedImage]:
-        """Decode and preprocess every image (ImageError at the first one that fails, naming it)."""
+        """Decode and preprocess every image of ``data:`` URLs, synchronously (ImageError at the first one that
+        fails, naming it); the server's path is ``prepare``."""
         if len(urls) > self.limits.max_images:
             raise ImageError(f"the request has {len(urls)} images, more than the limit of {self.limits.max_images} "
                              "(--max-images-per-request)")
