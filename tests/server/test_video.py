@@ -193,3 +193,13 @@ def test_the_checkpoint_declares_the_fields(tmp_path):
     assert front.video == VideoProcessorConfig(sample_fps=1.0) and front.video_marker == "<|kimi_k25_video_placeholder|>"
     assert MEDIA_PROC_CFG["temporal_merge_kernel_size"] == front.video.temporal_merge_kernel_size
     assert VisionFrontend.for_model(str(tmp_path), tok, ImageLimits(2, 10**6, 10**6), LIMITS).video is None
+
+
+def test_h264_with_reordered_frames_gives_the_sampled_frames():
+    """H.264 (libx264 reorders frames: B-frames): the frame count and the sampled frames are still right."""
+    data = video_bytes(30, fps=10, codec="libx264")
+    meta = probe(data, LIMITS)
+    assert (meta.num_frames, meta.fps) == (30, 10.0)
+    idx = sample_frame_indices(30, 10.0, CFG)
+    assert idx == expected_indices(30, 10, 2.0) == [0, 6, 12, 17, 23, 29]
+    assert all(abs(frame_level(f) - level(k)) < 4 for f, k in zip(decode_frames(data, idx), idx, strict=True))
