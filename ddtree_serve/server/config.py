@@ -283,8 +283,10 @@ class ServerArgs(Area):
                                          low_open=True)
     max_media_redirects: int = setting(3, "Redirects one media URL fetch may follow (each hop checked again).",
                                        low=0)
-    max_videos_per_request: int = setting(1, "Most videos one request may carry, models that take video (400 "
-                                          "beyond); 0: no video.", low=0)
+    max_videos_per_request: int = setting(0, "Most videos one request may carry, models that take video (400 "
+                                          "beyond); above 0 also sizes the vision tower's activation reserve "
+                                          "for a video chunk (4 frames).", low=0,
+                                          default_help="0: no video")
     max_video_bytes: int = setting(64 << 20, "Largest accepted video in bytes, fetched or decoded from its data: "
                                    "URL (400 beyond).", low=1)
     max_video_seconds: float = setting(600.0, "Longest accepted video in seconds (400 beyond).", low=0,

@@ -46,6 +46,7 @@ def base(tmp_path_factory, media):
     args = ["--model-path", str(path), "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "8192",
             "--chunked-prefill-size", "64", "--max-images-per-request", "2", "--max-image-bytes", "60000",
             "--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "1", "--max-video-seconds", "5",
+            "--max-videos-per-request", "1",
             "--max-running-requests", "32", "--served-model-name", "default", "--log-level", "warning"]
     with running_server(args, tmp_path_factory.mktemp("kimi-media")) as srv:
         yield srv.base

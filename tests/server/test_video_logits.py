@@ -107,7 +107,21 @@ def _scheduler(path: str, ddtree: bool) -> Scheduler:
     spec = dict(speculative_algorithm="ddtree", speculative_ddtree_budget=8) if ddtree else {}
     return Scheduler(ServerConfig.from_flat(dict(model_path=path, dtype="float32", device="cpu", context_length=512,
                                                  max_running_requests=2, max_total_tokens=4096,
-                                                 chunked_prefill_size=16, **spec)))
+                                                 chunked_prefill_size=16, max_videos_per_request=1, **spec)))
+
+
+def test_the_encoder_reserve_covers_a_chunk_only_with_video_on(ckpt):
+    """--max-videos-per-request > 0 sizes the tower's reserve for a chunk of 4 frames of 4096 patches each (plus
+    the merge padding), more than the largest image; with video off (the default) the image bound stays."""
+    from ddtree_serve.model_executor.models.moonvit import max_image_patches, max_vision_patches
+
+    tiny, _ = ckpt
+    chunk = 4 * (4096 + 2 * 512 + 1)
+    assert max_vision_patches(tiny.path) == chunk > max_image_patches(tiny.path) == 16384 + 2 * 512 + 1
+    assert _scheduler(tiny.path, ddtree=False).runner.model.max_image_patches == chunk
+    off = Scheduler(ServerConfig.from_flat(dict(model_path=tiny.path, dtype="float32", device="cpu",
+                                                context_length=512, max_total_tokens=4096)))
+    assert off.runner.model.max_image_patches == 16384 + 2 * 512 + 1
 
 
 @pytest.mark.parametrize("grid", [(4, 4, 4), (2, 6, 4), (3, 8, 8), (1, 4, 6)])

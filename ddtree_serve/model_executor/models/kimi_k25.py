@@ -25,6 +25,7 @@ from ddtree_serve.model_executor.models.moonvit import (
     KimiVision,
     encoder_peak_bytes,
     fused_attention_available,
+    max_image_patches,
     max_vision_patches,
     read_vision_config,
 )
@@ -47,9 +48,10 @@ class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
                 raise ValueError(f"vision_config.text_hidden_size {vision_cfg.text_hidden_size} != the text "
                                  f"model's hidden_size {self.config.hidden_size}")
             self.vision = KimiVision(vision_cfg, config.dtype)
-            # the largest image or video chunk (frames x per-frame patches) the preprocessor admits
-            self.max_image_patches = max_vision_patches(config.path, vision_cfg.merge_kernel[0],
-                                                        vision_cfg.pos_emb_time)
+            # the largest image the preprocessor admits, or video chunk (frames x per-frame patches) with video on
+            self.max_image_patches = (max_vision_patches(config.path, vision_cfg.merge_kernel[0],
+                                                         vision_cfg.pos_emb_time) if config.video
+                                      else max_image_patches(config.path, vision_cfg.merge_kernel[0]))
         # the loader skips these before they reach load_weights (a vision tower, when built, takes its own)
         self.skip_weight_prefixes = _OTHER_VISION_PREFIXES + (() if self.vision is not None else VISION_PREFIXES)
 
