@@ -10,6 +10,7 @@ one route per behaviour a fetch must survive:
 
 from __future__ import annotations
 
+import functools
 import ssl
 import threading
 import time
@@ -22,7 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from tests.server.image_files import image_bytes, random_image
 
-SLOW_S = 3.0
+SLOW_S = 4.0
 BIG = 200_000
 
 
@@ -32,6 +33,12 @@ class MediaServer:
     port: int
     hits: dict[str, int] = field(default_factory=dict)
     videos: dict[str, bytes] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=64)
+def png(seed: int) -> bytes:
+    """The PNG of ``random_image(seed, (84, 56))`` (encoded once: the server stays fast under load)."""
+    return image_bytes(random_image(seed, (84, 56)))
 
 
 def _handler(state: MediaServer) -> type[BaseHTTPRequestHandler]:
@@ -69,8 +76,7 @@ def _handler(state: MediaServer) -> type[BaseHTTPRequestHandler]:
             state.hits[path] = state.hits.get(path, 0) + 1
             try:
                 if path.startswith("/img/") and path.endswith(".png"):
-                    seed = int(path[5:-4])
-                    self._send(200, "image/png", image_bytes(random_image(seed, (84, 56))))
+                    self._send(200, "image/png", png(int(path[5:-4])))
                 elif path in state.videos:
                     self._send(200, "video/mp4", state.videos[path])
                 elif path == "/slow.png":
