@@ -37,9 +37,10 @@ def validation_error(errors: list[dict]) -> APIError:
     leading ``"body"`` in each location): names the parameter, never a 422."""
     served = [e for e in errors if "input_image" in e["loc"] and e["loc"][-1] != "type"]  # Responses' own part
     for err in [] if served else errors:
-        if err["loc"][-1:] == ("type",) and err.get("input") in _MEDIA_PARTS and err["input"] != "image_url":
-            return APIError(400, f"{err['input']} content is not supported: send text parts, or images as "
-                                 "image_url parts with a data: URL (models with a vision tower)",
+        if err["loc"][-1:] == ("type",) and err.get("input") in _MEDIA_PARTS \
+                and err["input"] not in ("image_url", "video_url"):
+            return APIError(400, f"{err['input']} content is not supported: send text parts, images as image_url "
+                                 "parts or videos as video_url parts (models with a vision tower; docs/API.md)",
                             param="messages", code="unsupported_content")
     err = (served or errors)[0]
     loc = [str(x) for x in err["loc"]][1 if err["loc"][:1] == ("body",) else 0:]
