@@ -19,7 +19,6 @@ import torch
 from ddtree_serve.kernels.dispatch import one_kernel
 from ddtree_serve.kernels.sampling import (
     min_p_renorm_prob,
-    sampling_from_probs,
     top_k_renorm_prob,
     top_p_renorm_prob,
 )
@@ -28,7 +27,9 @@ from ddtree_serve.model_executor.grammar.state import GrammarState
 from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.model_executor.sharded_sampling import sharded_argmax, sharded_draw
 from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 
 
 @dataclass(frozen=True)
@@ -128,30 +129,32 @@ PROBS_BUDGET_BYTES = 256 << 20  # largest float32 probability block ``draw_token
 
 
 def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.Tensor,
-                budget_bytes: int = PROBS_BUDGET_BYTES) -> torch.Tensor:
+                budget_bytes: int = PROBS_BUDGET_BYTES, shard: VocabShard | None = None) -> torch.Tensor:
     """The shared last stage of the logits pipeline. logits ``[n, V]`` (float, masks and penalties already
-    applied), ``info`` per row ``[n]``, ``uniforms [n]`` (float64 in [0, 1)) -> token ids ``[n]`` int64:
-    greedy rows the argmax; sampled rows ``F^-1(u)``, the first vocabulary index whose cumulative processed
-    probability (softmax(logits / T), then top-k, top-p, min-p renormalisation) exceeds ``u`` times the row's
-    total (``kernels.sampling.sampling_from_probs``). Rows run in blocks so that no more than
-    ``budget_bytes`` of probabilities exist at once (a tree's ``[bs * D, V]`` never does); on CUDA the Triton
-    kernel ``kernels.triton_sampling`` draws them without writing probabilities at all."""
-    n, vocab = logits.shape
-    out = logits.argmax(-1)  # [n]
+    applied; ``[n, V/tp]``, this rank's columns, under vocabulary-parallel TP: ``shard``), ``info`` per row ``[n]``,
+    ``uniforms [n]`` (float64 in [0, 1)) -> token ids ``[n]`` int64: greedy rows the argmax (ties: the lowest
+    id); sampled rows ``F^-1(u)`` of the processed distribution (temperature, top-k, top-p, min-p) in integer
+    weights (``sharded_sampling``: the same tokens on one rank and on N, exchanging O(1) numbers a row). Rows run
+    in blocks of at most ``budget_bytes`` of weights. On CUDA with the whole vocabulary on the rank, the Triton
+    kernel ``kernels.triton_sampling`` draws (its masses are float sums: docs/DESIGN.md 4.16)."""
+    shard = shard if shard is not None else VocabShard.whole(logits.shape[-1])
+    n, width = logits.shape
+    out = sharded_argmax(logits, shard)  # [n]
     if info.all_greedy:
         return out
-    if logits.is_cuda:  # one Triton program per row, every row (no read back of which rows sample), no
-        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled  # probability row written
+    if logits.is_cuda and not shard.sharded:  # one Triton program per row, every row (no read back of which
+        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled  # rows sample), no probability row
 
         drawn = triton_draw_sampled(logits, info.temperature, info.top_k, info.top_p, info.min_p, uniforms)  # [n]
         return torch.where(info.is_greedy, out, drawn)
-    step = max(1, budget_bytes // (vocab * 4 * 3))  # probs + cumsum + masks of one block
-    with one_kernel():  # the reference of the Triton kernel's one launch (a simulated device counts it so)
-        sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample
+    step = max(1, budget_bytes // (max(width, 1) * 8 * 4))  # e, q, keys, cumsum of one block
+    maybe = info.maybe[:3] if info.maybe is not None else (True, True, True)
+    with one_kernel():  # one launch of a fused kernel (a simulated device counts it so)
+        sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample (the same on every rank)
         for lo in range(0, sampled.numel(), step):
             rows = sampled[lo:lo + step]  # [k]
-            probs = processed_probs(logits[rows].float(), info.take(rows))  # [k, V]
-            out[rows] = sampling_from_probs(probs, uniforms[rows].to(probs.device).float().clamp(max=1.0))
+            out[rows] = sharded_draw(logits[rows], info.temperature[rows], info.top_k[rows], info.top_p[rows],
+                                     info.min_p[rows], uniforms[rows].to(logits.device), shard, maybe)
     return out
 
 
