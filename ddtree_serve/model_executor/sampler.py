@@ -143,7 +143,9 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
     if info.all_greedy:
         return out
     if logits.is_cuda and not shard.sharded:  # one Triton program per row, every row (no read back of which
-        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled  # rows sample), no probability row
+        from ddtree_serve.kernels.triton_sampling import (
+            triton_draw_sampled,  # rows sample), no probability row
+        )
 
         drawn = triton_draw_sampled(logits, info.temperature, info.top_k, info.top_p, info.min_p, uniforms)  # [n]
         return torch.where(info.is_greedy, out, drawn)
@@ -159,15 +161,15 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
 
 
 def sample(logits: torch.Tensor, info: BatchSamplingInfo, keys: SampleKeys,
-           penalties: BatchPenalties | None = None) -> torch.Tensor:
-    """logits [bs, V] float32 -> token ids [bs] int64 at each request's next output position
-    (``keys.positions``). ``penalties`` (logit bias, repetition, frequency, presence;
-    ``ddtree_serve.model_executor.penalties``) apply first."""
+           penalties: BatchPenalties | None = None, shard: VocabShard | None = None) -> torch.Tensor:
+    """logits [bs, V] float32 (``shard``: its columns [bs, V/tp]) -> token ids [bs] int64 at each request's next
+    output position (``keys.positions``). ``penalties`` (logit bias, repetition, frequency, presence;
+    ``ddtree_serve.model_executor.penalties``; the shard's columns) apply first."""
     logits = apply_penalties(logits, penalties)  # [bs, V]
     if info.all_greedy:
-        return logits.argmax(-1)
+        return sharded_argmax(logits, shard) if shard is not None else logits.argmax(-1)
     u = keys.uniforms(torch.zeros(logits.shape[0], 1, dtype=torch.int64, device=keys.seeds.device))[:, 0]  # [bs]
-    return draw_tokens(logits, info, u.to(logits.device))
+    return draw_tokens(logits, info, u.to(logits.device), shard=shard)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -192,17 +194,26 @@ class SamplingRequest(Protocol):
     grammar: GrammarState | None
 
 
-def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor,
+def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor, shard: VocabShard | None = None,
                     ) -> tuple[torch.Tensor, list[list[tuple[float, list[tuple[int, float]]]] | None]]:
     """One plain sampling step for running requests (the scheduler's decode and prefill, and the speculative
-    worker's all-plain step): grammar masks, logit bias and penalties, then ``sample``. Returns the tokens
-    ``[bs]`` and, per request, the logprobs it asked for (under the raw logits) or None."""
-    vocab, dev = logits.shape[-1], logits.device
+    worker's all-plain step): grammar masks, logit bias and penalties, then ``sample``. ``shard``: the logits are
+    its vocabulary columns (``ModelRunner.step_logits``); only the rows of requests that ask for logprobs are
+    gathered. Returns the tokens ``[bs]`` and, per request, the logprobs it asked for (under the raw logits) or
+    None."""
+    dev = logits.device
+    shard = shard if shard is not None else VocabShard.whole(logits.shape[-1])
+    vocab = shard.vocab
     params = [q.params for q in reqs]
     pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev, [len(q.output_ids) for q in reqs])
-    masked = mask_logits([q.grammar for q in reqs], logits)  # a masked copy only when a request has a grammar
+    masked = mask_logits([q.grammar for q in reqs], logits, shard)  # a masked copy only when a request has a grammar
     keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
-    tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), keys, pen)  # [bs]
-    lps = [None if q.params.logprobs is None else token_logprobs(logits[i:i + 1], tokens[i:i + 1], q.params.logprobs)
-           for i, q in enumerate(reqs)]
+    tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), keys,
+                    pen.for_shard(shard) if pen is not None else None, shard)  # [bs]
+    want = [i for i, q in enumerate(reqs) if q.params.logprobs is not None]
+    lps: list = [None] * len(reqs)
+    if want:  # the logprob rows alone, over the whole vocabulary
+        rows = shard.full_rows(logits[torch.tensor(want, device=dev)])  # [w, V]
+        for j, i in enumerate(want):
+            lps[i] = token_logprobs(rows[j:j + 1], tokens[i:i + 1], reqs[i].params.logprobs)
     return tokens, lps
