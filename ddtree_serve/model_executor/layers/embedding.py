@@ -41,8 +41,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     this rank's columns alone (``local_logits``: vocabulary-parallel sampling, ``model_executor.vocab_shard``)."""
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, end - start]``: this rank's vocabulary columns (the shard's padding rows dropped)."""
-        return F.linear(hidden, self.weight[: max(0, self.end - self.start)]).float()  # [n, V/tp]
+        """``[n, end - start]``: this rank's vocabulary columns (the shard's padding rows dropped after the product:
+        the very numbers ``compute_logits`` gathers)."""
+        return F.linear(hidden, self.weight).float()[:, : max(0, self.end - self.start)]  # [n, V/tp]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight).float()  # [n, shard]
