@@ -220,8 +220,8 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
     startup_s = float(parallel.startup_timeout_s)
     size = parallel.tp_size
     dcp = check_dcp_size(size, int(getattr(parallel, "decode_context_parallel_size", 1)))
-    if size == 1:
-        return TPGroup()
+    if size == 1:  # the flag still reaches a simulated device's cost model (ddtree_serve/sim/machines.py)
+        return TPGroup(vocab_parallel=bool(getattr(parallel, "vocab_parallel_logits", True)))
     addr = init_addr or parallel.dist_init_addr
     if not addr:
         raise ValueError("tensor parallelism needs dist_init_addr (host:port of rank 0)")

@@ -73,7 +73,7 @@ class Scheduler:
         self.eos_token_ids = self.model_config.eos_token_ids
         self.vocab_size = self.model_config.vocab_size  # token ids (prompt, logit_bias) are below it
         sc = config.scheduler
-        tp = tp or TPGroup()
+        tp = tp or TPGroup(vocab_parallel=config.parallel.vocab_parallel_logits)  # (a simulated device's model)
         self.runner = ModelRunner(self.model_config, sc.max_running_requests + 1, self.max_context_len, tp, device,
                                   cuda_graph_max_bs=config.model.cuda_graph_max_bs)
         spec = config.speculative
