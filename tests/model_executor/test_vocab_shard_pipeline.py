@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 
 from ddtree_serve.model_executor.grammar.masks import apply_bitmask, apply_bitmask_cols
-from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties, apply_tree_penalties
+from ddtree_serve.model_executor.penalties import (
+    BatchPenalties,
+    TokenCounts,
+    apply_penalties,
+    apply_tree_penalties,
+)
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.model_executor.vocab_shard import VocabShard
 
