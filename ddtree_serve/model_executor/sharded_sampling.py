@@ -49,35 +49,44 @@ def _weights(logits: torch.Tensor, temperature: torch.Tensor, shard: VocabShard
     m = shard.max(x.amax(-1) if x.shape[-1] else torch.full(x.shape[:1], float("-inf"), device=x.device))  # [n]
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # [n] every logit -inf: e = 0
     e = torch.exp((x - m[:, None]) / temperature.float()[:, None]).nan_to_num_(0.0)  # [n, Vs] in [0, 1]
-    q = (e.double() * float(1 << FRAC_BITS)).floor_().long()  # [n, Vs] exact (24-bit mantissa)
+    q = (e * float(1 << FRAC_BITS)).floor_().long()  # [n, Vs] (a power-of-two scaling: exact in float32)
     return e, q
+
+
+def _pick_digit(hist: torch.Tensor, above: torch.Tensor, target: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the ranks' summed histogram ``[n, 256]`` of the keys under the prefix: the largest digit whose suffix
+    weight plus ``above`` reaches ``target`` (0 where none does), the weight above that digit, and whether one
+    did. ``[n]`` each."""
+    suffix = hist.flip(-1).cumsum(-1).flip(-1)  # [n, 256] weight of digits >= d
+    d = ((above[:, None] + suffix) >= target[:, None]).sum(-1) - 1  # [n] true for d <= the chosen digit
+    reach = d >= 0
+    d = d.clamp(min=0)
+    nxt = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], dim=1)  # [n, 256] digits > d
+    return d, above + nxt.gather(1, d[:, None])[:, 0], reach
 
 
 def _radix_threshold(keys: torch.Tensor, w: torch.Tensor, target: torch.Tensor, shard: VocabShard
                      ) -> torch.Tensor:
     """The largest key ``t`` with ``sum(w; keys >= t) >= target`` ``[n]`` int64 (0 when even all keys fall
     short). keys ``[n, Vs]`` int64 in [0, 2^31); w ``[n, Vs]`` int64 >= 0; target ``[n]`` int64. 4 radix passes
-    of a 256-bin histogram each, summed over the ranks (exact integers)."""
+    of a 256-bin histogram each, summed over the ranks (exact integers). Passes 2-4 read only the elements under
+    the first digit chosen (a local, data-sized gather: the exchanged histograms keep their shape)."""
     n = keys.shape[0]
-    prefix = torch.zeros(n, dtype=torch.int64, device=keys.device)  # [n] digits chosen so far
-    above = torch.zeros(n, dtype=torch.int64, device=keys.device)  # [n] weight of keys above the prefix's range
-    reach = None
-    for shift in _RADIX_SHIFTS:
-        match = (keys >> (shift + 8)) == (prefix >> (shift + 8))[:, None]  # [n, Vs] share the chosen digits
-        digit = (keys >> shift) & 255  # [n, Vs]
-        hist = torch.zeros(n, 256, dtype=torch.int64, device=keys.device)  # [n, 256]
-        hist.scatter_add_(1, digit, torch.where(match, w, torch.zeros_like(w)))
-        hist = shard.sum(hist)  # [n, 256] over the ranks
-        suffix = hist.flip(-1).cumsum(-1).flip(-1)  # [n, 256] weight of digits >= d
-        ok = (above[:, None] + suffix) >= target[:, None]  # [n, 256] true for d <= the chosen digit
-        d = ok.sum(-1) - 1  # [n] the largest such digit (-1: none)
-        if reach is None:
-            reach = d >= 0  # [n]
-        d = d.clamp(min=0)
-        nxt = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], dim=1)  # [n, 256] digits > d
-        above = above + nxt.gather(1, d[:, None])[:, 0]
+    zero = torch.zeros(n, dtype=torch.int64, device=keys.device)  # [n]
+    hist = torch.zeros(n, 256, dtype=torch.int64, device=keys.device).scatter_add_(1, keys >> 24, w)  # [n, 256]
+    d, above, reach = _pick_digit(shard.sum(hist), zero, target)
+    prefix = d << 24  # [n] digits chosen so far
+    rows, cols = ((keys >> 24) == d[:, None]).nonzero(as_tuple=True)  # [M] the elements under that digit
+    ck, cw = keys[rows, cols], w[rows, cols]  # [M]
+    for shift in _RADIX_SHIFTS[1:]:
+        match = (ck >> (shift + 8)) == (prefix[rows] >> (shift + 8))  # [M] share the chosen digits
+        flat = rows * 256 + ((ck >> shift) & 255)  # [M] row-major bin
+        hist = torch.zeros(n * 256, dtype=torch.int64, device=keys.device)  # [n * 256]
+        hist.index_add_(0, flat, torch.where(match, cw, torch.zeros_like(cw)))
+        d, above, _ = _pick_digit(shard.sum(hist.view(n, 256)), above, target)
         prefix = prefix | (d << shift)
-    return torch.where(reach, prefix, torch.zeros_like(prefix))
+    return torch.where(reach, prefix, zero)
 
 
 def kept_weights(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -177,3 +177,26 @@ def test_full_rows_gathers_in_vocabulary_order() -> None:
     x = torch.arange(2 * 11, dtype=torch.float32).view(2, 11)
     for got in _run_sharded(lambda local, shard: shard.full_rows(local), x, 4):
         assert torch.equal(got, x)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_draft_topk_of_shard_topks(size: int) -> None:
+    """The drafter's top-k over shards (top-k of the shards' top-k's, log-sum-exp of theirs) gives the gathered
+    top-k's tokens in the same order (value desc, id asc) and its log-probs to float rounding; k may exceed a
+    shard's width."""
+    from ddtree_serve.speculative.ddtree import draft_topk
+
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(2, 3, 29, generator=g)  # [bs, L, V]
+    x[0, 0, 7] = 6.0
+    x[0, 0, [4, 20]] = 5.0  # a tie across shards inside the top-k: the lower id first (at the k-th place either)
+    for k in (1, 5, 12):
+        ref_lp, ref_ids = draft_topk(x, k)
+
+        def topk(local: torch.Tensor, shard: VocabShard, k: int = k) -> tuple[torch.Tensor, torch.Tensor]:
+            return draft_topk(local.view(2, 3, -1), k, shard)
+
+        for lp, ids in _run_sharded(topk, x.view(6, 29), size):
+            assert torch.equal(ids, ref_ids)
+            torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-6)  # float32 log-sum-exps combined
+    assert draft_topk(x, 3)[1][0, 0].tolist() == [7, 4, 20]
