@@ -142,9 +142,9 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
     out = sharded_argmax(logits, shard)  # [n]
     if info.all_greedy:
         return out
-    if logits.is_cuda and not shard.sharded:  # one Triton program per row, every row (no read back of which
+    if logits.is_cuda and not shard.sharded:  # one Triton program per row, every row: no read back of which rows
         from ddtree_serve.kernels.triton_sampling import (
-            triton_draw_sampled,  # rows sample), no probability row
+            triton_draw_sampled,  # sample, no probability row written
         )
 
         drawn = triton_draw_sampled(logits, info.temperature, info.top_k, info.top_p, info.min_p, uniforms)  # [n]
