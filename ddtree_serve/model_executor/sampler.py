@@ -142,10 +142,8 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
     out = sharded_argmax(logits, shard)  # [n]
     if info.all_greedy:
         return out
-    if logits.is_cuda and not shard.sharded:  # one Triton program per row, every row: no read back of which rows
-        from ddtree_serve.kernels.triton_sampling import (
-            triton_draw_sampled,  # sample, no probability row written
-        )
+    if logits.is_cuda and not shard.sharded:  # a Triton program per row: no read back, no probability row written
+        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled
 
         drawn = triton_draw_sampled(logits, info.temperature, info.top_k, info.top_p, info.min_p, uniforms)  # [n]
         return torch.where(info.is_greedy, out, drawn)
