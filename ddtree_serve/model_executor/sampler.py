@@ -150,11 +150,15 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
     step = max(1, budget_bytes // (max(width, 1) * 8 * 4))  # e, q, keys, cumsum of one block
     maybe = info.maybe[:3] if info.maybe is not None else (True, True, True)
     with one_kernel():  # one launch of a fused kernel (a simulated device counts it so)
-        sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample (the same on every rank)
+        if logits.is_cuda:  # every row: which rows sample is not read back from a device
+            sampled = torch.arange(n, device=logits.device)  # [n]
+        else:
+            sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample (the same on every rank)
         for lo in range(0, sampled.numel(), step):
             rows = sampled[lo:lo + step]  # [k]
-            out[rows] = sharded_draw(logits[rows], info.temperature[rows], info.top_k[rows], info.top_p[rows],
-                                     info.min_p[rows], uniforms[rows].to(logits.device), shard, maybe)
+            drawn = sharded_draw(logits[rows], info.temperature[rows], info.top_k[rows], info.top_p[rows],
+                                 info.min_p[rows], uniforms[rows].to(logits.device), shard, maybe)  # [k]
+            out[rows] = torch.where(info.is_greedy[rows], out[rows], drawn)
     return out
 
 

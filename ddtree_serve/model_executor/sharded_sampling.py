@@ -66,19 +66,24 @@ def _pick_digit(hist: torch.Tensor, above: torch.Tensor, target: torch.Tensor
     return d, above + nxt.gather(1, d[:, None])[:, 0], reach
 
 
-def _radix_threshold(keys: torch.Tensor, w: torch.Tensor, target: torch.Tensor, shard: VocabShard
-                     ) -> torch.Tensor:
+def _radix_threshold(keys: torch.Tensor, w: torch.Tensor, target: torch.Tensor, shard: VocabShard,
+                     compact: bool | None = None) -> torch.Tensor:
     """The largest key ``t`` with ``sum(w; keys >= t) >= target`` ``[n]`` int64 (0 when even all keys fall
     short). keys ``[n, Vs]`` int64 in [0, 2^31); w ``[n, Vs]`` int64 >= 0; target ``[n]`` int64. 4 radix passes
-    of a 256-bin histogram each, summed over the ranks (exact integers). Passes 2-4 read only the elements under
-    the first digit chosen (a local, data-sized gather: the exchanged histograms keep their shape)."""
+    of a 256-bin histogram each, summed over the ranks (exact integers). ``compact`` (default: off CUDA): passes
+    2-4 read only the elements under the first digit chosen (a local, data-sized gather: the exchanged
+    histograms keep their shape); else every element (no size read back from a device)."""
     n = keys.shape[0]
     zero = torch.zeros(n, dtype=torch.int64, device=keys.device)  # [n]
     hist = torch.zeros(n, 256, dtype=torch.int64, device=keys.device).scatter_add_(1, keys >> 24, w)  # [n, 256]
     d, above, reach = _pick_digit(shard.sum(hist), zero, target)
     prefix = d << 24  # [n] digits chosen so far
-    rows, cols = ((keys >> 24) == d[:, None]).nonzero(as_tuple=True)  # [M] the elements under that digit
-    ck, cw = keys[rows, cols], w[rows, cols]  # [M]
+    if not (compact if compact is not None else not keys.is_cuda):  # every element [M = n*Vs]
+        rows = torch.arange(n, device=keys.device)[:, None].expand_as(keys).reshape(-1)  # [M]
+        ck, cw = keys.reshape(-1), w.reshape(-1)  # [M]
+    else:
+        rows, cols = ((keys >> 24) == d[:, None]).nonzero(as_tuple=True)  # [M] the elements under that digit
+        ck, cw = keys[rows, cols], w[rows, cols]  # [M]
     for shift in _RADIX_SHIFTS[1:]:
         match = (ck >> (shift + 8)) == (prefix[rows] >> (shift + 8))  # [M] share the chosen digits
         flat = rows * 256 + ((ck >> shift) & 255)  # [M] row-major bin

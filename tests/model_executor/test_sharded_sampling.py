@@ -200,3 +200,26 @@ def test_draft_topk_of_shard_topks(size: int) -> None:
             assert torch.equal(ids, ref_ids)
             torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-6)  # float32 log-sum-exps combined
     assert draft_topk(x, 3)[1][0, 0].tolist() == [7, 4, 20]
+
+
+def test_radix_threshold_compact_and_full_passes_agree() -> None:
+    """Passes 2-4 over the first digit's elements only (CPU) or over every element (CUDA: no size read back)
+    find the same thresholds, and they are the definition's (the largest key whose suffix weight reaches the
+    target)."""
+    from ddtree_serve.model_executor.sharded_sampling import _radix_threshold, _weights
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 300, generator=g) * 2
+    x[0] = 1.0
+    x[1, :150] = -0.5
+    e, q = _weights(x, torch.full((9,), 0.8), VocabShard.whole(300))
+    keys = e.view(torch.int32).long()
+    target = torch.randint(1, 2 ** 41, (9,), generator=g)
+    target[2] = q[2].sum() + 1  # out of reach: 0
+    a = _radix_threshold(keys, q, target, VocabShard.whole(300), compact=True)
+    b = _radix_threshold(keys, q, target, VocabShard.whole(300), compact=False)
+    assert torch.equal(a, b) and int(a[2]) == 0
+    for i in (0, 1, 3, 4):
+        ks = sorted(set(keys[i].tolist()), reverse=True)
+        want = next(k for k in ks if int(q[i][keys[i] >= k].sum()) >= int(target[i]))
+        assert int(a[i]) == want
