@@ -241,7 +241,7 @@ class ModelRunner:
         head = getattr(self.model, "lm_head", None)
         if self.tp.size > 1 and self.tp.vocab_parallel and isinstance(head, ParallelLMHead):
             return VocabShard.of_group(head.vocab_size, head.start, head.end, self.tp)
-        return VocabShard.whole(self.config.vocab_size)
+        return VocabShard.whole(self.config.vocab_size, device_kernel=self.tp.size == 1)  # TP: the integer rule
 
     @torch.inference_mode()
     def step_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, VocabShard]:

@@ -135,14 +135,14 @@ def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.T
     ``uniforms [n]`` (float64 in [0, 1)) -> token ids ``[n]`` int64: greedy rows the argmax (ties: the lowest
     id); sampled rows ``F^-1(u)`` of the processed distribution (temperature, top-k, top-p, min-p) in integer
     weights (``sharded_sampling``: the same tokens on one rank and on N, exchanging O(1) numbers a row). Rows run
-    in blocks of at most ``budget_bytes`` of weights. On CUDA with the whole vocabulary on the rank, the Triton
-    kernel ``kernels.triton_sampling`` draws (its masses are float sums: docs/DESIGN.md 4.16)."""
+    in blocks of at most ``budget_bytes`` of weights. On CUDA at TP 1 (``shard.device_kernel``) the Triton kernel
+    ``kernels.triton_sampling`` draws instead (its masses are float sums: docs/DESIGN.md 4.16)."""
     shard = shard if shard is not None else VocabShard.whole(logits.shape[-1])
     n, width = logits.shape
     out = sharded_argmax(logits, shard)  # [n]
     if info.all_greedy:
         return out
-    if logits.is_cuda and not shard.sharded:  # a Triton program per row: no read back, no probability row written
+    if logits.is_cuda and not shard.sharded and shard.device_kernel:  # a Triton program per row: no read back
         from ddtree_serve.kernels.triton_sampling import triton_draw_sampled
 
         drawn = triton_draw_sampled(logits, info.temperature, info.top_k, info.top_p, info.min_p, uniforms)  # [n]

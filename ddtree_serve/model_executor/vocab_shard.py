@@ -34,15 +34,18 @@ class VocabShard:
     rank: int = 0
     size: int = 1
     gather: Gather = _alone
+    # the whole-vocabulary CUDA kernel may draw (``sampler.draw_tokens``); False under TP with gathered logits, so
+    # that both TP modes draw by the same integer rule on a GPU too
+    device_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.end < 0:
             object.__setattr__(self, "end", self.vocab)
 
     @classmethod
-    def whole(cls, vocab: int) -> VocabShard:
+    def whole(cls, vocab: int, device_kernel: bool = True) -> VocabShard:
         """The whole vocabulary on one rank (TP 1 or gathered logits)."""
-        return cls(vocab)
+        return cls(vocab, device_kernel=device_kernel)
 
     @classmethod
     def of_group(cls, vocab: int, start: int, end: int, tp) -> VocabShard:  # noqa: ANN001 (TPGroup: no cycle)
