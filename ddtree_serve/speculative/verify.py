@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree_serve.kernels.dispatch import one_kernel
 from ddtree_serve.model_executor.penalties import BatchPenalties, apply_tree_penalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampler import (
@@ -108,7 +109,8 @@ def child_probs(tree: DraftTree, logits: torch.Tensor, info: BatchSamplingInfo,
     for lo in range(0, bs * d, step):
         sl = slice(lo, lo + step)
         par = per_row.take(rows[sl])
-        qk, total = kept_weights(flat[rows[sl]], par.temperature, par.top_k, par.top_p, par.min_p, shard, maybe)
+        with one_kernel():  # the sampler's fused reductions (a simulated device counts one launch)
+            qk, total = kept_weights(flat[rows[sl]], par.temperature, par.top_k, par.top_p, par.min_p, shard, maybe)
         mine = torch.where(inside[sl], qk.gather(1, cols[sl, None])[:, 0], 0)  # [k] the token's weight, if here
         out[sl] = (shard.sum(mine).double() / total.clamp(min=1).double()).float()
     return out.reshape(bs, d)
