@@ -5,7 +5,7 @@ rows stay on their rank: a step's logits are ``[n, end - start]`` on each rank a
 logits pipeline (the argmax, the softmax's max and mass, the top-k / top-p thresholds, the inverse-CDF
 crossing; ``ddtree_serve.model_executor.sharded_sampling``) exchanges a constant number of values per row
 with ``gather``, never the vocabulary. ``VocabShard.whole(V)`` is the one-rank case (TP 1, or gathered
-logits): the same code, with a gather that returns its input. docs/DESIGN.md 4.16 and 4.23.
+logits): the same code, with a gather that returns its input. docs/DESIGN.md 4.16 ("Vocabulary-parallel logits").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Vocabulary-parallel logits under TP (gloo, real rank processes) give the gathered path's tokens, token for
 token: greedy, seeded sampling with top-k / top-p / min-p, penalties, logit bias, a regex grammar and a logprobs
-request, in plain decoding and in DDTree steps with drafts accepted (docs/DESIGN.md 4.16, 4.23).
+request, in plain decoding and in DDTree steps with drafts accepted (docs/DESIGN.md 4.16).
 
 Per TP size, the reference is a plain engine with ``vocab_parallel_logits=False`` (every row all-gathered).
 The same TP size keeps the hidden states identical across the two modes, so the comparison isolates the logits
