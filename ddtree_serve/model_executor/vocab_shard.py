@@ -49,7 +49,7 @@ class VocabShard:
 
     @classmethod
     def of_group(cls, vocab: int, start: int, end: int, tp) -> VocabShard:  # noqa: ANN001 (TPGroup: no cycle)
-        """Rank ``tp.rank``'s columns, exchanging over ``tp``'s device group (``TPGroup.gather_rows``)."""
+        """Rank ``tp.rank``'s columns, exchanging over ``tp``'s device group (``TPGroup.gather_stacked``)."""
         return cls(vocab, start, min(end, vocab), tp.rank, tp.size, tp.gather_stacked)
 
     @property
