@@ -27,12 +27,13 @@ updated when tokens are committed, on the device of the model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 
 
 class TokenCounts:
@@ -113,6 +114,14 @@ class BatchPenalties:
             ban_left,
         )
 
+    def for_shard(self, shard: VocabShard) -> BatchPenalties:
+        """The state of ``shard``'s vocabulary columns (``[bs, V/tp]`` views; itself when unsharded)."""
+        if not shard.sharded:
+            return self
+        return replace(self, generated=shard.cols(self.generated), seen=shard.cols(self.seen),
+                       bias=None if self.bias is None else shard.cols(self.bias),
+                       ban=None if self.ban is None else shard.cols(self.ban))
+
 
 def _scattered(entries: Sequence[tuple[int, int, float | bool]], bs: int, vocab: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
@@ -167,21 +176,38 @@ def apply_tree_penalties(
     candidates: torch.Tensor,
     ancestors: torch.Tensor,
     is_node: torch.Tensor,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Processed logits [bs, D, V] (float32, a new tensor) of a draft tree's raw logits [bs, D, V]: row i
     counts the request's tokens plus the tokens of the non-root nodes on root..i. Transient memory: the
     result, one float and one bool tensor of the logits' shape; the raw logits are not modified.
 
     candidates [bs, D] int64 node tokens; ancestors [bs, D, D] bool, [b, i, j]: j is on root..i (i
-    included); is_node [bs, D] bool: j is a real non-root node (root and padding excluded)."""
+    included); is_node [bs, D] bool: j is a real non-root node (root and padding excluded). ``shard``: the
+    logits are its columns ``[bs, D, V/tp]`` and ``pen`` its ``for_shard`` state; path tokens of other shards
+    write to a spare column (no read back of which path tokens are local)."""
     if pen is None:
         return logits
     bias = pen.bias[:, None, :] if pen.bias is not None else None
-    x = _biased(logits, bias)  # [bs, D, V]
+    sharded = shard is not None and shard.sharded
+    if sharded:  # one spare column [bs, D, V/tp + 1] takes the other shards' path tokens
+        bs_, d_, w = logits.shape
+        ext = logits.new_zeros((bs_, d_, w + 1), dtype=torch.float32)
+        x = ext[..., :w]
+        x.copy_(logits)
+        if bias is not None:
+            x.add_(bias)
+    else:
+        x = _biased(logits, bias)  # [bs, D, V]
+        ext = x
     on_path = ancestors & is_node[:, None, :]  # [bs, D(i), D(j)] j is a non-root node on root..i
     b, i, j = on_path.nonzero(as_tuple=True)  # [P] each (row i, path node j); P <= bs * D * depth
     tok = candidates[b, j]  # [P] the path token whose logit in row i changes
-    x_path = x[b, i, tok]  # [P] biased logits of the path tokens, before the base penalties below
+    col = tok  # [P] its column (the spare one when another shard holds it)
+    if sharded:
+        local, inside = shard.local_ids(tok)
+        tok, col = local, torch.where(inside, local, x.shape[-1])
+    x_path = ext[b, i, col]  # [P] biased logits of the path tokens, before the base penalties below
     sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
     out = _penalise_(x, pen.seen[:, None, :], pen.repetition[:, None, None], sub[:, None, :])  # [bs, D, V]
     if b.numel() == 0:
@@ -190,7 +216,7 @@ def apply_tree_penalties(
     path_count = torch.bmm(on_path.float(), same)  # [bs, D(i), D(j)] count of j's token on root..i
     count = pen.generated[b, tok] + path_count[b, i, j]  # [P]
     seen = torch.ones_like(count, dtype=torch.bool)  # [P] a path token has been generated
-    out[b, i, tok] = _penalise_(
+    ext[b, i, col] = _penalise_(
         x_path, seen, pen.repetition[b], _subtrahend(count, pen.presence[b], pen.frequency[b])
     )
     return _ban_tree_(out, pen, on_path)  # duplicates of one token on a path wrote the same value

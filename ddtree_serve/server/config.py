@@ -221,6 +221,9 @@ class ParallelArgs(Area):
                                          default_help="none: a local address (one node)")
     expert_parallel: bool = setting(False, "MoE: give each TP rank whole experts (expert parallelism, EP size = "
                                     "tp_size) instead of a slice of every expert.")
+    vocab_parallel_logits: bool = setting(True, "Under TP, keep each rank's vocabulary shard of the logits: "
+                                          "argmax, sampling thresholds and the draw exchange O(1) numbers a "
+                                          "row (only logprob rows are gathered); False all-gathers every row.")
     startup_timeout_s: float = setting(1800.0, "TP start-up: seconds a rank waits at a collective for a late "
                                        "rank (weights loading, kernel warm-up); steady state uses 120 s.", low=1.0)
     decode_context_parallel_size: int = setting(

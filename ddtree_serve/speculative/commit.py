@@ -17,6 +17,7 @@ from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.model_executor.sampler import token_logprobs
 from ddtree_serve.model_executor.sampling_params import find_stop
 from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.speculative.ddtree import DraftTree
 from ddtree_serve.speculative.draft_sources import accepted_by_source
 from ddtree_serve.speculative.types import DecodeResult
@@ -78,13 +79,15 @@ def _dropped_slots(tree_slots: torch.Tensor, kept_flat: torch.Tensor, n_drop: in
     return flat.index_select(0, order)
 
 
-def attach_logprobs(reqs: Sequence[SpecRequest], res: VerifyResult, logits: torch.Tensor, out: list[DecodeResult]
-                    ) -> None:
+def attach_logprobs(reqs: Sequence[SpecRequest], res: VerifyResult, logits: torch.Tensor, out: list[DecodeResult],
+                    shard: VocabShard | None = None) -> None:
     """OpenAI logprobs of the emitted tokens under the raw target distribution at their parent nodes, with
-    the requested number of alternatives (only for requests that asked)."""
+    the requested number of alternatives (only for requests that asked). ``shard``: the logits are this rank's
+    vocabulary columns; the rows of requests that asked are gathered (every rank knows which: the same call)."""
     for b, (q, r) in enumerate(zip(reqs, out, strict=True)):
         if q.params.logprobs is None or not r.tokens:
             continue
         k = len(r.tokens)
         rows = logits[b, res.accept_index[b, :k]]  # [k, V] rows of the root and accepted nodes
+        rows = shard.full_rows(rows) if shard is not None else rows  # [k, V]
         r.logprobs = token_logprobs(rows, upload(r.tokens, rows.device, torch.int64), q.params.logprobs)
