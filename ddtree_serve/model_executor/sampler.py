@@ -212,8 +212,10 @@ def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor, shard
                     pen.for_shard(shard) if pen is not None else None, shard)  # [bs]
     want = [i for i, q in enumerate(reqs) if q.params.logprobs is not None]
     lps: list = [None] * len(reqs)
-    if want:  # the logprob rows alone, over the whole vocabulary
-        rows = shard.full_rows(logits[torch.tensor(want, device=dev)])  # [w, V]
-        for j, i in enumerate(want):
-            lps[i] = token_logprobs(rows[j:j + 1], tokens[i:i + 1], reqs[i].params.logprobs)
+    if want:  # the logprob rows alone, over the whole vocabulary, read back together
+        idx = upload(want, dev, torch.int64)  # [w]
+        top = max(reqs[i].params.logprobs for i in want)
+        got = token_logprobs(shard.full_rows(logits[idx]), tokens[idx], top)  # rows [w, V]
+        for i, (chosen, alts) in zip(want, got, strict=True):
+            lps[i] = [(chosen, alts[:reqs[i].params.logprobs])]
     return tokens, lps

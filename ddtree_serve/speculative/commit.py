@@ -84,10 +84,18 @@ def attach_logprobs(reqs: Sequence[SpecRequest], res: VerifyResult, logits: torc
     """OpenAI logprobs of the emitted tokens under the raw target distribution at their parent nodes, with
     the requested number of alternatives (only for requests that asked). ``shard``: the logits are this rank's
     vocabulary columns; the rows of requests that asked are gathered (every rank knows which: the same call)."""
-    for b, (q, r) in enumerate(zip(reqs, out, strict=True)):
-        if q.params.logprobs is None or not r.tokens:
-            continue
-        k = len(r.tokens)
-        rows = logits[b, res.accept_index[b, :k]]  # [k, V] rows of the root and accepted nodes
-        rows = shard.full_rows(rows) if shard is not None else rows  # [k, V]
-        r.logprobs = token_logprobs(rows, upload(r.tokens, rows.device, torch.int64), q.params.logprobs)
+    asked = [(b, q, r) for b, (q, r) in enumerate(zip(reqs, out, strict=True))
+             if q.params.logprobs is not None and r.tokens]
+    if not asked:
+        return
+    dev = logits.device
+    row_of = upload([b for b, _, r in asked for _ in r.tokens], dev, torch.int64)  # [n] each emitted token's row
+    depth = upload([j for _, _, r in asked for j in range(len(r.tokens))], dev, torch.int64)  # [n]
+    rows = logits[row_of, res.accept_index[row_of, depth]]  # [n, V] the root's and accepted nodes' rows
+    rows = shard.full_rows(rows) if shard is not None else rows  # [n, V]
+    tokens = upload([t for _, _, r in asked for t in r.tokens], dev, torch.int64)  # [n]
+    got = token_logprobs(rows, tokens, max(q.params.logprobs for _, q, _ in asked))  # one read for all
+    at = 0
+    for _, q, r in asked:
+        r.logprobs = [(chosen, alts[:q.params.logprobs]) for chosen, alts in got[at:at + len(r.tokens)]]
+        at += len(r.tokens)
