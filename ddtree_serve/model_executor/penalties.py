@@ -179,46 +179,40 @@ def apply_tree_penalties(
     shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Processed logits [bs, D, V] (float32, a new tensor) of a draft tree's raw logits [bs, D, V]: row i
-    counts the request's tokens plus the tokens of the non-root nodes on root..i. Transient memory: the
-    result, one float and one bool tensor of the logits' shape; the raw logits are not modified.
+    counts the request's tokens plus the tokens of the non-root nodes on root..i. Memory: the result (a view of
+    a ``[bs, D, V + 1]`` buffer whose last column takes the writes of non-path pairs), one float and one bool
+    tensor of the logits' shape, and ``[bs, D, D]`` pair tensors; the raw logits are not modified.
 
     candidates [bs, D] int64 node tokens; ancestors [bs, D, D] bool, [b, i, j]: j is on root..i (i
     included); is_node [bs, D] bool: j is a real non-root node (root and padding excluded). ``shard``: the
     logits are its columns ``[bs, D, V/tp]`` and ``pen`` its ``for_shard`` state; path tokens of other shards
-    write to a spare column (no read back of which path tokens are local)."""
+    write to the spare column too. No read back: no ``nonzero`` of the path pairs (docs/DESIGN.md 4.17)."""
     if pen is None:
         return logits
-    bias = pen.bias[:, None, :] if pen.bias is not None else None
-    sharded = shard is not None and shard.sharded
-    if sharded:  # one spare column [bs, D, V/tp + 1] takes the other shards' path tokens
-        bs_, d_, w = logits.shape
-        ext = logits.new_zeros((bs_, d_, w + 1), dtype=torch.float32)
-        x = ext[..., :w]
-        x.copy_(logits)
-        if bias is not None:
-            x.add_(bias)
-    else:
-        x = _biased(logits, bias)  # [bs, D, V]
-        ext = x
+    bs, d, w = logits.shape
+    ext = logits.new_empty((bs, d, w + 1), dtype=torch.float32)  # [bs, D, V + 1]: a spare last column
+    x = ext[..., :w]  # [bs, D, V]
+    x.copy_(logits)
+    if pen.bias is not None:
+        x.add_(pen.bias[:, None, :])
+    ext[..., w] = 0.0
     on_path = ancestors & is_node[:, None, :]  # [bs, D(i), D(j)] j is a non-root node on root..i
-    b, i, j = on_path.nonzero(as_tuple=True)  # [P] each (row i, path node j); P <= bs * D * depth
-    tok = candidates[b, j]  # [P] the path token whose logit in row i changes
-    col = tok  # [P] its column (the spare one when another shard holds it)
-    if sharded:
-        local, inside = shard.local_ids(tok)
-        tok, col = local, torch.where(inside, local, x.shape[-1])
-    x_path = ext[b, i, col]  # [P] biased logits of the path tokens, before the base penalties below
+    if shard is not None and shard.sharded:
+        local, inside = shard.local_ids(candidates)  # [bs, D] each: column in this shard, held here
+    else:
+        local, inside = candidates.clamp(0, w - 1), torch.ones_like(candidates, dtype=torch.bool)  # padding: any id
+    # every (row i, node j) pair at once, no read back of which pairs are paths: a path token held here writes
+    # its column, every other pair the spare one (padding of the dense form; its writes are discarded)
+    col = torch.where(on_path & inside[:, None, :], local[:, None, :], w)  # [bs, D(i), D(j)]
+    x_path = ext.gather(-1, col)  # [bs, D, D] biased logits of the path tokens, before the base penalties below
     sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
     out = _penalise_(x, pen.seen[:, None, :], pen.repetition[:, None, None], sub[:, None, :])  # [bs, D, V]
-    if b.numel() == 0:
-        return _ban_tree_(out, pen, on_path)
     same = (candidates[:, :, None] == candidates[:, None, :]).float()  # [bs, D(k), D(j)] same token
     path_count = torch.bmm(on_path.float(), same)  # [bs, D(i), D(j)] count of j's token on root..i
-    count = pen.generated[b, tok] + path_count[b, i, j]  # [P]
-    seen = torch.ones_like(count, dtype=torch.bool)  # [P] a path token has been generated
-    ext[b, i, col] = _penalise_(
-        x_path, seen, pen.repetition[b], _subtrahend(count, pen.presence[b], pen.frequency[b])
-    )
+    count = pen.generated.gather(1, local)[:, None, :] + path_count  # [bs, D(i), D(j)]
+    seen = torch.ones_like(x_path, dtype=torch.bool)  # a path token has been generated
+    sub_path = _subtrahend(count, pen.presence[:, None, None], pen.frequency[:, None, None])  # [bs, D, D]
+    ext.scatter_(-1, col, _penalise_(x_path, seen, pen.repetition[:, None, None], sub_path))
     return _ban_tree_(out, pen, on_path)  # duplicates of one token on a path wrote the same value
 
 
