@@ -139,11 +139,12 @@ def test_tp2_rank0_failure_after_the_last_collective_is_agreed(models) -> None:
     sample = rank0._sample
     calls = []
 
-    def fail_once(reqs, logits):  # noqa: ANN001, ANN202 - after the step's last collective, on rank 0 only
+    def fail_once(reqs, logits, shard):  # noqa: ANN001, ANN202 - after the step's last collective, on rank 0 only
         calls.append(1)
+        tokens = sample(reqs, logits, shard)  # vocabulary-parallel sampling exchanges per-shard statistics
         if len(calls) == 2:  # the first decode step: the follower runs it to the end
             raise RuntimeError("rank 0 alone fails")
-        return sample(reqs, logits)
+        return tokens
 
     rank0._sample = fail_once
     try:
@@ -185,7 +186,7 @@ def test_tp2_diverged_outputs_are_detected(models) -> None:
     eng = _engine(target, tp_size=2)
     rank0 = eng.scheduler.scheduler
     sample = rank0._sample
-    rank0._sample = lambda reqs, logits: [(t + 1) % 200 for t in sample(reqs, logits)]  # rank 0's tokens differ
+    rank0._sample = lambda reqs, logits, shard: [(t + 1) % 200 for t in sample(reqs, logits, shard)]  # rank 0's differ
     try:
         with pytest.raises(TPDivergence, match="diverged"):
             eng.generate(input_ids=GOOD, sampling_params=SamplingParams(temperature=0, max_tokens=40,
