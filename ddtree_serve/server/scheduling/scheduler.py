@@ -67,7 +67,8 @@ class Scheduler:
         self.model_config = ModelConfig.load(self.model_path, config.model.dtype, device, config.model.int4_experts,
                                              attention_backend=config.model.attention_backend,
                                              moe_backend=config.model.moe_backend, kv_cache_dtype=config.model.kv_cache_dtype,
-                                             vision=config.server.max_images_per_request > 0)  # 0: text only
+                                             vision=config.server.max_images_per_request > 0,  # 0: text only
+                                             deterministic_inference=config.model.enable_deterministic_inference)
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
         self.vocab_size = self.model_config.vocab_size  # token ids (prompt, logit_bias) are below it
