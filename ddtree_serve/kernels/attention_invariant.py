@@ -95,22 +95,58 @@ def request_attention(
     return out.reshape(n, hq, -1)
 
 
+def causal_attention(
+    q: torch.Tensor,  # [bs, Q, Hq, d] float32, scaled, padded rows
+    kv_indices: torch.Tensor,  # [bs, K]
+    mask: torch.Tensor,  # [bs, Q, K] bool
+    totals: torch.Tensor,  # [bs] prefix + extend
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:  # [bs, Q, Hq, dv] float32
+    """``request_attention`` for causal forwards (column = position for every key), all requests at once: the
+    same splits and GEMM item shapes per request, the batch only adding zero splits and padded rows."""
+    bs, qm, hq, d = q.shape
+    hkv, c, big_k = k_cache.shape[1], KV_SPLIT, kv_indices.shape[1]
+    g, splits = hq // hkv, -(-big_k // c)
+    pad = splits * c - big_k
+    cols = torch.nn.functional.pad(kv_indices, (0, pad))  # [bs, S*C]
+    have = torch.arange(splits * c, device=q.device)[None] < totals[:, None]  # [bs, S*C]
+    k, v = _gather_kv(k_cache, v_cache, cols, have)  # [bs, S*C, Hkv, d]
+    k = k.view(bs, splits, c, hkv, d).permute(0, 3, 1, 2, 4)  # [bs, Hkv, S, C, d]
+    v = v.view(bs, splits, c, hkv, -1).permute(0, 3, 1, 2, 4)  # [bs, Hkv, S, C, dv]
+    rows = q.view(bs, qm, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * qm, d)  # [bs, Hkv, g*Q, d]
+    vis = torch.nn.functional.pad(mask, (0, pad)).view(bs, qm, splits, c).permute(0, 2, 1, 3)  # [bs, S, Q, C]
+    vis = vis[:, None, :, None].expand(bs, 1, splits, g, qm, c).reshape(bs, 1, splits, g * qm, c)
+    s, m = split_partials(rows, k, v, vis)  # [bs, Hkv, S, g*Q, C], [bs, Hkv, g*Q]
+    out = combine_splits(split_numerators(s, m, v))  # [bs, Hkv, g*Q, dv]
+    return out.view(bs, hkv, g, qm, -1).permute(0, 3, 1, 2, 4).reshape(bs, qm, hq, -1)
+
+
 def invariant_paged_attention(
     q: torch.Tensor,  # [T, Hq, d]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_indices: torch.Tensor,  # [bs, K]
     attn_mask: torch.Tensor,  # [bs, Q, K] bool
+    q_index: torch.Tensor,  # [T] row of each flat token in [bs * Q]
     scale: float,
     prefix_lens: list[int],
     extend_lens: list[int],
     causal: bool,
 ) -> torch.Tensor:  # [T, Hq, dv] in q's dtype
-    """Batch-invariant attention for already-written caches; flat tokens are request after request."""
+    """Batch-invariant attention for already-written caches; flat tokens are request after request. Causal
+    forwards run all requests at once (``causal_attention``), trees request by request."""
     if attn_mask.shape[2] != kv_indices.shape[1]:
         raise ValueError("invariant attention needs the dense [bs, Q, K] mask")
-    outs, t0 = [], 0
     qs = q.float() * scale  # [T, Hq, d]
+    if causal:
+        bs, qm = attn_mask.shape[:2]
+        qp = qs.new_zeros(bs * qm, *qs.shape[1:])  # [bs*Q, Hq, d]
+        qp[q_index] = qs
+        totals = torch.tensor(prefix_lens, device=q.device) + torch.tensor(extend_lens, device=q.device)
+        out = causal_attention(qp.view(bs, qm, *qs.shape[1:]), kv_indices, attn_mask, totals, k_cache, v_cache)
+        return out.reshape(bs * qm, *out.shape[2:])[q_index].to(q.dtype)
+    outs, t0 = [], 0
     for b, (pre, n) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
         if n == 0:
             continue
@@ -139,4 +175,5 @@ class InvariantAttentionBackend:
         if self._plan is None:
             raise RuntimeError("InvariantAttentionBackend.forward before begin_forward")
         prefix, extend, causal = self._plan
-        return invariant_paged_attention(q, k_cache, v_cache, kv_indices, attn_mask, scale, prefix, extend, causal)
+        return invariant_paged_attention(q, k_cache, v_cache, kv_indices, attn_mask, q_index, scale, prefix, extend,
+                                         causal)

@@ -97,7 +97,7 @@ class _Seq:
 
     def attend(self, reqs, pad=0, dtype_ref=False):
         q, kv, mask, qi = self.causal(reqs, pad)
-        out = invariant_paged_attention(q, self.k, self.v, kv, mask, 0.125, [p for p, _ in reqs],
+        out = invariant_paged_attention(q, self.k, self.v, kv, mask, qi, 0.125, [p for p, _ in reqs],
                                         [e for _, e in reqs], True)
         return (out, masked_paged_attention(q, self.k, self.v, kv, mask, qi, 0.125)) if dtype_ref else out
 
@@ -157,7 +157,7 @@ def test_attention_tree_node_equals_decode_row(dtype, prefix):
     on_path[6] = False
     # path: node 0 (depth 0) -> node 2 (depth 1) -> node 5 (depth 2); node 8 under 6 under 4 under 2: off path
     q, kv, mask, depth = _tree_batch(s, prefix, parents, on_path)
-    out = invariant_paged_attention(q, s.k, s.v, kv, mask, 0.125, [prefix], [len(parents)], False)
+    out = invariant_paged_attention(q, s.k, s.v, kv, mask, torch.arange(len(parents)), 0.125, [prefix], [len(parents)], False)
     for i in (0, 2, 5):
         assert torch.equal(out[i], full[prefix + int(depth[i])]), i
     ref = masked_paged_attention(q, s.k, s.v, kv, mask, torch.arange(len(parents)), 0.125)
@@ -173,7 +173,7 @@ def test_attention_tree_node_equals_decode_row(dtype, prefix):
     mb[0, :n] = False
     mb[0, :n, : kv.shape[1]] = mask[0]
     mb[1, :, : kv2.shape[1]] = mask2[0]
-    both = invariant_paged_attention(torch.cat([q, q2]), s.k, s.v, kvb, mb, 0.125, [prefix, 20], [n, 30], False)
+    both = invariant_paged_attention(torch.cat([q, q2]), s.k, s.v, kvb, mb, torch.cat([torch.arange(n), 30 + torch.arange(30)]), 0.125, [prefix, 20], [n, 30], False)
     assert torch.equal(both[:n], out)
 
 
@@ -182,7 +182,7 @@ def test_attention_rejects_a_mask_that_is_not_a_tree():
     kv = torch.arange(1, 13)[None]
     mask = torch.ones(1, 2, 12, dtype=torch.bool)  # two new keys both visible to both nodes: same depth twice
     with pytest.raises(ValueError, match="not a tree"):
-        invariant_paged_attention(s.q[10:12], s.k, s.v, kv, mask, 0.125, [10], [2], False)
+        invariant_paged_attention(s.q[10:12], s.k, s.v, kv, mask, torch.arange(2), 0.125, [10], [2], False)
 
 
 def test_backend_writes_the_cache_and_needs_begin_forward():
