@@ -86,3 +86,22 @@ def test_plain_is_batch_and_chunk_invariant(tiny_and_refs):
         assert [o.token_ids for o in outs] == seeded[::-1]
     finally:
         eng.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_bf16_ddtree_equals_tp2_plain(tiny_and_refs):
+    """TP 2 (one KV head per rank; the row-parallel all-reduce sums the ranks' partials in a fixed order):
+    speculative == plain under the same TP size (TP 2 and TP 1 differ by that sum, so TP 2 has its own refs)."""
+    path = tiny_and_refs[0]
+    base = Engine(path, tp_size=2, disable_radix_cache=True, **BF16)
+    try:
+        greedy = [o.token_ids for o in base.generate(input_ids=GREEDY_PROMPTS, sampling_params=GREEDY)]
+        seeded = [o.token_ids for o in base.generate(input_ids=SEEDED_PROMPTS, sampling_params=SEEDED)]
+    finally:
+        base.shutdown()
+    spec = Engine(path, tp_size=2, speculative_algorithm="ddtree", ddtree_budget=16, draft_sources="suffix",
+                  chunked_prefill_size=16, **BF16)
+    try:
+        check_equal_plain(spec, greedy, seeded)
+    finally:
+        spec.shutdown()
