@@ -40,6 +40,18 @@ def test_linear_row_alone_equals_row_in_batches(dtype, k_n):
     assert checked > 150
 
 
+def test_lm_head_shape_is_m_invariant_in_bf16():
+    """The LM head keeps ``F.linear`` (docs/DESIGN.md 4.18): at the default model's head shape (576 -> 49152) a
+    bf16 row alone equals the row inside 1..67-row batches and a 300-row chunk on this CPU."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(49152, 576, generator=g) * 0.05).bfloat16()
+    x = torch.randn(310, 576, generator=g).bfloat16()
+    alone = torch.nn.functional.linear(x[7:8], w)[0]
+    for m in [*range(1, 68, 3), 300]:
+        off = 7 - (m - 1) // 2 if m < 15 else 0
+        assert torch.equal(torch.nn.functional.linear(x[off : off + m], w)[7 - off], alone), m
+
+
 def test_row_block_matmul_broadcasts_and_matches_matmul():
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(2, 3, 13, 16, generator=g), torch.randn(2, 3, 16, 5, generator=g)
