@@ -58,9 +58,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``F.linear`` whose rows do not depend on the number of rows: x [..., K], weight [N, K] -> [..., N], the
     rows padded to whole ``ROW_BLOCK``s."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    y = row_block_matmul(flat, weight.t())  # [M, N]
-    if bias is not None:
-        y = y + bias
+    y = F.linear(_pad_rows(flat, ROW_BLOCK), weight, bias)[: flat.shape[0]]  # [M, N] (the library's own linear:
+    # a matmul against weight.t() would repack the weight every call)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
