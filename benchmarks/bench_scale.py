@@ -24,7 +24,7 @@ dependent shape or blocking copy. Each cell prefills ``batch`` requests, then me
 
     python benchmarks/bench_scale.py [--machines rtx-pro-6000,b300] [--batches 1,32,128] [--budgets 8,16,auto]
         [--accept-prob 0.8] [--steps 8] [--prompt-len 128] [--vocab 128] [--cuda-graph-max-bs 0] [--threads 1]
-        [--out bench_out/scale.json]
+        [--gathered-logits] [--out bench_out/scale.json]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -51,19 +52,20 @@ SPEC_LAPS = {"draft": "draft", "build": "build", "verify_forward": "verify_input
              "verify": "verify", "commit": "commit", "plain": "plain"}  # SpecWorker.timer laps -> phases
 
 
-def _engine(target: str, drafter: str, batch: int, budget: int | str | None, tokens: int, graphs: int) -> Engine:
+def _engine(target: str, drafter: str, batch: int, budget: int | str | None, tokens: int, graphs: int,
+            vocab_parallel: bool = True) -> Engine:
     spec = dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=budget,
                 speculative_draft_sources="dflash") if budget else {}
     return Engine(target, device="cpu", dtype="float32", max_running_requests=batch, disable_radix_cache=True,
                   max_total_tokens=batch * tokens + 4096, chunked_prefill_size=8192, cuda_graph_max_bs=graphs,
-                  **spec)
+                  vocab_parallel_logits=vocab_parallel, **spec)
 
 
 def run_cell(target: str, drafter: str, batch: int, budget: int | str | None, steps: int, prompt_len: int,
-             graphs: int = 0) -> dict:
+             graphs: int = 0, vocab_parallel: bool = True) -> dict:
     """Prefill ``batch`` requests, then time ``steps`` decode steps; returns the cell's row."""
     max_tokens = steps * 20 + 8  # never finishes within the measured steps
-    eng = _engine(target, drafter, batch, budget, prompt_len + max_tokens + 80, graphs)
+    eng = _engine(target, drafter, batch, budget, prompt_len + max_tokens + 80, graphs, vocab_parallel)
     sched = eng.scheduler
     runner = sched.runner
     clock = runner.model.clock
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "graph (one launch); 0: eager, as the presets run today")
     ap.add_argument("--threads", type=int, default=1, help="torch host threads (the host side is one thread)")
     ap.add_argument("--sites", action="store_true", help="print each cell's sync sites")
+    ap.add_argument("--gathered-logits", action="store_true", help="all-gather every logits row under TP "
+                    "(vocab_parallel_logits off); default: vocabulary-parallel, O(1) bytes a row")
     ap.add_argument("--out", default="bench_out/scale.json")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
@@ -149,9 +153,12 @@ def main(argv: list[str] | None = None) -> dict:
             "device_ms", "host_ms")
     rows = []
     for name in args.machines.split(","):
-        cost = MACHINES[name]
+        cost = replace(MACHINES[name], vocab_parallel=not args.gathered_logits)
+        per_row = {k: cost.logits_bytes_per_row(k) for k in ("greedy", "seeded", "draft", "logprobs")}
         print(f"simulated device: Kimi K2.6 on 8x {name} (ddtree_serve/sim/machines.py), drafter accept_prob "
               f"{args.accept_prob}, graphs up to batch {args.cuda_graph_max_bs}")
+        print(f"logits exchanged per row and rank ({'gathered' if args.gathered_logits else 'vocabulary-parallel'}):"
+              + ", ".join(f" {k} {v:,.0f} B" for k, v in per_row.items()))
         print(" ".join(f"{c:>11}" for c in cols) + "  host ms by phase")
         with tempfile.TemporaryDirectory() as tmp:
             target, drafter = write_simulated_pair(tmp, vocab=args.vocab, accept_prob=args.accept_prob,
@@ -159,8 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
             for batch in (int(x) for x in args.batches.split(",")):
                 for budget in (None, *(x if x == "auto" else int(x) for x in args.budgets.split(","))):
                     row = run_cell(target, drafter, batch, budget, args.steps, args.prompt_len,
-                                   args.cuda_graph_max_bs)
-                    row["machine"] = name
+                                   args.cuda_graph_max_bs, not args.gathered_logits)
+                    row["machine"], row["logits_bytes_per_row"] = name, per_row
                     rows.append(row)
                     phases = " ".join(f"{k}={v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)
                     print(" ".join(f"{row[c]!s:>11}" for c in cols) + f"  {phases}", flush=True)

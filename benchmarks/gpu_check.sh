@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1
 unset DDTREE_REQUIRE_CUDA_KERNELS  # fallbacks are allowed: each part reports the backend that ran
+export DDTREE_ALLOW_TORCH_TREE_WALK=1  # sgl-kernel may not load there: the reference walk, reported as such
 OUT_DIR=${OUT:-bench_out}
 mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}

@@ -115,6 +115,29 @@ def use_cuda_kernels(*tensors: torch.Tensor, library: str = SGL_KERNEL) -> bool:
     return True
 
 
+ALLOW_TORCH_TREE_WALK_ENV = "DDTREE_ALLOW_TORCH_TREE_WALK"
+
+
+def check_tree_walk(device: torch.device | str) -> None:
+    """A start-up check for a speculative worker on ``device``: on CUDA the tree walk is sgl-kernel's, or the
+    operator asked for the torch reference (``DDTREE_KERNELS=torch`` or ``DDTREE_ALLOW_TORCH_TREE_WALK=1``).
+    Otherwise a missing sgl-kernel raises ``CudaKernelUnavailable`` here rather than falling back silently: the
+    reference walk loops over depth and siblings on the host and reads the device back 85-111 more times a
+    step (docs/DESIGN.md 4.17)."""
+    if torch.device(device).type != "cuda" or kernels_forced_to_torch():
+        return
+    if os.environ.get(ALLOW_TORCH_TREE_WALK_ENV, "").strip().lower() in ("1", "true", "yes"):
+        logger.warning("%s=1: the DDTree step walks trees with the torch reference on CUDA (%s)",
+                       ALLOW_TORCH_TREE_WALK_ENV, import_error(SGL_KERNEL) or "sgl-kernel imports")
+        return
+    if import_cuda_library(SGL_KERNEL) is None:
+        raise CudaKernelUnavailable(
+            f"speculative decoding on CUDA needs sgl-kernel's tree walk, and sgl-kernel does not import "
+            f"({import_error(SGL_KERNEL)}); install the pinned sgl-kernel (docs/DEPLOY.md), or set "
+            f"{ALLOW_TORCH_TREE_WALK_ENV}=1 to run the torch reference walk knowingly (85-111 more host syncs a "
+            f"step)")
+
+
 def backend_name(*tensors: torch.Tensor, library: str = SGL_KERNEL) -> str:
     """Which implementation a call on ``tensors`` runs: ``"sgl-kernel"``, ``"flashinfer"`` or
     ``"torch reference"`` (what the GPU check prints for each part)."""

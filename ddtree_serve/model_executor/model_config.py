@@ -37,6 +37,7 @@ class ModelConfig:
     kv_cache_dtype: torch.dtype | None = None  # the KV cache's dtype (--kv-cache-dtype); None = ``dtype``
     vision: bool = True  # load a vision tower the checkpoint has (False: --max-images-per-request 0, text only)
     deterministic_inference: bool = False  # batch-invariant kernels (ddtree_serve/kernels/batch_invariant.py)
+    video: bool = False  # size the tower's activation reserve for video chunks too (--max-videos-per-request > 0)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -62,7 +63,7 @@ class ModelConfig:
     @classmethod
     def load(cls, path: str, dtype: str = "auto", device: str = "cpu", int4_experts: str = "auto",
              attention_backend: str = "auto", moe_backend: str = "auto", kv_cache_dtype: str = "auto",
-             vision: bool = True, deterministic_inference: bool = False) -> ModelConfig:
+             vision: bool = True, deterministic_inference: bool = False, video: bool = False) -> ModelConfig:
         """``int4_experts``: "auto" keeps INT4 experts packed on CUDA (a dense copy would not fit) and
         dequantizes them at load on CPU (dense GEMMs are faster there). ``attention_backend`` /
         ``moe_backend``: see ddtree_serve/model_executor/kernel_backends.py. ``kv_cache_dtype``: auto | bfloat16 |
@@ -109,7 +110,7 @@ class ModelConfig:
                    dtype=dt, int4_experts=int4_experts,
                    attention_backend=attention_backend, moe_backend=moe_backend,
                    kv_cache_dtype=kv_dt if kv_dt != dt else None, vision=vision,
-                   deterministic_inference=deterministic_inference)
+                   deterministic_inference=deterministic_inference, video=video)
 
 
 def cpu_has_native_bf16() -> bool:

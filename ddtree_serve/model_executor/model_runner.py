@@ -22,12 +22,14 @@ from ddtree_serve.model_executor.forward_batch import (
 )
 from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
 from ddtree_serve.model_executor.kv_slots import KVSlots
+from ddtree_serve.model_executor.layers.embedding import ParallelLMHead
 from ddtree_serve.model_executor.layers.linear import use_invariant_linears
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_registry import get_model_class
 from ddtree_serve.model_executor.models.output import ModelOutput
 from ddtree_serve.model_executor.parallel_state import TPGroup
 from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.model_executor.weight_loader import iter_weights
 
 logger = logging.getLogger(__name__)
@@ -238,4 +240,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, V]`` float32 logits, gathered over the TP ranks."""
         return self.model.compute_logits(hidden)
+
+    @property
+    def vocab_shard(self) -> VocabShard:
+        """The vocabulary columns a step's logits hold on this rank (``step_logits``): the LM head's shard under
+        TP with ``vocab_parallel_logits``, else the whole vocabulary."""
+        head = getattr(self.model, "lm_head", None)
+        if self.tp.size > 1 and self.tp.vocab_parallel and isinstance(head, ParallelLMHead):
+            return VocabShard.of_group(head.vocab_size, head.start, head.end, self.tp)
+        return VocabShard.whole(self.config.vocab_size, device_kernel=self.tp.size == 1)  # TP: the integer rule
+
+    @torch.inference_mode()
+    def step_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, VocabShard]:
+        """A step's logits for sampling and verification: ``[n, V/tp]`` this rank's columns and their shard
+        under vocabulary-parallel TP (no gather: the sampler exchanges O(1) numbers a row), else ``[n, V]``."""
+        shard = self.vocab_shard
+        if shard.sharded:
+            return self.model.lm_head.local_logits(hidden), shard
+        return self.logits(hidden), shard

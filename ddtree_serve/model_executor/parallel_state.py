@@ -76,6 +76,7 @@ class ParallelLike(Protocol):
     expert_parallel: bool
     startup_timeout_s: float  # collectives until ``end_startup`` (default ``DEFAULT_STARTUP_TIMEOUT_S``)
     decode_context_parallel_size: int  # DCP group size N (1: off; divides tp_size)
+    vocab_parallel_logits: bool  # logits stay sharded by vocabulary under TP (False: all-gathered)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class TPGroup:
     started_at: float = 0.0  # time.monotonic() at init_tp (start-up length in the log)
     dcp_size: int = 1  # decode context parallelism: ranks sharing one sequence's KV (module docstring)
     dcp_group: Any = None  # this rank's DCP device group; None = ``group`` (dcp_size == size, or 1)
+    vocab_parallel: bool = True  # logits stay sharded by vocabulary (``ParallelArgs.vocab_parallel_logits``)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -102,6 +104,14 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         _collective("all_gather", dist.all_gather, parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` of every rank (same shape on each) stacked in rank order: ``[size, *x.shape]``."""
+        if self.size == 1:
+            return x[None]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        _collective("all_gather", dist.all_gather, parts, x.contiguous(), group=self.group)
+        return torch.stack(parts)
 
     def shard(self, n: int, what: str = "dimension") -> int:
         if n % self.size:
@@ -210,8 +220,8 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
     startup_s = float(parallel.startup_timeout_s)
     size = parallel.tp_size
     dcp = check_dcp_size(size, int(getattr(parallel, "decode_context_parallel_size", 1)))
-    if size == 1:
-        return TPGroup()
+    if size == 1:  # the flag still reaches a simulated device's cost model (ddtree_serve/sim/machines.py)
+        return TPGroup(vocab_parallel=bool(getattr(parallel, "vocab_parallel_logits", True)))
     addr = init_addr or parallel.dist_init_addr
     if not addr:
         raise ValueError("tensor parallelism needs dist_init_addr (host:port of rank 0)")
@@ -236,7 +246,8 @@ def init_tp(parallel: ParallelLike, rank: int, device: str | torch.device, init_
             if rank in members:
                 dcp_group = made
     return TPGroup(rank, size, None, cpu_group, bool(parallel.expert_parallel),
-                   (collective_timeout_s, control_timeout_s), started, dcp, dcp_group)
+                   (collective_timeout_s, control_timeout_s), started, dcp, dcp_group,
+                   bool(getattr(parallel, "vocab_parallel_logits", True)))
 
 
 def check_dcp_size(tp_size: int, dcp_size: int) -> int:

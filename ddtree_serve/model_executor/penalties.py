@@ -27,11 +27,13 @@ updated when tokens are committed, on the device of the model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 
 
 class TokenCounts:
@@ -42,12 +44,12 @@ class TokenCounts:
         self.generated = torch.zeros(vocab, dtype=torch.float32, device=device)  # [V]
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
         if prompt_ids:
-            self.seen[torch.tensor(list(prompt_ids), device=device)] = True
+            self.seen[upload(list(prompt_ids), device, torch.int64)] = True
 
     def add(self, tokens: Sequence[int]) -> None:
         """Record committed generated tokens."""
         if tokens:
-            ids = torch.tensor(list(tokens), device=self.generated.device)  # [n]
+            ids = upload(list(tokens), self.generated.device, torch.int64)  # [n]
             self.generated.index_add_(0, ids, torch.ones(len(tokens), device=ids.device))
             self.seen[ids] = True
 
@@ -87,25 +89,20 @@ class BatchPenalties:
                 seen[b] = c.seen
         bias = None
         if any(p.logit_bias for p in params):
-            bias = torch.zeros(bs, vocab, dtype=torch.float32, device=device)  # [bs, V]
-            for b, p in enumerate(params):
-                if p.logit_bias:
-                    ids = torch.tensor([int(t) for t in p.logit_bias], device=device)
-                    bias[b, ids] = torch.tensor([float(v) for v in p.logit_bias.values()], device=device)
+            entries = [(b, int(t), float(v)) for b, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+            bias = _scattered(entries, bs, vocab, torch.float32, device)  # [bs, V]
 
         def col(name: str) -> torch.Tensor:
-            return torch.tensor([float(getattr(p, name)) for p in params], dtype=torch.float32, device=device)
+            return upload([float(getattr(p, name)) for p in params], device, torch.float32)  # [bs]
 
         ban = ban_left = None
         if any(p.min_tokens > 0 and p.min_tokens_ban for p in params):
-            ban = torch.zeros(bs, vocab, dtype=torch.bool, device=device)  # [bs, V]
-            for b, p in enumerate(params):
-                if p.min_tokens > 0 and p.min_tokens_ban:
-                    ban[b, torch.tensor([t for t in p.min_tokens_ban if 0 <= t < vocab], dtype=torch.int64,
-                                        device=device)] = True
+            entries = [(b, t, True) for b, p in enumerate(params) if p.min_tokens > 0 for t in p.min_tokens_ban
+                       if 0 <= t < vocab]
+            ban = _scattered(entries, bs, vocab, torch.bool, device)  # [bs, V]
             done = list(lengths) if lengths is not None else [0] * bs
-            ban_left = torch.tensor([p.min_tokens - n for p, n in zip(params, done, strict=True)],
-                                    dtype=torch.int64, device=device)  # [bs]
+            ban_left = upload([p.min_tokens - n for p, n in zip(params, done, strict=True)], device,
+                              torch.int64)  # [bs]
         return cls(
             col("presence_penalty"),
             col("frequency_penalty"),
@@ -116,6 +113,26 @@ class BatchPenalties:
             ban,
             ban_left,
         )
+
+    def for_shard(self, shard: VocabShard) -> BatchPenalties:
+        """The state of ``shard``'s vocabulary columns (``[bs, V/tp]`` views; itself when unsharded)."""
+        if not shard.sharded:
+            return self
+        return replace(self, generated=shard.cols(self.generated), seen=shard.cols(self.seen),
+                       bias=None if self.bias is None else shard.cols(self.bias),
+                       ban=None if self.ban is None else shard.cols(self.ban))
+
+
+def _scattered(entries: Sequence[tuple[int, int, float | bool]], bs: int, vocab: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """A ``[bs, V]`` tensor of zeros with ``entries`` ``(row, token id, value)`` written in, uploaded as three
+    host lists in one scatter (no per-row copy, no synchronisation: ``uploads.upload``)."""
+    out = torch.zeros(bs, vocab, dtype=dtype, device=device)  # [bs, V]
+    if entries:
+        rows, ids, values = zip(*entries, strict=True)
+        out.index_put_((upload(rows, device, torch.int64), upload(ids, device, torch.int64)),
+                       upload(values, device, dtype))  # [n] each
+    return out
 
 
 def _subtrahend(count: torch.Tensor, pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
@@ -159,32 +176,43 @@ def apply_tree_penalties(
     candidates: torch.Tensor,
     ancestors: torch.Tensor,
     is_node: torch.Tensor,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Processed logits [bs, D, V] (float32, a new tensor) of a draft tree's raw logits [bs, D, V]: row i
-    counts the request's tokens plus the tokens of the non-root nodes on root..i. Transient memory: the
-    result, one float and one bool tensor of the logits' shape; the raw logits are not modified.
+    counts the request's tokens plus the tokens of the non-root nodes on root..i. Memory: the result (a view of
+    a ``[bs, D, V + 1]`` buffer whose last column takes the writes of non-path pairs), one float and one bool
+    tensor of the logits' shape, and ``[bs, D, D]`` pair tensors; the raw logits are not modified.
 
     candidates [bs, D] int64 node tokens; ancestors [bs, D, D] bool, [b, i, j]: j is on root..i (i
-    included); is_node [bs, D] bool: j is a real non-root node (root and padding excluded)."""
+    included); is_node [bs, D] bool: j is a real non-root node (root and padding excluded). ``shard``: the
+    logits are its columns ``[bs, D, V/tp]`` and ``pen`` its ``for_shard`` state; path tokens of other shards
+    write to the spare column too. No read back: no ``nonzero`` of the path pairs (docs/DESIGN.md 4.17)."""
     if pen is None:
         return logits
-    bias = pen.bias[:, None, :] if pen.bias is not None else None
-    x = _biased(logits, bias)  # [bs, D, V]
+    bs, d, w = logits.shape
+    ext = logits.new_empty((bs, d, w + 1), dtype=torch.float32)  # [bs, D, V + 1]: a spare last column
+    x = ext[..., :w]  # [bs, D, V]
+    x.copy_(logits)
+    if pen.bias is not None:
+        x.add_(pen.bias[:, None, :])
+    ext[..., w] = 0.0
     on_path = ancestors & is_node[:, None, :]  # [bs, D(i), D(j)] j is a non-root node on root..i
-    b, i, j = on_path.nonzero(as_tuple=True)  # [P] each (row i, path node j); P <= bs * D * depth
-    tok = candidates[b, j]  # [P] the path token whose logit in row i changes
-    x_path = x[b, i, tok]  # [P] biased logits of the path tokens, before the base penalties below
+    if shard is not None and shard.sharded:
+        local, inside = shard.local_ids(candidates)  # [bs, D] each: column in this shard, held here
+    else:
+        local, inside = candidates.clamp(0, w - 1), torch.ones_like(candidates, dtype=torch.bool)  # padding: any id
+    # every (row i, node j) pair at once, no read back of which pairs are paths: a path token held here writes
+    # its column, every other pair the spare one (padding of the dense form; its writes are discarded)
+    col = torch.where(on_path & inside[:, None, :], local[:, None, :], w)  # [bs, D(i), D(j)]
+    x_path = ext.gather(-1, col)  # [bs, D, D] biased logits of the path tokens, before the base penalties below
     sub = _subtrahend(pen.generated, pen.presence[:, None], pen.frequency[:, None])  # [bs, V]
     out = _penalise_(x, pen.seen[:, None, :], pen.repetition[:, None, None], sub[:, None, :])  # [bs, D, V]
-    if b.numel() == 0:
-        return _ban_tree_(out, pen, on_path)
     same = (candidates[:, :, None] == candidates[:, None, :]).float()  # [bs, D(k), D(j)] same token
     path_count = torch.bmm(on_path.float(), same)  # [bs, D(i), D(j)] count of j's token on root..i
-    count = pen.generated[b, tok] + path_count[b, i, j]  # [P]
-    seen = torch.ones_like(count, dtype=torch.bool)  # [P] a path token has been generated
-    out[b, i, tok] = _penalise_(
-        x_path, seen, pen.repetition[b], _subtrahend(count, pen.presence[b], pen.frequency[b])
-    )
+    count = pen.generated.gather(1, local)[:, None, :] + path_count  # [bs, D(i), D(j)]
+    seen = torch.ones_like(x_path, dtype=torch.bool)  # a path token has been generated
+    sub_path = _subtrahend(count, pen.presence[:, None, None], pen.frequency[:, None, None])  # [bs, D, D]
+    ext.scatter_(-1, col, _penalise_(x_path, seen, pen.repetition[:, None, None], sub_path))
     return _ban_tree_(out, pen, on_path)  # duplicates of one token on a path wrote the same value
 
 

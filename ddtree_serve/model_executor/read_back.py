@@ -17,7 +17,7 @@ def read_back(*tensors: torch.Tensor) -> list[np.ndarray]:
     bs = int(tensors[0].shape[0])
     words = []
     for t in tensors:
-        flat = t.reshape(bs, -1)  # [bs, n]
+        flat = t.reshape(bs, t.numel() // bs if bs else 0)  # [bs, n] (n may be 0)
         words.append(flat.to(torch.float64).view(torch.int64) if flat.is_floating_point() else flat.to(torch.int64))
     host = torch.cat(words, dim=1).cpu().numpy()  # [bs, W]: the one read
     out, col = [], 0

@@ -19,7 +19,6 @@ import torch
 from ddtree_serve.kernels.dispatch import one_kernel
 from ddtree_serve.kernels.sampling import (
     min_p_renorm_prob,
-    sampling_from_probs,
     top_k_renorm_prob,
     top_p_renorm_prob,
 )
@@ -27,8 +26,11 @@ from ddtree_serve.model_executor.grammar.masks import mask_logits
 from ddtree_serve.model_executor.grammar.state import GrammarState
 from ddtree_serve.model_executor.penalties import BatchPenalties, TokenCounts, apply_penalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
+from ddtree_serve.model_executor.read_back import read_back
 from ddtree_serve.model_executor.sampling_params import SamplingParams
+from ddtree_serve.model_executor.sharded_sampling import sharded_argmax, sharded_draw
 from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 
 
 @dataclass(frozen=True)
@@ -128,55 +130,58 @@ PROBS_BUDGET_BYTES = 256 << 20  # largest float32 probability block ``draw_token
 
 
 def draw_tokens(logits: torch.Tensor, info: BatchSamplingInfo, uniforms: torch.Tensor,
-                budget_bytes: int = PROBS_BUDGET_BYTES) -> torch.Tensor:
+                budget_bytes: int = PROBS_BUDGET_BYTES, shard: VocabShard | None = None) -> torch.Tensor:
     """The shared last stage of the logits pipeline. logits ``[n, V]`` (float, masks and penalties already
-    applied), ``info`` per row ``[n]``, ``uniforms [n]`` (float64 in [0, 1)) -> token ids ``[n]`` int64:
-    greedy rows the argmax; sampled rows ``F^-1(u)``, the first vocabulary index whose cumulative processed
-    probability (softmax(logits / T), then top-k, top-p, min-p renormalisation) exceeds ``u`` times the row's
-    total (``kernels.sampling.sampling_from_probs``). Rows run in blocks so that no more than
-    ``budget_bytes`` of probabilities exist at once (a tree's ``[bs * D, V]`` never does); on CUDA the Triton
-    kernel ``kernels.triton_sampling`` draws them without writing probabilities at all."""
-    n, vocab = logits.shape
-    out = logits.argmax(-1)  # [n]
+    applied; ``[n, V/tp]``, this rank's columns, under vocabulary-parallel TP: ``shard``), ``info`` per row ``[n]``,
+    ``uniforms [n]`` (float64 in [0, 1)) -> token ids ``[n]`` int64: greedy rows the argmax (ties: the lowest
+    id); sampled rows ``F^-1(u)`` of the processed distribution (temperature, top-k, top-p, min-p) in integer
+    weights (``sharded_sampling``: the same tokens on one rank and on N, exchanging O(1) numbers a row). Rows run
+    in blocks of at most ``budget_bytes`` of weights. On CUDA at TP 1 (``shard.device_kernel``) the Triton kernel
+    ``kernels.triton_sampling`` draws instead (its masses are float sums: docs/DESIGN.md 4.16)."""
+    shard = shard if shard is not None else VocabShard.whole(logits.shape[-1])
+    n, width = logits.shape
+    out = sharded_argmax(logits, shard)  # [n]
     if info.all_greedy:
         return out
-    if logits.is_cuda:  # one Triton program per row, every row (no read back of which rows sample), no
-        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled  # probability row written
+    if logits.is_cuda and not shard.sharded and shard.device_kernel:  # a Triton program per row: no read back
+        from ddtree_serve.kernels.triton_sampling import triton_draw_sampled
 
         drawn = triton_draw_sampled(logits, info.temperature, info.top_k, info.top_p, info.min_p, uniforms)  # [n]
         return torch.where(info.is_greedy, out, drawn)
-    step = max(1, budget_bytes // (vocab * 4 * 3))  # probs + cumsum + masks of one block
-    with one_kernel():  # the reference of the Triton kernel's one launch (a simulated device counts it so)
-        sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample
+    step = max(1, budget_bytes // (max(width, 1) * 8 * 4))  # e, q, keys, cumsum of one block
+    maybe = info.maybe[:3] if info.maybe is not None else (True, True, True)
+    with one_kernel():  # one launch of a fused kernel (a simulated device counts it so)
+        if logits.is_cuda:  # every row: which rows sample is not read back from a device
+            sampled = torch.arange(n, device=logits.device)  # [n]
+        else:
+            sampled = (~info.is_greedy).nonzero()[:, 0]  # [m] rows that sample (the same on every rank)
         for lo in range(0, sampled.numel(), step):
             rows = sampled[lo:lo + step]  # [k]
-            probs = processed_probs(logits[rows].float(), info.take(rows))  # [k, V]
-            out[rows] = sampling_from_probs(probs, uniforms[rows].to(probs.device).float().clamp(max=1.0))
+            drawn = sharded_draw(logits[rows], info.temperature[rows], info.top_k[rows], info.top_p[rows],
+                                 info.min_p[rows], uniforms[rows].to(logits.device), shard, maybe)  # [k]
+            out[rows] = torch.where(info.is_greedy[rows], out[rows], drawn)
     return out
 
 
 def sample(logits: torch.Tensor, info: BatchSamplingInfo, keys: SampleKeys,
-           penalties: BatchPenalties | None = None) -> torch.Tensor:
-    """logits [bs, V] float32 -> token ids [bs] int64 at each request's next output position
-    (``keys.positions``). ``penalties`` (logit bias, repetition, frequency, presence;
-    ``ddtree_serve.model_executor.penalties``) apply first."""
+           penalties: BatchPenalties | None = None, shard: VocabShard | None = None) -> torch.Tensor:
+    """logits [bs, V] float32 (``shard``: its columns [bs, V/tp]) -> token ids [bs] int64 at each request's next
+    output position (``keys.positions``). ``penalties`` (logit bias, repetition, frequency, presence;
+    ``ddtree_serve.model_executor.penalties``; the shard's columns) apply first."""
     logits = apply_penalties(logits, penalties)  # [bs, V]
     if info.all_greedy:
-        return logits.argmax(-1)
+        return sharded_argmax(logits, shard) if shard is not None else logits.argmax(-1)
     u = keys.uniforms(torch.zeros(logits.shape[0], 1, dtype=torch.int64, device=keys.seeds.device))[:, 0]  # [bs]
-    return draw_tokens(logits, info, u.to(logits.device))
+    return draw_tokens(logits, info, u.to(logits.device), shard=shard)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """Raw-model logprobs of ``tokens`` [n] under ``logits`` [n, V] with the top ``top_n`` alternatives."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
-    if top_n > 0:
-        vals, ids = lp.topk(top_n, dim=-1)
-        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
-    else:
-        tops = [[] for _ in chosen]
-    return list(zip(chosen, tops, strict=True))
+    vals, ids = lp.topk(top_n, dim=-1)  # [n, top_n] each (top_n may be 0)
+    chosen, vals_h, ids_h = read_back(lp.gather(1, tokens[:, None])[:, 0], vals, ids)  # one read
+    tops = [list(zip(i, v, strict=True)) for i, v in zip(ids_h.tolist(), vals_h.tolist(), strict=True)]
+    return list(zip(chosen.tolist(), tops, strict=True))
 
 
 class SamplingRequest(Protocol):
@@ -189,17 +194,28 @@ class SamplingRequest(Protocol):
     grammar: GrammarState | None
 
 
-def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor,
+def sample_requests(reqs: Sequence[SamplingRequest], logits: torch.Tensor, shard: VocabShard | None = None,
                     ) -> tuple[torch.Tensor, list[list[tuple[float, list[tuple[int, float]]]] | None]]:
     """One plain sampling step for running requests (the scheduler's decode and prefill, and the speculative
-    worker's all-plain step): grammar masks, logit bias and penalties, then ``sample``. Returns the tokens
-    ``[bs]`` and, per request, the logprobs it asked for (under the raw logits) or None."""
-    vocab, dev = logits.shape[-1], logits.device
+    worker's all-plain step): grammar masks, logit bias and penalties, then ``sample``. ``shard``: the logits are
+    its vocabulary columns (``ModelRunner.step_logits``); only the rows of requests that ask for logprobs are
+    gathered. Returns the tokens ``[bs]`` and, per request, the logprobs it asked for (under the raw logits) or
+    None."""
+    dev = logits.device
+    shard = shard if shard is not None else VocabShard.whole(logits.shape[-1])
+    vocab = shard.vocab
     params = [q.params for q in reqs]
     pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev, [len(q.output_ids) for q in reqs])
-    masked = mask_logits([q.grammar for q in reqs], logits)  # a masked copy only when a request has a grammar
+    masked = mask_logits([q.grammar for q in reqs], logits, shard)  # a masked copy only when a request has a grammar
     keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
-    tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), keys, pen)  # [bs]
-    lps = [None if q.params.logprobs is None else token_logprobs(logits[i:i + 1], tokens[i:i + 1], q.params.logprobs)
-           for i, q in enumerate(reqs)]
+    tokens = sample(masked, BatchSamplingInfo.build(params, vocab, dev), keys,
+                    pen.for_shard(shard) if pen is not None else None, shard)  # [bs]
+    want = [i for i, q in enumerate(reqs) if q.params.logprobs is not None]
+    lps: list = [None] * len(reqs)
+    if want:  # the logprob rows alone, over the whole vocabulary, read back together
+        idx = upload(want, dev, torch.int64)  # [w]
+        top = max(reqs[i].params.logprobs for i in want)
+        got = token_logprobs(shard.full_rows(logits[idx]), tokens[idx], top)  # rows [w, V]
+        for i, (chosen, alts) in zip(want, got, strict=True):
+            lps[i] = [(chosen, alts[:reqs[i].params.logprobs])]
     return tokens, lps

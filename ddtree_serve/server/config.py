@@ -225,6 +225,9 @@ class ParallelArgs(Area):
                                          default_help="none: a local address (one node)")
     expert_parallel: bool = setting(False, "MoE: give each TP rank whole experts (expert parallelism, EP size = "
                                     "tp_size) instead of a slice of every expert.")
+    vocab_parallel_logits: bool = setting(True, "Under TP, keep each rank's vocabulary shard of the logits: "
+                                          "argmax, sampling thresholds and the draw exchange O(1) numbers a "
+                                          "row (only logprob rows are gathered); False all-gathers every row.")
     startup_timeout_s: float = setting(1800.0, "TP start-up: seconds a rank waits at a collective for a late "
                                        "rank (weights loading, kernel warm-up); steady state uses 120 s.", low=1.0)
     decode_context_parallel_size: int = setting(
@@ -276,6 +279,33 @@ class ServerArgs(Area):
                                    "(400 beyond).", low=1)
     max_image_pixels: int = setting(40_000_000, "Largest accepted image in pixels, width x height, checked before "
                                     "decoding (400 beyond).", low=1)
+    allowed_media_domains: str | None = setting(None, "Hosts whose http(s) image and video URLs the server may "
+                                                "fetch, comma- or space-separated: a domain allows itself and its "
+                                                "subdomains; an IP address or CIDR range allows those addresses "
+                                                "(private, loopback and link-local addresses are fetched only when "
+                                                "listed this way).",
+                                                default_help="none: media URLs are refused, data: URLs only")
+    media_fetch_timeout: float = setting(10.0, "Seconds one media URL fetch may take in all (DNS, connect, "
+                                         "redirects, body); also the connect and per-read timeout.", low=0,
+                                         low_open=True)
+    max_media_redirects: int = setting(3, "Redirects one media URL fetch may follow (each hop checked again).",
+                                       low=0)
+    max_videos_per_request: int = setting(0, "Most videos one request may carry, models that take video (400 "
+                                          "beyond); above 0 also sizes the vision tower's activation reserve "
+                                          "for a video chunk (4 frames).", low=0,
+                                          default_help="0: no video")
+    max_video_bytes: int = setting(64 << 20, "Largest accepted video in bytes, fetched or decoded from its data: "
+                                   "URL (400 beyond).", low=1)
+    max_video_seconds: float = setting(600.0, "Longest accepted video in seconds (400 beyond).", low=0,
+                                       low_open=True)
+    max_video_frames: int = setting(512, "Most frames sampled from one video at the checkpoint's sample rate "
+                                    "(400 beyond).", low=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from ddtree_serve.server.multimodal.media_fetch import AllowList
+
+        AllowList.parse(self.allowed_media_domains)  # ValueError naming a malformed entry
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,8 @@ from ddtree_serve.server.io_struct import (
     TokenizedGenerateReq,
 )
 from ddtree_serve.server.multimodal.frontend import ImageLimits, VisionFrontend
+from ddtree_serve.server.multimodal.media_fetch import AllowList, FetchLimits, MediaFetcher
+from ddtree_serve.server.multimodal.video import VideoLimits
 from ddtree_serve.server.sampling_defaults import describe, sampling_defaults
 
 logger = logging.getLogger(__name__)
@@ -142,9 +144,11 @@ class TokenizerManager:
 
     # ---- tokenization --------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any] | None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    splice: Callable[[str], str] | None = None) -> list[int]:
         """The prompt ids of a chat through the model's template (vLLM's two flags: the assistant header after
-        the messages, or the reply continuing the last assistant message)."""
+        the messages, or the reply continuing the last assistant message). ``splice``: applied to the rendered
+        text before tokenization (a video placeholder replaced by its chunk prompts; InputError passes)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InputError("this model has no chat template; use /v1/completions")
         kwargs = dict(template_kwargs or {})
@@ -155,6 +159,8 @@ class TokenizerManager:
                                                       tokenize=False, **kwargs)
         except Exception as e:  # noqa: BLE001 - template errors are input errors
             raise InputError(f"cannot apply the chat template: {e}") from e
+        if splice is not None:
+            text = splice(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_text(self, text: str) -> list[int]:
@@ -260,13 +266,21 @@ class TokenizerManager:
         limits = ImageLimits(s.max_images_per_request, s.max_image_bytes, s.max_image_pixels)
         if limits.max_images == 0:  # text only: the scheduler loaded no vision tower
             return None
+        allow = AllowList.parse(s.allowed_media_domains)
+        fetcher = None if allow.empty else MediaFetcher(allow, FetchLimits(s.media_fetch_timeout,
+                                                                           s.max_media_redirects))
+        video = VideoLimits(s.max_video_bytes, s.max_video_seconds, s.max_video_frames, s.max_image_pixels)
         try:
-            vision = VisionFrontend.for_model(model_dir, self.tokenizer, limits)
+            vision = VisionFrontend.for_model(model_dir, self.tokenizer, limits, video, fetcher,
+                                              s.max_videos_per_request)
         except Exception:  # noqa: BLE001 - the server serves text without it
             logger.exception("image inputs off: the vision frontend could not be set up")
             return None
         if vision is not None:
-            logger.info("image inputs on: data: URLs, at most %d per request", limits.max_images)
+            logger.info("image inputs on: data: URLs%s, at most %d per request; video %s",
+                        "" if fetcher is None else f" and http(s) URLs from {s.allowed_media_domains}",
+                        limits.max_images, "off" if vision.video is None else
+                        f"on, at most {vision.max_videos} per request")
         return vision
 
     def _deliver(self, out: TextOut) -> None:

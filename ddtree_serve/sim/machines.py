@@ -10,8 +10,11 @@ A forward's device time is a roofline per rank plus what does not overlap with i
 - FLOPs: 2 x 32B active parameters per token over the ranks, and attention's 2 x 64 heads x (576 + 512) per query
   token and key per layer;
 - communication: two all-reduces of the hidden state (7,168 bf16) per layer and token (ring: 2 (g-1)/g of the
-  bytes at the bus bandwidth, plus a latency each), and the logits rows' gather (today's code all-gathers every
-  row's float32 logits: ``logits_gather_bytes_per_row`` = 163,840 x 4);
+  bytes at the bus bandwidth, plus a latency each), and the logits rows' exchange (``logits_bytes_per_row``): with
+  ``vocab_parallel`` (``ParallelArgs.vocab_parallel_logits``, the default) each rank keeps its vocabulary shard and
+  a greedy row exchanges a (max, id) pair, 16 bytes a rank (model_executor/sharded_sampling.py), a seeded row the
+  threshold searches' histograms (4 passes of 256 int64 bins per search, plus 5 numbers), and only logprob rows
+  are gathered whole; without it every row's float32 logits are all-gathered (163,840 x 4 bytes);
 - kernels: a gap between consecutive kernels on the device (graphs included), and on the host a launch per eager
   kernel (~8,500 per eager K2.6 forward: ~140 ops and 3 Triton launches per MoE layer, counted on the tiny
   model) or one graph replay.
@@ -64,7 +67,11 @@ class DeviceCostModel:
     link_gbps: float = 40.0  # all-reduce / all-gather bus bandwidth, GB/s (nccl-tests class figures)
     link_us: float = 25.0  # latency of one collective
     kernel_gap_us: float = 0.35  # device-side gap between consecutive kernels
-    logits_gather_bytes_per_row: float = 163840 * 4.0  # float32 rows all-gathered (vocabulary-parallel: ~8)
+    logits_gather_bytes_per_row: float = 163840 * 4.0  # a float32 row all-gathered (gathered logits, logprob rows)
+    vocab_parallel: bool = True  # logits stay sharded by vocabulary (``ParallelArgs.vocab_parallel_logits``)
+    argmax_bytes_per_row: float = 16.0  # vocabulary-parallel greedy row: a rank's (max, id), float64 each
+    search_bytes_per_row: float = 4 * 256 * 8.0  # vocabulary-parallel seeded row: one threshold search's histograms
+    draft_topk_bytes_per_row: float = 64 * 12.0 + 4.0  # vocabulary-parallel drafter row: a shard's top-64, its lse
     logits_row_us: float = 2.0  # a logits row's vocabulary-wide device work (softmax, top-k / top-p, sampling)
     target_kernels: int = 8500  # kernels of one eager target forward
     draft_bytes: float = 1.1e9  # a DFlash drafter's bytes per rank (6 layers + the fc; the LM head is the target's)
@@ -79,11 +86,27 @@ class DeviceCostModel:
         size = tokens * _HIDDEN * 2
         return count * (self.link_us * 1e-6 + 2 * (g - 1) / g * size / (self.link_gbps * 1e9))
 
-    def _gather_s(self, rows: int) -> float:
-        if rows == 0 or self.gpus == 1:
+    def logits_bytes_per_row(self, kind: str = "greedy", searches: int = 2) -> float:
+        """Bytes one rank contributes to the logits exchange of a row of ``kind``: "greedy" (argmax), "seeded"
+        (``searches`` threshold searches: top-k and top-p; then the max, the top-p mass, the kept total, the
+        token), "draft" (the drafter's top-k of top-k's), or "logprobs" (the whole row, gathered). Without ``vocab_parallel`` every row is gathered whole."""
+        if not self.vocab_parallel or kind == "logprobs":
+            return self.logits_gather_bytes_per_row
+        if kind in ("greedy", "draft"):
+            return self.argmax_bytes_per_row if kind == "greedy" else self.draft_topk_bytes_per_row
+        return searches * self.search_bytes_per_row + 5 * 8.0
+
+    def _gather_s(self, rows: int, logprob_rows: int = 0, kind: str = "greedy") -> float:
+        """The logits exchange of ``rows`` rows of ``kind`` (every row gathered whole without ``vocab_parallel``)
+        plus ``logprob_rows`` gathered rows: a collective's latency and (g-1)/g of the bytes at the bus bandwidth."""
+        if rows + logprob_rows == 0 or self.gpus == 1:
             return 0.0
         g = self.gpus
-        return self.link_us * 1e-6 + (g - 1) / g * rows * self.logits_gather_bytes_per_row / (self.link_gbps * 1e9)
+
+        def one(n: int, per_row: float) -> float:
+            return self.link_us * 1e-6 + (g - 1) / g * n * per_row / (self.link_gbps * 1e9) if n else 0.0
+
+        return one(rows, self.logits_bytes_per_row(kind)) + one(logprob_rows, self.logits_bytes_per_row("logprobs"))
 
     def expert_bytes(self, tokens: int) -> float:
         """Routed-expert bytes one rank reads for ``tokens`` tokens: the expected distinct experts per layer."""
@@ -91,15 +114,17 @@ class DeviceCostModel:
         return _MOE_LAYERS * distinct * _EXPERT_BYTES / self.gpus
 
     def target_s(self, tokens: int, context_reads: int, logits_rows: int, kv_tokens: int = 0,
-                 kernels: int | None = None) -> float:
+                 kernels: int | None = None, logprob_rows: int = 0) -> float:
         """One target forward over ``tokens`` new tokens: ``context_reads`` query-key pairs in all, ``kv_tokens``
-        cached tokens read (each request's context once), ``logits_rows`` rows through the LM head."""
+        cached tokens read (each request's context once), ``logits_rows`` rows through the LM head (greedy ones in
+        the exchange), ``logprob_rows`` of them gathered whole (requests that ask for logprobs)."""
         read = _dense_bytes_per_rank(self.gpus) + self.expert_bytes(tokens) + kv_tokens * _KV_BYTES_PER_TOKEN
         mem = read / (self.mem_gbps * 1e9 * self.mem_eff)
         flops = (tokens * _FLOPS_PER_TOKEN + context_reads * _ATTN_FLOPS_PER_QK) / self.gpus
         compute = flops / (self.tflops * 1e12 * self.flop_eff)
         gaps = (self.target_kernels if kernels is None else kernels) * self.kernel_gap_us * 1e-6
-        return (max(mem, compute) + self._allreduce_s(tokens, 2 * _LAYERS) + self._gather_s(logits_rows) + gaps
+        exchange = self._gather_s(logits_rows - logprob_rows, logprob_rows)
+        return (max(mem, compute) + self._allreduce_s(tokens, 2 * _LAYERS) + exchange + gaps
                 + logits_rows * self.logits_row_us * 1e-6)
 
     def draft_s(self, tokens: int, logits_rows: int) -> float:
@@ -107,7 +132,7 @@ class DeviceCostModel:
         read = self.draft_bytes + _LM_HEAD / self.gpus
         mem = read / (self.mem_gbps * 1e9 * self.mem_eff)
         compute = tokens * self.draft_bytes / (self.tflops * 1e12 * self.flop_eff)  # 2 FLOPs per bf16 weight (2 bytes)
-        return (max(mem, compute) + self._allreduce_s(tokens, 2 * self.draft_layers) + self._gather_s(logits_rows)
+        return (max(mem, compute) + self._allreduce_s(tokens, 2 * self.draft_layers) + self._gather_s(logits_rows, kind="draft")
                 + self.draft_kernels * self.kernel_gap_us * 1e-6 + logits_rows * self.logits_row_us * 1e-6)
 
 

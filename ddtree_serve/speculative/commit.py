@@ -17,6 +17,7 @@ from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.model_executor.sampler import token_logprobs
 from ddtree_serve.model_executor.sampling_params import find_stop
 from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.speculative.ddtree import DraftTree
 from ddtree_serve.speculative.draft_sources import accepted_by_source
 from ddtree_serve.speculative.types import DecodeResult
@@ -78,13 +79,23 @@ def _dropped_slots(tree_slots: torch.Tensor, kept_flat: torch.Tensor, n_drop: in
     return flat.index_select(0, order)
 
 
-def attach_logprobs(reqs: Sequence[SpecRequest], res: VerifyResult, logits: torch.Tensor, out: list[DecodeResult]
-                    ) -> None:
+def attach_logprobs(reqs: Sequence[SpecRequest], res: VerifyResult, logits: torch.Tensor, out: list[DecodeResult],
+                    shard: VocabShard | None = None) -> None:
     """OpenAI logprobs of the emitted tokens under the raw target distribution at their parent nodes, with
-    the requested number of alternatives (only for requests that asked)."""
-    for b, (q, r) in enumerate(zip(reqs, out, strict=True)):
-        if q.params.logprobs is None or not r.tokens:
-            continue
-        k = len(r.tokens)
-        rows = logits[b, res.accept_index[b, :k]]  # [k, V] rows of the root and accepted nodes
-        r.logprobs = token_logprobs(rows, torch.tensor(r.tokens, device=rows.device), q.params.logprobs)
+    the requested number of alternatives (only for requests that asked). ``shard``: the logits are this rank's
+    vocabulary columns; the rows of requests that asked are gathered (every rank knows which: the same call)."""
+    asked = [(b, q, r) for b, (q, r) in enumerate(zip(reqs, out, strict=True))
+             if q.params.logprobs is not None and r.tokens]
+    if not asked:
+        return
+    dev = logits.device
+    row_of = upload([b for b, _, r in asked for _ in r.tokens], dev, torch.int64)  # [n] each emitted token's row
+    depth = upload([j for _, _, r in asked for j in range(len(r.tokens))], dev, torch.int64)  # [n]
+    rows = logits[row_of, res.accept_index[row_of, depth]]  # [n, V] the root's and accepted nodes' rows
+    rows = shard.full_rows(rows) if shard is not None else rows  # [n, V]
+    tokens = upload([t for _, _, r in asked for t in r.tokens], dev, torch.int64)  # [n]
+    got = token_logprobs(rows, tokens, max(q.params.logprobs for _, q, _ in asked))  # one read for all
+    at = 0
+    for _, q, r in asked:
+        r.logprobs = [(chosen, alts[:q.params.logprobs]) for chosen, alts in got[at:at + len(r.tokens)]]
+        at += len(r.tokens)

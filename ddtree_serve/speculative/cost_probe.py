@@ -17,7 +17,7 @@ import torch
 
 from ddtree_serve.model_executor.sampler import BatchSamplingInfo
 from ddtree_serve.model_executor.sampling_params import SamplingParams
-from ddtree_serve.speculative.ddtree import PoppedNodes, assemble_tree, pop_nodes
+from ddtree_serve.speculative.ddtree import PoppedNodes, assemble_tree, draft_topk, pop_nodes
 from ddtree_serve.speculative.step_cost import StepCostModel
 from ddtree_serve.speculative.verify import verify_tree
 
@@ -72,9 +72,10 @@ def _time_draft(worker: SpecWorker, bs: int) -> float | None:
         zeros = torch.zeros(bs, dtype=torch.int64, device=r.device)  # [bs]
         _sync(r)
         t = r.host_now()
-        logits = worker._draft(idx, zeros, zeros, 0)  # [bs, L, V]
+        logits, shard = worker._draft(idx, zeros, zeros, 0, True)  # [bs, L, V/tp]
         r.wait_device()  # the pops read the draft (as SpecWorker.decode)
-        pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain)  # host copy: synchronises
+        topk = draft_topk(logits, 1 if worker.chain else min(worker.budget, shard.vocab), shard)  # [bs, L, K]
+        pop_nodes(logits, torch.full((bs,), worker.budget), chain=worker.chain, topk=topk)  # host copy: synchronises
         return r.host_now() - t
     finally:
         for i in rows:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.speculative.ddtree_pop import batched_chain, batched_pops, reference_pops
 
 _NEG_INF = float("-inf")
@@ -75,15 +76,31 @@ class DraftTree:
         return int(self.candidates.shape[1])
 
 
-def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_topk(draft_logits: torch.Tensor, k: int, shard: VocabShard | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k draft log-probs (float64) and tokens per (request, depth), ordered (value desc, token asc):
     [bs, L, K] tensors on the logits' device that ``pop_nodes`` can reuse for every width up to ``k`` (the
     adaptive budget pops twice).
 
-    One batched topk on raw logits minus one logsumexp (the full log_softmax is never materialised)."""
+    One batched topk on raw logits minus one logsumexp (the full log_softmax is never materialised).
+    ``shard``: the logits are this rank's vocabulary columns ``[bs, L, V/tp]`` (vocabulary-parallel TP): the
+    top-k of every shard's top-k and the log-sum-exp of the shards' ones, ``tp * (k + 1)`` numbers a row."""
     logits = draft_logits.float()  # [bs, L, V]
-    top_vals, top_ids = torch.topk(logits, k, dim=-1)  # [bs, L, K] descending
-    top_lp = top_vals - torch.logsumexp(logits, dim=-1, keepdim=True)  # [bs, L, K]
+    if shard is not None and shard.sharded:
+        kk = min(k, logits.shape[-1])
+        vals, ids = torch.topk(logits, kk, dim=-1)  # [bs, L, k'] this shard's
+        pad = (*vals.shape[:-1], k - kk)
+        vals = torch.cat([vals, vals.new_full(pad, float("-inf"))], -1)  # [bs, L, K]
+        ids = torch.cat([ids + shard.start, ids.new_full(pad, shard.vocab)], -1)  # [bs, L, K] global ids
+        lse = torch.logsumexp(shard.gather(torch.logsumexp(logits, dim=-1)), dim=0)  # [bs, L] over the ranks
+        all_vals = torch.cat(list(shard.gather(vals)), -1)  # [bs, L, tp*K]
+        all_ids = torch.cat(list(shard.gather(ids)), -1)  # [bs, L, tp*K]
+        top_vals, pick = torch.topk(all_vals, k, dim=-1)  # [bs, L, K]
+        top_ids = all_ids.gather(-1, pick)
+        top_lp = top_vals - lse[..., None]  # [bs, L, K]
+    else:
+        top_vals, top_ids = torch.topk(logits, k, dim=-1)  # [bs, L, K] descending
+        top_lp = top_vals - torch.logsumexp(logits, dim=-1, keepdim=True)  # [bs, L, K]
     # Deterministic order among equal values: ascending token id (stable sort of an id-sorted view).
     id_order = torch.argsort(top_ids, dim=-1)  # [bs, L, K]
     top_lp = top_lp.gather(-1, id_order)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ddtree_serve.kernels.dispatch import check_tree_walk
 from ddtree_serve.model_executor.forward_batch import (
     ForwardBatch,
     HostShape,
@@ -76,6 +77,7 @@ class SpecWorker:
                  runner: ModelRunner, max_budget: int = 64, accept_thresholds: tuple[float, float] = (1.0, 1.0),
                  budget_config: BudgetConfig | None = None, suffix: SuffixConfig | None = None):
         auto = budget == "auto"  # the values were checked once, by the configuration (ddtree_serve/server/config.py)
+        check_tree_walk(runner.device)
         self.chain = algorithm == "dflash"
         self.drafter = drafter
         self.runner = runner
@@ -260,13 +262,13 @@ class SpecWorker:
         roots = upload(root_ids, dev, torch.int64)  # [bs]
         draft_logits = topk = None
         if plan == DRAFT:
-            draft_logits = self._draft(idx, cached, roots, max(root_pos))  # [bs, L, V]
+            draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), not mask_drafts)  # [bs, L, V/tp]
             self._window("draft")  # the pops read the draft on the host
             if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
                 mask_draft_logits(grammars, draft_logits)
             # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
-            k = 1 if self.chain else min(self.budget, draft_logits.shape[-1])
-            topk = None if mask_drafts else draft_topk(draft_logits, k)  # [bs, L, K] on the device
+            k = 1 if self.chain else min(self.budget, dshard.vocab)
+            topk = None if mask_drafts else draft_topk(draft_logits, k, dshard)  # [bs, L, K] on the device
         depths = torch.tensor(max_depths)  # [bs]
         scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
 
@@ -306,26 +308,27 @@ class SpecWorker:
             host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
         logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, padded=pad is not None)
         # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
-        params, vocab = [q.params for q in reqs], logits.shape[-1]
-        info = BatchSamplingInfo.build(params, vocab, dev)
+        params, shard = [q.params for q in reqs], r.vocab_shard  # the logits' vocabulary columns on this rank
+        info = BatchSamplingInfo.build(params, vocab := shard.vocab, dev)
         want_lp = any(p.logprobs is not None for p in params)
         pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev, [len(q.output_ids) for q in reqs])
+        pen = pen.for_shard(shard) if pen is not None else None
         keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
         single, acc = self.accept_thresholds
         self._window("verify_forward")
         # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
-        vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp)
+        vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp, shard=shard)
         res = verify_tree(tree, vlogits, info.temperature, info.top_k, info.top_p, info.is_greedy, keys,
                           min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
                           want_reach=ctl is not None, generators=[q.generator for q in reqs],
-                          greedy_only=info.greedy_only, maybe=info.maybe)
+                          greedy_only=info.greedy_only, maybe=info.maybe, shard=shard)
         t.lap("verify")
         # the step's one read of its results: accepted paths and tokens (and the controller's reach)
         read = read_back(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []))
         out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context,
                      placed=host.tokens, paths=(read[0], read[1]))
         if want_lp:
-            attach_logprobs(reqs, res, logits, out)
+            attach_logprobs(reqs, res, logits, out, shard)
         t.lap("commit")
         t.steps += 1
         for o, n in zip(out, n_used.tolist(), strict=True):  # nodes per tree: the host's
@@ -364,8 +367,7 @@ class SpecWorker:
             self.deferred.add(out.captured, fb.positions, fb.out_cache_loc)
         else:
             self._write_context(out.captured, fb.positions, fb.out_cache_loc)
-        logits = r.logits(out.hidden)  # [bs, V]
-        tokens, lps = sample_requests(reqs, logits)  # [bs], as the scheduler's plain decode samples
+        tokens, lps = sample_requests(reqs, *r.step_logits(out.hidden))  # [bs], as the scheduler's plain decode
         results = []
         for q, tok, lp in zip(reqs, tokens.tolist(), lps, strict=True):
             q.num_cached += 1  # a running request has a token left: ``tok`` is always kept
@@ -388,11 +390,11 @@ class SpecWorker:
             suffix = tag(suffix, SUFFIX) if suffix.counts.any() else None
         return r.tp.broadcast_object(suffix)
 
-    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int) -> torch.Tensor:
-        """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V] (``tree_forward``)."""
+    def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int, local: bool):
+        """The drafter's forward: logits [bs, B-1, V] (``local``: V/tp) and their shard (``draft_forward``)."""
         self.flush_context()
         return draft_forward(self.runner, self.drafter, self.draft_kv, self.draft_backend, self.block_size, idx,
-                             cached, roots, max_cached)
+                             cached, roots, max_cached, local)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
                         host: HostShape | None = None, padded: bool = False):

@@ -9,6 +9,7 @@ import torch
 from ddtree_serve.model_executor.forward_batch import ForwardMode, HostShape, build_forward_batch, flat_rows
 from ddtree_serve.model_executor.kv_cache import KVCache
 from ddtree_serve.model_executor.model_runner import ModelRunner
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.speculative.ddtree import DraftTree
 
 
@@ -23,9 +24,12 @@ def padded_width(widths: dict[int, tuple[int, ...]], bs: int, width: int, cap: i
 
 
 def draft_forward(r: ModelRunner, drafter: torch.nn.Module, draft_kv: KVCache, backend: object, bsz: int,
-                  idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int) -> torch.Tensor:
-    """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V]; ``max_cached``: the
-    largest root position (the host's, so no size is read back)."""
+                  idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int,
+                  local: bool = False) -> tuple[torch.Tensor, VocabShard]:
+    """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V] and their vocabulary
+    shard; ``local``: this rank's vocabulary columns ``[bs, B-1, V/tp]`` under vocabulary-parallel TP (for
+    ``draft_topk``'s top-k of top-k's), else gathered. ``max_cached``: the largest root position (the host's, so
+    no size is read back)."""
     bs = idx.shape[0]
     block = r.slots.place_block(idx, cached, bsz)  # [bs, B] temporary slots for the block's own K/V
     slots = block.view(-1)  # [bs*B]
@@ -40,7 +44,9 @@ def draft_forward(r: ModelRunner, drafter: torch.nn.Module, draft_kv: KVCache, b
         host=HostShape(bs * bsz, bsz, max_cached + bsz))
     hidden = drafter(fb, draft_kv, backend).view(bs, bsz, -1)  # [bs, B, H]
     r.slots.free(slots)
-    return r.model.compute_logits(hidden[:, 1:].reshape(bs * (bsz - 1), -1)).view(bs, bsz - 1, -1)
+    rows = hidden[:, 1:].reshape(bs * (bsz - 1), -1)  # [bs*(B-1), H]
+    logits, shard = r.step_logits(rows) if local else (r.logits(rows), VocabShard.whole(r.config.vocab_size))
+    return logits.view(bs, bsz - 1, -1), shard
 
 
 def verify_forward(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
@@ -72,7 +78,7 @@ def verify_forward(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: t
         host=host)
     out = r.forward(fb)
     # scatters by index: a boolean-mask assignment here would synchronise while the forward runs
-    rows = r.logits(out.hidden)  # [T, V]
+    rows = r.step_logits(out.hidden)[0]  # [T, V], or [T, V/tp] this rank's columns (``r.vocab_shard``)
     logits = rows.new_zeros(bs * d, rows.shape[-1]).index_copy_(0, dest, rows)  # [bs*D, V]
     captured = None  # no drafter: nothing captured
     if out.captured is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree_serve.kernels.dispatch import one_kernel
 from ddtree_serve.model_executor.penalties import BatchPenalties, apply_tree_penalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.sampler import (
@@ -38,6 +39,8 @@ from ddtree_serve.model_executor.sampler import (
     draw_uniforms,
     processed_probs,
 )
+from ddtree_serve.model_executor.sharded_sampling import kept_weights, sharded_argmax
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.speculative.ddtree import DraftTree
 
 
@@ -89,20 +92,27 @@ def reach_from_child_probs(tree: DraftTree, p: torch.Tensor) -> torch.Tensor:
 
 
 def child_probs(tree: DraftTree, logits: torch.Tensor, info: BatchSamplingInfo,
-                budget_bytes: int = PROBS_BUDGET_BYTES) -> torch.Tensor:
+                budget_bytes: int = PROBS_BUDGET_BYTES, shard: VocabShard | None = None) -> torch.Tensor:
     """``[bs, D]`` float32: each node's token probability under its parent's processed distribution
-    (``logits [bs, D, V]`` after masks and penalties), built in row blocks of at most ``budget_bytes``."""
-    bs, d, vocab = logits.shape
-    flat = logits.reshape(bs * d, vocab)  # [bs*D, V]
+    (``logits [bs, D, V]`` after masks and penalties; ``shard``: its columns ``[bs, D, V/tp]``), the sampler's
+    integer weights (``sharded_sampling.kept_weights``) over their row's kept mass, in row blocks of at most
+    ``budget_bytes``."""
+    bs, d, width = logits.shape
+    shard = shard if shard is not None else VocabShard.whole(width)
+    flat = logits.reshape(bs * d, width)  # [bs*D, V]
     rows = (torch.arange(bs, device=logits.device)[:, None] * d + tree.parents.clamp(min=0)).reshape(-1)  # [bs*D]
-    cols = tree.candidates.reshape(-1).clamp(min=0)  # [bs*D]
+    cols, inside = shard.local_ids(tree.candidates.reshape(-1).clamp(min=0))  # [bs*D]
     per_row = info.repeat(d)
+    maybe = info.maybe[:3] if info.maybe is not None else (True, True, True)
     out = torch.zeros(bs * d, dtype=torch.float32, device=logits.device)  # [bs*D]
-    step = max(1, budget_bytes // (vocab * 4 * 3))
+    step = max(1, budget_bytes // (max(width, 1) * 8 * 4))
     for lo in range(0, bs * d, step):
         sl = slice(lo, lo + step)
-        probs = processed_probs(flat[rows[sl]].float(), per_row.take(rows[sl]))  # [k, V] parents' rows
-        out[sl] = probs.gather(1, cols[sl, None])[:, 0]
+        par = per_row.take(rows[sl])
+        with one_kernel():  # the sampler's fused reductions (a simulated device counts one launch)
+            qk, total = kept_weights(flat[rows[sl]], par.temperature, par.top_k, par.top_p, par.min_p, shard, maybe)
+        mine = torch.where(inside[sl], qk.gather(1, cols[sl, None])[:, 0], 0)  # [k] the token's weight, if here
+        out[sl] = (shard.sum(mine).double() / total.clamp(min=1).double()).float()
     return out.reshape(bs, d)
 
 
@@ -161,18 +171,19 @@ def build_target_probs(
     return processed_probs(target_logits.float(), info).contiguous()
 
 
-def node_tokens(logits: torch.Tensor, info: BatchSamplingInfo, depths: torch.Tensor, keys: SampleKeys | None
-                ) -> torch.Tensor:
+def node_tokens(logits: torch.Tensor, info: BatchSamplingInfo, depths: torch.Tensor, keys: SampleKeys | None,
+                shard: VocabShard | None = None) -> torch.Tensor:
     """``y [bs, D]``: the token the target emits after each node: the argmax for greedy rows, else
     ``F^-1(u(seed, position + depth))`` of the node's processed distribution (``draw_tokens``).
-    logits [bs, D, V] after masks and penalties; depths [bs, D] (root 0)."""
+    logits [bs, D, V] after masks and penalties (``shard``: its columns); depths [bs, D] (root 0)."""
     bs, d, vocab = logits.shape
     if info.all_greedy:
-        return logits.argmax(-1)
+        flat = logits.reshape(bs * d, vocab)  # [bs*D, V]
+        return (sharded_argmax(flat, shard) if shard is not None else flat.argmax(-1)).reshape(bs, d)
     if keys is None:
         raise ValueError("sampled rows need their sample keys (seed and output position) for verification")
     u = keys.uniforms(depths.clamp(min=0).to(keys.seeds.device)).reshape(-1)  # [bs*D] float64
-    return draw_tokens(logits.reshape(bs * d, vocab), info.repeat(d), u.to(logits.device)).reshape(bs, d)
+    return draw_tokens(logits.reshape(bs * d, vocab), info.repeat(d), u.to(logits.device), shard=shard).reshape(bs, d)
 
 
 COIN_RULE_ENV = "DDTREE_REFERENCE_COIN_RULE"
@@ -226,6 +237,7 @@ def verify_tree(
     generators: Sequence[torch.Generator | None] | None = None,
     greedy_only: bool | None = None,
     maybe: tuple[bool, bool, bool, bool] | None = None,
+    shard: VocabShard | None = None,
 ) -> VerifyResult:
     """Derive accepted nodes and emitted tokens for a batch of trees (DDTree verification; with thresholds
     1, sampled rows give plain decoding's tokens for the same seed).
@@ -237,7 +249,8 @@ def verify_tree(
     on its own path root..i), applied before the tokens are drawn. Thresholds below 1 (relaxed, lossy):
     sgl-kernel's coin rule with ``generators`` (one per request; None: torch's default generator).
     ``want_reach``: also return ``node_reach`` (sampled rows with thresholds 1: the exact reach probabilities;
-    greedy rows and relaxed acceptance: the realized path, 0 / 1)."""
+    greedy rows and relaxed acceptance: the realized path, 0 / 1). ``shard``: the logits are this rank's
+    vocabulary columns ``[bs, D, V/tp]`` (vocabulary-parallel TP; relaxed acceptance gathers them)."""
     from ddtree_serve.kernels import speculative as kspec
 
     bs, d = tree.candidates.shape
@@ -248,20 +261,22 @@ def verify_tree(
     predicts = torch.full((bs * d,), -1, dtype=torch.int32, device=dev)  # [bs*D]
     accept_index = torch.full((bs, s), -1, dtype=torch.int32, device=dev)  # [bs, S], global rows
     accept_num = torch.zeros(bs, dtype=torch.int32, device=dev)  # [bs]
-    info = verify_info(temperature, top_k, top_p, is_greedy, min_p, target_logits.shape[-1], dev, greedy_only, maybe)
+    shard = shard if shard is not None else VocabShard.whole(target_logits.shape[-1])
+    info = verify_info(temperature, top_k, top_p, is_greedy, min_p, shard.vocab, dev, greedy_only, maybe)
     logits = apply_tree_penalties(
-        target_logits, penalties, tree.candidates, tree.tree_mask, tree.parents >= 0
+        target_logits, penalties, tree.candidates, tree.tree_mask, tree.parents >= 0, shard
     )  # [bs, D, V] processed (target_logits itself without penalties)
     lossless = threshold_single >= 1.0 and threshold_acc >= 1.0
 
     if lossless or info.all_greedy:
-        y = node_tokens(logits, info, tree.depths, keys)  # [bs, D]
+        y = node_tokens(logits, info, tree.depths, keys, shard)  # [bs, D]
         kspec.verify_tree_greedy(predicts, accept_index, accept_num, tree.candidates, tree.retrive_index,
                                  tree.retrive_next_token, tree.retrive_next_sibling, y)
     else:
         if generators is None or len(generators) != bs:
             raise ValueError(f"relaxed acceptance needs {bs} generators")
-        target_probs = build_target_probs(logits, temperature, top_k, top_p, info.is_greedy, min_p)  # [bs, D, V]
+        target_probs = build_target_probs(shard.full_rows(logits), temperature, top_k, top_p, info.is_greedy,
+                                          min_p)  # [bs, D, V] (the lossy mode gathers its rows)
         coins, final_coins = verify_coins(generators, tree.num_nodes, d, info.is_greedy, dev)
         kspec.tree_speculative_sampling_target_only(
             predicts,
@@ -290,7 +305,7 @@ def verify_tree(
     if want_reach:
         reach = _path_indicator(local, d)  # [bs, D]
         if not info.all_greedy and lossless:
-            expected = reach_from_child_probs(tree, child_probs(tree, logits, info))  # [bs, D]
+            expected = reach_from_child_probs(tree, child_probs(tree, logits, info, shard=shard))  # [bs, D]
             reach = torch.where(info.is_greedy[:, None], reach, expected)  # [bs, D]
     return VerifyResult(
         accept_index=local,

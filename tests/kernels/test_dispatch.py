@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from ddtree_serve.kernels.dispatch import (
+    ALLOW_TORCH_TREE_WALK_ENV,
+    SGL_KERNEL,
     CudaKernelUnavailable,
     backend_name,
+    check_tree_walk,
     cuda_kernels_required,
     import_cuda_library,
     import_error,
@@ -33,3 +36,19 @@ def test_require_switch_and_cpu_tensors(monkeypatch):
     assert cuda_kernels_required()
     # CPU tensors run the reference by definition: not a fallback, even when required
     assert backend_name(torch.zeros(2), library=_MISSING) == "torch reference"
+
+
+@pytest.mark.skipif(import_cuda_library(SGL_KERNEL) is not None, reason="sgl-kernel imports here")
+def test_a_speculative_worker_on_cuda_without_sgl_kernel_is_a_start_up_error(monkeypatch):
+    """The silent torch-walk fallback on CUDA is a start-up error (sgl-kernel does not import on this machine),
+    unless the reference walk is asked for; on the CPU the reference is the implementation."""
+    monkeypatch.delenv("DDTREE_KERNELS", raising=False)
+    monkeypatch.delenv(ALLOW_TORCH_TREE_WALK_ENV, raising=False)
+    with pytest.raises(CudaKernelUnavailable, match=f"sgl-kernel does not import.*{ALLOW_TORCH_TREE_WALK_ENV}=1"):
+        check_tree_walk(torch.device("cuda", 0))
+    check_tree_walk("cpu")
+    monkeypatch.setenv(ALLOW_TORCH_TREE_WALK_ENV, "1")
+    check_tree_walk("cuda")
+    monkeypatch.delenv(ALLOW_TORCH_TREE_WALK_ENV)
+    monkeypatch.setenv("DDTREE_KERNELS", "torch")
+    check_tree_walk("cuda")

@@ -6,8 +6,8 @@ server's settings or tokenizer, or that tie one field's value to another's; a bo
 this normalisation, must be accepted. Each step names the rule it stands for:
 
 - ``model``: must name the served model (a setting): removed.
-- images (chat ``image_url`` parts, Messages ``image`` blocks): need a model with a vision tower (the default
-  model has none): replaced by text.
+- images and videos (chat ``image_url`` / ``video_url`` parts, Messages ``image`` blocks): need a model with a
+  vision tower (the default model has none): replaced by text.
 - token ids (``logit_bias`` keys, a completions ``prompt`` of ids, /detokenize ``tokens``): must be in the
   model's vocabulary (the tokenizer): taken modulo its size.
 - a named forced tool (chat ``tool_choice.function.name``, Messages ``tool_choice.name``, Responses
@@ -160,7 +160,7 @@ def _without_images(label: str, body: dict) -> None:
     for m in body.get(field) or [] if kind and isinstance(body.get(field), list) else []:
         content = m.get("content") if isinstance(m, dict) else None
         for k, part in enumerate(content if isinstance(content, list) else []):
-            if isinstance(part, dict) and part.get("type") == kind:
+            if isinstance(part, dict) and (part.get("type") == kind or part.get("type") == "video_url"):
                 content[k] = {"type": texts, "text": "An image."}
 
 

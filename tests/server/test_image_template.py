@@ -45,8 +45,9 @@ def _render(tok, body: dict) -> tuple[list[int], ChatImages]:
     images = ChatImages(vision, [PreparedImage(None, (1, 4, 6), 6, 1)] * n)
     tm = SimpleNamespace(tokenizer=tok)
 
-    def encode(image_parts: bool, marker: str) -> list[int]:
-        return TokenizerManager.encode_chat(tm, _messages(req, marker, image_parts), None, {"thinking": False})
+    def encode(image_parts: bool, marker: str, video_marker: str = "", splice=None) -> list[int]:
+        return TokenizerManager.encode_chat(tm, _messages(req, marker, image_parts, video_marker), None,
+                                            {"thinking": False}, splice=splice)
 
     return images.render(encode), images
 

@@ -15,11 +15,15 @@ max_tokens 32000) are served and its print mode ends with exit status 0.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.server.conftest import running_server
@@ -101,3 +105,66 @@ def test_codex_exec(tmp_path) -> None:
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:], log[-3000:])
     assert done.stdout.strip(), done.stderr[-2000:]
     assert "POST /v1/responses" in log
+
+
+GUIDELLM = "0.8.1"  # pinned: the release issue 61 was measured with
+
+
+def _install_python(package: str, version: str, binary: str) -> Path:
+    """``package==version`` installed into its own virtual environment in the cache (once; torch pinned to the
+    build these tests run with, so pip does not pull another); the path of its ``binary``, or a skip."""
+    import torch
+
+    prefix = CACHE / f"{package}-{version}"
+    exe = prefix / "bin" / binary
+    if not exe.exists():
+        steps = [[sys.executable, "-m", "venv", str(prefix)],
+                 [str(prefix / "bin" / "pip"), "install", "-q", f"torch=={torch.__version__.split('+')[0]}"],
+                 [str(prefix / "bin" / "pip"), "install", "-q", f"{package}=={version}"]]
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                shutil.rmtree(prefix, ignore_errors=True)
+                pytest.skip(f"could not install {package}=={version}: {done.stderr[-500:]}")
+    return exe
+
+
+def _inflight(base: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ddtree_num_inflight_http_reqs{"))
+
+
+@pytest.mark.slow
+def test_guidellm_sweep(tmp_path) -> None:
+    """guidellm's sweep (synchronous, throughput at up to 16 streams, then two constant rates between them;
+    30 s each, 128 prompt / 64 output tokens, streamed chat completions) against the default server with
+    speculation on: every benchmark finishes with 0 errored requests, requests succeed, and when guidellm
+    has gone (its unfinished streams cut by the client) the server holds no request and stays healthy."""
+    guidellm = _install_python("guidellm", GUIDELLM, "guidellm")
+    from ddtree_serve.model_executor.default_model import ensure_default_model
+
+    model = ensure_default_model()
+    with running_server(["--served-model-name", "default"], tmp_path, timeout=600) as srv:
+        report = tmp_path / "guidellm.json"
+        done = subprocess.run([str(guidellm), "run", "--backend", f"kind=openai_http,target={srv.base}",
+                               "--profile", "kind=sweep,sweep_size=4,max_concurrency=16",
+                               "--constraint", "kind=max_duration,seconds=30",
+                               "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
+                               "--tokenizer", f"kind=hf_auto,model={model}",
+                               "--output", f"kind=json,path={report}", "--disable-progress"],
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "2"}, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+        benchmarks = json.loads(report.read_text())["benchmarks"]
+        for _ in range(120):
+            if _inflight(srv.base) == 0:
+                break
+            time.sleep(0.5)
+        assert _inflight(srv.base) == 0, srv.log.read_text()[-3000:]
+        assert httpx.get(srv.base + "/health", timeout=30).status_code == 200
+    counts = [{k: len(v) for k, v in b["requests"].items() if isinstance(v, list)} for b in benchmarks]
+    kinds = [b["config"]["strategy"]["type_"] for b in benchmarks]
+    assert len(benchmarks) == 4 and kinds[:2] == ["synchronous", "throughput"], (kinds, counts)
+    assert all(c["errored"] == 0 for c in counts), counts
+    assert all(c["successful"] > 0 for c in counts), counts

@@ -7,13 +7,21 @@ process exits with status 0."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
 import time
 
 import httpx
+import pytest
 
+from ddtree_serve.server.config import ServerConfig
+from ddtree_serve.server.http.errors import APIError
+from ddtree_serve.server.http.metrics import ServerMetrics
+from ddtree_serve.server.http.serving_common import start_generation
+from ddtree_serve.server.io_struct import IpcEndpoints
+from ddtree_serve.server.tokenizer_manager import TokenizerManager
 from tests.server.conftest import running_server
 
 TIMEOUT_S = 8
@@ -102,3 +110,16 @@ def test_sigterm_drains_streams_in_flight(tmp_path) -> None:
     assert reasons["/v1/responses"] <= {"incomplete", "completed"}, reasons
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 30, elapsed
     assert "SIGTERM: draining" in srv.log.read_text() and "shutdown timeout" in srv.log.read_text()
+
+
+def test_request_admitted_before_the_drain_is_a_503_not_an_error() -> None:
+    """A request that passed admission but was still being prepared when SIGTERM came (the drain flag set
+    between its admission check and its submission) is refused with the drain's 503 + Retry-After when it is
+    submitted, never a 500, and nothing reaches the scheduler."""
+    tm = TokenizerManager(ServerConfig(), IpcEndpoints.in_dir("/nonexistent"), None, ServerMetrics("m"))
+    tm.ready = True
+    tm.draining = True
+    with pytest.raises(APIError) as e:
+        asyncio.run(start_generation(None, tm, []))  # type: ignore[arg-type] - refused before the request is read
+    assert e.value.status == 503 and e.value.headers and e.value.headers.get("Retry-After"), e.value.message
+    assert "shutting down" in e.value.message and not tm.states

@@ -6,6 +6,7 @@ calibration points."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -97,21 +98,26 @@ def test_clock_charges_and_refunds_move_the_host_clock() -> None:
 
 
 def test_cost_models_calibration_and_shape() -> None:
-    """The PCIe model reproduces users' vLLM figures for K2.x on 8x RTX PRO 6000 (~10 ms at batch 1, ~57 ms at
-    128: machines.py), within 10%; the NVLink machine is faster everywhere; expert reads grow concavely; a wide
-    verify is far costlier than a decode step; the logits gather grows with rows."""
+    """The PCIe model with gathered logits (vLLM's) reproduces users' vLLM figures for K2.x on 8x RTX PRO 6000
+    (~10 ms at batch 1, ~57 ms at 128: machines.py), within 10%; the NVLink machine is faster everywhere; expert
+    reads grow concavely; a wide verify is far costlier than a decode step; the logits gather grows with rows,
+    and vocabulary-parallel logits (the default) exchange O(1) bytes a row but for logprob rows."""
     pcie, nvl = MACHINES["rtx-pro-6000"], MACHINES["b300"]
-    assert 9.0 <= pcie.target_s(1, 0, 1) * 1e3 <= 11.0
-    assert 52.0 <= pcie.target_s(128, 0, 128) * 1e3 <= 63.0
+    gathered = replace(pcie, vocab_parallel=False)
+    assert 9.0 <= gathered.target_s(1, 0, 1) * 1e3 <= 11.0
+    assert 52.0 <= gathered.target_s(128, 0, 128) * 1e3 <= 63.0
     for t in (1, 17, 128, 128 * 17):
         assert nvl.target_s(t, 0, t) < pcie.target_s(t, 0, t)
     e = [pcie.expert_bytes(t) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
     steps = [b - a for a, b in zip(e, e[1:], strict=False)]
     assert all(x > 0 for x in steps) and all(b < 2 * a for a, b in zip(steps, steps[1:], strict=False))  # concave
     assert pcie.expert_bytes(10**6) <= 384 * 60 * 3 * 7168 * 2048 * 0.5625 / 8 * 1.0001  # at most every expert
-    assert pcie.target_s(128 * 65, 0, 128 * 65) > 5 * pcie.target_s(128, 0, 128)
-    vocab_parallel = DeviceCostModel(logits_gather_bytes_per_row=8.0)
-    assert pcie.target_s(128 * 17, 0, 128 * 17) - vocab_parallel.target_s(128 * 17, 0, 128 * 17) > 0.02
+    assert gathered.target_s(128 * 65, 0, 128 * 65) > 5 * gathered.target_s(128, 0, 128)
+    assert gathered.target_s(128 * 17, 0, 128 * 17) - pcie.target_s(128 * 17, 0, 128 * 17) > 0.02
+    assert pcie.logits_bytes_per_row("greedy") == 16 and gathered.logits_bytes_per_row("greedy") == 163840 * 4
+    assert pcie.logits_bytes_per_row("seeded") < 20e3 and pcie.logits_bytes_per_row("logprobs") == 163840 * 4
+    all_lp = pcie.target_s(128 * 17, 0, 128 * 17, logprob_rows=128 * 17)  # logprob rows are gathered whole
+    assert all_lp == pytest.approx(gathered.target_s(128 * 17, 0, 128 * 17))
 
 
 def test_auto_drafts_a_repeated_answer_as_deep_as_it_matches(pair) -> None:

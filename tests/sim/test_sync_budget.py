@@ -23,6 +23,18 @@ BATCH = 4
 # (budget) -> (syncs per step, of them in the window) measured on main; lower them as syncs go
 BUDGETS = {None: (1, 0), 16: (2, 0), "auto": (2, 0)}
 SAMPLED_BUDGETS = {None: (1, 0), 16: (2, 0), "auto": (2, 0)}  # half the batch seeded sampling
+_LONG = dict(max_tokens=64, ignore_eos=True)
+# request features on every row: (params, {budget: (syncs per step, in the window)}); penalties, bias and
+# min_tokens add none; logprobs add one read for all the asking rows
+FEATURES = {
+    "penalties": (SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
+                                 repetition_penalty=1.1, **_LONG), {None: (1, 0), 16: (2, 0)}),
+    "logit_bias": (SamplingParams(temperature=0, logit_bias={5: 2.0, 7: -100.0}, **_LONG), {None: (1, 0), 16: (2, 0)}),
+    "min_tokens": (SamplingParams(temperature=0, min_tokens=40, stop_token_ids=(9,), **_LONG),
+                   {None: (1, 0), 16: (2, 0)}),
+    "logprobs": (SamplingParams(temperature=0, logprobs=3, **_LONG), {None: (2, 0), 16: (3, 0)}),
+    "suffix_drafts": (SamplingParams(temperature=0, **_LONG), {16: (2, 0), "auto": (2, 0)}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +42,16 @@ def pair(tmp_path_factory):
     return write_simulated_pair(tmp_path_factory.mktemp("sim"), vocab=VOCAB, accept_prob=0.8)
 
 
-def _step_counts(pair, budget, steps: int = 3, sampled: bool = False) -> tuple[float, float, list]:
+def _step_counts(pair, budget, steps: int = 3, sampled: bool = False, every: SamplingParams | None = None,
+                 sources: str = "dflash") -> tuple[float, float, list]:
     target, drafter = pair
     spec = dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=budget,
-                speculative_draft_sources="dflash") if budget is not None else {}
+                speculative_draft_sources=sources) if budget is not None else {}
     eng = Engine(target, device="cpu", dtype="float32", max_running_requests=BATCH, disable_radix_cache=True,
                  max_total_tokens=4096, **spec)
     sched = eng.scheduler
     clock = sched.runner.model.clock
-    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    greedy = every or SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     try:
         prompts = [[i + 1, 2, 3, 4] for i in range(BATCH)]
         for i, p in enumerate(prompts):
@@ -58,7 +71,7 @@ def _step_counts(pair, budget, steps: int = 3, sampled: bool = False) -> tuple[f
         eng.shutdown()
     for i, p in enumerate(prompts):  # exact under the tracker too (the greedy rows)
         got = outs[f"r{i}"]
-        if not (sampled and i % 2):
+        if not (sampled and i % 2) and every is None:
             assert got == greedy_continuation(p, len(got), VOCAB)
     return len(c.syncs) / steps, c.in_window / steps, c.syncs
 
@@ -75,6 +88,16 @@ def test_syncs_per_step_within_budget(pair, budget) -> None:
 def test_syncs_per_step_with_sampled_rows(pair, budget) -> None:
     syncs, in_window, events = _step_counts(pair, budget, sampled=True)
     most, most_in_window = SAMPLED_BUDGETS[budget]
+    where = sorted({f"{e.kind} {e.op} {e.where}{' [window]' if e.in_window else ''}" for e in events})
+    assert syncs <= most and in_window <= most_in_window, "\n".join(where)
+
+
+@pytest.mark.parametrize("feature,budget", [(f, b) for f, (_, budgets) in FEATURES.items() for b in budgets])
+def test_syncs_per_step_with_request_features(pair, feature, budget) -> None:
+    params, budgets = FEATURES[feature]
+    sources = "dflash,suffix" if feature == "suffix_drafts" else "dflash"
+    syncs, in_window, events = _step_counts(pair, budget, every=params, sources=sources)
+    most, most_in_window = budgets[budget]
     where = sorted({f"{e.kind} {e.op} {e.where}{' [window]' if e.in_window else ''}" for e in events})
     assert syncs <= most and in_window <= most_in_window, "\n".join(where)
 

@@ -248,6 +248,25 @@ def test_logprobs_match_plain_decoding(tiny):
             assert abs(lp - rlp) < 1e-3 and [t for t, _ in top] == [t for t, _ in rtop]
 
 
+def test_logprobs_of_mixed_widths_match_plain_decoding(tiny):
+    """Requests asking different numbers of alternatives (and one asking none) share a batch: their logprobs,
+    read back together in one read, equal plain decoding's, each with its own number of alternatives."""
+    target, drafter = tiny
+    prompts = _prompts(3, seed=6)
+    sps = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=n) for n in (4, 1, None)]
+    ref = _engine(target, None).generate(input_ids=prompts, sampling_params=sps)
+    got = _engine(target, drafter, "ddtree", 8).generate(input_ids=prompts, sampling_params=sps)
+    assert sum(o.spec_accepted_tokens for o in got) > 0
+    for o, r, n in zip(got, ref, (4, 1, None), strict=True):
+        assert o.token_ids == r.token_ids
+        if n is None:
+            assert not o.logprobs and not r.logprobs
+            continue
+        assert len(o.logprobs) == len(r.logprobs) == 10
+        for (lp, top), (rlp, rtop) in zip(o.logprobs, r.logprobs, strict=True):
+            assert abs(lp - rlp) < 1e-3 and [t for t, _ in top] == [t for t, _ in rtop] and len(top) == n
+
+
 def test_no_drafter_forward_for_a_last_token(tiny):
     """A request with one token left can take no tree node: its step is a plain decode step, without the
     drafter forward (max_tokens 2: the prefill emits the first token, one decode step the second)."""

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ddtree_serve.model_executor.grammar.state import GrammarState, stop_only_row
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 
 
 def bitmask_width(vocab: int) -> int:
@@ -56,16 +57,35 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab, indices=list(rows))
 
 
-def mask_logits(states: Sequence[GrammarState | None], logits: torch.Tensor) -> torch.Tensor:
-    """Plain decode: logits [bs, V] -> a masked copy (the input itself when no request has a grammar)."""
+def apply_bitmask_cols(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], shard: VocabShard) -> None:
+    """``apply_bitmask`` on ``shard``'s columns: logits [N, V/tp] (in place), bitmask [N, W] of the whole
+    vocabulary; the same -inf entries as masking the gathered row."""
+    if not rows:
+        return
+    if not shard.sharded:
+        apply_bitmask(logits, bitmask, rows)
+        return
+    idx = torch.tensor(list(rows), dtype=torch.int64)  # [r]
+    ids = torch.arange(shard.start, shard.end)  # [V/tp] global token ids of the columns
+    words = bitmask[idx][:, ids >> 5]  # [r, V/tp]
+    allowed = ((words >> (ids & 31)) & 1).bool().to(logits.device)  # [r, V/tp]
+    dev_idx = idx.to(logits.device)
+    logits[dev_idx] = logits[dev_idx].masked_fill(~allowed, float("-inf"))
+
+
+def mask_logits(states: Sequence[GrammarState | None], logits: torch.Tensor,
+                shard: VocabShard | None = None) -> torch.Tensor:
+    """Plain decode: logits [bs, V] (``shard``: its columns [bs, V/tp]) -> a masked copy (the input itself
+    when no request has a grammar)."""
     rows = [b for b, s in enumerate(states) if s is not None]
     if not rows:
         return logits
-    bitmask = torch.full((len(states), bitmask_width(logits.shape[-1])), -1, dtype=torch.int32)  # [bs, W]
+    shard = shard if shard is not None else VocabShard.whole(logits.shape[-1])
+    bitmask = torch.full((len(states), bitmask_width(shard.vocab)), -1, dtype=torch.int32)  # [bs, W]
     for b in rows:
         states[b].fill(bitmask, b)
     out = logits.float().clone()  # [bs, V]
-    apply_bitmask(out, bitmask, rows)
+    apply_bitmask_cols(out, bitmask, rows, shard)
     return out
 
 
@@ -136,21 +156,22 @@ def _fix_unreachable(bitmask: torch.Tensor, cand: torch.Tensor, par: torch.Tenso
 
 
 def mask_tree_logits(states: Sequence[GrammarState | None], tree, logits: torch.Tensor,
-                     copy: bool = True) -> torch.Tensor:
-    """Target logits [bs, D, V] of a draft tree -> masked logits (the input when no request has a grammar).
-    ``copy`` False masks float32 logits in place (no second [bs, D, V] buffer when no raw logprobs are
-    needed afterwards)."""
+                     copy: bool = True, shard: VocabShard | None = None) -> torch.Tensor:
+    """Target logits [bs, D, V] of a draft tree (``shard``: its columns [bs, D, V/tp]) -> masked logits (the
+    input when no request has a grammar). ``copy`` False masks float32 logits in place (no second [bs, D, V]
+    buffer when no raw logprobs are needed afterwards)."""
     rows_b = [b for b, s in enumerate(states) if s is not None]
     if not rows_b:
         return logits
-    bs, d, vocab = logits.shape
+    bs, d, width = logits.shape
+    shard = shard if shard is not None else VocabShard.whole(width)
     bitmask = tree_bitmask(states, tree.candidates, tree.parents, tree.retrive_next_token,
-                           tree.retrive_next_sibling, vocab)  # [bs, D, W]
+                           tree.retrive_next_sibling, shard.vocab)  # [bs, D, W]
     out = logits.float()
-    out = (out.clone() if copy and out is logits else out).view(bs * d, vocab)  # [bs*D, V]
+    out = (out.clone() if copy and out is logits else out).view(bs * d, width)  # [bs*D, V]
     rows = [b * d + i for b in rows_b for i in range(d)]
-    apply_bitmask(out, bitmask.view(bs * d, -1), rows)
-    return out.view(bs, d, vocab)
+    apply_bitmask_cols(out, bitmask.view(bs * d, -1), rows, shard)
+    return out.view(bs, d, width)
 
 
 def mask_draft_logits(states: Sequence[GrammarState | None], draft_logits: torch.Tensor) -> None:

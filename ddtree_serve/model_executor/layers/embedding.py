@@ -37,7 +37,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """logits = h W^T over the vocabulary, gathered from all ranks, returned in float32."""
+    """logits = h W^T over the vocabulary, returned in float32: gathered from all ranks (``compute_logits``), or
+    this rank's columns alone (``local_logits``: vocabulary-parallel sampling, ``model_executor.vocab_shard``)."""
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, end - start]``: this rank's vocabulary columns (the shard's padding rows dropped after the product:
+        the very numbers ``compute_logits`` gathers)."""
+        return F.linear(hidden, self.weight).float()[:, : max(0, self.end - self.start)]  # [n, V/tp]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight).float()  # [n, shard]

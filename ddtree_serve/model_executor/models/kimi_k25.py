@@ -5,7 +5,7 @@ and its projector (models/moonvit.py, ``vision_tower.*`` / ``mm_projector.*``), 
 ``vision`` is None for a checkpoint without a complete ``vision_config`` (no ``vt_hidden_size``), or when
 ``ModelConfig.vision`` is off (``--max-images-per-request 0``: no tower memory): its vision tensors are
 skipped and the server refuses image inputs, as for any text-only model. ``embed_images`` turns
-preprocessed images (ddtree_serve/server/multimodal/image_processor.py) into rows of the text model's embedding space;
+preprocessed images and video chunks (ddtree_serve/server/multimodal/) into rows of the text model's embedding space;
 the scheduler writes them over the placeholder tokens' embeddings at prefill (docs/DESIGN.md, "Images").
 """
 
@@ -26,6 +26,7 @@ from ddtree_serve.model_executor.models.moonvit import (
     encoder_peak_bytes,
     fused_attention_available,
     max_image_patches,
+    max_vision_patches,
     read_vision_config,
 )
 from ddtree_serve.model_executor.parallel_state import TPGroup
@@ -47,7 +48,10 @@ class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
                 raise ValueError(f"vision_config.text_hidden_size {vision_cfg.text_hidden_size} != the text "
                                  f"model's hidden_size {self.config.hidden_size}")
             self.vision = KimiVision(vision_cfg, config.dtype)
-            self.max_image_patches = max_image_patches(config.path, vision_cfg.merge_kernel[0])
+            # the largest image the preprocessor admits, or video chunk (frames x per-frame patches) with video on
+            self.max_image_patches = (max_vision_patches(config.path, vision_cfg.merge_kernel[0],
+                                                         vision_cfg.pos_emb_time) if config.video
+                                      else max_image_patches(config.path, vision_cfg.merge_kernel[0]))
         # the loader skips these before they reach load_weights (a vision tower, when built, takes its own)
         self.skip_weight_prefixes = _OTHER_VISION_PREFIXES + (() if self.vision is not None else VISION_PREFIXES)
 

@@ -6,16 +6,22 @@ Architecture (the published checkpoints' ``vision_config``; names below are the 
 - ``vision_tower.patch_embed.proj``: a 14x14 stride-14 convolution over each patch ``[3, 14, 14]`` -> ``D``;
   ``vision_tower.patch_embed.pos_emb.weight`` ``[H0, W0, D]`` (64 x 64) is a learned 2D position table,
   resized bicubically (``align_corners=False``) to the image's patch grid ``(h, w)`` when that differs, and
-  added to the patch embeddings (row-major over the grid). Images are one frame (``t = 1``): no time term.
+  added to the patch embeddings (row-major over the grid). A video chunk of ``t`` > 1 frames (``init_pos_emb_time``
+  at most) lays its frames' patches out frame after frame, each frame with the same 2D table plus a fixed 1D
+  sin-cos time row: for frame ``k``, ``[sin(k w_j), cos(k w_j)]`` over ``j < D/2``, ``w_j = 10000^(-2j/D)``
+  (not a checkpoint tensor); an image, or a one-frame chunk, gets no time term.
 - ``vision_tower.encoder.blocks.{i}``: pre-LayerNorm blocks, ``x += wo(attn(norm0(x)))``,
   ``x += mlp.fc1(gelu_tanh(mlp.fc0(norm1(x))))``; ``wqkv`` packs q, k, v as ``[3, heads, head_dim]`` (with
-  biases). Attention is bidirectional inside one image (never across images), scale ``1/sqrt(head_dim)``.
+  biases). Attention is bidirectional inside one image or one video chunk, across all its frames (never
+  across images or chunks), scale ``1/sqrt(head_dim)``.
   Queries and keys get a 2D rotary embedding: the head dimension is read as ``head_dim/2`` complex pairs
   (elements ``2k, 2k+1``); pair ``2i`` turns by ``col * f_i`` and pair ``2i+1`` by ``row * f_i``, with
-  ``f_i = 10000^(-4i/head_dim)``, ``i < head_dim/4``, (row, col) the patch's place in the grid.
+  ``f_i = 10000^(-4i/head_dim)``, ``i < head_dim/4``, (row, col) the patch's place in the grid (the same for
+  every frame of a chunk).
 - ``vision_tower.encoder.final_layernorm``; then the 2x2 merge: each 2x2 block of neighbouring patches
   (row-major over the ``h/2 x w/2`` merged grid) becomes one token of ``4 x D`` features, in the order
-  (0,0), (0,1), (1,0), (1,1).
+  (0,0), (0,1), (1,0), (1,1); a chunk's ``t`` frames are averaged first (``merge_type`` ``sd2_tpool``), so a
+  chunk gives ``h/2 * w/2`` tokens like one image.
 - ``mm_projector`` (``patchmerger``): ``pre_norm`` LayerNorm over each patch's ``D`` features
   (``projector_ln_eps``), flatten to ``4D``, ``proj.0`` Linear ``4D -> 4D``, exact GELU, ``proj.2`` Linear
   ``4D -> text hidden``. One output row per image token.
@@ -50,6 +56,7 @@ class MoonViTConfig:
     intermediate_size: int = 4304  # vt_intermediate_size
     pos_emb_height: int = 64  # init_pos_emb_height
     pos_emb_width: int = 64  # init_pos_emb_width
+    pos_emb_time: int = 4  # init_pos_emb_time: the most frames one video chunk may have
     merge_kernel: tuple[int, int] = (2, 2)  # merge_kernel_size
     text_hidden_size: int = 7168
     projector_ln_eps: float = 1e-5
@@ -63,7 +70,7 @@ class MoonViTConfig:
     def from_hf(cls, vc: dict[str, Any], text_hidden_size: int) -> MoonViTConfig:
         """From ``config.json``'s ``vision_config``; ValueError for a layout this tower does not implement."""
         for key, want in (("pos_emb_type", "divided_fixed"), ("merge_type", "sd2_tpool"),
-                          ("mm_projector_type", "patchmerger")):
+                          ("mm_projector_type", "patchmerger"), ("video_attn_type", "spatial_temporal")):
             if vc.get(key, want) != want:
                 raise ValueError(f"vision_config.{key} = {vc[key]!r} is not supported (only {want!r})")
         mm_hidden = vc.get("mm_hidden_size", vc["vt_hidden_size"])
@@ -77,6 +84,7 @@ class MoonViTConfig:
                    intermediate_size=int(vc["vt_intermediate_size"]),
                    pos_emb_height=int(vc.get("init_pos_emb_height", 64)),
                    pos_emb_width=int(vc.get("init_pos_emb_width", 64)),
+                   pos_emb_time=int(vc.get("init_pos_emb_time", 4)),
                    merge_kernel=(int(merge[0]), int(merge[1])),
                    text_hidden_size=int(vc.get("text_hidden_size", text_hidden_size)),
                    projector_ln_eps=float(vc.get("projector_ln_eps", 1e-5)))
@@ -114,14 +122,26 @@ class PatchEmbed(nn.Module):
         self.pos_emb.weight = nn.Parameter(torch.empty(cfg.pos_emb_height, cfg.pos_emb_width, cfg.hidden_size,
                                                        dtype=dtype), requires_grad=False)
 
-    def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """``patches`` [h*w, 3, p, p] of one image, row-major over its ``grid`` (h, w) -> [h*w, D]."""
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """``patches`` [t*h*w, 3, p, p] of one image (t = 1) or video chunk, frame after frame, each row-major
+        over the ``grid`` (t, h, w) -> [t*h*w, D]."""
+        t, h, w = grid
         x = self.proj(patches.to(self.proj.weight.dtype)).flatten(1)  # [L, D]
         table = self.pos_emb.weight  # [H0, W0, D]
-        if tuple(grid) != tuple(table.shape[:2]):
-            table = F.interpolate(table.float().permute(2, 0, 1).unsqueeze(0), size=tuple(grid), mode="bicubic",
+        if (h, w) != tuple(table.shape[:2]):
+            table = F.interpolate(table.float().permute(2, 0, 1).unsqueeze(0), size=(h, w), mode="bicubic",
                                   align_corners=False).squeeze(0).permute(1, 2, 0)  # [h, w, D]
-        return x + table.reshape(-1, table.shape[-1]).to(x.dtype)
+        table = table.reshape(-1, table.shape[-1])  # [h*w, D]
+        if t > 1:
+            table = (table.float()[None] + time_embedding(t, table.shape[-1], x.device)[:, None]).flatten(0, 1)
+        return x + table.to(x.dtype)
+
+
+def time_embedding(t: int, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[t, dim] float32: frame k's fixed 1D sin-cos row, [sin(k w_j), cos(k w_j)], w_j = 10000^(-2j/dim)."""
+    w = 1.0 / 10000.0 ** (torch.arange(dim // 2, dtype=torch.float64, device=device) / (dim / 2.0))
+    angles = torch.arange(t, dtype=torch.float64, device=device)[:, None] * w  # [t, dim/2]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).float()
 
 
 def rope_2d(grid: tuple[int, int], head_dim: int, theta: float, device: torch.device
@@ -182,15 +202,17 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(EncoderBlock(cfg, dtype) for _ in range(cfg.num_layers))
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        cos, sin = rope_2d(grid, self.cfg.head_dim, self.cfg.rope_theta, x.device)  # [L, hd/2]
+    def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        cos, sin = rope_2d(grid[1:], self.cfg.head_dim, self.cfg.rope_theta, x.device)  # [h*w, hd/2]
+        if grid[0] > 1:  # every frame of a chunk: the same 2D positions
+            cos, sin = cos.repeat(grid[0], 1), sin.repeat(grid[0], 1)
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.final_layernorm(x)
 
 
 class MoonViT(nn.Module):
-    """The vision tower: one image's patches -> merged groups [h/2 * w/2, 4, D]."""
+    """The vision tower: one image's (or video chunk's) patches -> merged groups [h/2 * w/2, 4, D]."""
 
     def __init__(self, cfg: MoonViTConfig, dtype: torch.dtype):
         super().__init__()
@@ -198,12 +220,13 @@ class MoonViT(nn.Module):
         self.patch_embed = PatchEmbed(cfg, dtype)
         self.encoder = Encoder(cfg, dtype)
 
-    def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        h, w = grid
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        t, h, w = grid
         kh, kw = self.cfg.merge_kernel
-        x = self.encoder(self.patch_embed(patches, grid), grid)  # [h*w, D]
-        x = x.view(h // kh, kh, w // kw, kw, -1).permute(0, 2, 1, 3, 4)  # [h/kh, w/kw, kh, kw, D]
-        return x.reshape((h // kh) * (w // kw), kh * kw, -1)
+        x = self.encoder(self.patch_embed(patches, grid), grid)  # [t*h*w, D]
+        x = x.view(t, h // kh, kh, w // kw, kw, -1)
+        x = x[0] if t == 1 else x.mean(dim=0)  # the chunk's frames pooled: [h/kh, kh, w/kw, kw, D]
+        return x.permute(0, 2, 1, 3, 4).reshape((h // kh) * (w // kw), kh * kw, -1)
 
 
 class PatchMergerProjector(nn.Module):
@@ -233,12 +256,13 @@ class KimiVision(nn.Module):
     @torch.inference_mode()
     def embed_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """Per image: ``pixel_values[i]`` [t*h*w, 3, p, p] (normalised, see ddtree_serve/server/multimodal/image_processor.py)
-        with ``grids[i]`` = (t, h, w) patches -> [h/2 * w/2, text hidden] embeddings. Images only (t = 1)."""
+        with ``grids[i]`` = (t, h, w) patches -> [h/2 * w/2, text hidden] embeddings: an image (t = 1), or a
+        video chunk of t <= ``pos_emb_time`` frames (pooled to one frame's tokens)."""
         out = []
         for pv, (t, h, w) in zip(pixel_values, grids, strict=True):
-            if t != 1:
-                raise ValueError(f"MoonViT serves images (t = 1), got t = {t}")
-            out.append(self.mm_projector(self.vision_tower(pv, (h, w))))
+            if not 1 <= t <= self.cfg.pos_emb_time:
+                raise ValueError(f"MoonViT takes 1 to {self.cfg.pos_emb_time} frames per chunk, got t = {t}")
+            out.append(self.mm_projector(self.vision_tower(pv, (t, h, w))))
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -289,6 +313,19 @@ def read_media_config(path: str) -> dict[str, Any]:
 
 DEFAULT_IN_PATCH_LIMIT = 16384  # Kimi K2.5 / K2.6's published in_patch_limit
 DEFAULT_SIDE_LIMIT = 512  # patch_limit_on_one_side
+
+
+def max_vision_patches(path: str, merge: int = 2, frames: int = 4) -> int:
+    """The most patches one image or one video chunk (``frames`` frames, each under the per-frame limit
+    ``in_patch_limit_each_frame``, 4096 published, padded like an image) reaches: what the tower's
+    activation reserve is sized for."""
+    media = read_media_config(path)
+    side = int(media.get("patch_limit_on_one_side", DEFAULT_SIDE_LIMIT))
+    m = int(media.get("merge_kernel_size", merge))
+    each = media.get("in_patch_limit_each_frame", 4096) or int(media.get("in_patch_limit", DEFAULT_IN_PATCH_LIMIT))
+    chunk = int(media.get("temporal_merge_kernel_size", frames))
+    per_frame = int(each) + 2 * (m - 1) * min(side, int(each)) + (m - 1) ** 2
+    return max(max_image_patches(path, merge), chunk * per_frame)
 
 
 def max_image_patches(path: str, merge: int = 2) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -57,8 +58,9 @@ def _uniform(tokens: torch.Tensor, positions: torch.Tensor, depth: torch.Tensor,
     return (h * 48_271 % _M).double() / _M
 
 
-def _cost(hf: dict) -> DeviceCostModel:
-    return DeviceCostModel(**hf.get("simulated_device", {}))
+def _cost(hf: dict, tp: TPGroup) -> DeviceCostModel:
+    """The checkpoint's machine, with the server's logits configuration (``vocab_parallel_logits``)."""
+    return replace(DeviceCostModel(**hf.get("simulated_device", {})), vocab_parallel=tp.vocab_parallel)
 
 
 class SimulatedTarget(nn.Module):
@@ -71,7 +73,7 @@ class SimulatedTarget(nn.Module):
         super().__init__()
         self.vocab = config.vocab_size
         self.peak = float(config.hf.get("simulated_peak", 12.0))
-        self.clock = DeviceClock(_cost(config.hf))
+        self.clock = DeviceClock(_cost(config.hf, tp))
         self.tracker = DeviceTracker(self.clock)
         self.graph_max_bs = 0  # ModelRunner: forwards of up to this many requests replay a graph (one launch)
         self._sessions = 0
@@ -150,7 +152,7 @@ class SimulatedDrafter(nn.Module):
         top = min(max(float(self.accept_prob if top is None else top), 1e-6), 1 - 1e-6)
         self.log_top, self.log_second = math.log(top), math.log(1 - top)  # the two ranks' log-probabilities
         self.seed = int(hf.get("seed", 0))
-        self.clock = DeviceClock(_cost(hf))  # replaced by the target's (share_device)
+        self.clock = DeviceClock(_cost(hf, tp))  # replaced by the target's (share_device)
         self.tracker = DeviceTracker(self.clock)
         self.dummy = nn.Parameter(torch.zeros(1), requires_grad=False)
 

@@ -1,4 +1,4 @@
-"""The messages of a chat request: text and image parts, a message with OpenAI's per-role rules (validated and
+"""The messages of a chat request: text, image and video parts, a message with OpenAI's per-role rules (validated and
 published as JSON Schema if/then), a predicted output, and Moonshot's thinking switch.
 ddtree_serve/server/http/protocol.py re-exports them."""
 
@@ -21,7 +21,7 @@ class TextPart(BaseModel):
 
 class ImageURL(BaseModel):
     model_config = _REQ
-    url: str  # a data: URL (ddtree_serve/server/multimodal/frontend.py)
+    url: str  # a data: URL, or an http(s) URL from an allowed host (ddtree_serve/server/multimodal/frontend.py)
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's own resize rule applies
 
 
@@ -31,6 +31,19 @@ class ImagePart(BaseModel):
     model_config = _REQ
     type: Literal["image_url"]
     image_url: ImageURL
+
+
+class VideoURL(BaseModel):
+    model_config = _REQ
+    url: str  # a data:video/...;base64 URL, or an http(s) URL from an allowed host
+
+
+class VideoPart(BaseModel):
+    """A video (models that take video; a 400 otherwise), in 'user' messages (vLLM's ``video_url`` part)."""
+
+    model_config = _REQ
+    type: Literal["video_url"]
+    video_url: VideoURL
 
 
 def _if_role(roles: list[str], then: dict) -> dict:
@@ -45,17 +58,17 @@ _ROLE_RULES = [
                                                            "properties": {"tool_calls": {"type": "array",
                                                                                          "minItems": 1}}}]}),
     _if_role(["system", "developer", "user", "tool"], {"properties": {"tool_calls": {"type": "null"}}}),
-    # image parts only in user messages (ddtree_serve/server/multimodal/frontend.py)
+    # image and video parts only in user messages (ddtree_serve/server/multimodal/frontend.py)
     _if_role(["system", "developer", "assistant", "tool"], {"properties": {"content": {"anyOf": [
         {"type": "string"}, {"type": "null"}, {"type": "array", "items": {
-            "not": {"properties": {"type": {"const": "image_url"}}, "required": ["type"]}}}]}}}),
+            "not": {"properties": {"type": {"enum": ["image_url", "video_url"]}}, "required": ["type"]}}}]}}}),
 ]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": _ROLE_RULES})
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | ImagePart | VideoPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMsg] | None = None
     tool_call_id: str | None = None
@@ -75,27 +88,35 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role!r} message needs 'content'")
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"only 'assistant' messages carry 'tool_calls' (got role {self.role!r})")
-        if self.role != "user" and self.image_urls():
-            raise ValueError(f"image_url parts belong in 'user' messages (got role {self.role!r})")
+        if self.role != "user" and self.media():
+            raise ValueError(f"image_url and video_url parts belong in 'user' messages (got role {self.role!r})")
         return self
 
-    def text(self, image_marker: str = "") -> str | None:
-        """The content as one string; each image part becomes ``image_marker`` where it stands."""
+    def text(self, image_marker: str = "", video_marker: str = "") -> str | None:
+        """The content as one string; each image part becomes ``image_marker`` where it stands, each video part
+        ``video_marker``."""
         if isinstance(self.content, list):
-            return "".join(p.text if isinstance(p, TextPart) else image_marker for p in self.content)
+            return "".join(p.text if isinstance(p, TextPart) else image_marker if isinstance(p, ImagePart)
+                           else video_marker for p in self.content)
         return self.content
 
     def parts(self) -> list[dict[str, Any]]:
         """The content as the chat template takes a multimodal message (transformers' and vLLM's convention):
-        ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts in order."""
+        ``{"type": "text", "text": ...}``, ``{"type": "image"}`` and ``{"type": "video"}`` parts in order."""
         if not isinstance(self.content, list):
             return [{"type": "text", "text": self.content or ""}]
-        return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in self.content]
+        return [{"type": "text", "text": p.text} if isinstance(p, TextPart)
+                else {"type": "image"} if isinstance(p, ImagePart) else {"type": "video"} for p in self.content]
 
     def image_urls(self) -> list[str]:
-        if isinstance(self.content, list):
-            return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
-        return []
+        return [url for kind, url, _ in self.media() if kind == "image"]
+
+    def media(self) -> list[tuple[str, str, int]]:
+        """(kind "image" or "video", URL, index in ``content``) of each media part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [("image", p.image_url.url, j) if isinstance(p, ImagePart) else ("video", p.video_url.url, j)
+                for j, p in enumerate(self.content) if not isinstance(p, TextPart)]
 
 
 class Prediction(BaseModel):

@@ -42,7 +42,7 @@ class URLImageSource(BaseModel):
 
 class ImageBlock(BaseModel):
     """An image (models with a vision tower; a 400 otherwise), in 'user' messages. A base64 source becomes a
-    data: URL; a url source is passed on as it is (and refused: this server does not fetch media)."""
+    data: URL; a url source is passed on as it is (fetched from hosts --allowed-media-domains lists, else refused)."""
 
     model_config = _REQ
     type: Literal["image"]

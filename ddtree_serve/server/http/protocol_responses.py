@@ -32,7 +32,8 @@ class TextContent(BaseModel):
 
 
 class ImageContent(BaseModel):
-    """An image part of a user message (``input_image``): a ``data:`` URL, served as chat's ``image_url`` part
+    """An image part of a user message (``input_image``): a ``data:`` URL or an allowed http(s) URL, served as
+    chat's ``image_url`` part
     (models with a vision tower; docs/API.md, Images). ``file_id`` (uploaded files) is refused: no file store."""
 
     model_config = _REQ

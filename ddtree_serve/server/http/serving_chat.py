@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ddtree_serve.server.config import ServerConfig
-from ddtree_serve.server.http.chat_images import chat_images
+from ddtree_serve.server.http.chat_images import chat_images, media_refs
 from ddtree_serve.server.http.log_once import LogOnce
 from ddtree_serve.server.http.protocol import (
     ChatCompletionChoice,
@@ -54,13 +54,15 @@ from ddtree_serve.server.tokenizer_manager import InputError, TokenizerManager
 logger = logging.getLogger(__name__)
 
 
-def _messages(req: ChatCompletionRequest, image_marker: str = "", image_parts: bool = False) -> list[dict]:
-    """The messages as the template takes them. A message with images: with ``image_parts``, a list of text
-    and image parts (the checkpoint's template renders each image, e.g. Kimi's ``render_content``); else one
-    string with ``image_marker`` where each image stands (for a template that renders no image parts)."""
+def _messages(req: ChatCompletionRequest, image_marker: str = "", image_parts: bool = False,
+              video_marker: str = "") -> list[dict]:
+    """The messages as the template takes them. A message with images or videos: with ``image_parts``, a list
+    of text, image and video parts (the checkpoint's template renders each, e.g. Kimi's ``render_content``);
+    else one string with ``image_marker`` / ``video_marker`` where each image / video stands (for a template
+    that renders no media parts)."""
     out = []
     for m in req.messages:
-        content = m.parts() if image_parts and m.image_urls() else (m.text(image_marker) or "")
+        content = m.parts() if image_parts and m.media() else (m.text(image_marker, video_marker) or "")
         d: dict = {"role": m.role, "content": content}
         if m.name:
             d["name"] = m.name
@@ -121,16 +123,17 @@ class ChatHandler:
         """The prompt ids of ``req`` as the model's template renders it (tools, images expanded to their tokens)
         and the images; a template or image error is a 400 naming ``messages``. Also Anthropic's count_tokens."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
-        images = await chat_images(self.tm, [u for m in req.messages for u in m.image_urls()])
+        images = await chat_images(self.tm, media_refs(req.messages))
 
-        def encode(image_parts: bool, marker: str) -> list[int]:
+        def encode(image_parts: bool, marker: str, video_marker: str = "",
+                   splice: Callable[[str], str] | None = None) -> list[int]:
             parser = self.config.server.tool_call_parser
-            messages = template_messages(_messages(req, marker, image_parts), parser)
+            messages = template_messages(_messages(req, marker, image_parts, video_marker), parser)
             if tools and parser and self.tm.tools_in_system:  # the template renders none: the system turn holds them
                 return self.tm.encode_chat(tools_in_system(messages, tools, parser), None, req.chat_template_kwargs,
-                                           req.add_generation_prompt, req.continue_final_message)
+                                           req.add_generation_prompt, req.continue_final_message, splice)
             return self.tm.encode_chat(messages, tools, req.chat_template_kwargs, req.add_generation_prompt,
-                                       req.continue_final_message)
+                                       req.continue_final_message, splice)
 
         try:
             return images.expand(images.render(encode))

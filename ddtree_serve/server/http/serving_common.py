@@ -37,9 +37,10 @@ def validation_error(errors: list[dict]) -> APIError:
     leading ``"body"`` in each location): names the parameter, never a 422."""
     served = [e for e in errors if "input_image" in e["loc"] and e["loc"][-1] != "type"]  # Responses' own part
     for err in [] if served else errors:
-        if err["loc"][-1:] == ("type",) and err.get("input") in _MEDIA_PARTS and err["input"] != "image_url":
-            return APIError(400, f"{err['input']} content is not supported: send text parts, or images as "
-                                 "image_url parts with a data: URL (models with a vision tower)",
+        if err["loc"][-1:] == ("type",) and err.get("input") in _MEDIA_PARTS \
+                and err["input"] not in ("image_url", "video_url"):
+            return APIError(400, f"{err['input']} content is not supported: send text parts, images as image_url "
+                                 "parts or videos as video_url parts (models with a vision tower; docs/API.md)",
                             param="messages", code="unsupported_content")
     err = (served or errors)[0]
     loc = [str(x) for x in err["loc"]][1 if err["loc"][:1] == ("body",) else 0:]
@@ -284,7 +285,13 @@ async def start_generation(request: Request, tm: TokenizerManager, group: list[t
                            names: dict[str, str] | None = None) -> Generation:
     """Submit ``group``, watch the client for a disconnect (which aborts every request of the group), and wait
     for the first output so that an immediate rejection is an HTTP error rather than a stream. ``names``: the
-    API's names of the engine's fields (``param_names``): an engine refusal is a 400 naming the API's field."""
+    API's names of the engine's fields (``param_names``): an engine refusal is a 400 naming the API's field.
+
+    The serving check is repeated here, with no await between it and the submission: a request admitted before
+    a SIGTERM but still being prepared (templating, image decoding) when the drain starts gets the drain's 503
+    with Retry-After, never an internal error, and a submitted request is in ``tm.states``, which the drain
+    waits for."""
+    check_serving(tm)
     gen = tm.generate(group)
     watcher = asyncio.create_task(watch_disconnect(request, tm, [g[0].rid for g in group]))
     try:

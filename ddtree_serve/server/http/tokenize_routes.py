@@ -93,8 +93,8 @@ def tokenize(tm: TokenizerManager, req: TokenizeRequest) -> list[int]:
     if getattr(tok, "chat_template", None) is None:
         raise APIError(400, "this model has no chat template; tokenize a 'prompt'", param="messages")
     chat = chat_request({"messages": [m.model_dump(exclude_none=True) for m in req.messages or []]})
-    if any(m.image_urls() for m in chat.messages):
-        raise APIError(400, "/tokenize does not take images; send text parts (an image's token count: "
+    if any(m.media() for m in chat.messages):
+        raise APIError(400, "/tokenize does not take images or videos; send text parts (an image's token count: "
                             "docs/API.md, Images)", param="messages", code="unsupported_content")
     parser = tm.config.server.tool_call_parser
     messages = template_messages(chat_messages(chat), parser)

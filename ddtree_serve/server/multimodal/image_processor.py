@@ -27,7 +27,10 @@ IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
 
 
 class ImageError(ValueError):
-    """An image the server cannot take (corrupt, unsupported format, too large): a 400."""
+    """An image or video the server cannot take (corrupt, unsupported format, too large): a 400. ``where``:
+    the part of the request that holds it (``messages[0].content[1].image_url.url``), when known."""
+
+    where: str = ""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from ddtree_serve.model_executor.parallel_state import TPGroup
 from ddtree_serve.model_executor.penalties import TokenCounts
 from ddtree_serve.model_executor.sampler import sample_requests
 from ddtree_serve.model_executor.sampling_params import find_stop
+from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from ddtree_serve.server.memory_sizing import ModelFacts, size_startup_memory
@@ -68,12 +69,13 @@ class Scheduler:
                                              attention_backend=config.model.attention_backend,
                                              moe_backend=config.model.moe_backend, kv_cache_dtype=config.model.kv_cache_dtype,
                                              vision=config.server.max_images_per_request > 0,  # 0: text only
-                                             deterministic_inference=config.model.enable_deterministic_inference)
+                                             deterministic_inference=config.model.enable_deterministic_inference,
+                                             video=config.server.max_videos_per_request > 0)
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
         self.vocab_size = self.model_config.vocab_size  # token ids (prompt, logit_bias) are below it
         sc = config.scheduler
-        tp = tp or TPGroup()
+        tp = tp or TPGroup(vocab_parallel=config.parallel.vocab_parallel_logits)  # (a simulated device's model)
         self.runner = ModelRunner(self.model_config, sc.max_running_requests + 1, self.max_context_len, tp, device,
                                   cuda_graph_max_bs=config.model.cuda_graph_max_bs)
         spec = config.speculative
@@ -307,7 +309,7 @@ class Scheduler:
         scored_only = [i for i in done if batch.reqs[i].params.max_tokens == 0]
         done = [i for i in done if batch.reqs[i].params.max_tokens > 0]
         if done:
-            tokens = self._sample([batch.reqs[i] for i in done], r.logits(out.hidden[cum[done]]))  # [n_done, V]
+            tokens = self._sample([batch.reqs[i] for i in done], *r.step_logits(out.hidden[cum[done]]))  # [n_done]
             for j, i in enumerate(done):
                 results[i] = [tokens[j]]
         for i, req in enumerate(batch.reqs):
@@ -331,7 +333,7 @@ class Scheduler:
         for q in reqs:
             q.num_cached += 1
             q.spec_plain_steps += 1
-        tokens = self._sample(reqs, r.logits(out.hidden))
+        tokens = self._sample(reqs, *r.step_logits(out.hidden))
         return [[t] for t in tokens]
 
     def _run_spec_decode(self, batch: Batch) -> list[list[int]]:
@@ -367,8 +369,8 @@ class Scheduler:
         self.waiting.appendleft(victim)
         logger.info("KV full: retracted %s back to the queue", victim.rid)
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
-        tokens, lps = sample_requests(reqs, logits)
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, shard: VocabShard) -> list[int]:
+        tokens, lps = sample_requests(reqs, logits, shard)
         for q, lp in zip(reqs, lps, strict=True):
             if lp is not None:
                 q.pending_logprobs.extend(lp)
