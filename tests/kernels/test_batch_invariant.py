@@ -15,8 +15,11 @@ from ddtree_serve.kernels.attention import masked_paged_attention
 from ddtree_serve.kernels.attention_invariant import InvariantAttentionBackend, invariant_paged_attention
 from ddtree_serve.kernels.batch_invariant import KV_SPLIT, invariant_linear, row_block_matmul
 from ddtree_serve.model_executor.layers.activation import silu_and_mul
+from ddtree_serve.model_executor.layers.embedding import ParallelLMHead
+from ddtree_serve.model_executor.layers.linear import use_invariant_linears
 from ddtree_serve.model_executor.layers.norm import RMSNorm
 from ddtree_serve.model_executor.layers.rotary import RotaryEmbedding
+from ddtree_serve.model_executor.parallel_state import TPGroup
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -40,16 +43,21 @@ def test_linear_row_alone_equals_row_in_batches(dtype, k_n):
     assert checked > 150
 
 
-def test_lm_head_shape_is_m_invariant_in_bf16():
-    """The LM head keeps ``F.linear`` (docs/DESIGN.md 4.18): at the default model's head shape (576 -> 49152) a
-    bf16 row alone equals the row inside 1..67-row batches and a 300-row chunk on this CPU."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_rows_are_m_invariant(dtype):
+    """The LM head switched by ``use_invariant_linears`` (docs/DESIGN.md 4.18), at the default model's head shape
+    (576 -> 49152): a row's float32 logits alone equal the row's inside 1..67-row batches and a 300-row chunk,
+    gathered (``compute_logits``) and vocabulary-parallel (``local_logits``)."""
     g = torch.Generator().manual_seed(5)
-    w = (torch.randn(49152, 576, generator=g) * 0.05).bfloat16()
-    x = torch.randn(310, 576, generator=g).bfloat16()
-    alone = torch.nn.functional.linear(x[7:8], w)[0]
+    head = ParallelLMHead(49152, 576, TPGroup(), dtype)
+    head.weight.data.copy_((torch.randn(49152, 576, generator=g) * 0.05).to(dtype))
+    assert use_invariant_linears(head) == 1 and head.row_invariant
+    x = torch.randn(310, 576, generator=g).to(dtype)
+    alone = head.compute_logits(x[7:8])[0]
+    assert torch.equal(head.local_logits(x[7:8])[0], alone)
     for m in [*range(1, 68, 3), 300]:
         off = 7 - (m - 1) // 2 if m < 15 else 0
-        assert torch.equal(torch.nn.functional.linear(x[off : off + m], w)[7 - off], alone), m
+        assert torch.equal(head.compute_logits(x[off : off + m])[7 - off], alone), m
 
 
 def test_row_block_matmul_broadcasts_and_matches_matmul():

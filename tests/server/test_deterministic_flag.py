@@ -9,6 +9,7 @@ import pytest
 
 from ddtree_serve.kernels.attention import TorchAttentionBackend
 from ddtree_serve.kernels.attention_invariant import InvariantAttentionBackend
+from ddtree_serve.model_executor.layers.embedding import ParallelLMHead
 from ddtree_serve.model_executor.layers.linear import _Linear
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_runner import ModelRunner
@@ -32,6 +33,8 @@ def test_runner_switches_attention_and_linears(tiny_llama_factory, on) -> None:
     assert isinstance(runner.backend, InvariantAttentionBackend if on else TorchAttentionBackend)
     linears = [m for m in runner.model.modules() if isinstance(m, _Linear)]
     assert len(linears) == 4 * 3 and all(m.row_invariant is on for m in linears)  # qkv, o, gate_up, down x 3 layers
+    heads = [m for m in runner.model.modules() if isinstance(m, ParallelLMHead)]
+    assert len(heads) == 1 and heads[0].row_invariant is on
 
 
 def test_refused_where_not_wired(tmp_path, tiny_llama_factory) -> None:

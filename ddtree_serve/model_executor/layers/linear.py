@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree_serve.kernels.batch_invariant import invariant_linear
+from ddtree_serve.model_executor.layers.embedding import ParallelLMHead
 from ddtree_serve.model_executor.parallel_state import TPGroup
 
 
@@ -31,11 +32,11 @@ class _Linear(nn.Module):
 
 
 def use_invariant_linears(model: nn.Module) -> int:
-    """``--enable-deterministic-inference``: every linear of ``model`` computes a row independently of the
-    number of rows beside it. Returns how many were switched."""
+    """``--enable-deterministic-inference``: every linear of ``model``, the LM head included, computes a row
+    independently of the number of rows beside it. Returns how many were switched."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, _Linear):
+        if isinstance(mod, (_Linear, ParallelLMHead)):
             mod.row_invariant = True
             n += 1
     return n
