@@ -11,8 +11,12 @@ seconds of whole calls), ``vs_plain`` (median paired ratio over rounds), ``tau``
 position of the first differing token over the requests that differ (float32 must give same 1.000; in
 bfloat16 a draw within rounding of a CDF boundary may move).
 
+``--deterministic off,on`` runs every cell with and without ``enable_deterministic_inference`` (batch-invariant
+kernels, docs/DESIGN.md 4.18): ``det`` in the table; the mode's cost is tok_s on vs off in the same cell.
+
     python benchmarks/bench_seeded.py [--dtypes float32,bfloat16] [--batch-sizes 1,8] [--rounds 3]
-        [--max-tokens 64] [--temperature 0.8] [--configs plain,ddtree16,auto] [--out bench_out/seeded.json]
+        [--max-tokens 64] [--temperature 0.8] [--configs plain,ddtree16,auto] [--deterministic off,on]
+        [--out bench_out/seeded.json]
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--configs", default="plain,ddtree16,auto")
     ap.add_argument("--kv-tokens", type=int, default=16384)
+    ap.add_argument("--deterministic", default="off", help="comma list of off/on: enable_deterministic_inference")
     ap.add_argument("--out", default="bench_out/seeded.json")
     args = ap.parse_args(argv)
     from ddtree_serve.model_executor.default_model import ensure_default_model
@@ -96,8 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"machine: {m}")
     names = ["plain", *[c for c in args.configs.split(",") if c != "plain"]]
     rows = []
-    for dtype in args.dtypes.split(","):
-        engines = {n: Engine(ensure_default_model(), dtype=dtype, max_total_tokens=args.kv_tokens, **CONFIGS[n])
+    cells = [(d, m) for d in args.dtypes.split(",") for m in args.deterministic.split(",")]
+    for dtype, det in cells:
+        engines = {n: Engine(ensure_default_model(), dtype=dtype, max_total_tokens=args.kv_tokens,
+                             enable_deterministic_inference=det == "on", **CONFIGS[n])
                    for n in names}
         try:
             ids = chat_ids(engines["plain"].tokenizer, CHAT_PROMPTS)
@@ -108,13 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
             for e in engines.values():  # warm-up (and the auto budget's start-up probe)
                 e.generate(input_ids=ids[:1], sampling_params=params(0))
             for batch in (int(b) for b in args.batch_sizes.split(",")):
-                print(f"{dtype} batch {batch}:", flush=True)
+                print(f"{dtype} det {det} batch {batch}:", flush=True)
                 for row in run_cell(engines, ids, batch, args.rounds, params):
-                    rows.append({"dtype": dtype, "batch": batch, **row})
+                    rows.append({"dtype": dtype, "det": det, "batch": batch, **row})
         finally:
             for e in engines.values():
                 e.shutdown()
-    print_table(rows, ["dtype", "batch", "config", "tok_s", "vs_plain", "tau", "same", "first_diff"])
+    print_table(rows, ["dtype", "det", "batch", "config", "tok_s", "vs_plain", "tau", "same", "first_diff"])
     payload = {"machine": m, "args": vars(args), "rows": rows}
     write_json(args.out, payload)
     return payload

@@ -18,7 +18,7 @@ gives). Table + JSON.
 
     python benchmarks/bench_spec.py [--budgets 4,16,64] [--no-auto] [--no-control] [--dflash] [--batch-sizes 1,4,16,32]
         [--temperatures 0,1] [--max-tokens 64] [--round-prompts 4] [--rounds 3] [--fixed-rounds N]
-        [--contender-rounds 6] [--contender-within 0.9] [--threads 1] [--out bench_out/spec.json]
+        [--contender-rounds 6] [--contender-within 0.9] [--threads 1] [--deterministic] [--out bench_out/spec.json]
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def build_engine(alg: str, budget: int | str, args) -> Engine:
                                    "ddtree_budget": budget or 1}
     if budget == "auto":  # the bound of the auto budget (with a fixed budget it is a configuration error)
         kw["ddtree_max_budget"] = args.max_budget
-    engine = Engine("default", dtype=args.dtype, max_total_tokens=args.kv_tokens, **kw)
+    engine = Engine("default", dtype=args.dtype, max_total_tokens=args.kv_tokens,
+                    enable_deterministic_inference=args.deterministic, **kw)
     ids = chat_ids(engine.tokenizer, CHAT_PROMPTS)
     # warm-up, the same for every engine: one request of --max-tokens (first-call allocations; auto's
     # controller learns its first acceptance curve and corrects the start-up probe's costs here)
@@ -253,6 +254,9 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=8192, help="KV pool per engine (several are alive at once)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is far faster on a CPU shared with other jobs: no spinning)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="enable_deterministic_inference (batch-invariant kernels): run once with and once without "
+                         "it for the mode's cost")
     ap.add_argument("--out", default="bench_out/spec.json")
     args = ap.parse_args()
     fixed_rounds = args.rounds if args.fixed_rounds is None else args.fixed_rounds

@@ -83,6 +83,18 @@ def _mla_unfit(hf: dict[str, Any], dtype: torch.dtype | None, device: str, smem_
     )
 
 
+def invariant_attention_backend(hf: dict[str, Any], attention: str) -> str:
+    """The attention backend under ``--enable-deterministic-inference`` given the resolved one: MHA models run
+    the batch-invariant attention (ddtree_serve/kernels/attention_invariant.py), which stands in for the torch
+    reference ("torch"); flashinfer chosen explicitly, and MLA models (not wired yet), are a ValueError."""
+    if is_mla(hf):
+        raise ValueError("--enable-deterministic-inference is not wired for MLA models yet (DeepSeek-V3 / Kimi K2.x)")
+    if attention == "flashinfer":
+        raise ValueError("--enable-deterministic-inference runs its own batch-invariant attention; "
+                         "attention_backend must be auto or torch")
+    return "torch"
+
+
 def resolve_kernel_backends(
     hf: dict[str, Any],
     attention: str,

@@ -36,6 +36,7 @@ class ModelConfig:
     moe_backend: str = "torch"  # routed experts' kernels: "torch" | "triton"
     kv_cache_dtype: torch.dtype | None = None  # the KV cache's dtype (--kv-cache-dtype); None = ``dtype``
     vision: bool = True  # load a vision tower the checkpoint has (False: --max-images-per-request 0, text only)
+    deterministic_inference: bool = False  # batch-invariant kernels (ddtree_serve/kernels/batch_invariant.py)
     video: bool = False  # size the tower's activation reserve for video chunks too (--max-videos-per-request > 0)
 
     @property
@@ -62,11 +63,13 @@ class ModelConfig:
     @classmethod
     def load(cls, path: str, dtype: str = "auto", device: str = "cpu", int4_experts: str = "auto",
              attention_backend: str = "auto", moe_backend: str = "auto", kv_cache_dtype: str = "auto",
-             vision: bool = True, video: bool = False) -> ModelConfig:
+             vision: bool = True, deterministic_inference: bool = False, video: bool = False) -> ModelConfig:
         """``int4_experts``: "auto" keeps INT4 experts packed on CUDA (a dense copy would not fit) and
         dequantizes them at load on CPU (dense GEMMs are faster there). ``attention_backend`` /
         ``moe_backend``: see ddtree_serve/model_executor/kernel_backends.py. ``kv_cache_dtype``: auto | bfloat16 |
-        fp8_e4m3 (ddtree_serve/kernels/kv_quant.py; fp8 is wired for MLA models only, a ValueError otherwise)."""
+        fp8_e4m3 (ddtree_serve/kernels/kv_quant.py; fp8 is wired for MLA models only, a ValueError otherwise).
+        ``deterministic_inference``: batch-invariant kernels on the forward path (``--enable-deterministic-inference``,
+        ddtree_serve/kernels/batch_invariant.py); wired for MHA models on the torch attention backend."""
         if int4_experts not in ("auto", "packed", "dequant"):
             raise ValueError(f"int4_experts must be auto, packed or dequant, got {int4_experts!r}")
         if int4_experts == "auto":
@@ -88,7 +91,11 @@ class ModelConfig:
                 eos.extend(e if isinstance(e, list) else [e])
                 break
         from ddtree_serve.kernels.kv_quant import is_fp8, resolve_kv_cache_dtype
-        from ddtree_serve.model_executor.kernel_backends import is_mla, resolve_kernel_backends
+        from ddtree_serve.model_executor.kernel_backends import (
+            invariant_attention_backend,
+            is_mla,
+            resolve_kernel_backends,
+        )
 
         dt = resolve_dtype(dtype, device)
         kv_dt = resolve_kv_cache_dtype(kv_cache_dtype, dt)
@@ -97,10 +104,13 @@ class ModelConfig:
                              f"{archs[0]} has an MHA cache: use auto or bfloat16")
         attention_backend, moe_backend = resolve_kernel_backends(hf, attention_backend, moe_backend, device, dt,
                                                                  kv_dtype=kv_dt)
+        if deterministic_inference:
+            attention_backend = invariant_attention_backend(hf, attention_backend)
         return cls(path=str(p), hf=hf, architecture=archs[0], eos_token_ids=tuple(dict.fromkeys(eos)),
                    dtype=dt, int4_experts=int4_experts,
                    attention_backend=attention_backend, moe_backend=moe_backend,
-                   kv_cache_dtype=kv_dt if kv_dt != dt else None, vision=vision, video=video)
+                   kv_cache_dtype=kv_dt if kv_dt != dt else None, vision=vision,
+                   deterministic_inference=deterministic_inference, video=video)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from ddtree_serve.kernels.attention import TorchAttentionBackend
+from ddtree_serve.kernels.attention_invariant import InvariantAttentionBackend
 from ddtree_serve.kernels.sampling import warm_up_filters
 from ddtree_serve.model_executor.forward_batch import (
     ForwardBatch,
@@ -22,6 +23,7 @@ from ddtree_serve.model_executor.forward_batch import (
 from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
 from ddtree_serve.model_executor.kv_slots import KVSlots
 from ddtree_serve.model_executor.layers.embedding import ParallelLMHead
+from ddtree_serve.model_executor.layers.linear import use_invariant_linears
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_registry import get_model_class
 from ddtree_serve.model_executor.models.output import ModelOutput
@@ -33,11 +35,15 @@ from ddtree_serve.model_executor.weight_loader import iter_weights
 logger = logging.getLogger(__name__)
 
 
-def pick_attention_backend(device: torch.device, dtype: torch.dtype, layout: KVCacheLayout, name: str = "auto"):
+def pick_attention_backend(device: torch.device, dtype: torch.dtype, layout: KVCacheLayout, name: str = "auto",
+                           invariant: bool = False):
     """The attention backend for a model of ``dtype`` whose KV cache has ``layout`` (``name``: auto | torch |
     flashinfer, from ``--attention-backend``; auto = flashinfer on CUDA when the dtype and head dims fit it,
     ddtree_serve.kernels.attention_select). A layout without a V buffer (MLA) is a model that runs its own latent
-    attention (torch or triton) and never calls the backend."""
+    attention (torch or triton) and never calls the backend. ``invariant``: ``--enable-deterministic-inference``,
+    the batch-invariant backend (ddtree_serve/kernels/attention_invariant.py)."""
+    if invariant and layout.v_dim:
+        return InvariantAttentionBackend()
     if layout.v_dim == 0 or name in ("torch", "triton"):
         return TorchAttentionBackend()
     from ddtree_serve.kernels.attention_select import get_attention_backend
@@ -93,7 +99,10 @@ class ModelRunner:
         # models (torch, flashinfer) and DFlash drafters do, the Triton MLA path does not
         self.dense_mask = bool(getattr(self.model, "reads_attn_mask", True))
         self.num_slots = 0
-        self.backend = pick_attention_backend(self.device, config.dtype, self.kv_layout, config.attention_backend)
+        self.backend = pick_attention_backend(self.device, config.dtype, self.kv_layout, config.attention_backend,
+                                              invariant=config.deterministic_inference)
+        if config.deterministic_inference:
+            use_invariant_linears(self.model)
         warm_up_attention(self.backend, self.kv_layout, self.model, config.dtype, self.device)
         if self.device.type == "cuda":  # flashinfer's sampling module JIT-compiles at first use
             logger.info("sampling filters warmed up: %s", warm_up_filters(self.device, config.vocab_size))

@@ -69,6 +69,10 @@ class ModelArgs(Area):
     cuda_graph_max_bs: int = setting(0, "Replay decode and verify forwards of up to this many requests from CUDA "
                                      "graphs (MLA models with the triton backends, CUDA only); 0 = off.", low=0)
     served_model_name: str | None = setting(None, "Model name in the API.", default_help="the --model-path value")
+    enable_deterministic_inference: bool = setting(
+        False, "Batch-invariant kernels (SGLang's name): a token's logits do not depend on the batch, the tree, the "
+        "chunking or the prefix cache, so speculative output equals plain output token for token in bfloat16 too "
+        "(greedy and seeded). MHA models; docs/API.md 'Seeds' gives the cost and guarantees.")
 
 
 @dataclass(frozen=True)

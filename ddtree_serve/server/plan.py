@@ -179,6 +179,7 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
     target = ModelConfig.load(m.model_path, m.dtype, m.device, m.int4_experts, attention_backend=m.attention_backend,
                               moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype,
                               vision=config.server.max_images_per_request > 0,
+                              deterministic_inference=m.enable_deterministic_inference,
                               video=config.server.max_videos_per_request > 0)
     drafter = drafter_model_config(spec.draft_model_path, target, m.device) if spec.uses_drafter else None
     dcp = config.parallel.decode_context_parallel_size

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree_serve.kernels.batch_invariant import invariant_linear
 from ddtree_serve.model_executor.parallel_state import TPGroup
 
 
@@ -38,14 +39,20 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = h W^T over the vocabulary, returned in float32: gathered from all ranks (``compute_logits``), or
-    this rank's columns alone (``local_logits``: vocabulary-parallel sampling, ``model_executor.vocab_shard``)."""
+    this rank's columns alone (``local_logits``: vocabulary-parallel sampling, ``model_executor.vocab_shard``).
+    ``row_invariant`` (``layers.linear.use_invariant_linears``): the product through ``invariant_linear``."""
+
+    row_invariant = False
+
+    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(hidden, self.weight) if self.row_invariant else F.linear(hidden, self.weight)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, end - start]``: this rank's vocabulary columns (the shard's padding rows dropped after the product:
         the very numbers ``compute_logits`` gathers)."""
-        return F.linear(hidden, self.weight).float()[:, : max(0, self.end - self.start)]  # [n, V/tp]
+        return self._product(hidden).float()[:, : max(0, self.end - self.start)]  # [n, V/tp]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()  # [n, shard]
+        logits = self._product(hidden).float()  # [n, shard]
         logits = self.tp.all_gather_last_dim(logits)
         return logits[:, : self.vocab_size]

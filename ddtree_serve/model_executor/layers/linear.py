@@ -16,7 +16,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree_serve.kernels.batch_invariant import invariant_linear
+from ddtree_serve.model_executor.layers.embedding import ParallelLMHead
 from ddtree_serve.model_executor.parallel_state import TPGroup
+
+
+class _Linear(nn.Module):
+    """Base of the linears: ``row_invariant`` (set per instance by ``use_invariant_linears``) routes the GEMM
+    through ``invariant_linear`` (ddtree_serve/kernels/batch_invariant.py)."""
+
+    row_invariant = False
+
+    def _mm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return invariant_linear(x, weight, bias) if self.row_invariant else F.linear(x, weight, bias)
+
+
+def use_invariant_linears(model: nn.Module) -> int:
+    """``--enable-deterministic-inference``: every linear of ``model``, the LM head included, computes a row
+    independently of the number of rows beside it. Returns how many were switched."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, (_Linear, ParallelLMHead)):
+            mod.row_invariant = True
+            n += 1
+    return n
 
 
 def _part(tp: TPGroup, n: int, unit: int, what: str) -> tuple[int, int]:
@@ -27,7 +50,7 @@ def _part(tp: TPGroup, n: int, unit: int, what: str) -> tuple[int, int]:
     return start * unit, count * unit
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Linear):
     """y = x W^T (+ b); W [out, in] sharded along out. Output stays sharded (no gather). ``out_sizes``
     lists the parts of a merged projection (e.g. gate and up); each part is sharded on its own."""
 
@@ -58,10 +81,10 @@ class ColumnParallelLinear(nn.Module):
             param.data.narrow(0, dst, self.out_sizes[i]).copy_(loaded.narrow(0, src, self.out_sizes[i]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._mm(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """y = sum_ranks x_r W_r^T (+ b); W [out, in] sharded along in; input arrives sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype,
@@ -80,11 +103,11 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.in_start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self._mm(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(_Linear):
     """The same full weight on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
@@ -93,7 +116,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._mm(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

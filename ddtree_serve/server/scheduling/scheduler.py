@@ -69,6 +69,7 @@ class Scheduler:
                                              attention_backend=config.model.attention_backend,
                                              moe_backend=config.model.moe_backend, kv_cache_dtype=config.model.kv_cache_dtype,
                                              vision=config.server.max_images_per_request > 0,  # 0: text only
+                                             deterministic_inference=config.model.enable_deterministic_inference,
                                              video=config.server.max_videos_per_request > 0)
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
