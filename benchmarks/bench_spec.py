@@ -109,7 +109,7 @@ def build_engine(alg: str, budget: int | str, args) -> Engine:
     if budget == "auto":  # the bound of the auto budget (with a fixed budget it is a configuration error)
         kw["ddtree_max_budget"] = args.max_budget
     engine = Engine("default", dtype=args.dtype, max_total_tokens=args.kv_tokens,
-                    enable_deterministic_inference=args.deterministic, **kw)
+                    enable_deterministic_inference=getattr(args, "deterministic", False), **kw)  # bench_drafter's args: off
     ids = chat_ids(engine.tokenizer, CHAT_PROMPTS)
     # warm-up, the same for every engine: one request of --max-tokens (first-call allocations; auto's
     # controller learns its first acceptance curve and corrects the start-up probe's costs here)
