@@ -21,7 +21,6 @@ import torch
 
 from ddtree_serve.model_executor.default_model import default_model_config_dir, default_model_present
 from ddtree_serve.model_executor.memory import GIB, device_memory, logit_rows_bytes
-from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_registry import get_model_class
 from ddtree_serve.model_executor.plan import (
     BUDGETS,
@@ -35,7 +34,7 @@ from ddtree_serve.model_executor.plan import (
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.machines import GPU_MEMORY_GIB
 from ddtree_serve.server.memory_sizing import ModelFacts, StartupSizing, size_startup_memory
-from ddtree_serve.server.startup import is_default_path, resolve_config
+from ddtree_serve.server.startup import is_default_path, resolve_config, target_model_config
 from ddtree_serve.speculative.worker_shape import drafter_model_config, resolve_block, step_shape
 
 
@@ -176,11 +175,7 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
         config = config.replace("model", model_path=str(default_model_config_dir()))
     config = resolve_config(config)
     m, spec = config.model, config.speculative
-    target = ModelConfig.load(m.model_path, m.dtype, m.device, m.int4_experts, attention_backend=m.attention_backend,
-                              moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype,
-                              vision=config.server.max_images_per_request > 0,
-                              deterministic_inference=m.enable_deterministic_inference,
-                              video=config.server.max_videos_per_request > 0)
+    target = target_model_config(config)
     drafter = drafter_model_config(spec.draft_model_path, target, m.device) if spec.uses_drafter else None
     dcp = config.parallel.decode_context_parallel_size
     if dcp > 1 and not getattr(get_model_class(target.architecture), "supports_dcp", False):

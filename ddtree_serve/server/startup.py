@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.models.dflash_keys import unimplemented_keys
 from ddtree_serve.server.config import ServerConfig, SpeculativeArgs, flat_name, is_default_path
 
@@ -119,6 +120,16 @@ def is_resolved(config: ServerConfig) -> bool:
     spec = config.speculative
     return (config.model.device != "auto" and not is_default_path(config.model.model_path)
             and not (spec.uses_drafter and is_default_path(spec.draft_model_path)))
+
+
+def target_model_config(config: ServerConfig) -> ModelConfig:
+    """The target's ModelConfig for a resolved ``config`` (the scheduler and the start-up plan load the same)."""
+    m = config.model
+    return ModelConfig.load(m.model_path, m.dtype, m.device, m.int4_experts, attention_backend=m.attention_backend,
+                            moe_backend=m.moe_backend, kv_cache_dtype=m.kv_cache_dtype,
+                            vision=config.server.max_images_per_request > 0,  # 0: text only
+                            deterministic_inference=m.enable_deterministic_inference,
+                            video=config.server.max_videos_per_request > 0)
 
 
 def resolve_draft_sources(config: ServerConfig) -> str:

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ddtree_serve.kernels.dispatch import check_tree_walk
 from ddtree_serve.model_executor.forward_batch import (
     ForwardBatch,
     HostShape,
@@ -77,7 +76,6 @@ class SpecWorker:
                  runner: ModelRunner, max_budget: int = 64, accept_thresholds: tuple[float, float] = (1.0, 1.0),
                  budget_config: BudgetConfig | None = None, suffix: SuffixConfig | None = None):
         auto = budget == "auto"  # the values were checked once, by the configuration (ddtree_serve/server/config.py)
-        check_tree_walk(runner.device)
         self.chain = algorithm == "dflash"
         self.drafter = drafter
         self.runner = runner

@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -47,14 +49,21 @@ def _install(package: str, version: str, binary: str) -> Path:
     return exe
 
 
-@pytest.mark.slow
-def test_claude_code_print_mode(tmp_path) -> None:
-    claude = _install("@anthropic-ai/claude-code", CLAUDE_CODE, "claude")
+@contextmanager
+def _agent_server(tmp_path: Path) -> Iterator:
+    """The default model served as the agent clients' tests need it (hermes tool calls, float32)."""
     from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
     args = ["--tool-call-parser", "hermes", "--served-model-name", "default", "--dtype", "float32"]
     with running_server(args, tmp_path, timeout=600) as srv:
+        yield srv
+
+
+@pytest.mark.slow
+def test_claude_code_print_mode(tmp_path) -> None:
+    claude = _install("@anthropic-ai/claude-code", CLAUDE_CODE, "claude")
+    with _agent_server(tmp_path) as srv:
         home = tmp_path / "home"
         home.mkdir()
         env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": srv.base, "ANTHROPIC_API_KEY": "sk-local",
@@ -84,11 +93,7 @@ def test_codex_exec(tmp_path) -> None:
     ``include: ["reasoning.encrypted_content"]``, ``reasoning.summary``, ``store: false``) are served and it
     prints an answer with exit status 0."""
     codex = _install("@openai/codex", CODEX, "codex")
-    from ddtree_serve.model_executor.default_model import ensure_default_model
-
-    ensure_default_model()
-    args = ["--tool-call-parser", "hermes", "--served-model-name", "default", "--dtype", "float32"]
-    with running_server(args, tmp_path, timeout=600) as srv:
+    with _agent_server(tmp_path) as srv:
         home = tmp_path / "codex"
         home.mkdir()
         (home / "config.toml").write_text(

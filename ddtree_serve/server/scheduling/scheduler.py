@@ -22,11 +22,11 @@ from typing import ClassVar
 
 import torch
 
+from ddtree_serve.kernels.dispatch import check_tree_walk
 from ddtree_serve.model_executor.forward_batch import ForwardMode
 from ddtree_serve.model_executor.grammar import GrammarBackend
 from ddtree_serve.model_executor.grammar.queue import GrammarQueue
 from ddtree_serve.model_executor.memory import MemoryProbe, device_memory
-from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.model_executor.parallel_state import TPGroup
 from ddtree_serve.model_executor.penalties import TokenCounts
@@ -41,7 +41,7 @@ from ddtree_serve.server.scheduling.kv_manager import ReqKVManager
 from ddtree_serve.server.scheduling.prompt_scoring import score_prompt_chunk
 from ddtree_serve.server.scheduling.request import AdmissionError, Req
 from ddtree_serve.server.scheduling.spec_counters import SpecCounters
-from ddtree_serve.server.startup import is_resolved
+from ddtree_serve.server.startup import is_resolved, target_model_config
 from ddtree_serve.speculative.spec_worker import SpecWorker
 from ddtree_serve.speculative.types import OutOfKVSlots
 
@@ -65,12 +65,7 @@ class Scheduler:
             raise ValueError("Scheduler needs a resolved config (ddtree_serve.server.startup.resolve_config)")
         self.config = config
         self.model_path, device = config.model.model_path, config.model.device
-        self.model_config = ModelConfig.load(self.model_path, config.model.dtype, device, config.model.int4_experts,
-                                             attention_backend=config.model.attention_backend,
-                                             moe_backend=config.model.moe_backend, kv_cache_dtype=config.model.kv_cache_dtype,
-                                             vision=config.server.max_images_per_request > 0,  # 0: text only
-                                             deterministic_inference=config.model.enable_deterministic_inference,
-                                             video=config.server.max_videos_per_request > 0)
+        self.model_config = target_model_config(config)
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
         self.vocab_size = self.model_config.vocab_size  # token ids (prompt, logit_bias) are below it
@@ -79,6 +74,8 @@ class Scheduler:
         self.runner = ModelRunner(self.model_config, sc.max_running_requests + 1, self.max_context_len, tp, device,
                                   cuda_graph_max_bs=config.model.cuda_graph_max_bs)
         spec = config.speculative
+        if spec.enabled:  # on CUDA: sgl-kernel's tree walk, or the torch reference asked for (a start-up error)
+            check_tree_walk(self.runner.device)
         self.spec = SpecWorker.create(spec, self.runner, self.model_config) if spec.enabled else None
         self._size_memory(config, tp, device, memory_probe)
         self.waiting: deque[Req] = deque()
