@@ -31,7 +31,13 @@ import torch
 
 from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.model_executor.vocab_shard import VocabShard
-from ddtree_serve.speculative.ddtree_pop import batched_chain, batched_pops, reference_pops
+from ddtree_serve.speculative.ddtree_pop import (
+    batched_chain,
+    batched_pops,
+    device_chain,
+    device_pops,
+    reference_pops,
+)
 
 _NEG_INF = float("-inf")
 DFLASH, SUFFIX = 0, 1  # draft sources of a node (ddtree_serve/speculative/draft_sources.py)
@@ -286,6 +292,63 @@ def assemble_tree(
                      **({} if sources is None else dict(sources=sources)),
                      **({} if match_lens is None else dict(match_lens=match_lens))),
     )
+
+
+def assemble_device_tree(
+    pops: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    root_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    width: int,
+    max_depth: int,
+) -> DraftTree:
+    """``assemble_tree`` of pops that never left the device (``ddtree_pop.device_pops`` / ``device_chain``: tokens,
+    parents, depths, log-weights [bs, W], counts [bs]), every request at ``width`` >= W + 1 slots, nothing read
+    back: the sizes are the host's (``width``; ``max_depth``, a bound on the deepest node: the pointer jumps and
+    the verification walk run that many levels). The tree equals ``assemble_tree``'s of the same pops read back
+    at that width (tests/speculative/test_device_tree.py); ``on_host`` is None (no host copy exists)."""
+    tokens, parents, depths, logws, counts = pops  # [bs, W] x 4, [bs]
+    bs, w = tokens.shape
+    if width < w + 1:
+        raise ValueError(f"width {width} cannot hold {w} nodes and the root")
+
+    def col(a: torch.Tensor, fill: float, dtype: torch.dtype = torch.int64) -> torch.Tensor:  # [bs, D]
+        out = torch.full((bs, width), fill, dtype=dtype, device=a.device)
+        out[:, 1:w + 1] = a
+        return out
+
+    candidates = col(tokens, 0)  # [bs, D]
+    candidates[:, 0] = root_tokens
+    parents_t, depths_t = col(parents, -1), col(depths, 0)  # [bs, D]
+    node_logws = col(logws.float(), _NEG_INF, torch.float32)  # [bs, D]
+    node_logws[:, 0] = 0.0
+    next_token, next_sibling, mask = _link_and_mask(parents_t, max_depth)
+    return DraftTree(
+        candidates=candidates,
+        parents=parents_t,
+        depths=depths_t,
+        node_logws=node_logws,
+        num_nodes=counts,
+        retrive_index=torch.arange(bs * width, dtype=torch.int64, device=tokens.device).view(bs, width),
+        retrive_next_token=next_token,
+        retrive_next_sibling=next_sibling,
+        positions=seq_lens.to(dtype=torch.int64).view(bs, 1) + depths_t,
+        tree_mask=mask,
+        max_depth=max_depth,
+    )
+
+
+def build_device_tree(topk: tuple[torch.Tensor, torch.Tensor], budget: int, max_depths: list[int], chain: bool,
+                      root_tokens: torch.Tensor, seq_lens: torch.Tensor, width: int) -> DraftTree:
+    """The fixed-budget tree of every request from its ``draft_topk`` ([bs, L, K], K >= ``budget``; 1 in chain
+    mode), popped and assembled on the device at ``width`` slots with no read back (``pop_nodes`` +
+    ``assemble_tree`` read the pops back to the host). ``max_depths`` [bs]: the host's per-request depth caps."""
+    top_lp = topk[0]  # [bs, L, K]
+    depth_limit = top_lp.shape[1]
+    limits = np.clip(np.asarray(max_depths, dtype=np.int64), 0, depth_limit)  # [bs]
+    budgets = np.where(limits > 0, budget, 0).astype(np.int64)  # [bs]
+    pops = (device_chain if chain else device_pops)(*topk, budgets, limits)
+    deepest = min(int(limits.max()) if limits.size else 0, budget)  # a bound on the deepest node
+    return assemble_device_tree(pops, root_tokens, seq_lens, width, deepest)
 
 
 def build_ddtree(

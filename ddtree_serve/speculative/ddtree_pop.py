@@ -61,13 +61,33 @@ def batched_pops(
     depth_limits [bs] in 0..L (int64 host arrays: the width is known without reading the device).
 
     Returns host arrays tokens, parents (slot: 0 = root, pop i is slot i + 1), depths, logws ([bs, W], W = max
-    budget) and counts [bs]; entries past a row's count are token 0, parent -1, depth 0, log-weight -inf."""
+    budget) and counts [bs]; entries past a row's count are token 0, parent -1, depth 0, log-weight -inf:
+    ``device_pops`` and its one read back."""
+    bs = top_lp.shape[0]
+    width = int(budgets.max()) if bs else 0
+    tokens, parents, depths, logws, counts = device_pops(top_lp, top_ids, budgets, depth_limits)
+    bits = logws.view(torch.int64)  # [bs, W] the float64 weights' bits
+    out = torch.cat([tokens, parents, depths, bits, counts[:, None]], dim=1).cpu().numpy()  # [bs, 4W + 1]: the read
+    parts = (out[:, :width], out[:, width:2 * width], out[:, 2 * width:3 * width], out[:, 3 * width:4 * width],
+             out[:, 4 * width])
+    tok, par, dep, lw, cnt = (np.ascontiguousarray(a) for a in parts)
+    return tok, par, dep, lw.view(np.float64), cnt
+
+
+def device_pops(
+    top_lp: torch.Tensor, top_ids: torch.Tensor, budgets: np.ndarray, depth_limits: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batched_pops``' arrays left on the device (nothing read back): tokens, parents, depths [bs, W] int64,
+    log-weights [bs, W] float64 and counts [bs] int64, W = max budget (host-known)."""
     bs, depth_limit, k = top_lp.shape
     width = int(budgets.max()) if bs else 0
     dev = top_lp.device
     if width == 0 or depth_limit == 0:
-        return (np.zeros((bs, width), dtype=np.int64), np.full((bs, width), -1, dtype=np.int64),
-                np.zeros((bs, width), dtype=np.int64), np.full((bs, width), _NEG_INF), np.zeros(bs, dtype=np.int64))
+        return (torch.zeros((bs, width), dtype=torch.int64, device=dev),
+                torch.full((bs, width), -1, dtype=torch.int64, device=dev),
+                torch.zeros((bs, width), dtype=torch.int64, device=dev),
+                torch.full((bs, width), _NEG_INF, dtype=torch.float64, device=dev),
+                torch.zeros(bs, dtype=torch.int64, device=dev))
     lp, ids = top_lp, top_ids  # [bs, L, K]
     limits = upload(torch.as_tensor(depth_limits), dev)  # [bs] (asynchronous copies: model_executor/uploads.py)
     kw = min(k, width)
@@ -99,13 +119,30 @@ def batched_pops(
     counts = torch.minimum(torch.isfinite(w).sum(1), upload(torch.as_tensor(budgets), dev))  # [bs]
     used = torch.arange(width, device=dev)[None, :] < counts[:, None]  # [bs, W]
     tokens = torch.where(used, torch.cat(kept_tok, dim=1).gather(1, order), 0)
-    bits = torch.where(used, w, _NEG_INF).view(torch.int64)  # [bs, W] the float64 weights' bits
-    out = torch.cat([tokens, torch.where(used, parent_slot, -1), torch.where(used, depth0 + 1, 0), bits,
-                     counts[:, None]], dim=1).cpu().numpy()  # [bs, 4W + 1]: the one read back
-    parts = (out[:, :width], out[:, width:2 * width], out[:, 2 * width:3 * width], out[:, 3 * width:4 * width],
-             out[:, 4 * width])
-    tok, parents, depths, logws, cnt = (np.ascontiguousarray(a) for a in parts)
-    return tok, parents, depths, logws.view(np.float64), cnt
+    return (tokens, torch.where(used, parent_slot, -1), torch.where(used, depth0 + 1, 0),
+            torch.where(used, w, _NEG_INF), counts)
+
+
+def device_chain(
+    top_lp: torch.Tensor, top_ids: torch.Tensor, budgets: np.ndarray, depth_limits: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batched_chain`` on the device (nothing read back): the same arrays as ``device_pops``."""
+    bs, depth_limit, _ = top_lp.shape
+    width = int(budgets.max()) if bs else 0
+    n, dev = min(width, depth_limit), top_lp.device
+    cum = torch.cumsum(top_lp[:, :n, 0], dim=1)  # [bs, n]
+    lim = upload(torch.as_tensor(np.minimum(budgets, depth_limits)), dev)  # [bs]
+    counts = torch.minimum(lim, torch.isfinite(cum).sum(1))  # [bs]
+    used = torch.arange(n, device=dev)[None, :] < counts[:, None]  # [bs, n]
+    tokens = torch.zeros((bs, width), dtype=torch.int64, device=dev)
+    parents = torch.full((bs, width), -1, dtype=torch.int64, device=dev)
+    depths = torch.zeros((bs, width), dtype=torch.int64, device=dev)
+    logws = torch.full((bs, width), _NEG_INF, dtype=torch.float64, device=dev)
+    tokens[:, :n] = torch.where(used, top_ids[:, :n, 0], 0)
+    parents[:, :n] = torch.where(used, torch.arange(n, device=dev), -1)
+    depths[:, :n] = torch.where(used, torch.arange(1, n + 1, device=dev), 0)
+    logws[:, :n] = torch.where(used, cum, _NEG_INF)
+    return tokens, parents, depths, logws, counts
 
 
 def batched_chain(

@@ -22,10 +22,17 @@ tokens, which the merge keeps by identifying nodes by (parent, token)).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ddtree_serve.speculative.ddtree import DFLASH, DRAFT_SOURCES, SUFFIX, PoppedNodes
+
+if TYPE_CHECKING:
+    from ddtree_serve.model_executor.parallel_state import TPGroup
+    from ddtree_serve.speculative.suffix_index import SuffixProposer
+    from ddtree_serve.speculative.types import SpecRequest
 
 
 def parse_sources(text: str) -> tuple[str, ...]:
@@ -46,6 +53,18 @@ def resolve_sources(sources: str, algorithm: str, has_drafter: bool) -> str:
     if algorithm == "dflash":
         return "dflash"
     return "dflash,suffix" if has_drafter else "suffix"
+
+
+def step_suffix_drafts(proposer: SuffixProposer, reqs: Sequence[SpecRequest], max_depths: list[int], tp: TPGroup
+                       ) -> PoppedNodes | None:
+    """A step's suffix drafts (tagged SUFFIX; rank 0's, broadcast under TP), or None when no request has one."""
+    suffix = None
+    if tp.rank == 0:
+        texts = [q.prompt_ids + list(q.params.draft_hint) if q.params.draft_hint else q.prompt_ids
+                 for q in reqs]  # a predicted output is indexed after the prompt (OpenAI's prediction)
+        suffix = proposer.propose([q.rid for q in reqs], texts, [q.output_ids for q in reqs], max_depths)
+        suffix = tag(suffix, SUFFIX) if suffix.counts.any() else None
+    return tp.broadcast_object(suffix)
 
 
 def tag(popped: PoppedNodes, source: int) -> PoppedNodes:

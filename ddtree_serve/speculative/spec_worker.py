@@ -50,11 +50,12 @@ from ddtree_serve.speculative.ddtree import (
     DraftTree,
     PoppedNodes,
     assemble_tree,
+    build_device_tree,
     draft_topk,
     pop_nodes,
 )
 from ddtree_serve.speculative.deferred_context import DeferredContext
-from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, resolve_sources, tag
+from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, resolve_sources, step_suffix_drafts
 from ddtree_serve.speculative.step_cost import StepCostModel
 from ddtree_serve.speculative.step_timer import StepTimer
 from ddtree_serve.speculative.suffix_index import SuffixConfig, SuffixProposer
@@ -243,7 +244,7 @@ class SpecWorker:
         # a request with one token left can take no tree node: where none can, no source would be of use
         max_depths = [q.remaining_tokens - 1 for q in reqs]  # deeper nodes could never be emitted
         useful = max(max_depths) > 0
-        suffix = self._suffix_drafts(reqs, max_depths) if useful and self.suffix is not None else None
+        suffix = step_suffix_drafts(self.suffix, reqs, max_depths, r.tp) if useful and self.suffix is not None else None
         draft_fits = useful and self.drafter is not None
         if ctl is not None:
             cap = room if cap is None else min(cap, room)
@@ -281,7 +282,13 @@ class SpecWorker:
                 popped = merge_popped(popped, suffix, int(wide.max()), scale)
             return prune_popped(popped, grammars, widths) if mask_drafts else popped
 
-        if ctl is not None and plan == DRAFT:  # pops only as many nodes as can matter to its choice
+        on_device = ctl is None and topk is not None and suffix is None and r.accelerated
+        if on_device:  # the fixed budget's trees popped and assembled on the device: no read back (DESIGN 4.17)
+            budget = self.budget if cap is None else step_budget(self.budget, bs, cap)
+            pad = padded_width(self.verify_widths, bs, 1 + budget, cap) or budget + 1  # a uniform width
+            tree = build_device_tree(topk, budget, max_depths, self.chain, roots, cached, pad)
+            n_used = None  # [bs] nodes per tree: read back with the verification's results
+        elif ctl is not None and plan == DRAFT:  # pops only as many nodes as can matter to its choice
             popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
             budgets = torch.as_tensor(chosen)
         elif ctl is not None:  # suffix drafts alone: no drafter cost
@@ -290,12 +297,13 @@ class SpecWorker:
         else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
             popped = pop(self.budget)
             budgets = torch.full((bs,), self.budget if cap is None else step_budget(self.budget, bs, cap))  # [bs]
-        draft_s = t.now() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
-        n_used = np.minimum(budgets.numpy(), popped.counts)  # [bs] nodes per tree (the host's: assemble_tree's)
-        if not (n_used > 0).any():  # every tree is its root alone
-            return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
-        pad = padded_width(self.verify_widths, bs, 1 + int(n_used.max()), cap)  # a captured width, or None: ragged
-        tree = assemble_tree(popped, budgets, roots, cached, dev, width=pad)
+        if not on_device:  # the pops were read back: the tree is built from the host's arrays
+            draft_s = t.now() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
+            n_used = np.minimum(budgets.numpy(), popped.counts)  # [bs] nodes per tree (the host's: assemble_tree's)
+            if not (n_used > 0).any():  # every tree is its root alone
+                return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
+            pad = padded_width(self.verify_widths, bs, 1 + int(n_used.max()), cap)  # captured width, or None: ragged
+            tree = assemble_tree(popped, budgets, roots, cached, dev, width=pad)
         t.lap("build")
         built_at = t.now() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
         draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
@@ -322,7 +330,9 @@ class SpecWorker:
                           greedy_only=info.greedy_only, maybe=info.maybe, shard=shard)
         t.lap("verify")
         # the step's one read of its results: accepted paths and tokens (and the controller's reach)
-        read = read_back(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []))
+        read = read_back(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []),
+                         *([tree.num_nodes] if n_used is None else []))
+        n_used = read[-1] if n_used is None else n_used  # [bs] nodes per tree
         out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context,
                      placed=host.tokens, paths=(read[0], read[1]))
         if want_lp:
@@ -376,17 +386,6 @@ class SpecWorker:
             zeros = np.zeros(bs, dtype=np.int64)
             self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, self.timer.now() - start)
         return results
-
-    def _suffix_drafts(self, reqs: Sequence[SpecRequest], max_depths: list[int]) -> PoppedNodes | None:
-        """This step's suffix drafts (tagged SUFFIX; rank 0's under TP), or None when no request has one."""
-        r = self.runner
-        suffix = None
-        if r.tp.rank == 0:
-            texts = [q.prompt_ids + list(q.params.draft_hint) if q.params.draft_hint else q.prompt_ids
-                     for q in reqs]  # a predicted output is indexed after the prompt (OpenAI's prediction)
-            suffix = self.suffix.propose([q.rid for q in reqs], texts, [q.output_ids for q in reqs], max_depths)
-            suffix = tag(suffix, SUFFIX) if suffix.counts.any() else None
-        return r.tp.broadcast_object(suffix)
 
     def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int, local: bool):
         """The drafter's forward: logits [bs, B-1, V] (``local``: V/tp) and their shard (``draft_forward``)."""

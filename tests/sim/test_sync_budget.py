@@ -21,18 +21,18 @@ from ddtree_serve.speculative.spec_worker import SpecWorker
 VOCAB = 128
 BATCH = 4
 # (budget) -> (syncs per step, of them in the window) measured on main; lower them as syncs go
-BUDGETS = {None: (1, 0), 16: (2, 0), "auto": (2, 0)}
-SAMPLED_BUDGETS = {None: (1, 0), 16: (2, 0), "auto": (2, 0)}  # half the batch seeded sampling
+BUDGETS = {None: (1, 0), 16: (1, 0), "auto": (2, 0)}
+SAMPLED_BUDGETS = {None: (1, 0), 16: (1, 0), "auto": (2, 0)}  # half the batch seeded sampling
 _LONG = dict(max_tokens=64, ignore_eos=True)
 # request features on every row: (params, {budget: (syncs per step, in the window)}); penalties, bias and
 # min_tokens add none; logprobs add one read for all the asking rows
 FEATURES = {
     "penalties": (SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
-                                 repetition_penalty=1.1, **_LONG), {None: (1, 0), 16: (2, 0)}),
-    "logit_bias": (SamplingParams(temperature=0, logit_bias={5: 2.0, 7: -100.0}, **_LONG), {None: (1, 0), 16: (2, 0)}),
+                                 repetition_penalty=1.1, **_LONG), {None: (1, 0), 16: (1, 0)}),
+    "logit_bias": (SamplingParams(temperature=0, logit_bias={5: 2.0, 7: -100.0}, **_LONG), {None: (1, 0), 16: (1, 0)}),
     "min_tokens": (SamplingParams(temperature=0, min_tokens=40, stop_token_ids=(9,), **_LONG),
-                   {None: (1, 0), 16: (2, 0)}),
-    "logprobs": (SamplingParams(temperature=0, logprobs=3, **_LONG), {None: (2, 0), 16: (3, 0)}),
+                   {None: (1, 0), 16: (1, 0)}),
+    "logprobs": (SamplingParams(temperature=0, logprobs=3, **_LONG), {None: (2, 0), 16: (2, 0)}),
     "suffix_drafts": (SamplingParams(temperature=0, **_LONG), {16: (2, 0), "auto": (2, 0)}),
 }
 
