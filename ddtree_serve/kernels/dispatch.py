@@ -145,14 +145,33 @@ def backend_name(*tensors: torch.Tensor, library: str = SGL_KERNEL) -> str:
     return BACKEND_NAMES[lib] if use_cuda_kernels(*tensors, library=library) else BACKEND_NAMES["torch"]
 
 
+def _tracker_region(name: str):
+    """The ``name`` region of the innermost torch function mode that has one (a device simulator's), else None."""
+    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    return next((getattr(m, name) for m in reversed(stack) if hasattr(m, name)), None)
+
+
+@contextmanager
+def graph_replay() -> Iterator[None]:
+    """Marks torch ops that a GPU runs as one replay of a CUDA graph captured from them: a device simulator (a
+    torch function mode with a ``graph_region`` method: ddtree_serve/sim/device_tracker.py) charges the host one
+    replay for the region, whatever its ops and Python cost, and raises on a synchronising act inside it (a
+    capture cannot hold one). Elsewhere it does nothing."""
+    region = _tracker_region("graph_region")
+    if region is None:
+        yield
+        return
+    with region():
+        yield
+
+
 @contextmanager
 def one_kernel() -> Iterator[None]:
     """Marks a torch reference that stands for one CUDA kernel launch (its CUDA path is a single kernel): a device
     simulator that tracks torch calls (a torch function mode with a ``kernel_region`` method:
     ddtree_serve/sim/device_tracker.py) counts the region as that one launch, not as the reference's own ops and
     host reads. Elsewhere it does nothing."""
-    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
-    region = next((m.kernel_region for m in reversed(stack) if hasattr(m, "kernel_region")), None)
+    region = _tracker_region("kernel_region")
     if region is None:
         yield
         return

@@ -89,6 +89,11 @@ class DeviceClock:
         self.charge(self.cost.launch_us * 1e-6)
         self.counters.launches += 1
 
+    def replay_graph(self) -> None:
+        """One replay of a captured graph of device ops (not a forward): the host pays one graph launch."""
+        self.charge(self.cost.graph_launch_us * 1e-6)
+        self.counters.launches += 1
+
     def close_window(self) -> None:
         """The step reached a forward's read-back point (``ModelRunner.wait_device``): syncs from here on are
         where the step means to read."""

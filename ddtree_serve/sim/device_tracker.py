@@ -87,6 +87,7 @@ class DeviceTracker(TorchFunctionMode):
         self.clock = clock
         self.where: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _HOST / _DEVICE
         self._suspended = 0
+        self._graphed = 0  # inside graph_region: launches are the replay's
 
     def on_device(self, t: torch.Tensor) -> bool:
         return self.where.get(t, _DEVICE)
@@ -115,8 +116,26 @@ class DeviceTracker(TorchFunctionMode):
             yield
         self.clock.launch_kernel()
 
+    @contextmanager
+    def graph_region(self) -> Iterator[None]:
+        """Ops a GPU runs as one CUDA graph replay (``ddtree_serve.kernels.dispatch.graph_replay``): tracked as
+        usual, but their launches are not charged and the region's host time, Python included, becomes one
+        replay's; a sync inside raises (a CUDA graph capture fails on one)."""
+        t0, offset0, launches0 = time.perf_counter(), self.clock.offset, self.clock.counters.launches
+        self._graphed += 1
+        try:
+            yield
+        finally:
+            self._graphed -= 1
+        spent = (time.perf_counter() - t0) + (self.clock.offset - offset0)  # the region's host seconds so far
+        self.clock.refund(spent)
+        self.clock.counters.launches = launches0
+        self.clock.replay_graph()
+
     def _sync(self, kind: str, func: Any) -> float:
         """Charge a sync; returns the host seconds it blocked (not bookkeeping: they stay on the clock)."""
+        if self._graphed:
+            raise RuntimeError(f"a host sync ({kind} {_op_name(func)} at {_caller()}) inside a CUDA graph region")
         t0 = time.perf_counter()
         self.clock.sync(SyncEvent(kind, _op_name(func), _caller(), self.clock.window_open))
         return time.perf_counter() - t0
@@ -194,7 +213,7 @@ class DeviceTracker(TorchFunctionMode):
         # bookkeeping is not host work; a device op's own CPU time becomes a launch
         self.clock.refund((t_run - t_in - blocked) + (time.perf_counter() - t_done)
                           + ((t_done - t_run) if launched else 0.0))
-        if launched:
+        if launched and not self._graphed:
             self.clock.launch_kernel()
         return out
 

@@ -337,17 +337,20 @@ def assemble_device_tree(
     )
 
 
-def build_device_tree(topk: tuple[torch.Tensor, torch.Tensor], budget: int, max_depths: list[int], chain: bool,
-                      root_tokens: torch.Tensor, seq_lens: torch.Tensor, width: int) -> DraftTree:
-    """The fixed-budget tree of every request from its ``draft_topk`` ([bs, L, K], K >= ``budget``; 1 in chain
-    mode), popped and assembled on the device at ``width`` slots with no read back (``pop_nodes`` +
-    ``assemble_tree`` read the pops back to the host). ``max_depths`` [bs]: the host's per-request depth caps."""
-    top_lp = topk[0]  # [bs, L, K]
-    depth_limit = top_lp.shape[1]
-    limits = np.clip(np.asarray(max_depths, dtype=np.int64), 0, depth_limit)  # [bs]
-    budgets = np.where(limits > 0, budget, 0).astype(np.int64)  # [bs]
-    pops = (device_chain if chain else device_pops)(*topk, budgets, limits)
-    deepest = min(int(limits.max()) if limits.size else 0, budget)  # a bound on the deepest node
+def build_device_tree(topk: tuple[torch.Tensor, torch.Tensor], budgets: torch.Tensor, limits: torch.Tensor,
+                      shape: tuple[int, int, bool], root_tokens: torch.Tensor, seq_lens: torch.Tensor, width: int,
+                      pairs: tuple[torch.Tensor, torch.Tensor] | None) -> DraftTree:
+    """The fixed-budget tree of every request from its ``draft_topk`` ([bs, L, K], K >= the budget; 1 in chain
+    mode), popped and assembled on the device at ``width`` slots with no read back and no copy up (``pop_nodes``
+    + ``assemble_tree`` read the pops back to the host), so a CUDA graph can capture it
+    (ddtree_serve/speculative/tree_graphs.py). budgets, limits [bs] int64 device tensors: nodes and depth cap
+    per request (0 nodes where the cap is 0); ``shape``: (budget = the widest, a bound on the deepest node,
+    chain) as the host knows them; ``pairs``: ``ddtree_pop.device_pairs(budget, K)`` (None in chain mode)."""
+    budget, deepest, chain = shape
+    if chain:
+        pops = device_chain(*topk, torch.minimum(budgets, limits), budget)
+    else:
+        pops = device_pops(*topk, budgets, limits, budget, pairs)
     return assemble_device_tree(pops, root_tokens, seq_lens, width, deepest)
 
 

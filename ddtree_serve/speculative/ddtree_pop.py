@@ -63,9 +63,12 @@ def batched_pops(
     Returns host arrays tokens, parents (slot: 0 = root, pop i is slot i + 1), depths, logws ([bs, W], W = max
     budget) and counts [bs]; entries past a row's count are token 0, parent -1, depth 0, log-weight -inf:
     ``device_pops`` and its one read back."""
-    bs = top_lp.shape[0]
+    bs, _, k = top_lp.shape
     width = int(budgets.max()) if bs else 0
-    tokens, parents, depths, logws, counts = device_pops(top_lp, top_ids, budgets, depth_limits)
+    dev = top_lp.device
+    tokens, parents, depths, logws, counts = device_pops(  # (asynchronous copies up: model_executor/uploads.py)
+        top_lp, top_ids, upload(torch.as_tensor(budgets), dev), upload(torch.as_tensor(depth_limits), dev), width,
+        device_pairs(width, k, dev))
     bits = logws.view(torch.int64)  # [bs, W] the float64 weights' bits
     out = torch.cat([tokens, parents, depths, bits, counts[:, None]], dim=1).cpu().numpy()  # [bs, 4W + 1]: the read
     parts = (out[:, :width], out[:, width:2 * width], out[:, 2 * width:3 * width], out[:, 3 * width:4 * width],
@@ -74,13 +77,20 @@ def batched_pops(
     return tok, par, dep, lw.view(np.float64), cnt
 
 
+def device_pairs(width: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_pairs(width, min(k, width))`` on ``device``: the (parent index, rank) candidates ``device_pops`` reads."""
+    return tuple(upload(torch.as_tensor(a), device) for a in _pairs(width, min(k, width)))  # [P], [P]
+
+
 def device_pops(
-    top_lp: torch.Tensor, top_ids: torch.Tensor, budgets: np.ndarray, depth_limits: np.ndarray
+    top_lp: torch.Tensor, top_ids: torch.Tensor, budgets: torch.Tensor, limits: torch.Tensor, width: int,
+    pairs: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``batched_pops``' arrays left on the device (nothing read back): tokens, parents, depths [bs, W] int64,
-    log-weights [bs, W] float64 and counts [bs] int64, W = max budget (host-known)."""
+    """``batched_pops``' arrays left on the device (nothing read back, nothing copied up: every input is a device
+    tensor or a host int, so the op sequence can be captured in a CUDA graph): tokens, parents, depths [bs, W]
+    int64, log-weights [bs, W] float64 and counts [bs] int64. budgets, limits [bs] int64 device tensors (budget
+    and depth limit per request), ``width`` W >= every budget, ``pairs``: ``device_pairs(W, K)``."""
     bs, depth_limit, k = top_lp.shape
-    width = int(budgets.max()) if bs else 0
     dev = top_lp.device
     if width == 0 or depth_limit == 0:
         return (torch.zeros((bs, width), dtype=torch.int64, device=dev),
@@ -89,7 +99,6 @@ def device_pops(
                 torch.full((bs, width), _NEG_INF, dtype=torch.float64, device=dev),
                 torch.zeros(bs, dtype=torch.int64, device=dev))
     lp, ids = top_lp, top_ids  # [bs, L, K]
-    limits = upload(torch.as_tensor(depth_limits), dev)  # [bs] (asynchronous copies: model_executor/uploads.py)
     kw = min(k, width)
     lvl_w = torch.full((bs, width), _NEG_INF, dtype=torch.float64, device=dev)  # [bs, W] a depth's kept weights
     lvl_w[:, :kw] = lp[:, 0, :kw]
@@ -98,7 +107,7 @@ def device_pops(
     lvl_rank[:, :kw] = torch.arange(kw, device=dev)
     kept_w, kept_par = [lvl_w], [torch.zeros((bs, width), dtype=torch.int64, device=dev)]
     kept_tok = [ids[:, 0].gather(1, lvl_rank)]
-    pi, pr = (upload(torch.as_tensor(a), dev) for a in _pairs(width, kw))  # [P]
+    pi, pr = pairs  # [P]
     for d in range(1, depth_limit):  # every depth (an early stop would read the device back)
         cand = lvl_w.index_select(1, pi) + lp[:, d].index_select(1, pr)  # [bs, P] the heap's float64 sums
         cand.masked_fill_((limits <= d)[:, None], _NEG_INF)
@@ -116,23 +125,21 @@ def device_pops(
     par = torch.cat(kept_par, dim=1).gather(1, order)  # [bs, W] parent's index in the depth above
     parent_slot = torch.where(depth0 == 0, 0, slot.gather(1, (depth0 - 1).clamp(min=0) * width + par))  # [bs, W]
     w = all_w.gather(1, order)  # [bs, W]
-    counts = torch.minimum(torch.isfinite(w).sum(1), upload(torch.as_tensor(budgets), dev))  # [bs]
+    counts = torch.minimum(torch.isfinite(w).sum(1), budgets)  # [bs]
     used = torch.arange(width, device=dev)[None, :] < counts[:, None]  # [bs, W]
     tokens = torch.where(used, torch.cat(kept_tok, dim=1).gather(1, order), 0)
     return (tokens, torch.where(used, parent_slot, -1), torch.where(used, depth0 + 1, 0),
             torch.where(used, w, _NEG_INF), counts)
 
 
-def device_chain(
-    top_lp: torch.Tensor, top_ids: torch.Tensor, budgets: np.ndarray, depth_limits: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``batched_chain`` on the device (nothing read back): the same arrays as ``device_pops``."""
+def device_chain(top_lp: torch.Tensor, top_ids: torch.Tensor, lengths: torch.Tensor, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batched_chain`` on the device (nothing read back or copied up): the same arrays as ``device_pops``.
+    lengths [bs] int64 device tensor: min(budget, depth limit) per request; ``width`` >= every budget."""
     bs, depth_limit, _ = top_lp.shape
-    width = int(budgets.max()) if bs else 0
     n, dev = min(width, depth_limit), top_lp.device
     cum = torch.cumsum(top_lp[:, :n, 0], dim=1)  # [bs, n]
-    lim = upload(torch.as_tensor(np.minimum(budgets, depth_limits)), dev)  # [bs]
-    counts = torch.minimum(lim, torch.isfinite(cum).sum(1))  # [bs]
+    counts = torch.minimum(lengths, torch.isfinite(cum).sum(1))  # [bs]
     used = torch.arange(n, device=dev)[None, :] < counts[:, None]  # [bs, n]
     tokens = torch.zeros((bs, width), dtype=torch.int64, device=dev)
     parents = torch.full((bs, width), -1, dtype=torch.int64, device=dev)

@@ -50,7 +50,6 @@ from ddtree_serve.speculative.ddtree import (
     DraftTree,
     PoppedNodes,
     assemble_tree,
-    build_device_tree,
     draft_topk,
     pop_nodes,
 )
@@ -60,6 +59,7 @@ from ddtree_serve.speculative.step_cost import StepCostModel
 from ddtree_serve.speculative.step_timer import StepTimer
 from ddtree_serve.speculative.suffix_index import SuffixConfig, SuffixProposer
 from ddtree_serve.speculative.tree_forward import draft_forward, padded_width, verify_forward
+from ddtree_serve.speculative.tree_graphs import DeviceTreeBuilder, graphed_tree_builder
 from ddtree_serve.speculative.types import DecodeResult, OutOfKVSlots, SpecRequest, SpecSettings
 from ddtree_serve.speculative.verify import verify_tree
 from ddtree_serve.speculative.worker_shape import drafter_model_config, resolve_block, step_shape
@@ -88,6 +88,7 @@ class SpecWorker:
         self.accept_thresholds = accept_thresholds
         self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
         self.verify_widths: dict[int, tuple[int, ...]] = {}  # padded batch size -> captured tree widths ({}: ragged)
+        self.tree_builder = DeviceTreeBuilder()  # fixed budgets' device-built trees (graphed: pad_for_graphs)
         self.capture_layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.draft_kv: KVCache | None = None
         self.draft_backend = None
@@ -186,6 +187,7 @@ class SpecWorker:
 
             self.pad_trees_to(verify_widths(serving_graph_keys(graph_batch_sizes, self.capture_layer_ids,
                                                                self.budget, self.max_verify_tokens, self.auto)))
+            self.tree_builder = graphed_tree_builder(self.runner, graph_batch_sizes)  # (speculative/tree_graphs.py)
 
     @property
     def max_step_tokens(self) -> int:
@@ -286,7 +288,7 @@ class SpecWorker:
         if on_device:  # the fixed budget's trees popped and assembled on the device: no read back (DESIGN 4.17)
             budget = self.budget if cap is None else step_budget(self.budget, bs, cap)
             pad = padded_width(self.verify_widths, bs, 1 + budget, cap) or budget + 1  # a uniform width
-            tree = build_device_tree(topk, budget, max_depths, self.chain, roots, cached, pad)
+            tree = self.tree_builder.build(topk, budget, max_depths, self.chain, roots, cached, pad)
             n_used = None  # [bs] nodes per tree: read back with the verification's results
         elif ctl is not None and plan == DRAFT:  # pops only as many nodes as can matter to its choice
             popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
@@ -359,12 +361,10 @@ class SpecWorker:
 
     def _plain_step(self, reqs, rows: list[int], root_pos: list[int], root_ids: list[int], sampled: np.ndarray,
                     draft_s: float | None) -> list[DecodeResult]:
-        """A step whose trees are all the root alone, at the cost of the scheduler's plain decode step: one
-        causal decode forward over the roots (their KV kept) that also captures the target layers the
-        drafter's context needs, so speculation can resume at any later step; then the plain sampler
-        (``ddtree_serve.model_executor.sampler.sample``: logit bias and penalties, temperature, top-k / top-p / min-p, the
-        request's position-keyed uniform) and plain logprobs. Greedy tokens are plain
-        decoding's; sampled tokens are drawn exactly as plain decoding draws them."""
+        """A step whose trees are all the root alone, at the cost of the scheduler's plain decode step: one causal
+        decode forward over the roots (their KV kept) that also captures the target layers the drafter's context
+        needs, so speculation can resume at any later step; then the plain sampler (``sampler.sample``) and
+        logprobs: greedy tokens are plain decoding's, sampled ones drawn exactly as plain decoding draws them."""
         r, bs = self.runner, len(reqs)
         start = self.timer.now()
         fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids)  # roots' KV

@@ -137,3 +137,27 @@ def test_tracker_classifies_reads_shapes_copies_and_launches() -> None:
     kinds = [(e.kind, e.op.rsplit(".", 1)[-1]) for e in clock.counters.syncs]
     assert kinds == [("h2d", "tensor"), ("shape", "__getitem__"), ("read", "item")]
     assert all("tests/sim/test_sync_budget.py:" in e.where for e in clock.counters.syncs)  # our line, not torch's
+
+
+def test_a_graph_region_costs_one_replay_and_refuses_syncs() -> None:
+    """``dispatch.graph_replay``: the ops inside cost the host one graph replay whatever their number and Python
+    time; a sync inside is an error (a CUDA graph capture fails on one)."""
+    from ddtree_serve.kernels.dispatch import graph_replay
+
+    clock = DeviceClock(DeviceCostModel())
+    dev = torch.device("cpu")
+    with DeviceTracker(clock):
+        a = torch.zeros(64, device=dev)
+        clock.reset_counters()
+        for _ in range(200):
+            a = a + 1
+        assert clock.reset_counters().launches == 200
+        refunded = clock.refunded_s
+        with graph_replay():
+            for _ in range(200):
+                a = a + 1
+        counters = clock.reset_counters()
+        assert counters.launches == 1 and not counters.syncs
+        assert clock.refunded_s > refunded  # the region's host seconds were taken back (one replay charged)
+        with pytest.raises(RuntimeError, match="inside a CUDA graph region"), graph_replay():
+            a.sum().item()

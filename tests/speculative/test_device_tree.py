@@ -12,7 +12,9 @@ import torch
 from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.server.engine import Engine
 from ddtree_serve.speculative import spec_worker
-from ddtree_serve.speculative.ddtree import assemble_tree, build_device_tree, draft_topk, pop_nodes
+from ddtree_serve.speculative.ddtree import assemble_tree, draft_topk, pop_nodes
+from ddtree_serve.speculative.tree_graphs import DeviceTreeBuilder
+from tests.model_executor.graph_capture_standin import RecordingCapture
 from tests.speculative.test_seeded_lossless import _check, plain_refs  # noqa: F401  (plain_refs: the fixture)
 
 FIELDS = ("candidates", "parents", "depths", "node_logws", "num_nodes", "retrive_index", "retrive_next_token",
@@ -40,7 +42,7 @@ def test_device_tree_equals_the_host_assembled_tree(chain: bool, budget: int, wi
     k = 1 if chain else min(budget, vocab)
     topk = draft_topk(logits, k)
     width = budget + 1 + width_extra
-    tree = build_device_tree(topk, budget, max_depths, chain, roots, cached, width)
+    tree = DeviceTreeBuilder().build(topk, budget, max_depths, chain, roots, cached, width)
     budgets = torch.full((bs,), budget)
     popped = pop_nodes(logits, budgets, chain=chain, max_depths=torch.tensor(max_depths), topk=topk, batched=False)
     want = assemble_tree(popped, budgets, roots, cached, "cpu", width=width)
@@ -55,7 +57,27 @@ def test_device_tree_equals_the_host_assembled_tree(chain: bool, budget: int, wi
 def test_device_tree_refuses_a_width_without_room() -> None:
     topk = draft_topk(_logits(2, 3, 8, seed=0), 4)
     with pytest.raises(ValueError, match="cannot hold"):
-        build_device_tree(topk, 4, [3, 3], False, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 4)
+        DeviceTreeBuilder().build(topk, 4, [3, 3], False, torch.zeros(2, dtype=torch.int64),
+                                  torch.zeros(2, dtype=torch.int64), 4)
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_graphed_builds_equal_eager_builds(chain: bool) -> None:
+    """Replays of one captured graph (static inputs refilled, padded rows with no node) give the eager tree, batch
+    after batch, for two batch sizes that pad to the same captured size."""
+    capture = RecordingCapture()
+    graphed = DeviceTreeBuilder(capture, (1, 2, 4, 8))
+    budget, width = 6, 9
+    for step, bs in enumerate((5, 7, 5)):
+        topk = draft_topk(_logits(bs, 5, 10, seed=step), 1 if chain else budget)
+        max_depths = [5, 2, 0, 9, 1, 3, 4][:bs]
+        roots, cached = torch.arange(bs) + 7 * step, torch.arange(bs) * 3 + step
+        got = graphed.build(topk, budget, max_depths, chain, roots, cached, width)
+        want = DeviceTreeBuilder().build(topk, budget, max_depths, chain, roots, cached, width)
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
+    assert capture.events == ["warm_up", "capture", "replay", "replay", "replay"] and graphed.replays == 3
+    assert len(graphed.graphs) == 1
 
 
 @pytest.fixture

@@ -71,6 +71,7 @@ def test_simulated_graphs_replay_padded_verify_forwards(tmp_path, budget) -> Non
                  disable_radix_cache=True, speculative_algorithm="ddtree", speculative_draft_model_path=drafter,
                  ddtree_budget=budget, speculative_draft_sources="dflash", cuda_graph_max_bs=8)
     prompts = [[i + 1, 5, 9] for i in range(6)]
+    builder = eng.scheduler.spec.tree_builder
     try:
         assert eng.scheduler.spec.verify_widths  # trees are padded to the captured widths
         clock = eng.scheduler.runner.model.clock
@@ -83,3 +84,5 @@ def test_simulated_graphs_replay_padded_verify_forwards(tmp_path, budget) -> Non
     assert [o.token_ids for o in outs] == [greedy_continuation(p, 24, 128) for p in prompts]
     assert sum(o.spec_accepted_tokens for o in outs) > 0
     assert counters.eager_forwards <= counters.forwards - counters.target_forwards + 1  # prefill alone eager
+    if budget == 16:  # the fixed budget's tree build replays a graph too (speculative/tree_graphs.py)
+        assert builder.replays > 0 and builder.graphs
