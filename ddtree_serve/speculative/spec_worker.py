@@ -266,7 +266,7 @@ class SpecWorker:
             draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), not mask_drafts)  # [bs, L, V/tp]
             self._window("draft")  # the pops read the draft on the host
             if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
-                mask_draft_logits(grammars, draft_logits)
+                mask_draft_logits(grammars, draft_logits, dshard)
             # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
             k = 1 if self.chain else min(self.budget, dshard.vocab)
             topk = None if mask_drafts else draft_topk(draft_logits, k, dshard)  # [bs, L, K] on the device

@@ -17,6 +17,7 @@ from ddtree_serve.model_executor.grammar import (
     prune_popped,
     tree_bitmask,
 )
+from ddtree_serve.model_executor.grammar.masks import DRAFT_MASK_TOPK
 from ddtree_serve.model_executor.grammar.state import stop_only_row
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.speculative.ddtree import PoppedNodes, assemble_tree
@@ -129,24 +130,32 @@ def test_prune_keeps_exactly_the_allowed_nodes(backend, alphabet, seed):
     assert s.accepted == 0 and s.matcher.accept_token(alphabet[2])  # the matcher is back at the start
 
 
-def test_draft_masks_follow_the_top1_path(backend, alphabet):
+@pytest.mark.parametrize("boost", [True, False])
+def test_draft_masks_follow_the_top1_path(backend, alphabet, boost):
+    """Depth 1 exact; deeper depths masked after the masked top-1 path, each picked among the depth's
+    ``DRAFT_MASK_TOPK`` raw candidates (``boost``: the grammar's letters are among them at every depth); where
+    none is allowed the chain stops and deeper depths stay as they were."""
     s = GrammarState(backend.compile("regex", REGEX), (EOS,), VOCAB)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 4, VOCAB, generator=g)  # [bs, L, V]; row 1 is a free request
-    free = logits[1].clone()
+    if boost:  # the letters rank 2nd-5th at every depth, "c" last of them, behind a disallowed "x"
+        for rank, t in enumerate(alphabet[4:5] + alphabet[:4]):
+            logits[0, :, t] = 10.0 - rank + (-4.0 if t == alphabet[2] else 0.0)
+    raw, free = logits[0].clone(), logits[1].clone()
     mask_draft_logits([s, None], logits)
     assert logits[1].equal(free)
     path: list[int] = []
     for d in range(4):
         want = brute_row(backend, "regex", REGEX, path)
-        if want is None:
-            break
         bits = ((want[:, None] >> torch.arange(32)) & 1).view(-1)[:VOCAB].bool()
         assert torch.isneginf(logits[0, d][~bits]).all() and torch.isfinite(logits[0, d][bits]).all()
-        tok = int(logits[0, d].argmax())
-        if tok == EOS:
+        top = torch.topk(raw[d], DRAFT_MASK_TOPK).indices.tolist()  # the raw candidates, best first
+        allowed = [t for t in top if bits[t]]
+        if not allowed or allowed[0] == EOS:  # the chain stops: deeper depths untouched
+            assert logits[0, d + 1:].equal(raw[d + 1:])
             break
-        path.append(tok)
+        path.append(allowed[0])
+    assert len(path) >= (2 if boost else 0)
     assert s.accepted == 0 and _row(s).equal(brute_row(backend, "regex", REGEX, []))
 
 

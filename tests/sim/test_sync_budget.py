@@ -34,12 +34,14 @@ FEATURES = {
                    {None: (1, 0), 16: (1, 0)}),
     "logprobs": (SamplingParams(temperature=0, logprobs=3, **_LONG), {None: (2, 0), 16: (2, 0)}),
     "suffix_drafts": (SamplingParams(temperature=0, **_LONG), {16: (2, 0), "auto": (2, 0)}),
+    "grammar": (SamplingParams(temperature=0, regex="[a-d]{8,80}", max_tokens=64),
+                {None: (1, 0), 16: (4, 0), "auto": (4, 0)}),
 }
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return write_simulated_pair(tmp_path_factory.mktemp("sim"), vocab=VOCAB, accept_prob=0.8)
+    return write_simulated_pair(tmp_path_factory.mktemp("sim"), vocab=VOCAB, accept_prob=0.8, tokenizer=True)
 
 
 def _step_counts(pair, budget, steps: int = 3, sampled: bool = False, every: SamplingParams | None = None,

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 from ddtree_serve.model_executor.grammar.state import GrammarState, stop_only_row
+from ddtree_serve.model_executor.read_back import read_back
+from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.model_executor.vocab_shard import VocabShard
 
 
@@ -54,7 +56,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     import xgrammar as xgr
 
     vocab = logits.shape[-1]
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab, indices=list(rows))
+    mask = upload(bitmask, logits.device) if bitmask.device != logits.device else bitmask  # asynchronous copy up
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=list(rows))
 
 
 def apply_bitmask_cols(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], shard: VocabShard) -> None:
@@ -68,8 +71,8 @@ def apply_bitmask_cols(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequen
     idx = torch.tensor(list(rows), dtype=torch.int64)  # [r]
     ids = torch.arange(shard.start, shard.end)  # [V/tp] global token ids of the columns
     words = bitmask[idx][:, ids >> 5]  # [r, V/tp]
-    allowed = ((words >> (ids & 31)) & 1).bool().to(logits.device)  # [r, V/tp]
-    dev_idx = idx.to(logits.device)
+    allowed = upload(((words >> (ids & 31)) & 1).bool(), logits.device)  # [r, V/tp] (asynchronous copies up)
+    dev_idx = upload(idx, logits.device)
     logits[dev_idx] = logits[dev_idx].masked_fill(~allowed, float("-inf"))
 
 
@@ -96,8 +99,7 @@ def tree_bitmask(states: Sequence[GrammarState | None], candidates: torch.Tensor
     bs, d = candidates.shape
     w = bitmask_width(vocab)
     bitmask = torch.full((bs, d, w), -1, dtype=torch.int32)  # [bs, D, W]
-    cand, par = candidates.cpu(), parents.cpu()  # [bs, D]
-    nxt, sib = next_token.cpu(), next_sibling.cpu()  # [bs, D]
+    cand, par, nxt, sib = (torch.as_tensor(a) for a in read_back(candidates, parents, next_token, next_sibling))
     for b, s in enumerate(states):
         if s is None:
             continue
@@ -174,28 +176,46 @@ def mask_tree_logits(states: Sequence[GrammarState | None], tree, logits: torch.
     return out.view(bs, d, width)
 
 
-def mask_draft_logits(states: Sequence[GrammarState | None], draft_logits: torch.Tensor) -> None:
-    """In place on the drafter's logits [bs, L, V]: depth 1 with the exact mask, depth d > 1 with the mask
-    after the masked top-1 tokens above it (stops at the first rejected or stop token: deeper depths stay
-    unmasked and ``prune_popped`` removes what the grammar rejects there)."""
-    bs, depth, vocab = draft_logits.shape
-    w = bitmask_width(vocab)
-    for b, s in enumerate(states):
-        if s is None or s.failed:
-            continue
-        row = torch.full((1, w), -1, dtype=torch.int32)  # [1, W]
-        taken = 0
+DRAFT_MASK_TOPK = 8  # drafter side: candidates per depth read back for the masked top-1 chain
+
+
+def mask_draft_logits(states: Sequence[GrammarState | None], draft_logits: torch.Tensor,
+                      shard: VocabShard | None = None) -> None:
+    """In place on the drafter's logits [bs, L, V] (``shard``: its columns [bs, L, V/tp]): depth 1 with the exact
+    mask, depth d > 1 with the mask after the masked top-1 tokens above it. The masked top-1 of a depth is the
+    best of its ``DRAFT_MASK_TOPK`` raw candidates the mask allows, all of them read back at once (one read a
+    step, not one a depth); the chain stops at a depth where none is allowed, at a stop token or at a token the
+    grammar rejects: deeper depths stay unmasked and ``prune_popped`` removes what the grammar rejects there."""
+    rows = [b for b, s in enumerate(states) if s is not None and not s.failed]
+    if not rows:
+        return
+    bs, depth, cols = draft_logits.shape
+    shard = shard if shard is not None else VocabShard.whole(cols)
+    k = min(DRAFT_MASK_TOPK, cols)
+    picked = draft_logits.index_select(0, upload(rows, draft_logits.device, torch.int64)).float()  # [r, L, V/tp]
+    vals, ids = torch.topk(picked, k, dim=-1)  # [r, L, k]
+    if shard.sharded:  # the best k of every shard's best k (global ids)
+        vals, ids = torch.cat(list(shard.gather(vals)), -1), torch.cat(list(shard.gather(ids + shard.start)), -1)
+        vals, pick = torch.topk(vals, k, dim=-1)  # [r, L, k]
+        ids = ids.gather(-1, pick)
+    top_vals, top_ids = read_back(vals, ids)  # [r, L, k] host: the one read
+    bitmask = torch.full((bs, depth, bitmask_width(shard.vocab)), -1, dtype=torch.int32)  # [bs, L, W]
+    for j, b in enumerate(rows):
+        s, taken = states[b], 0
         for dep in range(depth):
-            s.fill(row, 0)
-            apply_bitmask(draft_logits[b, dep:dep + 1], row, [0])
+            s.fill(bitmask[b], dep)
             if s.terminated or dep + 1 == depth:
                 break
-            tok = int(draft_logits[b, dep].argmax())
-            if tok in s.stop_token_ids or not s.push(tok):
+            words = bitmask[b, dep].numpy().view(np.uint32)  # [W]
+            allowed = [int(t) for t, v in zip(top_ids[j, dep], top_vals[j, dep], strict=True)
+                       if v > -np.inf and (words[t >> 5] >> (t & 31)) & 1]
+            if not allowed or allowed[0] in s.stop_token_ids or not s.push(allowed[0]):
                 break
             taken += 1
         if taken:
             s.pop(taken)
+    flat = [b * depth + dep for b in rows for dep in range(depth)]  # all-ones rows leave their logits as they are
+    apply_bitmask_cols(draft_logits.view(bs * depth, cols), bitmask.view(bs * depth, -1), flat, shard)
 
 
 def draft_pop_budgets(states: Sequence[GrammarState | None], budgets: torch.Tensor) -> torch.Tensor:
