@@ -34,6 +34,10 @@ this normalisation, must be accepted. Each step names the rule it stands for:
 - grammars (``regex``, ``ebnf``, a ``response_format`` / ``output_config.format`` / ``text.format`` JSON
   schema): must compile (a regular expression's or a grammar's syntax): replaced by ones that do.
 
+Not normalised but allowed: a prompt longer than the served context (it depends on the tokenizer and the
+``--context-length`` setting; generated tool definitions and long item lists can reach it) gets the 400 that
+carries the code ``context_length_exceeded``, which the fuzz counts as an answer, not a refusal.
+
 Run time only (the server accepts the spec's full ranges): generated output is capped at ``MAX_NEW`` tokens
 (set where absent, which would mean "until the context length") and ``n`` at ``MAX_N``.
 """
