@@ -17,6 +17,10 @@ What each primitive fixes (measured on the CPU this was written on, tests/kernel
   1..67 rows at every offset of a block give bit-identical results. bfloat16 GEMM (oneDNN, AVX512-BF16) looks
   M-invariant in most shapes here but is not in all (K=1536, N=576: a row differs between M=1 and M=2), so
   no shape is trusted unpadded.
+- ``invariant_linear`` on CUDA: cuBLAS picks its kernel (tiles, split-K) by M, so padding rows does not help
+  there; the linears run the Triton GEMM of ddtree_serve/kernels/triton_invariant_gemm.py (tiles fixed per
+  dtype, K and N, no split-K, K walked in order), checked row-invariant under the interpreter and on CUDA.
+  ``row_block_matmul`` (the attention's per-split GEMMs) still calls the library on CUDA: not invariant there yet.
 - ``chunked_attention``: attention whose reduction over the keys is fixed by the keys' *logical positions*:
   scores and the P.V partials are computed per split of ``KV_SPLIT`` positions (split ``c`` holds positions
   ``[c*KV_SPLIT, (c+1)*KV_SPLIT)``, in position order, invisible keys contributing an exact 0) by GEMMs of one
@@ -33,8 +37,12 @@ No module-level mutable state.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
+
+from ddtree_serve.kernels.dispatch import CudaKernelUnavailable, cuda_kernels_required, kernels_forced_to_torch
 
 ROW_BLOCK = 8  # rows per library GEMM call block (M is always a multiple of it)
 KV_SPLIT = 64  # key positions per attention split (fixed, independent of batch, queries and tree)
@@ -54,12 +62,38 @@ def row_block_matmul(a: torch.Tensor, b: torch.Tensor, rows: int = ROW_BLOCK) ->
     return torch.matmul(_pad_rows(a, rows), b)[..., :m, :]
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose rows do not depend on the number of rows: x [..., K], weight [N, K] -> [..., N], the
-    rows padded to whole ``ROW_BLOCK``s."""
+def triton_gemm_usable(*tensors: torch.Tensor) -> bool:
+    """True when ``invariant_linear`` runs the Triton GEMM (ddtree_serve/kernels/triton_invariant_gemm.py) on its
+    own: every tensor on CUDA, Triton installed, ``DDTREE_KERNELS`` not ``torch``. Under
+    ``DDTREE_REQUIRE_CUDA_KERNELS=1`` a CUDA call without Triton raises ``CudaKernelUnavailable``."""
+    if not tensors or not all(t.is_cuda for t in tensors) or kernels_forced_to_torch():
+        return False
+    if importlib.util.find_spec("triton") is None:
+        if cuda_kernels_required():
+            raise CudaKernelUnavailable("the batch-invariant GEMM on CUDA needs Triton, which is not installed")
+        return False
+    return True
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """``F.linear`` whose rows do not depend on the number of rows: x [..., K], weight [N, K] -> [..., N].
+
+    ``use_triton`` None (the model's calls): on CUDA (``triton_gemm_usable``) the batch-invariant Triton GEMM
+    (cuBLAS picks its kernel, split-K included, by M), elsewhere the library's ``F.linear`` with the rows padded to
+    whole ``ROW_BLOCK``s. True forces the Triton GEMM (tests: CPU tensors under ``TRITON_INTERPRET=1``), False
+    the padded library call."""
+    if use_triton is None:
+        use_triton = triton_gemm_usable(x, weight, *(() if bias is None else (bias,)))
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    y = F.linear(_pad_rows(flat, ROW_BLOCK), weight, bias)[: flat.shape[0]]  # [M, N] (the library's own linear:
-    # a matmul against weight.t() would repack the weight every call)
+    if use_triton:
+        from ddtree_serve.kernels.triton_invariant_gemm import invariant_gemm
+
+        y = invariant_gemm(flat, weight, bias)  # [M, N]
+    else:
+        y = F.linear(_pad_rows(flat, ROW_BLOCK), weight, bias)[: flat.shape[0]]  # [M, N] (the library's own linear:
+        # a matmul against weight.t() would repack the weight every call)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
