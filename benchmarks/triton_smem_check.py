@@ -5,7 +5,9 @@ Kimi K2.6's shapes, each launch is intercepted and compiled with its signature, 
 - MLA (ddtree_serve/kernels/triton_mla*.py): bfloat16 over a bfloat16 and over an fp8 cache (latent 512 + rope
   64), TP 8 (8 local heads: decode, tree verify, split-K and its merge, the query-tiled extend) and DCP 8 (64
   gathered heads: the same through the DCP kernels), at the tiles ``choose_mla_tiles`` picks for the arch;
-- the sampling kernel (ddtree_serve/kernels/triton_sampling.py) at V 163,840.
+- the sampling kernel (ddtree_serve/kernels/triton_sampling.py) at V 163,840;
+- the batch-invariant GEMM (ddtree_serve/kernels/triton_invariant_gemm.py) at Kimi's dense-MLP shapes in
+  bfloat16 (K 7168 -> N 2048 and back) and the default model's 576 -> 1536 in float32 (``gemm_launches``).
 
 Per kernel: ptxas's registers and spilled bytes, the cubin's shared memory, the arch's limit and the plan's
 estimate (``mla_smem_bytes``). Exits 1 when a kernel spills, needs more shared memory than the arch has, or more
@@ -170,14 +172,33 @@ def sampler_launch() -> object:
     return sink[0]
 
 
+GEMM_SHAPES = ((torch.bfloat16, 7168, 2048), (torch.bfloat16, 2048, 7168), (torch.float32, 576, 1536))
+
+
+def gemm_launches() -> list[object]:
+    """The batch-invariant GEMM's launches (dtype, K, N of ``GEMM_SHAPES``, 5 rows: the tiles do not depend on M)."""
+    from benchmarks.triton_launch_compile import capture_launches
+    from ddtree_serve.kernels import triton_invariant_gemm
+
+    with capture_launches({triton_invariant_gemm: ("_invariant_gemm_kernel",)}) as sink:
+        for dtype, k, n in GEMM_SHAPES:
+            triton_invariant_gemm.invariant_gemm(torch.zeros(5, k, dtype=dtype), torch.zeros(n, k, dtype=dtype))
+    return sink
+
+
 def check_group(arch: int, cache: str) -> list[dict]:
-    """Compile one arch's launches for one cache kind (``cache`` "bf16" / "fp8"; "sampler": the sampling kernel):
-    one row per kernel with its figures and verdict."""
+    """Compile one arch's launches for one cache kind (``cache`` "bf16" / "fp8"; "sampler": the sampling kernel;
+    "gemm": the batch-invariant GEMM): one row per kernel with its figures and verdict."""
     from benchmarks.triton_launch_compile import compile_launch, launch_source
     from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES
 
     limit = SMEM_OPTIN_BYTES[(arch // 10, arch % 10)]
-    todo = [("sampler", None, sampler_launch())] if cache == "sampler" else mla_preset_launches(arch, cache == "fp8")
+    if cache == "sampler":
+        todo = [("sampler", None, sampler_launch())]
+    elif cache == "gemm":
+        todo = [(f"K{la.args[6]}N{la.args[5]}", None, la) for la in gemm_launches()]
+    else:
+        todo = mla_preset_launches(arch, cache == "fp8")
     rows = []
     for group, tiles, launch in todo:
         st = compile_launch(launch, arch)
@@ -213,7 +234,7 @@ def compiled_table(rows: list[dict]) -> dict[tuple[int, str, str], int]:
     """The largest cubin shared memory per (arch, cache, tiles) over the MLA kernels compiled."""
     top: dict[tuple[int, str, str], int] = {}
     for r in rows:
-        if r["cache"] != "sampler":
+        if r["cache"] not in ("sampler", "gemm"):
             key = (r["arch"], r["cache"], r["tiles"])
             top[key] = max(top.get(key, 0), r["shared"])
     return top
@@ -222,7 +243,8 @@ def compiled_table(rows: list[dict]) -> dict[tuple[int, str, str], int]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--archs", default="90,100,103,120")
-    ap.add_argument("--caches", default="bf16,fp8,sampler", help="bf16, fp8 (MLA over that cache), sampler")
+    ap.add_argument("--caches", default="bf16,fp8,sampler,gemm",
+                    help="bf16, fp8 (MLA over that cache), sampler, gemm (the batch-invariant GEMM)")
     ap.add_argument("--jobs", type=int, default=2, help="processes compiling in parallel")
     ap.add_argument("--table", action="store_true", help="print the compiled figures as COMPILED_SMEM entries")
     args = ap.parse_args()

@@ -29,6 +29,13 @@ for vocab in (163840, 163841):
     names = sink[0].kernel.arg_names
     out[vocab] = dict(n=len(sink), sig=src.signature, hinted=sorted(names[k[0]] for k in src.attrs),
                       const={names[k[0]]: v for k, v in src.constants.items()}, opts=opts)
+from ddtree_serve.kernels import triton_invariant_gemm
+with capture_launches({triton_invariant_gemm: ("_invariant_gemm_kernel",)}) as sink:
+    triton_invariant_gemm.invariant_gemm(torch.zeros(16, 7168, dtype=torch.bfloat16), torch.zeros(2048, 7168, dtype=torch.bfloat16))
+src, opts = launch_source(sink[0])
+names = sink[0].kernel.arg_names
+out["gemm"] = dict(hinted=sorted(names[k[0]] for k in src.attrs), opts=opts,
+                   const={names[k[0]]: v for k, v in src.constants.items()})
 launches = mla_preset_launches(90, False)
 out["mla"] = sorted({(l.name, str(t.block_h), str(l.kwargs.get("num_warps"))) for _, t, l in launches})
 print(json.dumps(out))
@@ -48,6 +55,11 @@ def test_launches_are_specialised_as_the_launcher_would() -> None:
     # 16-byte aligned tensors and integers divisible by 16 carry tt.divisibility, others do not
     assert {"logits_ptr", "stride", "V", "out_ptr"} <= set(even["hinted"])
     assert "V" not in odd["hinted"] and "stride" not in odd["hinted"]
+    # the invariant GEMM: M (16 here) is never specialised, so every M runs one compiled kernel; fp fusion fixed off
+    gemm = out["gemm"]
+    assert "M" not in gemm["hinted"] and {"x_ptr", "w_ptr", "K", "N", "stride_xm"} <= set(gemm["hinted"])
+    assert gemm["opts"] == {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False}
+    assert {k: gemm["const"][k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")} == {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}
     # the MLA launches of the presets on sm90 (bfloat16 cache): TP 8 and DCP 8, every kernel, 8 warps
     names = {name for name, _, _ in out["mla"]}
     assert names == {"_mla_kernel", "_mla_split_kernel", "_mla_merge_kernel", "_mla_extend_kernel", "_mla_dcp_kernel",
