@@ -42,7 +42,11 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from ddtree_serve.kernels.dispatch import CudaKernelUnavailable, cuda_kernels_required, kernels_forced_to_torch
+from ddtree_serve.kernels.dispatch import (
+    CudaKernelUnavailable,
+    cuda_kernels_required,
+    kernels_forced_to_torch,
+)
 
 ROW_BLOCK = 8  # rows per library GEMM call block (M is always a multiple of it)
 KV_SPLIT = 64  # key positions per attention split (fixed, independent of batch, queries and tree)
