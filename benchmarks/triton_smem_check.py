@@ -7,7 +7,8 @@ Kimi K2.6's shapes, each launch is intercepted and compiled with its signature, 
   gathered heads: the same through the DCP kernels), at the tiles ``choose_mla_tiles`` picks for the arch;
 - the sampling kernel (ddtree_serve/kernels/triton_sampling.py) at V 163,840;
 - the batch-invariant GEMM (ddtree_serve/kernels/triton_invariant_gemm.py) at Kimi's dense-MLP shapes in
-  bfloat16 (K 7168 -> N 2048 and back) and the default model's 576 -> 1536 in float32 (``gemm_launches``).
+  bfloat16 (K 7168 -> N 2048 and back), the default model's 576 -> 1536 in float32 and the attention's batched
+  P.V item in float32 (``gemm_launches``).
 
 Per kernel: ptxas's registers and spilled bytes, the cubin's shared memory, the arch's limit and the plan's
 estimate (``mla_smem_bytes``). Exits 1 when a kernel spills, needs more shared memory than the arch has, or more
@@ -176,13 +177,15 @@ GEMM_SHAPES = ((torch.bfloat16, 7168, 2048), (torch.bfloat16, 2048, 7168), (torc
 
 
 def gemm_launches() -> list[object]:
-    """The batch-invariant GEMM's launches (dtype, K, N of ``GEMM_SHAPES``, 5 rows: the tiles do not depend on M)."""
+    """The batch-invariant GEMM's launches (dtype, K, N of ``GEMM_SHAPES``, 5 rows: the tiles do not depend on M),
+    and the batched form at the attention's P.V item shape (float32, [64 heads, 4 splits] x [16, 64] @ [64, 129])."""
     from benchmarks.triton_launch_compile import capture_launches
     from ddtree_serve.kernels import triton_invariant_gemm
 
     with capture_launches({triton_invariant_gemm: ("_invariant_gemm_kernel",)}) as sink:
         for dtype, k, n in GEMM_SHAPES:
             triton_invariant_gemm.invariant_gemm(torch.zeros(5, k, dtype=dtype), torch.zeros(n, k, dtype=dtype))
+        triton_invariant_gemm.invariant_matmul(torch.zeros(1, 64, 4, 16, 64), torch.zeros(1, 64, 4, 64, 129))
     return sink
 
 

@@ -20,7 +20,7 @@ What each primitive fixes (measured on the CPU this was written on, tests/kernel
 - ``invariant_linear`` on CUDA: cuBLAS picks its kernel (tiles, split-K) by M, so padding rows does not help
   there; the linears run the Triton GEMM of ddtree_serve/kernels/triton_invariant_gemm.py (tiles fixed per
   dtype, K and N, no split-K, K walked in order), checked row-invariant under the interpreter and on CUDA.
-  ``row_block_matmul`` (the attention's per-split GEMMs) still calls the library on CUDA: not invariant there yet.
+  ``row_block_matmul`` (the attention's per-split GEMMs) runs its batched form (``invariant_matmul``) on CUDA.
 - ``chunked_attention``: attention whose reduction over the keys is fixed by the keys' *logical positions*:
   scores and the P.V partials are computed per split of ``KV_SPLIT`` positions (split ``c`` holds positions
   ``[c*KV_SPLIT, (c+1)*KV_SPLIT)``, in position order, invisible keys contributing an exact 0) by GEMMs of one
@@ -58,14 +58,6 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def row_block_matmul(a: torch.Tensor, b: torch.Tensor, rows: int = ROW_BLOCK) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] (b broadcast over a's leading dims) -> [..., M, N], with M padded to a
-    multiple of ``rows`` so the library only ever computes full row blocks (its result for a row then
-    does not depend on M)."""
-    m = a.shape[-2]
-    return torch.matmul(_pad_rows(a, rows), b)[..., :m, :]
-
-
 def triton_gemm_usable(*tensors: torch.Tensor) -> bool:
     """True when ``invariant_linear`` runs the Triton GEMM (ddtree_serve/kernels/triton_invariant_gemm.py) on its
     own: every tensor on CUDA, Triton installed, ``DDTREE_KERNELS`` not ``torch``. Under
@@ -77,6 +69,23 @@ def triton_gemm_usable(*tensors: torch.Tensor) -> bool:
             raise CudaKernelUnavailable("the batch-invariant GEMM on CUDA needs Triton, which is not installed")
         return False
     return True
+
+
+def row_block_matmul(
+    a: torch.Tensor, b: torch.Tensor, rows: int = ROW_BLOCK, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] (b broadcast over a's leading dims) -> [..., M, N], with M padded to a
+    multiple of ``rows`` so the library only ever computes full row blocks (its result for a row then
+    does not depend on M). ``use_triton`` as in ``invariant_linear``: on CUDA the batch-invariant Triton
+    kernel (``invariant_matmul``, at most 3 batch dims) instead."""
+    if use_triton is None:
+        use_triton = triton_gemm_usable(a, b)
+    if use_triton:
+        from ddtree_serve.kernels.triton_invariant_gemm import invariant_matmul
+
+        return invariant_matmul(a, b)
+    m = a.shape[-2]
+    return torch.matmul(_pad_rows(a, rows), b)[..., :m, :]
 
 
 def invariant_linear(

@@ -10,15 +10,19 @@ here from that description.
 
 The kernel, for x [M, K], w [N, K] (row-major, as nn.Linear stores it), bias [N] or none:
 
-- one program per output tile of ``BLOCK_M x BLOCK_N`` (grid ``[cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)]``), with
+- one program per output tile of ``BLOCK_M x BLOCK_N`` (grid ``[batch, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)]``;
+  ``invariant_gemm`` has one batch item, ``invariant_matmul``, the batched ``torch.matmul`` of
+  ``row_block_matmul``, up to 3 broadcast batch dims), with
   ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps`` and ``num_stages`` chosen from (dtype, K, N) only
   (``gemm_tiles``), never from M; no split-K: each program walks K from 0 up in ``BLOCK_K`` steps, accumulating
   ``tl.dot`` products in float32, so every element of y is the same sequence of operations whatever M is and
   whichever tile row holds it; rows past M (and columns past N, K past its end) are masked loads of 0;
 - the bias is added to the float32 sum once, after the K walk; the result is rounded to x's dtype;
 - ``M`` is not specialised (``do_not_specialize``: Triton would otherwise compile another variant when M is a
-  multiple of 16) and ``enable_fp_fusion`` is passed at every launch (False), so one compiled kernel, the same
-  instructions, runs for every M.
+  multiple of 16) and ``enable_fp_fusion`` is passed at every launch (False). Addresses and strides keep
+  Triton's divisibility-by-16 hints (a row slice's address, the batched form's batch strides M * K): they set
+  the width of loads and stores only, not the dot's tiles, instruction or order (the GPU test slices rows at
+  unaligned offsets to check it); dropping them would cost vectorised loads.
 
 Numerics: float32 operands run ``tl.dot`` in IEEE precision (not TF32); bfloat16 / float16 operands multiply in
 their dtype on a GPU (exact products, float32 sums). Under the interpreter (``TRITON_INTERPRET=1``, how the
@@ -66,16 +70,29 @@ def gemm_tiles(dtype: torch.dtype, k: int, n: int) -> GemmTiles:
 
 @triton.jit(do_not_specialize=["M"])
 def _invariant_gemm_kernel(
-    x_ptr,  # [M, K]
-    w_ptr,  # [N, K]
+    x_ptr,  # [D0, D1, D2, M, K], K contiguous
+    w_ptr,  # [D0, D1, D2, N, K] (element (n, k) at n * stride_wn + k, or k * stride_wk + n)
     bias_ptr,  # [N] (unused without HAS_BIAS)
-    out_ptr,  # [M, N]
+    out_ptr,  # [D0, D1, D2, M, N], N contiguous
     M,
     N,
     K,
+    D1,
+    D2,
+    stride_x0,
+    stride_x1,
+    stride_x2,
     stride_xm,
+    stride_w0,
+    stride_w1,
+    stride_w2,
     stride_wn,
+    stride_wk,
+    stride_o0,
+    stride_o1,
+    stride_o2,
     stride_om,
+    W_K_CONTIGUOUS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -83,21 +100,32 @@ def _invariant_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for the tile (pid_m, pid_n): K walked in order, float32 sum."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """out[b, m, n] = sum_k x[b, m, k] w[b, n, k] (+ bias[n]) for the tile (batch item b, pid_m, pid_n): K walked
+    in order, float32 sum. Batch strides may be 0 (broadcast)."""
+    pid_b = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    i0 = (pid_b // (D1 * D2)).to(tl.int64)
+    i1 = ((pid_b // D2) % D1).to(tl.int64)
+    i2 = (pid_b % D2).to(tl.int64)
+    x_ptr += i0 * stride_x0 + i1 * stride_x1 + i2 * stride_x2
+    w_ptr += i0 * stride_w0 + i1 * stride_w1 + i2 * stride_w2
+    out_ptr += i0 * stride_o0 + i1 * stride_o1 + i2 * stride_o2
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_mask = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(w_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
+        if W_K_CONTIGUOUS:
+            w_tile = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+        else:
+            w_tile = w_ptr + offs_k.to(tl.int64)[:, None] * stride_wk + offs_n[None, :]  # [BK, BN]
+        b = tl.load(w_tile, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
         if UPCAST_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -108,9 +136,58 @@ def _invariant_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D tensor whose last dimension is contiguous (rows may be strided)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _batch3(t: torch.Tensor, batch: tuple[int, ...], rows: int, cols: int) -> tuple[torch.Tensor, list[int]]:
+    """``t`` expanded to [*batch, rows, cols] (a view, 0 strides where broadcast) and its 3 batch strides (batch
+    has at most 3 dims; leading missing dims get stride 0)."""
+    e = t.expand(*batch, rows, cols)
+    strides = list(e.stride()[:-2])
+    return e, [0] * (3 - len(strides)) + strides
+
+
+def _launch(
+    x: torch.Tensor,  # [*batch, M, K], K contiguous
+    w: torch.Tensor,  # [*batch, N, K] (any strides)
+    bias: torch.Tensor | None,  # [N]
+    out: torch.Tensor,  # [*batch, M, N] contiguous
+    tiles: GemmTiles | None,
+) -> torch.Tensor:
+    batch, m, k, n = out.shape[:-2], x.shape[-2], x.shape[-1], w.shape[-2]
+    t = tiles or gemm_tiles(x.dtype, k, n)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
+    x, xs = _batch3(x, tuple(batch), m, k)
+    if w.stride(-1) != 1 and w.stride(-2) != 1:
+        w = w.contiguous()
+    w, ws = _batch3(w, tuple(batch), n, k)
+    _, os_ = _batch3(out, tuple(batch), m, n)
+    b3 = [1] * (3 - len(batch)) + list(batch)
+    bias_arg = bias.contiguous() if bias is not None else out  # unused pointer without a bias
+    grid = (b3[0] * b3[1] * b3[2], triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
+    _invariant_gemm_kernel[grid](
+        x, w, bias_arg, out,
+        m, n, k, b3[1], b3[2],
+        *xs, x.stride(-2),
+        *ws, w.stride(-2), w.stride(-1),
+        *os_, out.stride(-2),
+        W_K_CONTIGUOUS=w.stride(-1) == 1,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+        enable_fp_fusion=False,
+        **dot_args(x.dtype),
+    )
+    return out
+
+
+def _check_dtypes(*tensors: torch.Tensor | None) -> None:
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) != 1:
+        raise ValueError(f"the invariant GEMM's operands must share a dtype; got {sorted(map(str, dtypes))}")
 
 
 def invariant_gemm(
@@ -124,38 +201,25 @@ def invariant_gemm(
     ``gemm_tiles(dtype, K, N)``). Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"invariant_gemm takes x [M, K] and weight [N, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"x, weight and bias must share a dtype; got {x.dtype}, {weight.dtype}, "
-                         f"{None if bias is None else bias.dtype}")
-    m, k = x.shape
-    n = weight.shape[0]
-    t = tiles or gemm_tiles(x.dtype, k, n)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
-    x, weight = _rows_contiguous(x), _rows_contiguous(weight)
-    bias_arg = bias.contiguous() if bias is not None else out  # unused pointer without a bias
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
-    _invariant_gemm_kernel[grid](
-        x,
-        weight,
-        bias_arg,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k,
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
-        enable_fp_fusion=False,
-        **dot_args(x.dtype),
-    )
-    return out
+    _check_dtypes(x, weight, bias)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)  # [M, N]
+    return _launch(x, weight, bias, out, tiles)
+
+
+def invariant_matmul(
+    a: torch.Tensor,  # [..., M, K]
+    b: torch.Tensor,  # [..., K, N], leading dims broadcast against a's (at most 3 batch dims)
+    tiles: GemmTiles | None = None,
+) -> torch.Tensor:  # [..., M, N] in a's dtype
+    """``torch.matmul(a, b)`` for batched operands by the same kernel, one batch item per program row: a row's
+    result does not depend on M nor on the row's position (``row_block_matmul`` on CUDA)."""
+    if a.dim() < 2 or b.dim() < 2 or a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"invariant_matmul takes a [..., M, K] and b [..., K, N]; got {tuple(a.shape)}, {tuple(b.shape)}")
+    _check_dtypes(a, b)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if len(batch) > 3:
+        raise ValueError(f"invariant_matmul takes at most 3 batch dims; got {tuple(batch)}")
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    out = torch.empty(*batch, a.shape[-2], b.shape[-1], dtype=a.dtype, device=a.device)  # [*batch, M, N]
+    return _launch(a, b.transpose(-1, -2), None, out, tiles)

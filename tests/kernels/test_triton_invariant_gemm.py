@@ -11,8 +11,13 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from ddtree_serve.kernels.batch_invariant import invariant_linear  # noqa: E402
-from ddtree_serve.kernels.triton_invariant_gemm import GemmTiles, gemm_tiles, invariant_gemm  # noqa: E402
+from ddtree_serve.kernels.batch_invariant import invariant_linear, row_block_matmul  # noqa: E402
+from ddtree_serve.kernels.triton_invariant_gemm import (  # noqa: E402
+    GemmTiles,
+    gemm_tiles,
+    invariant_gemm,
+    invariant_matmul,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (K, N): small; the default model's (576 -> 1536, 1536 -> 576) and Kimi's (7168 -> 2048) scaled down, K not a
@@ -98,3 +103,29 @@ def test_invariant_linear_forced_to_triton_is_row_invariant(dtype):
     y3 = invariant_linear(x[:60].view(3, 20, 72), w, b, use_triton=True)  # [3, 20, N]
     assert torch.equal(y3.reshape(60, 200), invariant_gemm(x[:60], w, b))
     assert torch.equal(invariant_linear(x, w, b), invariant_linear(x, w, b, use_triton=False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_matmul_rows_are_invariant_and_close(dtype):
+    """``invariant_matmul`` (``row_block_matmul(..., use_triton=True)``, the attention's per-split GEMMs) at the
+    attention's item shapes: scores q [B, H, 1, M, d] @ k^T [B, H, S, d, 64] (b K-contiguous, a broadcast over S)
+    and partials p [B, H, S, M, 64] @ [v, 1] [B, H, S, 64, dv + 1] (b N-contiguous): each query row alone equals
+    the row among 1..21 others at offsets 0/5, and both match torch.matmul."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 1, 26, 32, generator=g).to(dtype)  # [B, H, 1, M, d]
+    k = torch.randn(2, 2, 3, 64, 32, generator=g).to(dtype)  # [B, H, S, C, d]
+    p = torch.rand(2, 2, 3, 26, 64, generator=g).to(dtype)  # [B, H, S, M, C]
+    v1 = torch.randn(2, 2, 3, 64, 17, generator=g).to(dtype)  # [B, H, S, C, dv + 1]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-2)
+    for a, b in ((q, k.transpose(-1, -2)), (p, v1)):
+        full = row_block_matmul(a, b, use_triton=True)  # [B, H, S, M, N]
+        torch.testing.assert_close(full.float(), a.float() @ b.float(), **tol)
+        alone = torch.cat([invariant_matmul(a[..., i : i + 1, :], b) for i in range(a.shape[-2])], dim=-2)
+        assert torch.equal(alone, full)
+        for size in (1, 2, 7, 8, 9, 21):
+            for off in (0, 5):
+                got = invariant_matmul(a[..., off : off + size, :], b)
+                assert torch.equal(got, alone[..., off : off + size, :]), (size, off)
+    with pytest.raises(ValueError):
+        invariant_matmul(torch.zeros(1, 1, 1, 1, 2, 8), torch.zeros(8, 3))
+    assert torch.equal(row_block_matmul(q, k.transpose(-1, -2)), row_block_matmul(q, k.transpose(-1, -2), use_triton=False))
