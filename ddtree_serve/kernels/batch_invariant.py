@@ -19,7 +19,8 @@ What each primitive fixes (measured on the CPU this was written on, tests/kernel
   no shape is trusted unpadded.
 - ``invariant_linear`` on CUDA: cuBLAS picks its kernel (tiles, split-K) by M, so padding rows does not help
   there; the linears run the Triton GEMM of ddtree_serve/kernels/triton_invariant_gemm.py (tiles fixed per
-  dtype, K and N, no split-K, K walked in order), checked row-invariant under the interpreter and on CUDA.
+  dtype, K and N, no split-K, K walked in order), checked row-invariant under the interpreter (its CUDA test,
+  tests/gpu/test_invariant_gemm_cuda.py, has not run on a GPU yet).
   ``row_block_matmul`` (the attention's per-split GEMMs) runs its batched form (``invariant_matmul``) on CUDA.
 - ``chunked_attention``: attention whose reduction over the keys is fixed by the keys' *logical positions*:
   scores and the P.V partials are computed per split of ``KV_SPLIT`` positions (split ``c`` holds positions
