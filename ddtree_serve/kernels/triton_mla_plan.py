@@ -250,3 +250,18 @@ def choose_dcp_kv_splits(programs: int, max_keys: int, num_sms: int | None, dcp_
     split's merge costs one ``[BLOCK_H, L]`` float32 row of the N x heads, so a split should hold at least
     MIN_SPLIT_KEYS of its own keys). Batch 1 at 128k context and DCP 8 on 132 SMs: 32 splits."""
     return choose_kv_splits(programs, max_keys // max(1, dcp_size), num_sms)
+
+
+INVARIANT_SPLIT_KEYS = MIN_SPLIT_KEYS  # batch-invariant mode: key positions per split (a multiple of every BLOCK_N)
+
+
+def invariant_split_grid(programs: int, max_keys: int, num_sms: int | None, split_keys: int) -> int:
+    """Batch-invariant mode (ddtree_serve/kernels/triton_mla_invariant.py): split programs per (token, head
+    block). The splits are fixed by position (split ``c`` holds key positions ``[c * split_keys, (c + 1) *
+    split_keys)``) whatever the batch, and one program walking them all merges them in the same order as the
+    merge kernel, so this choice moves work between programs but never the result: ``ceil(max_keys /
+    split_keys)`` programs (one per split, merged by ``_mla_inv_merge_kernel``) where ``choose_kv_splits``
+    would split, else 1."""
+    if choose_kv_splits(programs, max_keys, num_sms) <= 1:
+        return 1
+    return -(-max_keys // split_keys)
