@@ -76,8 +76,9 @@ def prepare_mla_launch(
     [slots, 1, L + R]; ``k_scale`` [slots, 2] float32: the per-token (latent, rope) scales of an fp8 cache
     (ddtree_serve/kernels/kv_quant.py), None for a 16/32-bit cache (ValueError when it does not match the cache's dtype).
     ``tiles``: default ``tiles_for`` the device's shared memory. Other shapes: ``ForwardBatch``'s.
-    ``invariant`` (batch-invariant mode, ddtree_serve/kernels/triton_mla_invariant.py) with ``tree``: a node's keys
-    are its prefix then its ancestors by depth (``anc``, ``tree_ancestors``), ``kv_len`` = prefix + depth + 1."""
+    ``invariant`` (batch-invariant mode, ddtree_serve/kernels/triton_mla_invariant.py): default tiles
+    ``tiles_for(.., invariant=True)``; with ``tree`` a node's keys are its prefix then its ancestors by depth
+    (``anc``, ``tree_ancestors``), ``kv_len`` = prefix + depth + 1."""
     t, heads, width = q.shape
     lat, rope = kv_lora_rank, width - kv_lora_rank
     q_max = attn_mask.shape[1]
@@ -106,7 +107,7 @@ def prepare_mla_launch(
     if tiles is None:
         dev = (q.device.type, q.device.index)
         tiles = tiles_for(heads, lat, rope, q.dtype, device_smem_limit(*dev), device_arch(*dev),
-                          k_cache.dtype if fp8 else None)  # fmt: skip
+                          k_cache.dtype if fp8 else None, invariant)  # fmt: skip
     return MlaLaunch(
         q.contiguous(), cache, kv_indices, mask, tok_req, tok_pos, kv_len.to(torch.int32), prefix_lens,
         k_scale if fp8 else cache, scale * LOG2E, lat, rope, tree, fp8, tiles, anc,

@@ -50,7 +50,8 @@ class World:
         else:
             cache = cache.to(dtype)
         self.cache, self.dtype, self.split_keys = cache, dtype, split_keys
-        self.tiles = choose_mla_tiles(HEADS, LAT, ROPE, dtype, smem_limit, None, cache.dtype if fp8 else None)
+        self.tiles = choose_mla_tiles(HEADS, LAT, ROPE, dtype, smem_limit, None, cache.dtype if fp8 else None,
+                                      invariant=True)
 
     def slots(self, n: int) -> list[int]:
         """n distinct cache rows in random order (requests may share rows: the kernels only read them)."""
