@@ -7,7 +7,10 @@ MLA (ddtree_serve/kernels/triton_mla_invariant.py): "alone" is one decode reques
 context in position order; the same row then runs inside decode batches of other sizes and key widths
 (single-program and split-grid plans), as a token of a prefill chunk inside an extend batch, and as a tree
 node whose ancestors are the plain tokens (its context sits at the tree's columns, behind masked siblings);
-bfloat16 and float32, an fp8 cache, and a DCP rank's partial (o, lse). MoE (ddtree_serve/kernels/triton_moe.py):
+bfloat16 and float32, an fp8 cache, and a DCP rank's partial (o, lse). The float32 cases are the sharp ones:
+the default kernels fail them (a forced split count changes a decode row by ~1e-7, a tree node differs from
+the same token decoded by ~6e-8), while bfloat16's output rounding hides such differences at these shapes.
+MoE (ddtree_serve/kernels/triton_moe.py):
 a token alone vs inside batches of 5 and 37 tokens, dense and INT4. Tiny shapes (latent 32, rope 8, 4 heads,
 contexts of up to ~170 keys cut into splits of 32 or 64 positions).
 """
@@ -188,8 +191,8 @@ def test_mla_invariant_matches_reference(mode, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_dcp_rank_partial_is_invariant_and_matches_the_default(dtype):
     """A DCP rank's partial (o, lse; DCP 2, rank 1): the row alone vs in a batch and as a tree node, bit for
-    bit; and close to the default DCP kernel's (1e-5; bfloat16 2e-2). The lse is float32 whatever the dtype,
-    so in bfloat16 too it shows the float32 state's bits (the bfloat16 output's rounding hides most of them)."""
+    bit; and close to the default DCP kernel's (1e-5; bfloat16 2e-2). float32 is the sharp case: the default
+    kernels fail it (split count, tree layout); at these tiny shapes they happen to pass the bfloat16 one."""
     world = World(dtype, seed=9)
     dcp = (2, 1)
     ctx = world.slots(120)
