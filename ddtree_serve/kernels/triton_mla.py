@@ -27,6 +27,12 @@ products in the cache dtype, float32 scores, softmax and accumulation; output in
 cache (``--kv-cache-dtype fp8_e4m3``, format in ddtree_serve/kernels/kv_quant.py) passes its per-token scales; each key tile
 is dequantized to the query's (model) dtype after its load, so products run as for a 16/32-bit cache. Runs on
 CUDA, and on CPU tensors under ``TRITON_INTERPRET=1``.
+
+Batch-invariant mode (``invariant=True`` on every entry point; ``--enable-deterministic-inference``, docs/DESIGN.md
+4.18): every mode runs ddtree_serve/kernels/triton_mla_invariant.py instead (keys split at fixed positions and
+merged in position order, tree nodes read at their plain-decoding positions, one tile shape for all), so a
+token's output is bit-identical as a decode row, a prefill-chunk row or a tree node, whatever the batch. A
+layer turns it on with ``MLA_KERNELS[mode](..., invariant=True)``; False (the default) is the kernels above.
 """
 
 from __future__ import annotations

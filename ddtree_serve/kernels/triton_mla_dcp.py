@@ -27,6 +27,10 @@ cannot take to the emptiest ranks, and tree verify's new keys sit at column ``pr
 slots follow their position ``prefix + depth``. So each rank walks every column and keeps the slots
 ``g % N == r``: the slot ids of the other ranks' keys are read (8 B a key) but their cache rows are not
 (masked loads), and the split chunks bound each program's walk.
+
+Batch-invariant mode: ``MLA_DCP_KERNELS[mode](..., dcp_size=n, dcp_rank=r, invariant=True)`` runs
+ddtree_serve/kernels/triton_mla_invariant.py with the shard filter; the rank's (o, lse) is then bit-identical
+for a token alone, in a batch, in a prefill chunk or as a tree node (docs/DESIGN.md 4.18).
 """
 
 from __future__ import annotations

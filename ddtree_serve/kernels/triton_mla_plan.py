@@ -39,6 +39,10 @@ each walks the whole context. ``choose_kv_splits`` splits the keys of each progr
 separate programs, merged by their log-sum-exp, when the context is long and the launch would not fill the
 GPU on its own. It reads only host-known sizes (the key columns of ``kv_indices``, not the lengths on the
 device), so a CUDA graph captured at a size keeps a valid split count.
+
+Batch-invariant mode (ddtree_serve/kernels/triton_mla_invariant.py): splits of a fixed ``INVARIANT_SPLIT_KEYS``
+positions, whatever the batch (``invariant_split_grid`` only chooses whether one program or one per split walks
+them: same bits), and its own tiles (``choose_mla_tiles(.., invariant=True)``, ``COMPILED_SMEM_INVARIANT``).
 """
 
 from __future__ import annotations
