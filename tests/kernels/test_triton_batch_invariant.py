@@ -188,12 +188,12 @@ def test_mla_invariant_matches_reference(mode, dtype):
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_dcp_rank_partial_is_invariant_and_matches_the_default(dtype):
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_mla_dcp_rank_partial_is_invariant_and_matches_the_default(dtype, fp8):
     """A DCP rank's partial (o, lse; DCP 2, rank 1): the row alone vs in a batch and as a tree node, bit for
     bit; and close to the default DCP kernel's (1e-5; bfloat16 2e-2). float32 is the sharp case: the default
     kernels fail it (split count, tree layout); at these tiny shapes they happen to pass the bfloat16 one."""
-    world = World(dtype, seed=9)
+    world = World(dtype, seed=9, fp8=fp8)
     dcp = (2, 1)
     ctx = world.slots(120)
     q_row = world.queries(1)[0]
