@@ -26,7 +26,7 @@ import torch
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
           torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
 
 
 @dataclass
