@@ -90,10 +90,19 @@ def split_numerators(
     return row_block_matmul(p, torch.cat([v, ones], dim=-1))  # [B, H, S, M, dv + 1]
 
 
-def combine_splits(parts: torch.Tensor) -> torch.Tensor:
-    """parts [..., S, M, dv + 1] -> [..., M, dv]: the splits summed by a sequential scan in split (position)
-    order, so empty trailing splits add an exact 0 and the sum is the same for any split count; then the
-    softmax normalisation (a query that saw nothing gets 0)."""
-    total = torch.cumsum(parts, dim=-3)[..., -1, :, :]  # [..., M, dv + 1]
+def sum_splits(parts: torch.Tensor) -> torch.Tensor:
+    """parts [..., S, M, dv + 1] -> [..., M, dv + 1]: the splits summed by a sequential scan in split (position)
+    order, so empty trailing splits add an exact 0 and the sum is the same for any split count."""
+    return torch.cumsum(parts, dim=-3)[..., -1, :, :]
+
+
+def normalize_totals(total: torch.Tensor) -> torch.Tensor:
+    """total [..., dv + 1] (numerator, softmax denominator last) -> [..., dv]: num / den elementwise (a query
+    that saw nothing, den = 0, gets 0)."""
     num, den = total[..., :-1], total[..., -1:]
     return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def combine_splits(parts: torch.Tensor) -> torch.Tensor:
+    """parts [..., S, M, dv + 1] -> [..., M, dv]: ``sum_splits`` then the softmax normalisation."""
+    return normalize_totals(sum_splits(parts))
