@@ -90,22 +90,28 @@ def dcp_latent_attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tenso
     return dcp_merge(o, lse, tp).to(q.dtype)
 
 
-def dcp_merge_ordered(total: torch.Tensor, m: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """The group's unnormalised partials -> this rank's heads, summed in a fixed (DCP-rank) order. ``total``
-    [T, N*Hr, L + 1] float32 (numerator ; denominator over this rank's keys, relative to ``m``), ``m`` [T, N*Hr]
-    float32 (this rank's max score, -inf where it holds no visible key) -> [T, Hr, L] float32."""
-    n, r = tp.dcp_size, tp.dcp_rank
-    hr = total.shape[1] // n
-    mine = slice(r * hr, (r + 1) * hr)
-    maxes = tp.dcp_all_gather(m[None, :, mine].contiguous(), dim=0)  # [N, T, Hr]
-    totals = tp.dcp_all_gather(total[None, :, mine].contiguous(), dim=0)  # [N, T, Hr, L + 1]
-    top = maxes.amax(0)  # [T, Hr], exact
+def merge_totals_ordered(totals: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
+    """The ranks' unnormalised partials of the same queries merged in rank order: ``totals`` [N, T, H, L + 1]
+    float32 (numerator ; denominator over rank d's keys, relative to ``maxes[d]``), ``maxes`` [N, T, H] (-inf
+    where rank d holds no visible key) -> [T, H, L] float32. Each partial is rescaled to the ranks' max (exact)
+    and they are summed d = 0, 1, ..., N - 1, then normalised."""
+    top = maxes.amax(0)  # [T, H], exact
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.where(torch.isfinite(maxes), torch.exp(maxes - top), torch.zeros_like(maxes))  # [N, T, Hr]
-    acc = totals[0] * w[0, ..., None]  # [T, Hr, L + 1]
-    for d in range(1, n):  # rank order
+    w = torch.where(torch.isfinite(maxes), torch.exp(maxes - top), torch.zeros_like(maxes))  # [N, T, H]
+    acc = totals[0] * w[0, ..., None]  # [T, H, L + 1]
+    for d in range(1, totals.shape[0]):  # rank order
         acc = acc + totals[d] * w[d, ..., None]
     return normalize_totals(acc)
+
+
+def dcp_merge_ordered(total: torch.Tensor, m: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``merge_totals_ordered`` of this rank's heads over the DCP group: ``total`` [T, N*Hr, L + 1], ``m``
+    [T, N*Hr] float32 (this rank's partial for every gathered head) -> [T, Hr, L] float32."""
+    hr = total.shape[1] // tp.dcp_size
+    mine = slice(tp.dcp_rank * hr, (tp.dcp_rank + 1) * hr)
+    maxes = tp.dcp_all_gather(m[None, :, mine].contiguous(), dim=0)  # [N, T, Hr]
+    totals = tp.dcp_all_gather(total[None, :, mine].contiguous(), dim=0)  # [N, T, Hr, L + 1]
+    return merge_totals_ordered(totals, maxes)
 
 
 def dcp_invariant_latent_attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor,
