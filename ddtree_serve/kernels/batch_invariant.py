@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 ROW_BLOCK = 8  # rows per library GEMM call block (M is always a multiple of it)
 KV_SPLIT = 64  # key positions per attention split (fixed, independent of batch, queries and tree)
+MIN_VALUE_COLS = 16  # the P.[V, 1] GEMM's columns are zero-padded to at least this many (see split_numerators)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -83,11 +84,18 @@ def split_numerators(
     v: torch.Tensor,  # [B, H, S, KV_SPLIT, dv] float32, zero where the slot holds no key
 ) -> torch.Tensor:  # [B, H, S, M, dv + 1]
     """Per split: sum_j exp(s_j - m) [v_j, 1] (an exact 0 for invisible keys), by one GEMM item shape
-    ([ROW_BLOCK, KV_SPLIT] x [KV_SPLIT, dv + 1])."""
+    ([ROW_BLOCK, KV_SPLIT] x [KV_SPLIT, max(dv + 1, MIN_VALUE_COLS)]). The columns are zero-padded to
+    ``MIN_VALUE_COLS``: with fewer (measured: 5..7 and 9..11 at K = 64, float32 MKL on this CPU) the library
+    computes a row differently by its position mod 4 in the matrix, which moves with the query count (rows
+    are (head, query) pairs). Model shapes (dv >= 16) are unpadded."""
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m[:, :, None, :, None])  # [B, H, S, M, C], 0 where s = -inf
     ones = torch.ones_like(v[..., :1])
-    return row_block_matmul(p, torch.cat([v, ones], dim=-1))  # [B, H, S, M, dv + 1]
+    vals = torch.cat([v, ones], dim=-1)  # [B, H, S, C, dv + 1]
+    cols = vals.shape[-1]
+    if cols < MIN_VALUE_COLS:
+        vals = F.pad(vals, (0, MIN_VALUE_COLS - cols))
+    return row_block_matmul(p, vals)[..., :cols]  # [B, H, S, M, dv + 1]
 
 
 def sum_splits(parts: torch.Tensor) -> torch.Tensor:
