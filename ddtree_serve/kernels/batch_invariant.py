@@ -17,7 +17,8 @@ What each primitive fixes (measured on the CPU this was written on, tests/kernel
   1..67 rows at every offset of a block give bit-identical results. bfloat16 GEMM (oneDNN, AVX512-BF16) looks
   M-invariant in most shapes here but is not in all (K=1536, N=576: a row differs between M=1 and M=2), so
   no shape is trusted unpadded.
-- ``chunked_attention``: attention whose reduction over the keys is fixed by the keys' *logical positions*:
+- the split attention (``split_partials``, ``split_numerators``, ``sum_splits``, ``normalize_totals``; used by
+  attention_invariant.py and mla_invariant.py): the reduction over the keys is fixed by their *logical positions*:
   scores and the P.V partials are computed per split of ``KV_SPLIT`` positions (split ``c`` holds positions
   ``[c*KV_SPLIT, (c+1)*KV_SPLIT)``, in position order, invisible keys contributing an exact 0) by GEMMs of one
   fixed item shape ([ROW_BLOCK, d] x [d, KV_SPLIT] and [ROW_BLOCK, KV_SPLIT] x [KV_SPLIT, dv + 1], the extra
@@ -110,7 +111,3 @@ def normalize_totals(total: torch.Tensor) -> torch.Tensor:
     num, den = total[..., :-1], total[..., -1:]
     return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
 
-
-def combine_splits(parts: torch.Tensor) -> torch.Tensor:
-    """parts [..., S, M, dv + 1] -> [..., M, dv]: ``sum_splits`` then the softmax normalisation."""
-    return normalize_totals(sum_splits(parts))
