@@ -13,6 +13,9 @@ MHA (Llama, Qwen)  ``torch`` | ``flashinfer`` | auto (flashinfer     ``torch`` /
                    on CUDA when it imports: ddtree_serve/kernels/attention_select)
 =================  ===============================================  ==========================================
 
+``--enable-deterministic-inference`` (``invariant_attention_backend``, ``invariant_moe_backend``): both resolve
+to torch, whose modules then run their batch-invariant paths (docs/DESIGN.md 4.18); flashinfer is refused.
+
 ``auto`` takes the reference when ``DDTREE_KERNELS=torch`` or Triton does not import. Triton on a CPU
 device runs only in Triton's interpreter (``TRITON_INTERPRET=1``, how tests check the kernels); asking for it
 on CPU without the interpreter is an error. MLA on a CUDA device: the Triton kernel must fit the device's
