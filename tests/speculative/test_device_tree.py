@@ -11,7 +11,6 @@ import torch
 
 from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.server.engine import Engine
-from ddtree_serve.speculative import spec_worker
 from ddtree_serve.speculative.ddtree import assemble_tree, draft_topk, pop_nodes
 from ddtree_serve.speculative.tree_graphs import DeviceTreeBuilder
 from tests.model_executor.graph_capture_standin import RecordingCapture
@@ -85,14 +84,14 @@ def device_path(monkeypatch) -> list[int]:
     """The engine's runner reports an accelerator (its step takes the device paths, as on a GPU); records the
     batch size of every tree built on the device."""
     built: list[int] = []
-    real = spec_worker.build_device_tree
+    real = DeviceTreeBuilder.build
 
-    def spy(topk, *args, **kwargs):
+    def spy(self, topk, *args, **kwargs):
         built.append(int(topk[0].shape[0]))
-        return real(topk, *args, **kwargs)
+        return real(self, topk, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "accelerated", property(lambda self: True))
-    monkeypatch.setattr(spec_worker, "build_device_tree", spy)
+    monkeypatch.setattr(DeviceTreeBuilder, "build", spy)
     return built
 
 
