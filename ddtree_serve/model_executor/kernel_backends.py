@@ -13,8 +13,9 @@ MHA (Llama, Qwen)  ``torch`` | ``flashinfer`` | auto (flashinfer     ``torch`` /
                    on CUDA when it imports: ddtree_serve/kernels/attention_select)
 =================  ===============================================  ==========================================
 
-``--enable-deterministic-inference`` (``invariant_attention_backend``, ``invariant_moe_backend``): both resolve
-to torch, whose modules then run their batch-invariant paths (docs/DESIGN.md 4.18); flashinfer is refused.
+``--enable-deterministic-inference`` (``invariant_attention_backend``, ``invariant_moe_backend``): MHA attention
+resolves to torch (its batch-invariant path); MLA attention and the routed experts keep torch or triton, each
+running its batch-invariant variant (docs/DESIGN.md 4.18); flashinfer is refused.
 
 ``auto`` takes the reference when ``DDTREE_KERNELS=torch`` or Triton does not import. Triton on a CPU
 device runs only in Triton's interpreter (``TRITON_INTERPRET=1``, how tests check the kernels); asking for it
@@ -88,16 +89,12 @@ def _mla_unfit(hf: dict[str, Any], dtype: torch.dtype | None, device: str, smem_
 
 def invariant_attention_backend(hf: dict[str, Any], attention: str) -> str:
     """The attention backend under ``--enable-deterministic-inference`` given the resolved one: MHA models run
-    the batch-invariant attention (ddtree_serve/kernels/attention_invariant.py) and MLA models the
-    batch-invariant latent attention (ddtree_serve/kernels/mla_invariant.py), both standing in for the torch
-    reference ("torch"); flashinfer chosen explicitly for an MHA model is a ValueError."""
+    the batch-invariant attention (ddtree_serve/kernels/attention_invariant.py, standing in for the torch
+    reference: "torch"; flashinfer chosen explicitly is a ValueError); MLA models keep theirs, "torch" running
+    ddtree_serve/kernels/mla_invariant.py and "triton" the Triton kernels' invariant mode
+    (ddtree_serve/kernels/triton_mla_invariant.py)."""
     if is_mla(hf):
-        # The Triton MLA kernels (kernels/triton_mla*.py) are not batch-invariant yet (their variants are being
-        # built separately): until they are, the mode runs the torch invariant path even when triton was
-        # resolved or asked for.
-        if attention == "triton":
-            logger.info("--enable-deterministic-inference: MLA attention runs the torch batch-invariant path")
-        return "torch"
+        return attention
     if attention == "flashinfer":
         raise ValueError("--enable-deterministic-inference runs its own batch-invariant attention; "
                          "attention_backend must be auto or torch")
@@ -105,12 +102,10 @@ def invariant_attention_backend(hf: dict[str, Any], attention: str) -> str:
 
 
 def invariant_moe_backend(hf: dict[str, Any], moe: str) -> str:
-    """The routed experts' backend under ``--enable-deterministic-inference``: "torch", whose ``row_invariant``
-    mode (layers/moe_experts.py ``forward_invariant``) fixes each token's reduction order. The Triton MoE kernel
-    (kernels/triton_moe.py) is not batch-invariant yet, so a resolved or requested triton runs torch too."""
-    if moe == "triton":
-        logger.info("--enable-deterministic-inference: the routed experts run the torch batch-invariant path")
-    return "torch"
+    """The routed experts' backend under ``--enable-deterministic-inference``: the resolved one, "torch" running
+    ``FusedExperts.forward_invariant`` (layers/moe_experts.py) and "triton" ``fused_moe(invariant=True)``
+    (ddtree_serve/kernels/triton_moe.py: each token's rows combined in slot order)."""
+    return moe
 
 
 def resolve_kernel_backends(

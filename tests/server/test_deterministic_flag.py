@@ -39,9 +39,9 @@ def test_runner_switches_attention_and_linears(tiny_llama_factory, on) -> None:
 
 
 def test_mla_model_runs_the_invariant_path(tmp_path) -> None:
-    """An MLA + MoE model (tiny Kimi): the mode resolves both backends to torch (also when triton is asked for:
-    the Triton kernels are not batch-invariant yet) and switches the MLA attention, the router and the routed
-    experts with the linears."""
+    """An MLA + MoE model (tiny Kimi): the mode keeps the resolved backends (torch on a CPU; triton when asked for,
+    whose kernels run their invariant mode) and switches the MLA attention, the router and the routed experts
+    with the linears."""
     from ddtree_serve.model_executor.layers.mla import MLAAttention
     from ddtree_serve.model_executor.layers.moe import MoEGate
     from ddtree_serve.model_executor.layers.moe_experts import FusedExperts
@@ -50,6 +50,9 @@ def test_mla_model_runs_the_invariant_path(tmp_path) -> None:
     mla = str(write_tiny_deepseek(tmp_path / "kimi", kimi=True).path)
     cfg = ModelConfig.load(mla, "bfloat16", deterministic_inference=True)
     assert (cfg.attention_backend, cfg.moe_backend) == ("torch", "torch")
+    triton = ModelConfig.load(mla, "bfloat16", deterministic_inference=True, attention_backend="triton",
+                              moe_backend="triton")  # (Triton's interpreter on this CPU: tests/conftest.py)
+    assert (triton.attention_backend, triton.moe_backend) == ("triton", "triton")
     runner = ModelRunner(cfg, max_reqs=2, max_context=64, max_total_tokens=64)
     kinds = (MLAAttention, MoEGate, FusedExperts, _Linear, ParallelLMHead)
     switched = [m for m in runner.model.modules() if isinstance(m, kinds)]

@@ -131,3 +131,19 @@ def test_mla_layouts_ddtree_equals_plain(kimi_and_refs, layout):
     path = kimi_and_refs[0]
     greedy, seeded = plain_refs(path, LARGE, **layout)
     check_spec_equals_plain(path, greedy, seeded, work=LARGE, **layout)
+
+
+TRITON = dict(attention_backend="triton", moe_backend="triton")  # under Triton's interpreter on this CPU
+
+
+@pytest.mark.slow  # ~4 min under the interpreter; the kernels' bit-equality: tests/kernels/test_triton_batch_invariant.py
+@pytest.mark.parametrize("layout", [TRITON, dict(TRITON, tp_size=2, decode_context_parallel_size=2)],
+                         ids=["triton", "triton-dcp2"])
+def test_mla_triton_ddtree_equals_plain(kimi_and_refs, layout):
+    """The Triton MLA and MoE kernels' invariant mode (ddtree_serve/kernels/triton_mla_invariant.py, the MoE
+    combine in slot order) through the engine: speculative == plain under the same backends, greedy and seeded,
+    chunked prefill and the prefix cache on, drafts accepted; with DCP 2 the Triton DCP kernel's rank partials
+    merged in rank order."""
+    path = kimi_and_refs[0]
+    greedy, seeded = plain_refs(path, **layout)
+    check_spec_equals_plain(path, greedy, seeded, **layout)

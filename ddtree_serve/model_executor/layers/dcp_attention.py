@@ -115,11 +115,21 @@ def dcp_merge_ordered(total: torch.Tensor, m: torch.Tensor, tp: TPGroup) -> torc
 
 
 def dcp_invariant_latent_attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor,
-                                   k_scale: torch.Tensor | None, kv_lora_rank: int, scale: float, tp: TPGroup
-                                   ) -> torch.Tensor:
+                                   k_scale: torch.Tensor | None, kv_lora_rank: int, scale: float, tp: TPGroup,
+                                   backend: str = "torch") -> torch.Tensor:
     """``dcp_latent_attention`` made row-invariant (module docstring): q [T, Hr, kv_lora + rope] -> o_lat
-    [T, Hr, kv_lora] in q's dtype."""
+    [T, Hr, kv_lora] in q's dtype. ``backend`` "triton": the rank's partial from the Triton DCP kernel's invariant
+    mode (o normalised, natural-log lse), taken as the total ``[o, 1]`` relative to ``m = lse``."""
     qg = tp.dcp_all_gather(q, dim=1)  # [T, N*Hr, W]
+    if backend == "triton":
+        from ddtree_serve.kernels.triton_mla_dcp import MLA_DCP_KERNELS
+
+        o, lse = MLA_DCP_KERNELS[fb.mode.value](qg, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens,
+                                                fb.extend_lens, kv_lora_rank, scale, fb.tree_mask, dcp_size=tp.dcp_size,
+                                                dcp_rank=tp.dcp_rank, k_scale=k_scale, invariant=True)
+        seen = torch.isfinite(lse)[..., None]  # [T, N*Hr, 1]: the rank holds a visible key
+        total = torch.cat([o.float(), torch.ones_like(lse)[..., None]], dim=-1) * seen  # [T, N*Hr, L + 1]
+        return dcp_merge_ordered(total, lse.float(), tp).to(q.dtype)
     local, mine = shard_keys(fb.kv_indices, tp.dcp_size, tp.dcp_rank)  # [bs, K] each
     total, m = invariant_latent_totals(qg, k_cache, k_scale, fb.attention_meta(), kv_lora_rank, scale, key_ok=mine,
                                        kv_indices=local)  # [T, N*Hr, L + 1], [T, N*Hr]

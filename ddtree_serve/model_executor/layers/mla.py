@@ -71,8 +71,8 @@ class MLAAttention(nn.Module):
     """Checkpoint names: q_a_proj, q_a_layernorm, q_b_proj (or q_proj without q_lora), kv_a_proj_with_mqa,
     kv_a_layernorm, kv_b_proj, o_proj. Heads are split across TP ranks; q_a/kv_a are replicated.
     ``row_invariant`` (``--enable-deterministic-inference``, set per instance by ``use_invariant_linears``): the
-    absorption GEMMs and the latent attention run ddtree_serve/kernels/mla_invariant.py, whatever ``backend``
-    says (the Triton kernels are not batch-invariant yet: the mode resolves the backend to "torch" anyway)."""
+    absorption GEMMs run ddtree_serve/kernels/mla_invariant.py, the latent attention its torch path ("torch") or
+    the Triton kernels' invariant mode ("triton")."""
 
     row_invariant = False
 
@@ -146,9 +146,18 @@ class MLAAttention(nn.Module):
         cdt = h.dtype if k_scale is not None else k_cache.dtype  # dtype of the products
         q_full = torch.cat([q_lat, q_pe], dim=-1).to(cdt)  # [T, Hr, kv_lora + rope]
         if self.row_invariant:
-            o_lat = (dcp_invariant_latent_attention(q_full, fb, k_cache, k_scale, self.kv_lora_rank, self.scale, self.tp)
-                     if dcp else invariant_latent_attention(q_full, k_cache, k_scale, fb.attention_meta(),
-                                                            self.kv_lora_rank, self.scale))  # [T, Hr, kv_lora]
+            if dcp:
+                o_lat = dcp_invariant_latent_attention(q_full, fb, k_cache, k_scale, self.kv_lora_rank, self.scale,
+                                                       self.tp, self.backend)  # [T, Hr, kv_lora]
+            elif self.backend == "triton":  # the Triton kernels' batch-invariant mode
+                from ddtree_serve.kernels.triton_mla import MLA_KERNELS
+
+                o_lat = MLA_KERNELS[fb.mode.value](q_full, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index,
+                                                   fb.prefix_lens, fb.extend_lens, self.kv_lora_rank, self.scale,
+                                                   fb.tree_mask, k_scale=k_scale, invariant=True)  # [T, Hr, kv_lora]
+            else:
+                o_lat = invariant_latent_attention(q_full, k_cache, k_scale, fb.attention_meta(), self.kv_lora_rank,
+                                                   self.scale)  # [T, Hr, kv_lora]
             o = expand_values(o_lat.to(w_uv.dtype), w_uv)  # [T, Hr, v]
             return self.o_proj(o.reshape(o.shape[0], -1))
         if dcp:

@@ -18,8 +18,8 @@ class FusedExperts(nn.Module):
     (``E_r = E``, ``I_r = I / tp``). Expert parallel (``tp.expert_parallel``): this rank's block of whole
     experts ``[expert_start, expert_start + E_r)`` (``I_r = I``). Either way the output is a partial sum
     over ranks: the caller all-reduces it (``reduce=True`` does it here). ``row_invariant``
-    (``--enable-deterministic-inference``, set by ``use_invariant_linears``): ``forward_invariant``, whatever
-    ``backend`` says (the mode resolves the MoE backend to "torch")."""
+    (``--enable-deterministic-inference``, set by ``use_invariant_linears``): ``forward_invariant`` on the torch
+    backend, the kernel's invariant mode on triton."""
 
     row_invariant = False
 
@@ -77,11 +77,11 @@ class FusedExperts(nn.Module):
         """x [T, H], weights [T, k], ids [T, k] (global expert ids) -> [T, H]. The (token, expert) pairs this
         rank holds are sorted by expert and each expert runs one dense GEMM over its contiguous slice (a
         loop over the local experts that received tokens; "triton": one grouped GEMM launch per projection)."""
+        if self.backend == "triton":  # row-invariant: the kernel's invariant mode (slot-ordered combine)
+            out = self.forward_triton(x, weights, ids, invariant=self.row_invariant)
+            return self.tp.all_reduce(out) if reduce else out
         if self.row_invariant:
             out = self.forward_invariant(x, weights, ids)
-            return self.tp.all_reduce(out) if reduce else out
-        if self.backend == "triton":
-            out = self.forward_triton(x, weights, ids)
             return self.tp.all_reduce(out) if reduce else out
         t, k = ids.shape
         flat = ids.reshape(-1) - self.expert_start  # [T*k] local expert id; out of range = another rank's
@@ -132,8 +132,10 @@ class FusedExperts(nn.Module):
             acc = acc + weighted[:, j]
         return acc.to(x.dtype)
 
-    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum through ddtree_serve/kernels/triton_moe.py (dense stacked weights)."""
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, invariant: bool = False
+                       ) -> torch.Tensor:
+        """This rank's partial sum through ddtree_serve/kernels/triton_moe.py (dense stacked weights);
+        ``invariant``: its batch-invariant mode."""
         from ddtree_serve.kernels.triton_moe import fused_moe
 
-        return fused_moe(x, weights, ids, self.w13, self.w2, self.expert_start)
+        return fused_moe(x, weights, ids, self.w13, self.w2, self.expert_start, invariant=invariant)
