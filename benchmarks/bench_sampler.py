@@ -56,9 +56,9 @@ def bench_sampler(device: torch.device, rows: int = 4, vocab: int = VOCAB) -> li
     for name, temp, k, p, mp in CONFIGS:
         args = (torch.full((rows,), temp, device=device), torch.full((rows,), k if k > 0 else vocab, device=device),
                 torch.full((rows,), p, device=device), torch.full((rows,), mp, device=device))
-        passes = torch.zeros(rows, dtype=torch.int32, device=device)
+        passes = torch.zeros(rows, dtype=torch.float32, device=device)
         triton_draw_sampled(logits, *args, u, block=block, passes_out=passes)
-        radix = int(passes.max())
+        radix = float(passes.max())
         bisect = bisect_passes(k > 0, p < 1.0)
         row = dict(config=name, radix_passes=radix, bisect_passes=bisect, ratio=bisect / radix)
         if device.type == "cuda":
