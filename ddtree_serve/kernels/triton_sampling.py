@@ -48,20 +48,17 @@ _PROGRAMS = 1024  # programs at most; each takes rows pid, pid + grid, ... (and 
 
 
 @triton.jit
-def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_ptr, out_ptr, passes_ptr, cx_ptr,
-                 ci_ptr, n_rows, V, BLOCK: tl.constexpr, HBLOCK: tl.constexpr, NB: tl.constexpr,
-                 CAP: tl.constexpr):
-    pid = tl.program_id(0)
-    cand_x = cx_ptr + pid.to(tl.int64) * CAP  # this program's candidate buffer [CAP]: logits
-    cand_i = ci_ptr + pid.to(tl.int64) * CAP  # and their indices
-    bidx = tl.arange(0, NB)
-    for row in range(pid, n_rows, tl.num_programs(0)):
+def _sample_rows(logits_ptr, stride, params_ptr, out_ptr, passes_ptr, cand_ptr, n_rows, V, BLOCK: tl.constexpr,
+                 HBLOCK: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr):
+    """``params_ptr`` [n, 5] float32 per row: temperature, top_k (float: exact below 2^24), top_p, min_p, the
+    uniform; ``cand_ptr`` [grid, 2 * CAP] float32: each program's buffer, logits then indices (float: exact)."""
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0), num_stages=1):
         base = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride  # int64 offsets (interpreted: row an int)
-        temp = tl.load(temp_ptr + row)
-        k = tl.load(topk_ptr + row)
-        top_p = tl.load(topp_ptr + row)
-        min_p = tl.load(minp_ptr + row)
-        u = tl.load(u_ptr + row)
+        temp = tl.load(params_ptr + row * 5)
+        k = tl.load(params_ptr + row * 5 + 1)
+        top_p = tl.load(params_ptr + row * 5 + 2)
+        min_p = tl.load(params_ptr + row * 5 + 3)
+        u = tl.load(params_ptr + row * 5 + 4)
         filt = (k < V) | (top_p < 1.0)
 
         m, s_all, bm, c0, m0 = first_pass(base, V, temp, filt, BLOCK, HBLOCK, NB)  # bm [NB] block masses
@@ -69,7 +66,7 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
         # the candidates' lowest first digit: top-k's (exact counts), else top-p's for 1.001 x its target
         lo_digit = tl.full([], -1, tl.int32)
         if k < V:
-            lo_digit, c_above, m_above, m_at = pick(c0, m0, k.to(tl.float32))
+            lo_digit, c_above, m_above, m_at = pick(c0, m0, k)
         elif top_p < 1.0:
             lo_digit, c_above, m_above, m_at = pick(m0, m0, tl.maximum(top_p * s_all * 1.001, TINY))
         fits = (lo_digit >= 0) & (bins_from(c0, lo_digit) <= CAP)
@@ -80,6 +77,8 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
         n = 0
         kept_min = 0.0
         if try_cand:
+            cand_x = cand_ptr + tl.program_id(0).to(tl.int64) * (2 * CAP)  # this program's buffer [CAP]: logits
+            cand_i = cand_x + CAP  # [CAP] their indices
             tl.debug_barrier()  # the previous row's reads of the buffer are done
             n, kept_min = collect(base, V, m, temp, min_p, lo_key, tl.where(filt, -1.0, min_p), cand_x, cand_i, CAP,
                                   BLOCK)
@@ -102,6 +101,7 @@ def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_p
                 thr = min_p
                 total = kept_min
             else:  # no filter: start at the block whose running block mass crosses u * S
+                bidx = tl.arange(0, NB)
                 cum = tl.cumsum(bm, 0)  # [NB]
                 b = tl.min(tl.where((cum > u * s_all) & (bm > 0), bidx, NB), 0)
                 b = tl.where(b < NB, b, tl.max(tl.where(bm > 0, bidx, 0), 0))
@@ -130,13 +130,12 @@ def triton_draw_sampled(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     passes = passes_out if passes_out is not None else torch.empty(n, dtype=torch.float32, device=dev)
     bk = max(16, min(block, triton.next_power_of_2(vocab)))  # logits per block (a power of 2)
     grid = min(n, _PROGRAMS)
-    cand_x = torch.empty(grid, cap, dtype=torch.float32, device=dev)  # [grid, cap] per-program candidate buffers
-    cand_i = torch.empty(grid, cap, dtype=torch.int32, device=dev)
+    params = torch.stack([temperature.to(dev, torch.float32), top_k.to(dev).clamp(max=vocab).to(torch.float32),
+                          top_p.to(dev, torch.float32), min_p.to(dev, torch.float32),
+                          uniforms.to(dev, torch.float32)], 1)  # [n, 5]
+    cand = torch.empty(grid, 2 * cap, dtype=torch.float32, device=dev)  # [grid, 2 * cap] per-program buffers
     _sample_rows[(grid,)](
-        logits, logits.stride(0), temperature.to(dev, torch.float32).contiguous(),
-        top_k.to(dev, torch.int64).clamp(max=vocab).contiguous(), top_p.to(dev, torch.float32).contiguous(),
-        min_p.to(dev, torch.float32).contiguous(), uniforms.to(dev, torch.float32).contiguous(), out, passes,
-        cand_x, cand_i, n, vocab, BLOCK=bk, HBLOCK=min(bk, HIST_BLOCK),
+        logits, logits.stride(0), params, out, passes, cand, n, vocab, BLOCK=bk, HBLOCK=min(bk, HIST_BLOCK),
         NB=triton.next_power_of_2(triton.cdiv(vocab, bk)), CAP=cap, num_warps=8,
     )
     return out

@@ -26,7 +26,7 @@ from ddtree_serve.kernels.triton_sampling_radix import TINY, key_value, ukeys, w
 @triton.jit
 def collect(base, V, m, temp, min_p, lo_key, min_e, cand_x, cand_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 2: writes the logits whose key is ``>= lo_key`` and whose ``e >= min_e``, and their indices, in index
-    order to ``cand_x`` / ``cand_i`` ``[CAP]`` (those past ``CAP`` counted, not written). Returns their count and
+    order to ``cand_x`` / ``cand_i`` ``[CAP]`` float32 (those past ``CAP`` counted, not written). Returns their count and
     the row's mass of ``e >= min_p`` (min-p's kept total)."""
     offs = tl.arange(0, BLOCK)
     n = 0
@@ -39,7 +39,7 @@ def collect(base, V, m, temp, min_p, lo_key, min_e, cand_x, cand_i, CAP: tl.cons
         sel = valid & (ukeys(x) >= lo_key) & (e >= min_e)  # [BLOCK]
         pos = n + tl.cumsum(sel.to(tl.int32), 0) - 1  # [BLOCK] buffer slot of each selected logit
         tl.store(cand_x + pos, x, mask=sel & (pos < CAP))
-        tl.store(cand_i + pos, start + offs, mask=sel & (pos < CAP))
+        tl.store(cand_i + pos, (start + offs).to(tl.float32), mask=sel & (pos < CAP))  # exact below 2^24
         n += tl.sum(sel.to(tl.int32), 0)
     return n, kept
 
@@ -117,7 +117,7 @@ def cand_draw(cand_x, cand_i, n, m, temp, thr, u, V, CB: tl.constexpr):
     for s in range(0, n, CB):
         valid = s + offs < n
         x = tl.load(cand_x + s + offs, mask=valid, other=-float("inf"))  # [CB]
-        idx = tl.load(cand_i + s + offs, mask=valid, other=V)  # [CB] increasing
+        idx = tl.load(cand_i + s + offs, mask=valid, other=0.0).to(tl.int32)  # [CB] increasing
         e = weights(x, m, temp)
         w = tl.where((e >= thr) & (e > 0), e, 0.0)
         cum = run + tl.cumsum(w, 0)
