@@ -260,13 +260,13 @@ class SpecWorker:
         roots = upload(root_ids, dev, torch.int64)  # [bs]
         draft_logits = topk = None
         if plan == DRAFT:
-            draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), not mask_drafts)  # [bs, L, V/tp]
+            draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), True)  # [bs, L, V/tp]
             self._window("draft")  # the pops read the draft on the host
-            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
-                mask_draft_logits(grammars, draft_logits)
-            # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
-            k = 1 if self.chain else min(self.budget, dshard.vocab)
-            topk = None if mask_drafts else draft_topk(draft_logits, k, dshard)  # [bs, L, K] on the device
+            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md); per shard
+                mask_draft_logits(grammars, draft_logits, dshard)
+            # top-K once (the shards' top-k's) for every width popped; masked requests pop 2x (draft_pop_budgets)
+            k = 1 if self.chain else min(self.budget * (2 if mask_drafts else 1), dshard.vocab)
+            topk = draft_topk(draft_logits, k, dshard)  # [bs, L, K] on the device
         depths = torch.tensor(max_depths)  # [bs]
         scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
 

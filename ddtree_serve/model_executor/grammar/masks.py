@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 from ddtree_serve.model_executor.grammar.state import GrammarState, stop_only_row
+from ddtree_serve.model_executor.read_back import read_back
+from ddtree_serve.model_executor.sharded_sampling import sharded_argmax
 from ddtree_serve.model_executor.vocab_shard import VocabShard
 
 
@@ -174,28 +176,38 @@ def mask_tree_logits(states: Sequence[GrammarState | None], tree, logits: torch.
     return out.view(bs, d, width)
 
 
-def mask_draft_logits(states: Sequence[GrammarState | None], draft_logits: torch.Tensor) -> None:
-    """In place on the drafter's logits [bs, L, V]: depth 1 with the exact mask, depth d > 1 with the mask
-    after the masked top-1 tokens above it (stops at the first rejected or stop token: deeper depths stay
-    unmasked and ``prune_popped`` removes what the grammar rejects there)."""
-    bs, depth, vocab = draft_logits.shape
-    w = bitmask_width(vocab)
-    for b, s in enumerate(states):
-        if s is None or s.failed:
-            continue
-        row = torch.full((1, w), -1, dtype=torch.int32)  # [1, W]
-        taken = 0
-        for dep in range(depth):
-            s.fill(row, 0)
-            apply_bitmask(draft_logits[b, dep:dep + 1], row, [0])
-            if s.terminated or dep + 1 == depth:
-                break
-            tok = int(draft_logits[b, dep].argmax())
-            if tok in s.stop_token_ids or not s.push(tok):
-                break
-            taken += 1
-        if taken:
-            s.pop(taken)
+def mask_draft_logits(states: Sequence[GrammarState | None], draft_logits: torch.Tensor,
+                      shard: VocabShard | None = None) -> None:
+    """In place on the drafter's logits [bs, L, V] (``shard``: this rank's columns [bs, L, V/tp] under
+    vocabulary-parallel TP): depth 1 with the exact mask, depth d > 1 with the mask after the masked top-1 tokens
+    above it (stops at the first rejected or stop token: deeper depths stay unmasked and ``prune_popped`` removes
+    what the grammar rejects there). Depth by depth for every request at once: the top-1 tokens are one global
+    argmax of the depth's rows (``sharded_argmax``: 2 numbers a row between the ranks, the gathered row's token,
+    ties to the lowest id) and one ``read_back``; whether a depth runs depends on the grammar states only, the
+    same on every rank."""
+    bs, depth, width = draft_logits.shape
+    shard = shard if shard is not None else VocabShard.whole(width)
+    bitmask = torch.full((bs, bitmask_width(shard.vocab)), -1, dtype=torch.int32)  # [bs, W]
+    live = [b for b, s in enumerate(states) if s is not None and not s.failed]
+    taken = dict.fromkeys(live, 0)
+    for dep in range(depth):
+        for b in live:
+            states[b].fill(bitmask, b)
+            apply_bitmask_cols(draft_logits[b, dep:dep + 1], bitmask[b:b + 1], [0], shard)
+        live = [b for b in live if not states[b].terminated and dep + 1 < depth]
+        if not live:
+            break
+        (tops,) = read_back(sharded_argmax(draft_logits[:, dep], shard))  # [bs] this depth's masked top-1 tokens
+        walked = []
+        for b in live:
+            s, tok = states[b], int(tops[b])
+            if tok not in s.stop_token_ids and s.push(tok):
+                taken[b] += 1
+                walked.append(b)
+        live = walked
+    for b, n in taken.items():
+        if n:
+            states[b].pop(n)
 
 
 def draft_pop_budgets(states: Sequence[GrammarState | None], budgets: torch.Tensor) -> torch.Tensor:
