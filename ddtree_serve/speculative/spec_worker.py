@@ -304,9 +304,9 @@ class SpecWorker:
         else:
             longest = max(p + n + 1 for p, n in zip(root_pos, n_used.tolist(), strict=True))  # cached + tree tokens
             host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
-        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, padded=pad is not None)
-        # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
         params, shard = [q.params for q in reqs], r.vocab_shard  # the logits' vocabulary columns on this rank
+        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, pad is not None, params)
+        # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
         info = BatchSamplingInfo.build(params, vocab := shard.vocab, dev)
         want_lp = any(p.logprobs is not None for p in params)
         pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev, [len(q.output_ids) for q in reqs])
@@ -357,7 +357,7 @@ class SpecWorker:
         decoding's; sampled tokens are drawn exactly as plain decoding draws them."""
         r, bs = self.runner, len(reqs)
         start = self.timer.now()
-        fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids)  # roots' KV
+        fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids, [q.params for q in reqs])  # roots
         assert fb is not None, "decode() checked free slots for the whole step"
         out = r.forward(fb)
         self._window("plain")
@@ -395,6 +395,6 @@ class SpecWorker:
                              cached, roots, max_cached, local)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
-                        host: HostShape | None = None, padded: bool = False):
+                        host: HostShape | None = None, padded: bool = False, params: Sequence | None = None):
         """The tree's target forward (``tree_forward.verify_forward``): logits [bs, D, V], captured, slots [bs, D]."""
-        return verify_forward(self.runner, tree, idx, cached, self.capture_layer_ids, host, padded)
+        return verify_forward(self.runner, tree, idx, cached, self.capture_layer_ids, host, padded, params)
