@@ -122,6 +122,8 @@ def triton_draw_sampled(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     draw that stops early counts the blocks it read; the candidate buffer's re-reads are not row reads).
     ``cap``: candidate buffer entries per program (tests shrink it to take the row-wide path)."""
     n, vocab = logits.shape
+    if vocab >= 1 << 24:
+        raise ValueError(f"vocabulary {vocab} >= 2^24: top_k and the buffered indices travel as exact float32")
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out

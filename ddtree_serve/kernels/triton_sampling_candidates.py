@@ -4,7 +4,8 @@ After pass 1 the first radix digit of every threshold the row needs is known: to
 bin ``kd0`` (exact counts), top-p's in a bin at or above ``pd0`` (top-k's survivors or the whole row); min-p keeps
 ``e >= min_p``. Every kept logit is then among the row's candidates: keys in a bin ``>= kd0`` (top-k on), else
 ``>= pd0`` (top-p on), else ``e >= min_p`` (min-p alone). Pass 2 (``collect``) writes the candidates' logits and
-indices, in index order, to a per-program buffer of ``CAP`` entries; the exact thresholds (``cand_thresholds``:
+indices, in index order, to a per-program buffer of ``CAP`` entries (a barrier after it; the buffer read at
+L2, ``.cg``, so every warp sees every warp's writes); the exact thresholds (``cand_thresholds``:
 bisection over the keys, each step a count or a mass over the buffer) and the draw (``cand_draw``) then read the
 buffer only (``CAP`` x 8 bytes, cache-resident), never the row again. A row whose candidates would not fit
 (counted from pass 1's histogram: top-k / top-p; counted by ``collect``: min-p) takes the row-wide radix search
@@ -26,8 +27,8 @@ from ddtree_serve.kernels.triton_sampling_radix import TINY, key_value, ukeys, w
 @triton.jit
 def collect(base, V, m, temp, min_p, lo_key, min_e, cand_x, cand_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 2: writes the logits whose key is ``>= lo_key`` and whose ``e >= min_e``, and their indices, in index
-    order to ``cand_x`` / ``cand_i`` ``[CAP]`` float32 (those past ``CAP`` counted, not written). Returns their count and
-    the row's mass of ``e >= min_p`` (min-p's kept total)."""
+    order to ``cand_x`` / ``cand_i`` ``[CAP]`` float32 (those past ``CAP`` counted, not written). Returns their
+    count and the row's mass of ``e >= min_p`` (min-p's kept total)."""
     offs = tl.arange(0, BLOCK)
     n = 0
     kept = 0.0
@@ -52,7 +53,7 @@ def _suffix(cand_x, n, t, m, temp, CB: tl.constexpr):
     mass = 0.0
     for s in range(0, n, CB):
         valid = s + offs < n
-        x = tl.load(cand_x + s + offs, mask=valid, other=-float("inf"))  # [CB]
+        x = tl.load(cand_x + s + offs, mask=valid, other=-float("inf"), cache_modifier=".cg")  # [CB]
         sel = valid & (ukeys(x) >= t)
         cnt += tl.sum(sel.to(tl.float32), 0)
         mass += tl.sum(tl.where(sel, weights(x, m, temp), 0.0), 0)
@@ -107,7 +108,7 @@ def cand_draw(cand_x, cand_i, n, m, temp, thr, u, V, CB: tl.constexpr):
     offs = tl.arange(0, CB)
     total = 0.0
     for s in range(0, n, CB):
-        x = tl.load(cand_x + s + offs, mask=s + offs < n, other=-float("inf"))  # [CB]
+        x = tl.load(cand_x + s + offs, mask=s + offs < n, other=-float("inf"), cache_modifier=".cg")  # [CB]
         e = weights(x, m, temp)
         total += tl.sum(tl.where((e >= thr) & (e > 0), e, 0.0), 0)
     target = u * total
@@ -116,8 +117,8 @@ def cand_draw(cand_x, cand_i, n, m, temp, thr, u, V, CB: tl.constexpr):
     last = -1
     for s in range(0, n, CB):
         valid = s + offs < n
-        x = tl.load(cand_x + s + offs, mask=valid, other=-float("inf"))  # [CB]
-        idx = tl.load(cand_i + s + offs, mask=valid, other=0.0).to(tl.int32)  # [CB] increasing
+        x = tl.load(cand_x + s + offs, mask=valid, other=-float("inf"), cache_modifier=".cg")  # [CB]
+        idx = tl.load(cand_i + s + offs, mask=valid, other=0.0, cache_modifier=".cg").to(tl.int32)  # [CB] increasing
         e = weights(x, m, temp)
         w = tl.where((e >= thr) & (e > 0), e, 0.0)
         cum = run + tl.cumsum(w, 0)
