@@ -1,4 +1,4 @@
-"""One Triton program per row (8 warps, blocks of 1,024 logits; a grid of at most 1,024 programs, each taking
+"""One Triton program per row (8 warps, blocks of 1,024 logits; a grid of at most 512 programs, each taking
 rows in turn): temperature softmax, top-k, top-p and min-p, and the inverse-CDF draw at a given uniform, with the
 top-k and top-p thresholds found by radix select and candidate sets (the GPU path of
 ``model_executor.sampler.draw_tokens``). No probability row is ever written.
@@ -43,8 +43,9 @@ from ddtree_serve.kernels.triton_sampling_radix import (
     radix_thresholds,
 )
 
-CAP = 2048  # candidate buffer entries per program (16 KB): top-p 0.9 of randn x 3 logits at V 163,840 needs ~1,550
-_PROGRAMS = 1024  # programs at most; each takes rows pid, pid + grid, ... (and owns one candidate buffer)
+CAP = 4096  # buffer entries per program (32 KB): top-p 0.9 of randn x 3 logits at V 163,840 needs 1,550-3,700
+_PROGRAMS = 512  # programs at most, each taking rows pid, pid + grid, ... with its own buffer (16 MB in all);
+# an H100 holds one of these 8-warp programs (224 registers a thread) per SM, 132 at once
 
 
 @triton.jit
