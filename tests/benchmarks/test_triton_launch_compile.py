@@ -48,7 +48,7 @@ def test_launches_are_specialised_as_the_launcher_would() -> None:
     out = json.loads(p.stdout.strip().splitlines()[-1])
     even, odd = out["163840"], out["163841"]
     assert even["n"] == 1 and even["sig"]["logits_ptr"] == "*fp32" and even["sig"]["V"] == "i32"
-    assert even["sig"]["BLOCK"] == "constexpr" and even["const"] == {"BLOCK": 1024, "HBLOCK": 64}
+    assert even["sig"]["BLOCK"] == "constexpr" and even["const"] == {"BLOCK": 1024, "HBLOCK": 64, "NB": 256, "CAP": 4096}
     assert even["opts"] == {"num_warps": 8}
     # 16-byte aligned tensors and integers divisible by 16 carry tt.divisibility, others do not
     assert {"logits_ptr", "stride", "V", "out_ptr"} <= set(even["hinted"])
