@@ -2,9 +2,10 @@
 (ddtree_serve/kernels/triton_sampling.py) against the bisection kernel it replaced
 (ddtree_serve/kernels/triton_sampling_bisect.py), at Kimi K2.6's vocabulary (163,840), per filter combination.
 
-Passes: the radix kernel counts its own full reads of the row (``passes_out``; on CPU it runs in Triton's
-interpreter, blocks of 1,024: the count does not depend on the block); the bisection kernel's are read off its
-loop structure (``bisect_passes``: 1 + 30 per top-k + 31 per top-p + 2). Rows per second only on CUDA (the
+Passes: the radix kernel counts its own reads of the row from memory, in rows (``passes_out``: a draw that
+stops early counts the blocks it read; the candidate buffer's re-reads are not row reads; on CPU it runs in
+Triton's interpreter, blocks of 1,024); the bisection kernel's are read off its loop structure
+(``bisect_passes``: 1 + 30 per top-k + 31 per top-p + 2, every pass a full one). Rows per second only on CUDA (the
 interpreter's time says nothing). Called by ``benchmarks/bench_kernels.py --sampler``; no timing asserts.
 
     python benchmarks/bench_kernels.py --sampler [--device cuda] [--sampler-rows 8]
@@ -56,9 +57,9 @@ def bench_sampler(device: torch.device, rows: int = 4, vocab: int = VOCAB) -> li
     for name, temp, k, p, mp in CONFIGS:
         args = (torch.full((rows,), temp, device=device), torch.full((rows,), k if k > 0 else vocab, device=device),
                 torch.full((rows,), p, device=device), torch.full((rows,), mp, device=device))
-        passes = torch.zeros(rows, dtype=torch.int32, device=device)
+        passes = torch.zeros(rows, dtype=torch.float32, device=device)
         triton_draw_sampled(logits, *args, u, block=block, passes_out=passes)
-        radix = int(passes.max())
+        radix = float(passes.max())
         bisect = bisect_passes(k > 0, p < 1.0)
         row = dict(config=name, radix_passes=radix, bisect_passes=bisect, ratio=bisect / radix)
         if device.type == "cuda":
@@ -68,6 +69,6 @@ def bench_sampler(device: torch.device, rows: int = 4, vocab: int = VOCAB) -> li
         out.append(row)
         speed = (f", {row['radix_rows_per_s']:,.0f} vs {row['bisect_rows_per_s']:,.0f} rows/s"
                  if "radix_rows_per_s" in row else "")
-        print(f"V={vocab} {name:34}: radix {radix} passes/row (counted), bisection {bisect} (loop structure), "
+        print(f"V={vocab} {name:34}: radix {radix:.3f} passes/row (counted), bisection {bisect} (loop structure), "
               f"{row['ratio']:.1f}x fewer{speed}", flush=True)
     return out

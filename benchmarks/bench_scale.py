@@ -62,14 +62,14 @@ def _engine(target: str, drafter: str, batch: int, budget: int | str | None, tok
 
 
 def run_cell(target: str, drafter: str, batch: int, budget: int | str | None, steps: int, prompt_len: int,
-             graphs: int = 0, vocab_parallel: bool = True) -> dict:
+             graphs: int = 0, vocab_parallel: bool = True, temperature: float = 0.0) -> dict:
     """Prefill ``batch`` requests, then time ``steps`` decode steps; returns the cell's row."""
     max_tokens = steps * 20 + 8  # never finishes within the measured steps
     eng = _engine(target, drafter, batch, budget, prompt_len + max_tokens + 80, graphs, vocab_parallel)
     sched = eng.scheduler
     runner = sched.runner
     clock = runner.model.clock
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True)
     try:
         for i in range(batch):
             sched.add_request(GenerateReq(f"r{i}", [(i * 31 + j * 7) % 100 + 1 for j in range(prompt_len)], params))
@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sites", action="store_true", help="print each cell's sync sites")
     ap.add_argument("--gathered-logits", action="store_true", help="all-gather every logits row under TP "
                     "(vocab_parallel_logits off); default: vocabulary-parallel, O(1) bytes a row")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample every request (seeded): the sharded "
+                    "draw's exchange")
     ap.add_argument("--out", default="bench_out/scale.json")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
             for batch in (int(x) for x in args.batches.split(",")):
                 for budget in (None, *(x if x == "auto" else int(x) for x in args.budgets.split(","))):
                     row = run_cell(target, drafter, batch, budget, args.steps, args.prompt_len,
-                                   args.cuda_graph_max_bs, not args.gathered_logits)
+                                   args.cuda_graph_max_bs, not args.gathered_logits, args.temperature)
                     row["machine"], row["logits_bytes_per_row"] = name, per_row
                     rows.append(row)
                     phases = " ".join(f"{k}={v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)

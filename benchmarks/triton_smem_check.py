@@ -4,7 +4,9 @@ Kimi K2.6's shapes, each launch is intercepted and compiled with its signature, 
 
 - MLA (ddtree_serve/kernels/triton_mla*.py): bfloat16 over a bfloat16 and over an fp8 cache (latent 512 + rope
   64), TP 8 (8 local heads: decode, tree verify, split-K and its merge, the query-tiled extend) and DCP 8 (64
-  gathered heads: the same through the DCP kernels), at the tiles ``choose_mla_tiles`` picks for the arch;
+  gathered heads: the same through the DCP kernels), at the tiles ``choose_mla_tiles`` picks for the arch; with
+  ``--invariant`` the same groups in the batch-invariant mode instead (``--enable-deterministic-inference``:
+  "tp8-inv", "dcp8-inv", ddtree_serve/kernels/triton_mla_invariant.py, their own tiles and table);
 - the sampling kernel (ddtree_serve/kernels/triton_sampling.py) at V 163,840;
 - the batch-invariant GEMM (ddtree_serve/kernels/triton_invariant_gemm.py) at Kimi's dense-MLP shapes in
   bfloat16 (K 7168 -> N 2048 and back), the default model's 576 -> 1536 in float32 and the attention's batched
@@ -16,6 +18,7 @@ than the plan's estimate, or when the plan's figure is not the compiled one (``C
 prints the figures to paste there).
 
     python benchmarks/triton_smem_check.py [--archs 90,100,103,120] [--caches bf16,fp8] [--jobs 2] [--table]
+        [--invariant]
 
 Run without ``TRITON_INTERPRET`` (the interpreter compiles nothing). ``compile_mla`` (the kernels without launch
 hints, for benchmarks/triton_ir_dump.py's comparisons of a refactor) stays here.
@@ -117,12 +120,21 @@ def _batch(mode, q_len: int, bs: int = 2, prefix: int = 100):  # noqa: ANN001, A
                                tree_mask=tree)
 
 
-def mla_preset_launches(arch: int, fp8: bool) -> list[tuple[str, object, object]]:
+def mla_preset_launches(arch: int, fp8: bool, invariant: bool = False) -> list[tuple[str, object, object]]:
     """``(group, tiles, Launch)`` of every MLA launch the Kimi presets make on ``sm<arch>``: TP 8 (8 heads) and DCP
     8 (64 heads), decode / verify single-pass and split-K (with the merge), extend; bfloat16 queries over a
-    bfloat16 (``fp8`` False) or fp8 cache, at the tiles the plan picks there. Duplicates are dropped."""
+    bfloat16 (``fp8`` False) or fp8 cache, at the tiles the plan picks there. Duplicates are dropped.
+    ``invariant``: the batch-invariant mode's launches instead (``--enable-deterministic-inference``;
+    ddtree_serve/kernels/triton_mla_invariant.py: every mode at the decode tiles, one program per token or a
+    split grid and its merge)."""
     from benchmarks.triton_launch_compile import capture_launches, launch_source
-    from ddtree_serve.kernels import triton_mla, triton_mla_dcp, triton_mla_extend, triton_mla_split
+    from ddtree_serve.kernels import (
+        triton_mla,
+        triton_mla_dcp,
+        triton_mla_extend,
+        triton_mla_invariant,
+        triton_mla_split,
+    )
     from ddtree_serve.kernels.triton_mla_extend import EXTEND_ROWS
     from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES, choose_mla_tiles
     from ddtree_serve.model_executor.forward_batch import ForwardMode
@@ -130,6 +142,8 @@ def mla_preset_launches(arch: int, fp8: bool) -> list[tuple[str, object, object]
     targets = {triton_mla: ("_mla_kernel",), triton_mla_dcp: ("_mla_dcp_kernel",),
                triton_mla_extend: ("_mla_extend_kernel",),
                triton_mla_split: ("_mla_split_kernel", "_mla_dcp_split_kernel", "_mla_merge_kernel")}
+    if invariant:
+        targets = {triton_mla_invariant: ("_mla_inv_kernel", "_mla_inv_merge_kernel")}
     lat, rope, slots = 512, 64, 4096
     limit = SMEM_OPTIN_BYTES[(arch // 10, arch % 10)]
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
@@ -137,21 +151,24 @@ def mla_preset_launches(arch: int, fp8: bool) -> list[tuple[str, object, object]
     k_scale = torch.ones(slots, 2) if fp8 else None
     out, seen = [], set()
     for group, heads, dcp in (("tp8", 8, 1), ("dcp8", 64, 8)):
-        tiles = choose_mla_tiles(heads, lat, rope, torch.bfloat16, limit, arch, cache_dtype if fp8 else None)
+        group = group + "-inv" if invariant else group
+        tiles = choose_mla_tiles(heads, lat, rope, torch.bfloat16, limit, arch, cache_dtype if fp8 else None,
+                                 invariant)
         ext = choose_mla_tiles(max(heads, EXTEND_ROWS), lat, rope, torch.bfloat16, limit, arch,
                                cache_dtype if fp8 else None)
         for mode, q_len in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 5), (ForwardMode.EXTEND, 16)):
             fb = _batch(mode, q_len)
             q = torch.zeros(fb.q_index.numel(), heads, lat + rope, dtype=torch.bfloat16)  # [T, H, L + R]
             args = (q, cache, fb.kv_indices, fb.attn_mask, fb.q_index, fb.prefix_lens, fb.extend_lens, lat, 0.1)
-            t = ext if mode == ForwardMode.EXTEND else tiles
-            for splits in ((1,) if mode == ForwardMode.EXTEND else (1, 4)):
+            t = ext if mode == ForwardMode.EXTEND and not invariant else tiles
+            inv = dict(invariant=True, split_keys=64) if invariant else {}  # 64: several splits at these lengths
+            for splits in ((1,) if mode == ForwardMode.EXTEND and not invariant else (1, 4)):
                 with capture_launches(targets) as sink:
                     if dcp > 1:
                         triton_mla_dcp.MLA_DCP_KERNELS[mode.value](*args, dcp_size=dcp, dcp_rank=0, k_scale=k_scale,
-                                                                   tiles=t, num_splits=splits)
+                                                                   tiles=t, num_splits=splits, **inv)
                     else:
-                        triton_mla.MLA_KERNELS[mode.value](*args, tiles=t, num_splits=splits, k_scale=k_scale)
+                        triton_mla.MLA_KERNELS[mode.value](*args, tiles=t, num_splits=splits, k_scale=k_scale, **inv)
                 for launch in sink:
                     src, opts = launch_source(launch)
                     key = (launch.name, repr(sorted(src.constants.items())), repr(src.attrs), repr(opts))
@@ -189,9 +206,10 @@ def gemm_launches() -> list[object]:
     return sink
 
 
-def check_group(arch: int, cache: str) -> list[dict]:
+def check_group(arch: int, cache: str, invariant: bool = False) -> list[dict]:
     """Compile one arch's launches for one cache kind (``cache`` "bf16" / "fp8"; "sampler": the sampling kernel;
-    "gemm": the batch-invariant GEMM): one row per kernel with its figures and verdict."""
+    "gemm": the batch-invariant GEMM): one row per kernel with its figures and verdict. ``invariant``: the MLA
+    launches of the batch-invariant mode instead (``mla_preset_launches``; their rows' group ends in "-inv")."""
     from benchmarks.triton_launch_compile import compile_launch, launch_source
     from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES
 
@@ -201,13 +219,16 @@ def check_group(arch: int, cache: str) -> list[dict]:
     elif cache == "gemm":
         todo = [(f"K{la.args[6]}N{la.args[5]}", None, la) for la in gemm_launches()]
     else:
-        todo = mla_preset_launches(arch, cache == "fp8")
+        todo = mla_preset_launches(arch, cache == "fp8", invariant)
     rows = []
     for group, tiles, launch in todo:
         st = compile_launch(launch, arch)
         src, _ = launch_source(launch)
-        tree = src.constants.get((launch.kernel.arg_names.index("TREE"),)) if "TREE" in launch.kernel.arg_names else None
-        rows.append(dict(arch=arch, cache=cache, group=group, kernel=launch.name, tree=tree,
+        names = launch.kernel.arg_names
+        tree = src.constants.get((names.index("TREE"),)) if "TREE" in names else None
+        partial = "PARTIAL" in names and src.constants.get((names.index("PARTIAL"),))
+        rows.append(dict(arch=arch, cache=cache, group=group, kernel=launch.name + ("/split" if partial else ""),
+                         tree=tree,
                          tiles=f"{tiles.block_h}x{tiles.block_n}" if tiles else "-", warps=st.num_warps,
                          shared=st.shared, registers=st.registers, spills=st.spill_bytes, limit=limit,
                          estimate=tiles.smem_bytes if tiles else None))
@@ -250,6 +271,9 @@ def main() -> int:
                     help="bf16, fp8 (MLA over that cache), sampler, gemm (the batch-invariant GEMM)")
     ap.add_argument("--jobs", type=int, default=2, help="processes compiling in parallel")
     ap.add_argument("--table", action="store_true", help="print the compiled figures as COMPILED_SMEM entries")
+    ap.add_argument("--invariant", action="store_true",
+                    help="the batch-invariant mode's MLA kernels (--enable-deterministic-inference) instead; --table "
+                         "then prints COMPILED_SMEM_INVARIANT's entries")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -258,11 +282,11 @@ def main() -> int:
 
     groups = [(int(a), c) for a in args.archs.split(",") for c in args.caches.split(",")]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(check_group, *zip(*groups, strict=True)))
+        results = list(pool.map(check_group, *zip(*groups, strict=True), [args.invariant] * len(groups)))
     rows = [r for group in results for r in group]
     print(f"Triton {triton.__version__}")
     for r in rows:
-        print(f"sm{r['arch']} {r['cache']:7} {r['group']:7} {r['kernel']:22} tree={r['tree']!s:5} tiles {r['tiles']:5} "
+        print(f"sm{r['arch']} {r['cache']:7} {r['group']:8} {r['kernel']:22} tree={r['tree']!s:5} tiles {r['tiles']:5} "
               f"w{r['warps']}: cubin {r['shared']:7,} B, estimate {r['estimate'] or 0:7,} B, limit {r['limit']:7,} B, "
               f"{r['registers']:3} registers, {r['spills']:,} B spilled")
     if args.table:

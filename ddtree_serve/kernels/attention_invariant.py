@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 
 from ddtree_serve.kernels.attention import AttentionMeta
-from ddtree_serve.kernels.batch_invariant import KV_SPLIT, combine_splits, split_numerators, split_partials
+from ddtree_serve.kernels.batch_invariant import (
+    KV_SPLIT,
+    normalize_totals,
+    split_numerators,
+    split_partials,
+    sum_splits,
+)
 
 
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, have: torch.Tensor
@@ -32,7 +38,7 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     return k, v
 
 
-def request_attention(
+def request_totals(
     q: torch.Tensor,  # [n, Hq, d] float32, already scaled
     slots: torch.Tensor,  # [L] int64, KV slot of each key column (prefix then new tokens), L = prefix + n
     mask: torch.Tensor,  # [n, L] bool, query i sees column j
@@ -40,10 +46,13 @@ def request_attention(
     v_cache: torch.Tensor,  # [num_slots, Hkv, dv]
     prefix: int,
     causal: bool,
-) -> torch.Tensor:  # [n, Hq, dv] float32
-    """Attention of one request's ``n`` new tokens, invariant to everything but each query's own context.
+    key_ok: torch.Tensor | None = None,  # [L] bool: the column's key is held here (DCP); None: every key
+) -> tuple[torch.Tensor, torch.Tensor]:  # total [n, Hq, dv + 1], max [n, Hq] float32
+    """Attention of one request's ``n`` new tokens, invariant to everything but each query's own context, before
+    the normalisation: (sum_j exp(s_j - m) [v_j, 1] over the visible keys, m = their max score).
     ``causal``: column = position for every key (EXTEND/DECODE); else the new keys form a tree (each node sees
-    its ancestors and itself), ValueError if the mask is not one."""
+    its ancestors and itself), ValueError if the mask is not one. ``key_ok``: keys outside it are invisible
+    (the tree's layout is still read from ``mask``)."""
     n, hq, d = q.shape
     hkv, c, big_l = k_cache.shape[1], KV_SPLIT, slots.shape[0]
     g = hq // hkv
@@ -54,10 +63,12 @@ def request_attention(
     if shared:
         pos = torch.arange(shared * c, device=dev)  # [S*C]
         have = pos < big_l
+        if key_ok is not None:
+            have = have & key_ok[pos.clamp(max=big_l - 1)]
         k, v = _gather_kv(k_cache, v_cache, slots[pos.clamp(max=big_l - 1)], have)  # [S*C, Hkv, d]
         k = k.view(shared, c, hkv, d).permute(2, 0, 1, 3)[None]  # [1, Hkv, S, C, d]
         v = v.view(shared, c, hkv, -1).permute(2, 0, 1, 3)[None]  # [1, Hkv, S, C, dv]
-        vis = torch.nn.functional.pad(mask, (0, max(0, shared * c - big_l)))[:, : shared * c]  # [n, S*C]
+        vis = torch.nn.functional.pad(mask, (0, max(0, shared * c - big_l)))[:, : shared * c] & have  # [n, S*C]
         vis = vis.view(n, shared, c).permute(1, 0, 2)[:, None].expand(shared, g, n, c).reshape(shared, g * n, c)
         s, m = split_partials(rows, k, v, vis[None, None])  # s [1, Hkv, S, g*n, C], m [1, Hkv, g*n]
         parts.append((s, v, "shared"))
@@ -75,6 +86,8 @@ def request_attention(
         tvis[ii, prefix - first + depth[kk]] = True
         if not torch.equal(tvis[:, prefix - first :].sum(1), depth + 1):
             raise ValueError("invariant attention: the non-causal mask is not a tree (two visible new keys share a depth)")
+        if key_ok is not None:
+            tvis = tvis & key_ok[tmap]
         k, v = _gather_kv(k_cache, v_cache, slots[tmap], tvis)  # [n, Nt*C, Hkv, d]
         k = k.view(n, tail, c, hkv, d).permute(0, 3, 1, 2, 4)  # [n, Hkv, Nt, C, d]
         v = v.view(n, tail, c, hkv, -1).permute(0, 3, 1, 2, 4)  # [n, Hkv, Nt, C, dv]
@@ -91,26 +104,28 @@ def request_attention(
             nums.append(p[0].view(hkv, shared, g, n, -1).permute(3, 0, 1, 2, 4))  # [n, Hkv, S, g, dv+1]
         else:
             nums.append(split_numerators(s, m, v))  # [n, Hkv, Nt, g, dv+1]
-    out = combine_splits(torch.cat(nums, dim=2) if len(nums) > 1 else nums[0])  # [n, Hkv, g, dv]
-    return out.reshape(n, hq, -1)
+    total = sum_splits(torch.cat(nums, dim=2) if len(nums) > 1 else nums[0])  # [n, Hkv, g, dv + 1]
+    return total.reshape(n, hq, -1), m.reshape(n, hq)
 
 
-def causal_attention(
+def causal_totals(
     q: torch.Tensor,  # [bs, Q, Hq, d] float32, scaled, padded rows
     kv_indices: torch.Tensor,  # [bs, K]
     mask: torch.Tensor,  # [bs, Q, K] bool
     totals: torch.Tensor,  # [bs] prefix + extend
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-) -> torch.Tensor:  # [bs, Q, Hq, dv] float32
-    """``request_attention`` for causal forwards (column = position for every key), all requests at once: the
-    same splits and GEMM item shapes per request, the batch only adding zero splits and padded rows."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # total [bs, Q, Hq, dv + 1], max [bs, Q, Hq] float32
+    """``request_totals`` for causal forwards (column = position for every key), all requests at once: the
+    same splits and GEMM item shapes per request, the batch only adding zero splits and padded rows. A key
+    ``mask`` hides from every query is read as absent (zeroed: DCP's keys of other ranks)."""
     bs, qm, hq, d = q.shape
     hkv, c, big_k = k_cache.shape[1], KV_SPLIT, kv_indices.shape[1]
     g, splits = hq // hkv, -(-big_k // c)
     pad = splits * c - big_k
     cols = torch.nn.functional.pad(kv_indices, (0, pad))  # [bs, S*C]
     have = torch.arange(splits * c, device=q.device)[None] < totals[:, None]  # [bs, S*C]
+    have = have & torch.nn.functional.pad(mask.any(1), (0, pad))  # [bs, S*C]
     k, v = _gather_kv(k_cache, v_cache, cols, have)  # [bs, S*C, Hkv, d]
     k = k.view(bs, splits, c, hkv, d).permute(0, 3, 1, 2, 4)  # [bs, Hkv, S, C, d]
     v = v.view(bs, splits, c, hkv, -1).permute(0, 3, 1, 2, 4)  # [bs, Hkv, S, C, dv]
@@ -118,8 +133,51 @@ def causal_attention(
     vis = torch.nn.functional.pad(mask, (0, pad)).view(bs, qm, splits, c).permute(0, 2, 1, 3)  # [bs, S, Q, C]
     vis = vis[:, None, :, None].expand(bs, 1, splits, g, qm, c).reshape(bs, 1, splits, g * qm, c)
     s, m = split_partials(rows, k, v, vis)  # [bs, Hkv, S, g*Q, C], [bs, Hkv, g*Q]
-    out = combine_splits(split_numerators(s, m, v))  # [bs, Hkv, g*Q, dv]
-    return out.view(bs, hkv, g, qm, -1).permute(0, 3, 1, 2, 4).reshape(bs, qm, hq, -1)
+    total = sum_splits(split_numerators(s, m, v))  # [bs, Hkv, g*Q, dv + 1]
+    total = total.view(bs, hkv, g, qm, -1).permute(0, 3, 1, 2, 4).reshape(bs, qm, hq, -1)
+    return total, m.view(bs, hkv, g, qm).permute(0, 3, 1, 2).reshape(bs, qm, hq)
+
+
+def invariant_paged_totals(
+    q: torch.Tensor,  # [T, Hq, d]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,  # [bs, K]
+    attn_mask: torch.Tensor,  # [bs, Q, K] bool
+    q_index: torch.Tensor,  # [T] row of each flat token in [bs * Q]
+    scale: float,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    causal: bool,
+    key_ok: torch.Tensor | None = None,  # [bs, K] bool: keys held here (DCP: this rank's); None: all
+) -> tuple[torch.Tensor, torch.Tensor]:  # total [T, Hq, dv + 1], max [T, Hq] float32
+    """``invariant_paged_attention`` before its normalisation: per query the unnormalised numerator and
+    denominator over its visible keys (those in ``key_ok``) and their max score (-inf, total 0: none). A DCP
+    rank merges these with the other ranks' in a fixed rank order (layers/dcp_attention.py)."""
+    if attn_mask.shape[2] != kv_indices.shape[1]:
+        raise ValueError("invariant attention needs the dense [bs, Q, K] mask")
+    qs = q.float() * scale  # [T, Hq, d]
+    if causal:
+        bs, qm = attn_mask.shape[:2]
+        qp = qs.new_zeros(bs * qm, *qs.shape[1:])  # [bs*Q, Hq, d]
+        qp[q_index] = qs
+        totals = torch.tensor(prefix_lens, device=q.device) + torch.tensor(extend_lens, device=q.device)
+        mask = attn_mask if key_ok is None else attn_mask & key_ok[:, None, :]  # [bs, Q, K]
+        tot, m = causal_totals(qp.view(bs, qm, *qs.shape[1:]), kv_indices, mask, totals, k_cache, v_cache)
+        return tot.reshape(bs * qm, *tot.shape[2:])[q_index], m.reshape(bs * qm, -1)[q_index]
+    tots, maxes, t0 = [], [], 0
+    for b, (pre, n) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        if n == 0:
+            continue
+        total = pre + n
+        tot, m = request_totals(qs[t0 : t0 + n], kv_indices[b, :total], attn_mask[b, :n, :total], k_cache,
+                                v_cache, pre, causal, None if key_ok is None else key_ok[b, :total])
+        tots.append(tot)
+        maxes.append(m)
+        t0 += n
+    if not tots:
+        return qs.new_zeros(0, q.shape[1], v_cache.shape[-1] + 1), qs.new_zeros(0, q.shape[1])
+    return torch.cat(tots), torch.cat(maxes)
 
 
 def invariant_paged_attention(
@@ -135,28 +193,10 @@ def invariant_paged_attention(
     causal: bool,
 ) -> torch.Tensor:  # [T, Hq, dv] in q's dtype
     """Batch-invariant attention for already-written caches; flat tokens are request after request. Causal
-    forwards run all requests at once (``causal_attention``), trees request by request."""
-    if attn_mask.shape[2] != kv_indices.shape[1]:
-        raise ValueError("invariant attention needs the dense [bs, Q, K] mask")
-    qs = q.float() * scale  # [T, Hq, d]
-    if causal:
-        bs, qm = attn_mask.shape[:2]
-        qp = qs.new_zeros(bs * qm, *qs.shape[1:])  # [bs*Q, Hq, d]
-        qp[q_index] = qs
-        totals = torch.tensor(prefix_lens, device=q.device) + torch.tensor(extend_lens, device=q.device)
-        out = causal_attention(qp.view(bs, qm, *qs.shape[1:]), kv_indices, attn_mask, totals, k_cache, v_cache)
-        return out.reshape(bs * qm, *out.shape[2:])[q_index].to(q.dtype)
-    outs, t0 = [], 0
-    for b, (pre, n) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
-        if n == 0:
-            continue
-        total = pre + n
-        outs.append(request_attention(qs[t0 : t0 + n], kv_indices[b, :total], attn_mask[b, :n, :total],
-                                      k_cache, v_cache, pre, causal))
-        t0 += n
-    if not outs:
-        return q.new_zeros(0, q.shape[1], v_cache.shape[-1])
-    return torch.cat(outs).to(q.dtype)
+    forwards run all requests at once (``causal_totals``), trees request by request (``request_totals``)."""
+    total, _ = invariant_paged_totals(q, k_cache, v_cache, kv_indices, attn_mask, q_index, scale, prefix_lens,
+                                      extend_lens, causal)
+    return normalize_totals(total).to(q.dtype)
 
 
 class InvariantAttentionBackend:

@@ -22,7 +22,8 @@ What each primitive fixes (measured on the CPU this was written on, tests/kernel
   dtype, K and N, no split-K, K walked in order), checked row-invariant under the interpreter (its CUDA test,
   tests/gpu/test_invariant_gemm_cuda.py, has not run on a GPU yet).
   ``row_block_matmul`` (the attention's per-split GEMMs) runs its batched form (``invariant_matmul``) on CUDA.
-- ``chunked_attention``: attention whose reduction over the keys is fixed by the keys' *logical positions*:
+- the split attention (``split_partials``, ``split_numerators``, ``sum_splits``, ``normalize_totals``; used by
+  attention_invariant.py and mla_invariant.py): the reduction over the keys is fixed by their *logical positions*:
   scores and the P.V partials are computed per split of ``KV_SPLIT`` positions (split ``c`` holds positions
   ``[c*KV_SPLIT, (c+1)*KV_SPLIT)``, in position order, invisible keys contributing an exact 0) by GEMMs of one
   fixed item shape ([ROW_BLOCK, d] x [d, KV_SPLIT] and [ROW_BLOCK, KV_SPLIT] x [KV_SPLIT, dv + 1], the extra
@@ -51,6 +52,7 @@ from ddtree_serve.kernels.dispatch import (
 
 ROW_BLOCK = 8  # rows per library GEMM call block (M is always a multiple of it)
 KV_SPLIT = 64  # key positions per attention split (fixed, independent of batch, queries and tree)
+MIN_VALUE_COLS = 16  # the P.[V, 1] GEMM's columns are zero-padded to at least this many (see split_numerators)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -131,17 +133,29 @@ def split_numerators(
     v: torch.Tensor,  # [B, H, S, KV_SPLIT, dv] float32, zero where the slot holds no key
 ) -> torch.Tensor:  # [B, H, S, M, dv + 1]
     """Per split: sum_j exp(s_j - m) [v_j, 1] (an exact 0 for invisible keys), by one GEMM item shape
-    ([ROW_BLOCK, KV_SPLIT] x [KV_SPLIT, dv + 1])."""
+    ([ROW_BLOCK, KV_SPLIT] x [KV_SPLIT, max(dv + 1, MIN_VALUE_COLS)]). The columns are zero-padded to
+    ``MIN_VALUE_COLS``: with fewer (measured: 5..7 and 9..11 at K = 64, float32 MKL on this CPU) the library
+    computes a row differently by its position mod 4 in the matrix, which moves with the query count (rows
+    are (head, query) pairs). Model shapes (dv >= 16) are unpadded."""
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m[:, :, None, :, None])  # [B, H, S, M, C], 0 where s = -inf
     ones = torch.ones_like(v[..., :1])
-    return row_block_matmul(p, torch.cat([v, ones], dim=-1))  # [B, H, S, M, dv + 1]
+    vals = torch.cat([v, ones], dim=-1)  # [B, H, S, C, dv + 1]
+    cols = vals.shape[-1]
+    if cols < MIN_VALUE_COLS:
+        vals = F.pad(vals, (0, MIN_VALUE_COLS - cols))
+    return row_block_matmul(p, vals)[..., :cols]  # [B, H, S, M, dv + 1]
 
 
-def combine_splits(parts: torch.Tensor) -> torch.Tensor:
-    """parts [..., S, M, dv + 1] -> [..., M, dv]: the splits summed by a sequential scan in split (position)
-    order, so empty trailing splits add an exact 0 and the sum is the same for any split count; then the
-    softmax normalisation (a query that saw nothing gets 0)."""
-    total = torch.cumsum(parts, dim=-3)[..., -1, :, :]  # [..., M, dv + 1]
+def sum_splits(parts: torch.Tensor) -> torch.Tensor:
+    """parts [..., S, M, dv + 1] -> [..., M, dv + 1]: the splits summed by a sequential scan in split (position)
+    order, so empty trailing splits add an exact 0 and the sum is the same for any split count."""
+    return torch.cumsum(parts, dim=-3)[..., -1, :, :]
+
+
+def normalize_totals(total: torch.Tensor) -> torch.Tensor:
+    """total [..., dv + 1] (numerator, softmax denominator last) -> [..., dv]: num / den elementwise (a query
+    that saw nothing, den = 0, gets 0)."""
     num, den = total[..., :-1], total[..., -1:]
     return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+

@@ -27,6 +27,12 @@ products in the cache dtype, float32 scores, softmax and accumulation; output in
 cache (``--kv-cache-dtype fp8_e4m3``, format in ddtree_serve/kernels/kv_quant.py) passes its per-token scales; each key tile
 is dequantized to the query's (model) dtype after its load, so products run as for a 16/32-bit cache. Runs on
 CUDA, and on CPU tensors under ``TRITON_INTERPRET=1``.
+
+Batch-invariant mode (``invariant=True`` on every entry point; ``--enable-deterministic-inference``, docs/DESIGN.md
+4.18): every mode runs ddtree_serve/kernels/triton_mla_invariant.py instead (keys split at fixed positions and
+merged in position order, tree nodes read at their plain-decoding positions, one tile shape for all), so a
+token's output is bit-identical as a decode row, a prefill-chunk row or a tree node, whatever the batch. A
+layer turns it on with ``MLA_KERNELS[mode](..., invariant=True)``; False (the default) is the kernels above.
 """
 
 from __future__ import annotations
@@ -36,9 +42,16 @@ import triton
 import triton.language as tl
 
 from ddtree_serve.kernels.triton_mla_extend import launch_extend
+from ddtree_serve.kernels.triton_mla_invariant import launch_invariant
 from ddtree_serve.kernels.triton_mla_keys import mla_attend, mla_token
 from ddtree_serve.kernels.triton_mla_launch import prepare_mla_launch
-from ddtree_serve.kernels.triton_mla_plan import MlaTiles, choose_kv_splits, device_sm_count
+from ddtree_serve.kernels.triton_mla_plan import (
+    INVARIANT_SPLIT_KEYS,
+    MlaTiles,
+    choose_kv_splits,
+    device_sm_count,
+    invariant_split_grid,
+)
 from ddtree_serve.kernels.triton_mla_split import launch_split
 
 
@@ -105,6 +118,8 @@ def _launch(
     tiles: MlaTiles | None = None,
     k_scale: torch.Tensor | None = None,
     extend: bool = False,
+    invariant: bool = False,
+    split_keys: int | None = None,
 ) -> torch.Tensor:
     """q [T, Hr, L + R] (absorbed, in the cache dtype; with an fp8 cache in the model's dtype); k_cache
     [slots, 1, L + R] -> o_lat [T, Hr, L] in q's dtype. ``k_scale`` [slots, 2] float32: the per-token
@@ -114,14 +129,27 @@ def _launch(
     (ddtree_serve/kernels/triton_mla_split.py); default ``choose_kv_splits`` from the launch's programs, the key columns
     of ``kv_indices`` and the device's SM count (1 on CPU); 1 runs the single-pass kernel, or with ``extend``
 (causal prefill) the query-tiled one (ddtree_serve/kernels/triton_mla_extend.py; ``tiles`` then sets its rows). The set-up
-    (token metadata, tree mask, fp8 checks): ddtree_serve/kernels/triton_mla_launch.py."""
+    (token metadata, tree mask, fp8 checks): ddtree_serve/kernels/triton_mla_launch.py.
+
+    ``invariant``: the batch-invariant kernels (ddtree_serve/kernels/triton_mla_invariant.py): keys split at fixed
+    positions every ``split_keys`` (default ``INVARIANT_SPLIT_KEYS``), tree nodes read at their plain-decoding
+    positions, every mode one program per (token, head block); ``num_splits`` > 1 then only asks for the
+    split grid (one program per split, same bits) and ``extend`` for nothing else."""
     t, heads, _ = q.shape
     out = torch.empty(t, heads, kv_lora_rank, dtype=q.dtype, device=q.device)  # [T, Hr, L]
     if t == 0:
         return out
     s = prepare_mla_launch(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank,
-                           scale, tree, tree_mask, k_scale, tiles)  # fmt: skip
+                           scale, tree, tree_mask, k_scale, tiles, invariant)  # fmt: skip
     head_blocks = triton.cdiv(heads, s.tiles.block_h)
+    if invariant:
+        keys = INVARIANT_SPLIT_KEYS if split_keys is None else split_keys
+        if num_splits is None:
+            grid = invariant_split_grid(t * head_blocks, kv_indices.shape[1], device_sm_count(q.device.type,
+                                        q.device.index), keys)  # fmt: skip
+        else:
+            grid = -(-kv_indices.shape[1] // keys) if num_splits > 1 else 1
+        return launch_invariant(s, out, keys, grid)
     if num_splits is None:
         sms = device_sm_count(q.device.type, q.device.index)
         num_splits = choose_kv_splits(t * head_blocks, kv_indices.shape[1], sms)
@@ -137,38 +165,41 @@ def _launch(
 
 def mla_decode(
     q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
-    num_splits=None, tiles=None, k_scale=None,
+    num_splits=None, tiles=None, k_scale=None, *, invariant=False, split_keys=None,
 ):  # fmt: skip
     """DECODE: one new token per request (``extend_lens`` all 1). Shapes as ``_launch``; split-K when
     ``choose_kv_splits`` says so (long context, few programs) or ``num_splits`` > 1. ``tiles``: as
-    ``_launch`` (tests force small ones). ``k_scale``: an fp8 cache's scales (``_launch``)."""
+    ``_launch`` (tests force small ones). ``k_scale``: an fp8 cache's scales (``_launch``). ``invariant=True``:
+    the batch-invariant kernels (``_launch``; ``--enable-deterministic-inference``), ``split_keys`` their
+    fixed split size (default ``INVARIANT_SPLIT_KEYS``; tests use small ones)."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False,
-        num_splits=num_splits, tiles=tiles, k_scale=k_scale,
+        num_splits=num_splits, tiles=tiles, k_scale=k_scale, invariant=invariant, split_keys=split_keys,
     )  # fmt: skip
 
 
 def mla_extend(
     q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
-    num_splits=None, tiles=None, k_scale=None,
+    num_splits=None, tiles=None, k_scale=None, *, invariant=False, split_keys=None,
 ):  # fmt: skip
     """EXTEND: causal prefill of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones, query-tiled
     (ddtree_serve/kernels/triton_mla_extend.py) unless split-K is chosen (few new tokens over a long prefix)."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, False,
-        num_splits=num_splits, tiles=tiles, k_scale=k_scale, extend=True,
+        num_splits=num_splits, tiles=tiles, k_scale=k_scale, extend=True, invariant=invariant,
+        split_keys=split_keys,
     )  # fmt: skip
 
 
 def mla_verify(
     q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, tree_mask=None,
-    num_splits=None, tiles=None, k_scale=None,
+    num_splits=None, tiles=None, k_scale=None, *, invariant=False, split_keys=None,
 ):  # fmt: skip
     """TARGET_VERIFY: tree nodes see the prefix and their ancestors (``tree_mask [bs, Q, Q]``, or
     ``attn_mask``'s new-token block); split-K like decode at small batch and long context."""
     return _launch(
         q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale, True,
-        tree_mask, num_splits, tiles, k_scale,
+        tree_mask, num_splits, tiles, k_scale, invariant=invariant, split_keys=split_keys,
     )  # fmt: skip
 
 

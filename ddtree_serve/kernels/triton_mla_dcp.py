@@ -27,6 +27,10 @@ cannot take to the emptiest ranks, and tree verify's new keys sit at column ``pr
 slots follow their position ``prefix + depth``. So each rank walks every column and keeps the slots
 ``g % N == r``: the slot ids of the other ranks' keys are read (8 B a key) but their cache rows are not
 (masked loads), and the split chunks bound each program's walk.
+
+Batch-invariant mode: ``MLA_DCP_KERNELS[mode](..., dcp_size=n, dcp_rank=r, invariant=True)`` runs
+ddtree_serve/kernels/triton_mla_invariant.py with the shard filter; the rank's (o, lse) is then bit-identical
+for a token alone, in a batch, in a prefill chunk or as a tree node (docs/DESIGN.md 4.18).
 """
 
 from __future__ import annotations
@@ -36,9 +40,16 @@ import triton
 import triton.language as tl
 
 from ddtree_serve.kernels.triton_mla_extend import launch_extend
+from ddtree_serve.kernels.triton_mla_invariant import launch_invariant
 from ddtree_serve.kernels.triton_mla_keys import mla_attend, mla_token
 from ddtree_serve.kernels.triton_mla_launch import prepare_mla_launch
-from ddtree_serve.kernels.triton_mla_plan import MlaTiles, choose_dcp_kv_splits, device_sm_count
+from ddtree_serve.kernels.triton_mla_plan import (
+    INVARIANT_SPLIT_KEYS,
+    MlaTiles,
+    choose_dcp_kv_splits,
+    device_sm_count,
+    invariant_split_grid,
+)
 from ddtree_serve.kernels.triton_mla_split import launch_split
 
 LN2_C = tl.constexpr(0.6931471805599453)  # ln 2: the kernel's base-2 scores -> a natural-log lse
@@ -73,20 +84,32 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, at
             q_index: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, kv_lora_rank: int,
             scale: float, tree: bool, extend: bool, tree_mask: torch.Tensor | None, dcp_size: int, dcp_rank: int,
             k_scale: torch.Tensor | None = None, tiles: MlaTiles | None = None, num_splits: int | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            invariant: bool = False, split_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, L + R] (absorbed; the DCP group's heads); k_cache [local slots + 1, 1, L + R] (this rank's
     shard); ``kv_indices`` [bs, K] global slots -> (o [T, H, L] in q's dtype, lse [T, H] float32). The
     DCP size is a constexpr of the kernels (one compile per size; the rank is a runtime argument).
     ``num_splits``: key splits (default ``choose_dcp_kv_splits``: 1 on CPU); 1 runs the single-pass kernel,
-    or with ``extend`` the query-tiled one (``tiles`` then sets its rows)."""
+    or with ``extend`` the query-tiled one (``tiles`` then sets its rows). ``invariant``: the batch-invariant
+    kernels with the shard filter (ddtree_serve/kernels/triton_mla_invariant.py; ``split_keys`` as in
+    ddtree_serve/kernels/triton_mla.py ``_launch``): this rank's partial (o, lse) is then invariant."""
     t, heads, _ = q.shape
     out = torch.empty(t, heads, kv_lora_rank, dtype=q.dtype, device=q.device)  # [T, H, L]
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)  # [T, H]
     if t == 0:
         return out, lse
     s = prepare_mla_launch(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank,
-                           scale, tree, tree_mask, k_scale, tiles)
+                           scale, tree, tree_mask, k_scale, tiles, invariant)
     head_blocks = triton.cdiv(heads, s.tiles.block_h)
+    if invariant:
+        keys = INVARIANT_SPLIT_KEYS if split_keys is None else split_keys
+        if num_splits is None:
+            sms = device_sm_count(q.device.type, q.device.index)
+            grid = invariant_split_grid(t * head_blocks, kv_indices.shape[1] // max(1, dcp_size), sms, keys)
+            grid = -(-kv_indices.shape[1] // keys) if grid > 1 else 1
+        else:
+            grid = -(-kv_indices.shape[1] // keys) if num_splits > 1 else 1
+        launch_invariant(s, out, keys, grid, dcp_size, dcp_rank, lse)
+        return out, lse
     if num_splits is None:
         sms = device_sm_count(q.device.type, q.device.index)
         num_splits = choose_dcp_kv_splits(t * head_blocks, kv_indices.shape[1], sms, dcp_size)
@@ -104,9 +127,11 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, at
 
 def _mode(tree: bool, extend: bool):  # noqa: ANN202
     def run(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale,
-            tree_mask=None, *, dcp_size, dcp_rank, k_scale=None, tiles=None, num_splits=None):  # noqa: ANN001, ANN202
+            tree_mask=None, *, dcp_size, dcp_rank, k_scale=None, tiles=None, num_splits=None, invariant=False,
+            split_keys=None):  # noqa: ANN001, ANN202
         return _launch(q, k_cache, kv_indices, attn_mask, q_index, prefix_lens, extend_lens, kv_lora_rank, scale,
-                       tree, extend, tree_mask if tree else None, dcp_size, dcp_rank, k_scale, tiles, num_splits)
+                       tree, extend, tree_mask if tree else None, dcp_size, dcp_rank, k_scale, tiles, num_splits,
+                       invariant, split_keys)
 
     return run
 

@@ -42,6 +42,43 @@ def mla_token(tok_req_ptr, tok_pos_ptr, kv_len_ptr, prefix_ptr, pid_t):
 
 
 @triton.jit
+def mla_query(
+    q_ptr, pid_t, pid_h, num_heads, stride_qt, stride_qh,
+    L: tl.constexpr, R: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Heads ``[pid_h * BLOCK_H, +BLOCK_H)`` of new token ``pid_t`` -> ``(q_lat [BH, BL], q_pe [BH, BR], offs_h,
+    h_mask, offs_l, l_mask, offs_r, r_mask)``: the query tile (0 past the heads / widths) and its offsets."""
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < num_heads
+    offs_l = tl.arange(0, BLOCK_L)
+    l_mask = offs_l < L
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    q_row = q_ptr + pid_t * stride_qt + offs_h[:, None] * stride_qh  # [BH, 1]
+    q_lat = tl.load(q_row + offs_l[None, :], mask=h_mask[:, None] & l_mask[None, :], other=0.0)  # [BH, BL]
+    q_pe = tl.load(q_row + L + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BH, BR]
+    if UPCAST_DOT:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    return q_lat, q_pe, offs_h, h_mask, offs_l, l_mask, offs_r, r_mask
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, s, k_lat, PRECISION: tl.constexpr):
+    """Fold one key tile into the online softmax: ``s`` [BH, BN] base-2 scores (-inf where invisible),
+    ``k_lat`` [BN, BL] the tile's latent rows (V) -> the new ``(m_i [BH], l_i [BH], acc [BH, BL])``. A fully
+    masked tile leaves the state unchanged (bit for bit: ``alpha`` 1, ``p`` 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BH]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block adds nothing
+    p = tl.exp2(s - m_safe[:, None])  # [BH, BN]
+    alpha = tl.exp2(m_i - m_safe)  # [BH]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None], input_precision=PRECISION)  # [BH, BL]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def mla_key_tile(
     q_ptr, cache_ptr, kv_idx_ptr, scale_ptr, b, offs_n, n_mask, offs_l, l_mask, offs_r, r_mask, dcp_rank,
     stride_slot, stride_scale, stride_kb,
@@ -85,18 +122,9 @@ def mla_attend(
     online softmax state (``m_i`` [BH] running max, base 2; ``l_i`` [BH] running sum of ``2^(s - m_i)``, 0 for a
     head that saw no key; ``acc`` [BH, BL] float32 unnormalised sum of latent rows) and the head / latent
     offsets and masks of the output tile."""
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < num_heads
-    offs_l = tl.arange(0, BLOCK_L)
-    l_mask = offs_l < L
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    q_row = q_ptr + pid_t * stride_qt + offs_h[:, None] * stride_qh  # [BH, 1]
-    q_lat = tl.load(q_row + offs_l[None, :], mask=h_mask[:, None] & l_mask[None, :], other=0.0)  # [BH, BL]
-    q_pe = tl.load(q_row + L + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BH, BR]
-    if UPCAST_DOT:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
+    q_lat, q_pe, offs_h, h_mask, offs_l, l_mask, offs_r, r_mask = mla_query(
+        q_ptr, pid_t, pid_h, num_heads, stride_qt, stride_qh, L, R, UPCAST_DOT, BLOCK_H, BLOCK_L, BLOCK_R,
+    )  # fmt: skip
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
@@ -116,11 +144,5 @@ def mla_attend(
             m = tl.load(mask_ptr + b * stride_mb + i * stride_mq + rel, mask=n_mask & (rel >= 0), other=1)
             visible = visible & (m != 0)
         s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BH]
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block adds nothing
-        p = tl.exp2(s - m_safe[:, None])  # [BH, BN]
-        alpha = tl.exp2(m_i - m_safe)  # [BH]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None], input_precision=PRECISION)  # [BH, BL]
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, k_lat, PRECISION)
     return m_i, l_i, acc, offs_h, h_mask, offs_l, l_mask

@@ -42,6 +42,7 @@ class MlaLaunch:
     tree: bool
     fp8: bool
     tiles: MlaTiles
+    anc: torch.Tensor | None = None  # [bs, Q, Q] int32 (invariant tree): anc[b, i, d] = node i's ancestor at depth d
 
     @property
     def heads(self) -> int:
@@ -69,12 +70,15 @@ def prepare_mla_launch(
     q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, attn_mask: torch.Tensor,
     q_index: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, kv_lora_rank: int, scale: float,
     tree: bool, tree_mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-    tiles: MlaTiles | None = None,
+    tiles: MlaTiles | None = None, invariant: bool = False,
 ) -> MlaLaunch:  # fmt: skip
     """q [T, H, L + R] (absorbed, in the cache dtype; with an fp8 cache in the model's dtype); k_cache
     [slots, 1, L + R]; ``k_scale`` [slots, 2] float32: the per-token (latent, rope) scales of an fp8 cache
     (ddtree_serve/kernels/kv_quant.py), None for a 16/32-bit cache (ValueError when it does not match the cache's dtype).
-    ``tiles``: default ``tiles_for`` the device's shared memory. Other shapes: ``ForwardBatch``'s."""
+    ``tiles``: default ``tiles_for`` the device's shared memory. Other shapes: ``ForwardBatch``'s.
+    ``invariant`` (batch-invariant mode, ddtree_serve/kernels/triton_mla_invariant.py): default tiles
+    ``tiles_for(.., invariant=True)``; with ``tree`` a node's keys are its prefix then its ancestors by depth
+    (``anc``, ``tree_ancestors``), ``kv_len`` = prefix + depth + 1."""
     t, heads, width = q.shape
     lat, rope = kv_lora_rank, width - kv_lora_rank
     q_max = attn_mask.shape[1]
@@ -89,6 +93,10 @@ def prepare_mla_launch(
         bs, _, k_max = attn_mask.shape
         cols = prefix_lens[:, None, None] + torch.arange(q_max, device=q.device)[None, None, :]  # [bs, 1, Q]
         tree_mask = attn_mask.gather(2, cols.clamp(max=k_max - 1).expand(bs, q_max, q_max))  # [bs, Q, Q]
+    anc = None
+    if invariant and tree:
+        anc, depth = tree_ancestors(tree_mask)  # [bs, Q, Q], [bs, Q]
+        kv_len = prefix_lens[tok_req] + depth[tok_req, tok_pos] + 1  # [T] the node's plain-decoding keys
     mask = tree_mask if tree else attn_mask  # unread unless tree
     mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     fp8 = k_scale is not None
@@ -99,8 +107,29 @@ def prepare_mla_launch(
     if tiles is None:
         dev = (q.device.type, q.device.index)
         tiles = tiles_for(heads, lat, rope, q.dtype, device_smem_limit(*dev), device_arch(*dev),
-                          k_cache.dtype if fp8 else None)  # fmt: skip
+                          k_cache.dtype if fp8 else None, invariant)  # fmt: skip
     return MlaLaunch(
         q.contiguous(), cache, kv_indices, mask, tok_req, tok_pos, kv_len.to(torch.int32), prefix_lens,
-        k_scale if fp8 else cache, scale * LOG2E, lat, rope, tree, fp8, tiles,
+        k_scale if fp8 else cache, scale * LOG2E, lat, rope, tree, fp8, tiles, anc,
     )  # fmt: skip
+
+
+def tree_ancestors(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tree_mask [bs, Q, Q] (node i sees node k: its ancestors and itself) -> (anc [bs, Q, Q] int32, depth
+    [bs, Q] int64): ``depth[b, k]`` = the new keys node k sees, minus one; ``anc[b, i, depth[b, k]] = k`` for
+    every k node i sees (its ancestor at each depth, itself last), 0 elsewhere. Device ops only, no host
+    synchronisation (CUDA graphs); on CPU a mask that is not a tree (two visible nodes at one depth) is a
+    ValueError, elsewhere it is not detected."""
+    bs, q, _ = tree_mask.shape
+    seen = tree_mask.to(torch.bool)  # [bs, Q, Q]
+    depth = seen.sum(-1) - 1  # [bs, Q]
+    at = torch.where(seen, depth[:, None, :].clamp(min=0), q)  # [bs, Q, Q] depth slot of each seen key; q: none
+    node = torch.arange(q, device=tree_mask.device, dtype=torch.int32).expand(bs, q, q)  # [bs, Q, Q]
+    anc = torch.zeros(bs, q, q + 1, dtype=torch.int32, device=tree_mask.device)  # column q: the discard slot
+    anc.scatter_(2, at, node)
+    if tree_mask.device.type == "cpu":
+        filled = torch.zeros(bs, q, q + 1, dtype=torch.int64).scatter_add_(2, at, torch.ones_like(at))[..., :q]
+        want = torch.arange(q)[None, None, :] <= depth[:, :, None]  # [bs, Q, Q] depths 0..depth_i, once each
+        if not torch.equal(filled, want.to(torch.int64)):
+            raise ValueError("invariant MLA: the tree mask is not a tree (two visible new keys share a depth)")
+    return anc[..., :q].contiguous(), depth

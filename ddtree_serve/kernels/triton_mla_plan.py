@@ -39,6 +39,10 @@ each walks the whole context. ``choose_kv_splits`` splits the keys of each progr
 separate programs, merged by their log-sum-exp, when the context is long and the launch would not fill the
 GPU on its own. It reads only host-known sizes (the key columns of ``kv_indices``, not the lengths on the
 device), so a CUDA graph captured at a size keeps a valid split count.
+
+Batch-invariant mode (ddtree_serve/kernels/triton_mla_invariant.py): splits of a fixed ``INVARIANT_SPLIT_KEYS``
+positions, whatever the batch (``invariant_split_grid`` only chooses whether one program or one per split walks
+them: same bits), and its own tiles (``choose_mla_tiles(.., invariant=True)``, ``COMPILED_SMEM_INVARIANT``).
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ SMEM_OPTIN_BYTES = {
 MAX_BLOCK_H = 32  # rows per program: at 64 the float32 [64, L 512] accumulator spills at 4 and at 8 warps
 MAX_BLOCK_H_FP8 = 16  # over an fp8 cache the raw tile and its dequantization add registers: 32 rows spill ~1 KB
 MLA_NUM_WARPS = 8  # at 4 warps 32-row tiles spill (and 16-row extend tiles); at 8 none do (triton_smem_check.py)
+# batch-invariant mode: rows per program. Its single program holds two float32 [BLOCK_H, L] accumulators (the
+# split's and the running merge's): at 32 rows, L 512, 8 warps ptxas spills 120-152 B (sm90, 64 DCP heads); at 16
+# none (benchmarks/triton_smem_check.py --invariant)
+INVARIANT_MAX_BLOCK_H = 16
 MIN_SPLIT_KEYS = 512  # a split walks at least this many keys (its merge costs one [BLOCK_H, L] row)
 MAX_SPLITS = 64
 SPLIT_MIN_CONTEXT = 2 * MIN_SPLIT_KEYS  # shorter contexts never split
@@ -105,31 +113,48 @@ COMPILED_SMEM = {
     (120, "bf16", 32, 32): 76032,
     (120, "fp8", 16, 32): 86528,
 }
+# The same for the batch-invariant kernels (ddtree_serve/kernels/triton_mla_invariant.py: decode, verify, extend,
+# single program and split grid with its merge; ``triton_smem_check.py --invariant --table``), at their tiles
+# (``choose_mla_tiles(.., invariant=True)``: at most 16 rows; over an fp8 cache 16-key tiles and one stage).
+COMPILED_SMEM_INVARIANT = {
+    (90, "bf16", 16, 32): 56576,
+    (90, "fp8", 16, 16): 34816,
+    (100, "bf16", 16, 32): 56576,
+    (100, "fp8", 16, 16): 34816,
+    (103, "bf16", 16, 32): 56576,
+    (103, "fp8", 16, 16): 34816,
+    (120, "bf16", 16, 32): 56576,
+    (120, "fp8", 16, 16): 34816,
+}
 
 
 def compiled_smem_bytes(block_h: int, block_n: int, block_l: int, block_r: int, dtype: torch.dtype,
-                        arch: int | None = None, cache_dtype: torch.dtype | None = None) -> int | None:
-    """``COMPILED_SMEM``'s figure for these tiles (None when it has none: another dtype, latent or tile); an
-    unknown ``arch`` takes the largest over the archs compiled."""
+                        arch: int | None = None, cache_dtype: torch.dtype | None = None,
+                        invariant: bool = False) -> int | None:
+    """``COMPILED_SMEM``'s figure for these tiles (``COMPILED_SMEM_INVARIANT``'s for the batch-invariant
+    kernels; None when it has none: another dtype, latent or tile); an unknown ``arch`` takes the largest over
+    the archs compiled."""
     if dtype != torch.bfloat16 or (block_l, block_r) != (512, 64):
         return None
     cache = "fp8" if cache_dtype is not None and cache_dtype.itemsize == 1 else "bf16"
-    found = [v for (a, c, bh, bn), v in COMPILED_SMEM.items()
+    table = COMPILED_SMEM_INVARIANT if invariant else COMPILED_SMEM
+    found = [v for (a, c, bh, bn), v in table.items()
              if (c, bh, bn) == (cache, block_h, block_n) and (arch is None or a == arch)]
     return max(found) if found else None
 
 
 def mla_smem_bytes(
     block_h: int, block_n: int, block_l: int, block_r: int, dtype: torch.dtype, arch: int | None = None,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None, invariant: bool = False,
 ) -> int:
     """Estimated shared memory of one MLA program (module docstring): the query and key tiles in the cache
     dtype (``dtype``; with an fp8 ``cache_dtype`` the tiles are dequantized to ``dtype`` and the raw fp8 tile
     and its scratch are added), plus the scratch tile (float32 ``[BLOCK_H, BLOCK_N]`` and a row; at least 4 KiB for 16-bit). On
     datacenter Blackwell (``arch`` 100/103, or unknown) 16-bit tiles of 64 heads take a second key tile
     (sm100 cubin: 143,384 B at 64 x 32 where sm90 and sm120 take 110,592). The compiled figure
-    (``compiled_smem_bytes``) where the table has one: the presets' tiles."""
-    compiled = compiled_smem_bytes(block_h, block_n, block_l, block_r, dtype, arch, cache_dtype)
+    (``compiled_smem_bytes``; ``invariant``: of the batch-invariant kernels) where the table has one: the
+    presets' tiles."""
+    compiled = compiled_smem_bytes(block_h, block_n, block_l, block_r, dtype, arch, cache_dtype, invariant)
     if compiled is not None:
         return compiled
     elem = torch.empty((), dtype=dtype).element_size()
@@ -152,19 +177,25 @@ def preferred_block_h(heads: int, cache_dtype: torch.dtype | None = None) -> int
 
 def choose_mla_tiles(
     heads: int, lat: int, rope: int, dtype: torch.dtype, smem_limit: int | None, arch: int | None = None,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None, invariant: bool = False,
 ) -> MlaTiles | None:
     """Tiles for ``heads`` local heads, latent ``lat``, rope ``rope`` in ``dtype`` under ``smem_limit``
     bytes (None: no limit) on compute capability ``arch`` (major * 10 + minor; None: not known);
     ``cache_dtype``: an fp8 cache read into ``dtype`` tiles (None: the cache is ``dtype``). Order:
-    preferred BLOCK_H with BLOCK_N 32 then 16, then half the heads per program; None when nothing fits."""
+    preferred BLOCK_H with BLOCK_N 32 then 16, then half the heads per program; None when nothing fits.
+    ``invariant``: the batch-invariant kernels' tiles (``INVARIANT_MAX_BLOCK_H`` rows at most; over an fp8
+    cache BLOCK_N 16 and one stage: at 32 keys, or at 2 stages on sm120 with DCP, ptxas spills)."""
     block_l, block_r = max(16, _pow2(lat)), max(16, _pow2(rope))
     block_h = preferred_block_h(heads, cache_dtype)
+    fp8 = cache_dtype is not None and cache_dtype.itemsize == 1
+    block_ns, stages = ((16,), 1) if invariant and fp8 else ((32, 16), 2)
+    if invariant:
+        block_h = min(block_h, INVARIANT_MAX_BLOCK_H)
     while block_h >= 16:
-        for block_n in (32, 16):
-            smem = mla_smem_bytes(block_h, block_n, block_l, block_r, dtype, arch, cache_dtype)
+        for block_n in block_ns:
+            smem = mla_smem_bytes(block_h, block_n, block_l, block_r, dtype, arch, cache_dtype, invariant)
             if smem_limit is None or smem <= smem_limit:
-                return MlaTiles(block_h, block_n, block_l, block_r, smem, num_warps=MLA_NUM_WARPS)
+                return MlaTiles(block_h, block_n, block_l, block_r, smem, stages, MLA_NUM_WARPS)
         block_h //= 2
     return None
 
@@ -172,17 +203,17 @@ def choose_mla_tiles(
 @functools.cache
 def tiles_for(
     heads: int, lat: int, rope: int, dtype: torch.dtype, smem_limit: int | None, arch: int | None = None,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None, invariant: bool = False,
 ) -> MlaTiles:
     """``choose_mla_tiles``, memoised, logging once per shape when the preferred tiles do not fit;
     RuntimeError when nothing fits (the backend resolution keeps such models on the reference)."""
-    tiles = choose_mla_tiles(heads, lat, rope, dtype, smem_limit, arch, cache_dtype)
+    tiles = choose_mla_tiles(heads, lat, rope, dtype, smem_limit, arch, cache_dtype, invariant)
     if tiles is None:
         raise RuntimeError(
             f"the Triton MLA kernel does not fit {smem_limit} B of shared memory at latent {lat} + rope {rope} "
             f"in {dtype}; use --attention-backend torch"
         )
-    preferred = choose_mla_tiles(heads, lat, rope, dtype, None, arch, cache_dtype)
+    preferred = choose_mla_tiles(heads, lat, rope, dtype, None, arch, cache_dtype, invariant)
     if tiles != preferred:
         logger.info(
             "triton MLA: %d heads, %s: tiles BLOCK_H %d x BLOCK_N %d (~%d B of shared memory); the "
@@ -250,3 +281,18 @@ def choose_dcp_kv_splits(programs: int, max_keys: int, num_sms: int | None, dcp_
     split's merge costs one ``[BLOCK_H, L]`` float32 row of the N x heads, so a split should hold at least
     MIN_SPLIT_KEYS of its own keys). Batch 1 at 128k context and DCP 8 on 132 SMs: 32 splits."""
     return choose_kv_splits(programs, max_keys // max(1, dcp_size), num_sms)
+
+
+INVARIANT_SPLIT_KEYS = MIN_SPLIT_KEYS  # batch-invariant mode: key positions per split (a multiple of every BLOCK_N)
+
+
+def invariant_split_grid(programs: int, max_keys: int, num_sms: int | None, split_keys: int) -> int:
+    """Batch-invariant mode (ddtree_serve/kernels/triton_mla_invariant.py): split programs per (token, head
+    block). The splits are fixed by position (split ``c`` holds key positions ``[c * split_keys, (c + 1) *
+    split_keys)``) whatever the batch, and one program walking them all merges them in the same order as the
+    merge kernel, so this choice moves work between programs but never the result: ``ceil(max_keys /
+    split_keys)`` programs (one per split, merged by ``_mla_inv_merge_kernel``) where ``choose_kv_splits``
+    would split, else 1."""
+    if choose_kv_splits(programs, max_keys, num_sms) <= 1:
+        return 1
+    return -(-max_keys // split_keys)

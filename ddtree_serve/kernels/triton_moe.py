@@ -11,6 +11,16 @@ Pipeline for ``x [T, H]`` routed to ``ids [T, k]`` with ``weights [T, k]`` (laye
    ``out [T * k, H]`` (rows of pairs on other ranks' experts stay zero).
 4. weighted combine: ``out.view(T, k, H).sum(1)`` (torch; the shared expert is added by the caller).
 
+Batch-invariant mode (``invariant=True``, ``--enable-deterministic-inference``, docs/DESIGN.md 4.18; Thinking
+Machines, "Defeating Nondeterminism in LLM Inference"; SGLang ``--enable-deterministic-inference`` and vLLM's
+batch invariance): a token's output does not depend on the tokens beside it. The GEMMs already compute each
+pair's row alone: every program's tile shape is fixed (``BLOCK_M`` a parameter, ``BLOCK_N`` / ``BLOCK_K`` from
+the weights' sizes, never from the token count), the K loop runs in one order, and no atomics. What varies is
+step 4, torch's ``sum(1)``, whose reduction strategy a library may pick by the tensor's shape (and which rounds
+each pair's row to the activation dtype first). In the mode the down GEMM writes float32 rows and
+``_moe_combine_kernel`` adds a token's ``k`` rows in routing-slot order (slot 0 first), in float32, rounding
+once.
+
 Weights are read as they are stored, with no dequantized copy: dense ``w [E_r, N, K]``, or INT4
 ``packed int32 [E_r, N, K / 8]`` (value ``j`` of a row in word ``j // 8`` at bits ``4 * (j % 8)``, nibble =
 ``q + 8``) with ``scale [E_r, N, K / g]`` (quantization/int4_pack.py), dequantized tile by tile in
@@ -165,6 +175,31 @@ def _moe_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _moe_combine_kernel(part_ptr, out_ptr, H, stride_pt, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = sum over slots s = 0, 1, .., TOP_K - 1 in that order of part[t * TOP_K + s, cols], float32."""
+    pid_t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] hidden columns
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        row = part_ptr + (pid_t * TOP_K + s).to(tl.int64) * stride_pt
+        acc += tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid_t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine_slots(part: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """part [T * k, H] (pair rows, slot-major per token) -> [T, H] in ``dtype``: each token's k rows added in
+    slot order in float32 (``_moe_combine_kernel``; batch-invariant)."""
+    t, hidden = part.shape[0] // top_k, part.shape[1]
+    out = torch.empty(t, hidden, dtype=dtype, device=part.device)  # [T, H]
+    if t:
+        block = 256
+        _moe_combine_kernel[(t, triton.cdiv(hidden, block))](part, out, hidden, part.stride(0), out.stride(0),
+                                                            TOP_K=top_k, BLOCK=block, enable_fp_fusion=False)
+    return out
+
+
 def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
@@ -226,13 +261,16 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     group_size: int = 0,
     block_m: int = 16,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Routed experts of one layer (partial sum of this rank's experts / slices; the caller all-reduces).
 
     x [T, H]; weights [T, k] (float32 routing weights); ids [T, k] global expert ids. Dense: ``w13
     [E_r, 2 I_r, H]``, ``w2 [E_r, H, I_r]``. INT4 (``w13_scale`` given): ``w13`` int32 ``[E_r, 2 I_r, H / 8]``
     with ``w13_scale [E_r, 2 I_r, H / g]``, ``w2`` int32 ``[E_r, H, I_r / 8]`` with ``w2_scale
-    [E_r, H, I_r / g]``, ``g = group_size`` (a multiple of 8). Returns [T, H] in x's dtype."""
+    [E_r, H, I_r / g]``, ``g = group_size`` (a multiple of 8). Returns [T, H] in x's dtype. ``invariant``:
+    batch-invariant combine (module docstring: float32 pair rows added in slot order), for
+    ``--enable-deterministic-inference``; the default keeps today's combine bit for bit."""
     t, hidden = x.shape
     top_k = ids.shape[1]
     int4 = w13_scale is not None
@@ -246,7 +284,10 @@ def fused_moe(
     aligned = align_pairs_by_expert(ids, expert_start, num_local, block_m)
     inter_out = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)  # [T*k, I_r]
     _gemm(x, w13, w13_scale, inter_out, None, aligned, inter, hidden, top_k, True, group_size)
-    out = torch.zeros(t * top_k, hidden, dtype=x.dtype, device=x.device)  # [T*k, H]
+    out_dtype = torch.float32 if invariant else x.dtype
+    out = torch.zeros(t * top_k, hidden, dtype=out_dtype, device=x.device)  # [T*k, H]
     route_w = weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     _gemm(inter_out, w2, w2_scale, out, route_w, aligned, hidden, inter, 1, False, group_size)
+    if invariant:
+        return combine_slots(out, top_k, x.dtype)  # [T, H]
     return out.view(t, top_k, hidden).sum(1)  # [T, H]

@@ -1,44 +1,30 @@
-"""One Triton program per row (8 warps, blocks of 1,024 logits): temperature softmax, top-k, top-p and min-p, and
-the inverse-CDF draw at a given uniform, with the top-k and top-p thresholds found by radix select (the GPU path
-of ``model_executor.sampler.draw_tokens``). No probability row is ever written: every pass re-reads the logits.
+"""One Triton program per row (8 warps, blocks of 1,024 logits; a grid of at most 512 programs, each taking
+rows in turn): temperature softmax, top-k, top-p and min-p, and the inverse-CDF draw at a given uniform, with the
+top-k and top-p thresholds found by radix select and candidate sets (the GPU path of
+``model_executor.sampler.draw_tokens``). No probability row is ever written.
 
-Keys. A float32 logit's bits mapped to a uint32 whose unsigned order is the float order (``_ukeys``: negative
-floats flip every bit, the others set the sign bit). The weights ``e = exp((l - m) / T)`` (``m`` the row's max) are
-a non-decreasing function of the key, so the k-th largest ``e`` is ``e`` of the k-th largest key, and the largest
-``e``-threshold whose kept mass reaches a target is ``e`` of the largest key whose ``{key >= x}`` mass reaches it
-(ties in ``e`` from rounding included): both searches run on the keys of the logits, and the first can start
-before ``m`` is known.
+Passes over the row (``passes_out``: logits read from memory, in rows; a draw that stops early counts its blocks):
+1. the max ``m``, the row's mass ``S`` and each block's mass (online, rescaled as flash attention's softmax), with
+   the first radix digit's count and mass histograms when top-k or top-p is on
+   (``triton_sampling_radix.first_pass``);
+2. with any filter on: the candidates (``triton_sampling_candidates``: every logit the filters could keep, from
+   the first digit's bins or ``e >= min_p``) written to a buffer of ``CAP`` entries; the thresholds and the draw
+   then read the buffer, not the row;
+3. the draw: the first index whose running kept mass exceeds ``u`` times the kept total (if rounding leaves none,
+   the last kept index, ``kernels.sampling.inverse_cdf_sample``). Unfiltered rows start it at the block whose
+   running block mass crosses (one block of 160 read); filtered rows draw from the buffer.
+So 2 passes with any filter on and the candidates fitting (the bisection kernel ``triton_sampling_bisect``: 64
+with top-k and top-p, 33-34 with one, 3 with min-p or none), 1 and a block with none. Rows whose candidates do
+not fit (a flat row under a large top-k or top-p) take the row-wide radix search of ``triton_sampling_radix``
+(2-4 more passes) and a row-wide draw.
 
-Radix select. Three digits of 11, 11 and 10 bits (2,048 bins). One pass over the row builds, for the elements that
-share the digits chosen so far, the count and the mass (sum of ``e``) of every bin of the next digit; the digit
-kept is the largest whose suffix (that bin and those above) still holds ``k`` elements (top-k) or ``top_p * S``
-of mass (top-p). A histogram of 2,048 bins is small matrix products per slice of 64 logits: the one-hot of the
-digit's low 5 bits ``[32, BLOCK]`` times the one-hot of its high 6 bits ``[BLOCK, 64]`` (weighted by ``e`` for
-the mass), so the sums run in a fixed order (deterministic, as two TP ranks need; no float atomics, which are
-what make flashinfer's radix top-p nondeterministic). On a GPU they run on tensor cores in tf32: the one-hots
-are exact (so are the counts), the weight is split into its high 11 significant bits and the rest (two
-products, ~22 bits). A block with no element of the chosen bin skips its products (most blocks after pass 1);
-the slices of one that has re-read it from cache.
-
-Passes over the row (``passes_out``), at most:
-1. the max ``m`` and the row's mass ``S`` (online, rescaled as flash attention's softmax) with the first digit's
-   histograms (the mass histogram rescaled alike);
-2. top-k: digits 2 and 3 (2 passes); the survivors' mass ``S_k`` from the three levels' mass histograms;
-3. top-p over the survivors (need ``top_p * S_k``): the first digit from pass 1's histogram; digits 2 and 3 reuse
-   top-k's histograms while top-p's digits equal top-k's, else one pass each (0-2 passes);
-4. min-p keeps ``e >= min_p`` (``max e = 1``): its mass rides along any pass 2-3 (a pass of its own when none ran
-   and it decides the kept set);
-5. the draw: the first index whose running kept mass exceeds ``u`` times the kept total (stops at that block;
-   if rounding leaves none, the last kept index, ``kernels.sampling.inverse_cdf_sample``).
-So 6 passes with top-k and top-p on (the bisection kernel ``triton_sampling_bisect``: 64), 4 with one of them (33
-or 34), 2 with neither and min-p off (3), 3 with only min-p (3).
-
-Each threshold is exact for its definition; the masses are summed in another order than the torch reference's
-(block histograms, not a sorted cumsum), so a uniform or a top-p mass within float32 rounding of a boundary may
-pick the neighbouring token. Plain decoding and tree verification both call this kernel on CUDA, so the two stay
-equal. Tested on CPU under ``TRITON_INTERPRET=1`` against the torch reference and the bisection kernel
-(tests/kernels/test_triton_sampling.py). Radix select for top-k / top-p as in flashinfer's and vLLM's radix
-top-k sampling kernels (an idea, not their code: theirs histogram with shared-memory atomics).
+Each threshold is exact for its definition (``triton_sampling_radix``: keys, ties); the masses are summed in
+another order than the torch reference's (blocks, buffer chunks, not a sorted cumsum), so a uniform or a top-p
+mass within float32 rounding of a boundary may pick the neighbouring token. Plain decoding and tree verification
+both call this kernel on CUDA, so the two stay equal. Tested on CPU under ``TRITON_INTERPRET=1`` against the torch
+reference and the bisection kernel (tests/kernels/test_triton_sampling.py). Radix select for top-k / top-p as in
+flashinfer's and vLLM's radix top-k sampling kernels (an idea, not their code: theirs histogram with
+shared-memory atomics).
 """
 
 from __future__ import annotations
@@ -47,256 +33,112 @@ import torch
 import triton
 import triton.language as tl
 
-_HI: tl.constexpr = tl.constexpr(64)  # bins of a digit's high 6 bits
-_LO: tl.constexpr = tl.constexpr(32)  # bins of its low 5 bits
-HIST_BLOCK = 64  # logits per histogram product (its K): more spills registers (triton_smem_check.py)
-_TINY: tl.constexpr = tl.constexpr(1.1754944e-38)  # least normal float32: a mass target above 0
+from ddtree_serve.kernels.triton_sampling_candidates import cand_draw, cand_thresholds, collect, row_draw
+from ddtree_serve.kernels.triton_sampling_radix import (
+    HIST_BLOCK,
+    TINY,
+    bins_from,
+    first_pass,
+    pick,
+    radix_thresholds,
+)
+
+CAP = 4096  # buffer entries per program (32 KB): top-p 0.9 of randn x 3 logits at V 163,840 needs 1,550-3,700
+_PROGRAMS = 512  # programs at most, each taking rows pid, pid + grid, ... with its own buffer (16 MB in all);
+# an H100 holds one of these 8-warp programs (224 registers a thread) per SM, 132 at once
 
 
 @triton.jit
-def _weights(x, m, temp):
-    """e = exp((x - m) / T) in [0, 1]; 0 for -inf logits (also when m is -inf)."""
-    return tl.where(x > -float("inf"), tl.exp((x - m) / temp), 0.0)
+def _sample_rows(logits_ptr, stride, params_ptr, out_ptr, passes_ptr, cand_ptr, n_rows, V, BLOCK: tl.constexpr,
+                 HBLOCK: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr):
+    """``params_ptr`` [n, 5] float32 per row: temperature, top_k (float: exact below 2^24), top_p, min_p, the
+    uniform; ``cand_ptr`` [grid, 2 * CAP] float32: each program's buffer, logits then indices (float: exact)."""
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0), num_stages=1):
+        base = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride  # int64 offsets (interpreted: row an int)
+        temp = tl.load(params_ptr + row * 5)
+        k = tl.load(params_ptr + row * 5 + 1)
+        top_p = tl.load(params_ptr + row * 5 + 2)
+        min_p = tl.load(params_ptr + row * 5 + 3)
+        u = tl.load(params_ptr + row * 5 + 4)
+        filt = (k < V) | (top_p < 1.0)
 
-
-@triton.jit
-def _ukeys(x):
-    """float32 -> uint32 keys whose unsigned order is the float order."""
-    b = x.to(tl.uint32, bitcast=True)
-    return tl.where((b >> 31) != 0, ~b, b | 0x80000000)
-
-
-@triton.jit
-def _key_value(key):
-    """The float32 of a key (``_ukeys``' inverse)."""
-    b = tl.where((key >> 31) != 0, key ^ 0x80000000, ~key)
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _block_hist(digit, sel, e, COUNT: tl.constexpr):
-    """Counts (``COUNT``; else zeros) and masses ``[32, 64]`` (bin ``hi * 32 + lo`` at ``[lo, hi]``) of ``digit
-    [BLOCK]`` over the ``sel`` elements: the one-hot of the low 5 bits ``[32, BLOCK]`` times that of the high 6
-    bits ``[BLOCK, 64]`` (M = 32: mma.sync on every arch; Triton 3.6's sm100 tensor-memory path fails on these
-    reductions). The mass is two tf32 products, of ``e``'s high 11 significant bits and of the rest (~22 bits in
-    all; the one-hots are exact in tf32, so the counts are exact)."""
-    lo = (tl.arange(0, _LO)[:, None] == (digit & 31)[None, :]).to(tl.float32)  # [32, BLOCK]
-    hit = ((digit >> 5)[:, None] == tl.arange(0, _HI)[None, :]) & sel[:, None]  # [BLOCK, 64]
-    e_hi = (e.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)  # [BLOCK] tf32-exact
-    mass = tl.dot(lo, tl.where(hit, e_hi[:, None], 0.0), input_precision="tf32")  # [32, 64]
-    mass = tl.dot(lo, tl.where(hit, (e - e_hi)[:, None], 0.0), mass, input_precision="tf32")
-    if COUNT:
-        cnt = tl.dot(lo, hit.to(tl.float32), input_precision="tf32")  # [32, 64]
-    else:
-        cnt = tl.zeros([_LO, _HI], dtype=tl.float32)
-    return cnt, mass
-
-
-@triton.jit
-def _first_pass(base, V, temp, HIST, BLOCK: tl.constexpr, HBLOCK: tl.constexpr):
-    """Pass 1: the max, the row's mass and (``HIST``) the first digit's count and mass histograms ``[32, 64]``
-    (blocks of ``BLOCK`` logits; the histograms over their ``HBLOCK`` slices, re-read from cache)."""
-    offs = tl.arange(0, BLOCK)
-    hoffs = tl.arange(0, HBLOCK)
-    m = -float("inf")
-    s = 0.0
-    cnt = tl.zeros([_LO, _HI], dtype=tl.float32)
-    mass = tl.zeros([_LO, _HI], dtype=tl.float32)
-    for start in range(0, V, BLOCK):
-        x = tl.load(base + start + offs, mask=start + offs < V, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        scale = tl.where(m_new > -float("inf"), tl.exp((m - m_new) / temp), 0.0)
-        s = s * scale + tl.sum(_weights(x, m_new, temp), 0)
-        if HIST:
-            mass = mass * scale
-            for sub in range(start, start + BLOCK, HBLOCK):
-                valid = sub + hoffs < V
-                xs = tl.load(base + sub + hoffs, mask=valid, other=-float("inf")).to(tl.float32)  # [HBLOCK]
-                c, w = _block_hist(((_ukeys(xs) >> 21) & 2047).to(tl.int32), valid, _weights(xs, m_new, temp), True)
-                cnt += c
-                mass += w
-        m = m_new
-    return m, s, cnt, mass
-
-
-@triton.jit
-def _level_pass(base, V, m, temp, min_p, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-                HBLOCK: tl.constexpr, COUNT: tl.constexpr):
-    """A pass after the first: the histograms ``[32, 64]`` of the digit at ``SHIFT`` (``WIDTH`` bits) over the
-    elements whose higher bits equal ``prefix``, and the mass of ``e >= min_p`` (min-p's kept total). Only a
-    block holding such an element builds histograms (over its ``HBLOCK`` slices that hold one): after the first
-    digit most blocks hold none."""
-    offs = tl.arange(0, BLOCK)
-    hoffs = tl.arange(0, HBLOCK)
-    cnt = tl.zeros([_LO, _HI], dtype=tl.float32)
-    mass = tl.zeros([_LO, _HI], dtype=tl.float32)
-    kept = 0.0
-    for start in range(0, V, BLOCK):
-        valid = start + offs < V
-        x = tl.load(base + start + offs, mask=valid, other=-float("inf")).to(tl.float32)
-        e = _weights(x, m, temp)  # [BLOCK]
-        kept += tl.sum(tl.where(e >= min_p, e, 0.0), 0)
-        hit = valid & ((_ukeys(x) >> (SHIFT + WIDTH)) == prefix)
-        if tl.max(hit.to(tl.int32), 0) > 0:
-            for sub in range(start, start + BLOCK, HBLOCK):
-                xs = tl.load(base + sub + hoffs, mask=sub + hoffs < V, other=-float("inf")).to(tl.float32)
-                key = _ukeys(xs)
-                sel = (sub + hoffs < V) & ((key >> (SHIFT + WIDTH)) == prefix)
-                if tl.max(sel.to(tl.int32), 0) > 0:
-                    c, w = _block_hist(((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), sel,
-                                       _weights(xs, m, temp), COUNT)
-                    cnt += c
-                    mass += w
-    return cnt, mass, kept
-
-
-@triton.jit
-def _pick(h, mass, want):
-    """Over histograms ``[32, 64]`` (bin ``hi * 32 + lo`` at ``[lo, hi]``): the largest bin whose suffix of
-    ``h`` (that bin and those above) reaches ``want`` (-1 if none), the count (or mass, as ``h``) strictly above
-    it, and the mass strictly above it and in it."""
-    idx = tl.arange(0, _HI)[None, :] * _LO + tl.arange(0, _LO)[:, None]  # [32, 64]
-    cols = tl.sum(h, 0)  # [64] per high digit
-    cols_above = tl.cumsum(cols, 0, reverse=True) - cols  # [64] the high digits above each
-    suffix = cols_above[None, :] + tl.cumsum(h, 0, reverse=True)  # [32, 64]
-    d = tl.max(tl.max(tl.where(suffix >= want, idx, -1), 1), 0)
-    above = tl.sum(tl.sum(tl.where(idx > d, h, 0.0), 1), 0)
-    m_above = tl.sum(tl.sum(tl.where(idx > d, mass, 0.0), 1), 0)
-    m_at = tl.sum(tl.sum(tl.where(idx == d, mass, 0.0), 1), 0)
-    return d, above, m_above, m_at
-
-
-@triton.jit
-def _sample_rows(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_ptr, out_ptr, passes_ptr, V,
-                 BLOCK: tl.constexpr, HBLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    base = logits_ptr + row.to(tl.int64) * stride
-    temp = tl.load(temp_ptr + row)
-    k = tl.load(topk_ptr + row)
-    top_p = tl.load(topp_ptr + row)
-    min_p = tl.load(minp_ptr + row)
-    u = tl.load(u_ptr + row)
-    k_on = k < V
-    p_on = top_p < 1.0
-
-    m, s_all, c0, m0 = _first_pass(base, V, temp, k_on | p_on, BLOCK, HBLOCK)
-    passes = 1
-    kept_min = 0.0  # mass of e >= min_p, once a pass has summed it
-    have_min = False
-
-    # top-k: the k-th largest key, digit by digit; s_k the mass of keys >= it
-    m1 = tl.zeros([_LO, _HI], dtype=tl.float32)
-    m2 = tl.zeros([_LO, _HI], dtype=tl.float32)
-    kd0 = -1
-    kd1 = -1
-    t_k = 0.0
-    s_k = s_all
-    if k_on:
-        rem = k.to(tl.float32)
-        kd0, above, s_k, m_at = _pick(c0, m0, rem)
-        rem -= above
-        c1, m1, kept_min = _level_pass(base, V, m, temp, min_p, kd0.to(tl.uint32), 10, 11, BLOCK, HBLOCK, True)
-        kd1, above, m_above, m_at = _pick(c1, m1, rem)
-        rem -= above
-        s_k += m_above
-        prefix = (kd0.to(tl.uint32) << 11) | kd1.to(tl.uint32)
-        c2, m2, kept_min = _level_pass(base, V, m, temp, min_p, prefix, 0, 10, BLOCK, HBLOCK, True)
-        kd2, above, m_above, m_at = _pick(c2, m2, rem)
-        s_k += m_above + m_at
-        key = (prefix << 10) | kd2.to(tl.uint32)
-        t_k = _weights(_key_value(key), m, temp)
-        passes += 2
-        have_min = True
-
-    # top-p over the survivors: the largest key whose {key >= x} mass reaches top_p * s_k
-    t_p = 0.0
-    s_p = s_k
-    if p_on:
-        want = tl.maximum(top_p * s_k, _TINY)
-        pd0, m_above, m_dup, m_at = _pick(m0, m0, want)
-        s_p = m_above
-        if pd0 >= 0:
-            want = tl.maximum(want - m_above, _TINY)
-            h1 = m1
-            if (pd0 != kd0) | (k >= V):
-                c1p, h1, kept_min = _level_pass(base, V, m, temp, min_p, pd0.to(tl.uint32), 10, 11, BLOCK, HBLOCK,
-                                                False)
-                passes += 1
-                have_min = True
-            pd1, m_above, m_dup, m_at = _pick(h1, h1, want)
-            s_p += m_above
-            if pd1 >= 0:
-                want = tl.maximum(want - m_above, _TINY)
-                prefix = (pd0.to(tl.uint32) << 11) | pd1.to(tl.uint32)
-                h2 = m2
-                if (pd0 != kd0) | (pd1 != kd1) | (k >= V):
-                    c2p, h2, kept_min = _level_pass(base, V, m, temp, min_p, prefix, 0, 10, BLOCK, HBLOCK, False)
-                    passes += 1
-                    have_min = True
-                pd2, m_above, m_dup, m_at = _pick(h2, h2, want)
-                if pd2 >= 0:
-                    s_p += m_above + m_at
-                    t_p = _weights(_key_value((prefix << 10) | pd2.to(tl.uint32)), m, temp)
-        if t_p == 0.0:  # rounding left no digit: top-p keeps every survivor
-            s_p = s_k
-
-    # the kept set e >= thr and its mass
-    thr = tl.maximum(tl.maximum(t_k, t_p), min_p)
-    total = tl.where(t_p >= t_k, s_p, s_k)
-    if (min_p > 0.0) & (min_p > t_k) & (min_p > t_p):
-        if not have_min:
-            offs = tl.arange(0, BLOCK)
-            for start in range(0, V, BLOCK):
-                x = tl.load(base + start + offs, mask=start + offs < V, other=-float("inf")).to(tl.float32)
-                e = _weights(x, m, temp)
-                kept_min += tl.sum(tl.where(e >= min_p, e, 0.0), 0)
-            passes += 1
-        total = kept_min
-
-    # the draw: the first kept index whose running kept mass exceeds u * total; stops at its block
-    target = u * total
-    offs = tl.arange(0, BLOCK)
-    run = 0.0
-    token = -1
-    last = -1
-    start = 0
-    while (start < V) & (token < 0):
-        x = tl.load(base + start + offs, mask=start + offs < V, other=-float("inf")).to(tl.float32)
-        e = _weights(x, m, temp)
-        w = tl.where((e >= thr) & (e > 0), e, 0.0)
-        cum = run + tl.cumsum(w, 0)
-        first = tl.min(tl.where((cum > target) & (w > 0), start + offs, V), 0)
-        token = tl.where(first < V, first, token)
-        last = tl.maximum(last, tl.max(tl.where(w > 0, start + offs, -1), 0))
-        run += tl.sum(w, 0)
-        start += BLOCK
-    passes += 1
-    if token < 0:
-        token = tl.where(last >= 0, last, V - 1)
-    tl.store(out_ptr + row, token.to(tl.int64))
-    tl.store(passes_ptr + row, passes)
+        m, s_all, bm, c0, m0 = first_pass(base, V, temp, filt, BLOCK, HBLOCK, NB)  # bm [NB] block masses
+        passes = 1.0
+        # the candidates' lowest first digit: top-k's (exact counts), else top-p's for 1.001 x its target
+        lo_digit = tl.full([], -1, tl.int32)
+        if k < V:
+            lo_digit, c_above, m_above, m_at = pick(c0, m0, k)
+        elif top_p < 1.0:
+            lo_digit, c_above, m_above, m_at = pick(m0, m0, tl.maximum(top_p * s_all * 1.001, TINY))
+        fits = (lo_digit >= 0) & (bins_from(c0, lo_digit) <= CAP)
+        try_cand = tl.where(filt, fits, min_p > 0.0)
+        lo_key = tl.maximum(lo_digit, 0).to(tl.uint32) << 21
+        done = False
+        token = -1
+        n = 0
+        kept_min = 0.0
+        if try_cand:
+            cand_x = cand_ptr + tl.program_id(0).to(tl.int64) * (2 * CAP)  # this program's buffer [CAP]: logits
+            cand_i = cand_x + CAP  # [CAP] their indices
+            tl.debug_barrier()  # the previous row's reads of the buffer are done
+            n, kept_min = collect(base, V, m, temp, min_p, lo_key, tl.where(filt, -1.0, min_p), cand_x, cand_i, CAP,
+                                  BLOCK)
+            tl.debug_barrier()  # the buffer is visible to every warp
+            passes += 1.0
+            if n <= CAP:
+                thr, ok = cand_thresholds(cand_x, n, m, s_all, temp, k, top_p, min_p, V, lo_key, BLOCK)
+                if ok:
+                    token = cand_draw(cand_x, cand_i, n, m, temp, thr, u, V, BLOCK)
+                    done = True
+        if not done:
+            thr = 0.0
+            total = s_all
+            start = 0
+            run = 0.0
+            if filt:
+                thr, total, more = radix_thresholds(base, V, m, s_all, c0, m0, temp, k, top_p, min_p, BLOCK, HBLOCK)
+                passes += more
+            elif min_p > 0.0:  # min-p alone with too many candidates: pass 2 summed its kept mass
+                thr = min_p
+                total = kept_min
+            else:  # no filter: start at the block whose running block mass crosses u * S
+                bidx = tl.arange(0, NB)
+                cum = tl.cumsum(bm, 0)  # [NB]
+                b = tl.min(tl.where((cum > u * s_all) & (bm > 0), bidx, NB), 0)
+                b = tl.where(b < NB, b, tl.max(tl.where(bm > 0, bidx, 0), 0))
+                start = b * BLOCK
+                run = tl.sum(tl.where(bidx < b, bm, 0.0), 0)
+            token, blocks = row_draw(base, V, m, temp, thr, u * total, start, run, BLOCK)
+            passes += blocks / tl.cdiv(V, BLOCK)
+        tl.store(out_ptr + row, token.to(tl.int64))
+        tl.store(passes_ptr + row, passes)
 
 
 def triton_draw_sampled(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                         min_p: torch.Tensor, uniforms: torch.Tensor, block: int = 1024,
-                        passes_out: torch.Tensor | None = None) -> torch.Tensor:
+                        passes_out: torch.Tensor | None = None, cap: int = CAP) -> torch.Tensor:
     """Tokens ``[n]`` int64 for sampled rows: logits ``[n, V]`` (any float dtype, contiguous rows), per row
     temperature (> 0), top_k (>= V: off), top_p (>= 1: off), min_p (<= 0: off) and uniforms in [0, 1).
-    ``passes_out`` (int32 ``[n]``, optional) receives each row's full reads of its logits (the draw counted as
-    one, though it stops at the drawn token's block)."""
+    ``passes_out`` (float32 ``[n]``, optional) receives each row's reads of its logits from memory, in rows (a
+    draw that stops early counts the blocks it read; the candidate buffer's re-reads are not row reads).
+    ``cap``: candidate buffer entries per program (tests shrink it to take the row-wide path)."""
     n, vocab = logits.shape
+    if vocab >= 1 << 24:
+        raise ValueError(f"vocabulary {vocab} >= 2^24: top_k and the buffered indices travel as exact float32")
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
     logits = logits.contiguous()
     dev = logits.device
-    passes = passes_out if passes_out is not None else torch.empty(n, dtype=torch.int32, device=dev)
+    passes = passes_out if passes_out is not None else torch.empty(n, dtype=torch.float32, device=dev)
     bk = max(16, min(block, triton.next_power_of_2(vocab)))  # logits per block (a power of 2)
-    _sample_rows[(n,)](
-        logits, logits.stride(0), temperature.to(dev, torch.float32).contiguous(),
-        top_k.to(dev, torch.int64).clamp(max=vocab).contiguous(), top_p.to(dev, torch.float32).contiguous(),
-        min_p.to(dev, torch.float32).contiguous(), uniforms.to(dev, torch.float32).contiguous(), out, passes,
-        vocab, BLOCK=bk, HBLOCK=min(bk, HIST_BLOCK),
-        num_warps=8,
+    grid = min(n, _PROGRAMS)
+    params = torch.stack([temperature.to(dev, torch.float32), top_k.to(dev).clamp(max=vocab).to(torch.float32),
+                          top_p.to(dev, torch.float32), min_p.to(dev, torch.float32),
+                          uniforms.to(dev, torch.float32)], 1)  # [n, 5]
+    cand = torch.empty(grid, 2 * cap, dtype=torch.float32, device=dev)  # [grid, 2 * cap] per-program buffers
+    _sample_rows[(grid,)](
+        logits, logits.stride(0), params, out, passes, cand, n, vocab, BLOCK=bk, HBLOCK=min(bk, HIST_BLOCK),
+        NB=triton.next_power_of_2(triton.cdiv(vocab, bk)), CAP=cap, num_warps=8,
     )
     return out

@@ -22,8 +22,10 @@ keys by the lengths and read only ``tree_mask``, so their runner passes ``dense_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -56,6 +58,23 @@ class ForwardMode(Enum):
     TARGET_VERIFY = "target_verify"  # a tree of new tokens per request with an ancestor-only mask
 
 
+@dataclass(frozen=True)
+class RowKinds:
+    """Per request, as the host knows it: whether its logits rows sample (not greedy) and whether it asks for
+    logprobs. Read only by a simulated device, to charge the logits exchange the sampler makes after the forward
+    (ddtree_serve/sim/machines.py ``logits_exchange_s``)."""
+
+    sampled: tuple[bool, ...] = ()
+    logprobs: tuple[bool, ...] = ()
+
+    @classmethod
+    def of(cls, params: Sequence[Any] | None) -> RowKinds | None:
+        """From the requests' ``SamplingParams`` (None: unknown)."""
+        if params is None:
+            return None
+        return cls(tuple(not p.is_greedy for p in params), tuple(p.logprobs is not None for p in params))
+
+
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
@@ -71,6 +90,7 @@ class ForwardBatch:
     capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs are returned
     input_embeds: torch.Tensor | None = None  # [T, hidden]; when set, replaces the embedding of input_ids
     tree_mask: torch.Tensor | None = None  # [bs, Q, Q] bool, TARGET_VERIFY: node i sees node j (attn_mask's new-token block)
+    row_kinds: RowKinds | None = None  # per request: sampled / logprob rows (a simulated device's exchange cost)
 
     @property
     def batch_size(self) -> int:
@@ -115,6 +135,7 @@ def build_forward_batch(
     input_embeds: torch.Tensor | None = None,
     dense_mask: bool = True,
     host: HostShape | None = None,
+    row_kinds: RowKinds | None = None,
 ) -> ForwardBatch:
     """Build attention metadata. ``req_to_token[req_pool_indices[b], :prefix+extend]`` must already hold
     the slots of the prefix and of the new tokens. ``tree_mask`` ([bs, Q, Q] bool, node i sees node j) is
@@ -163,6 +184,7 @@ def build_forward_batch(
         capture_layer_ids=capture_layer_ids,
         input_embeds=input_embeds,
         tree_mask=tm,
+        row_kinds=row_kinds,
     )
 
 

@@ -13,6 +13,10 @@ MHA (Llama, Qwen)  ``torch`` | ``flashinfer`` | auto (flashinfer     ``torch`` /
                    on CUDA when it imports: ddtree_serve/kernels/attention_select)
 =================  ===============================================  ==========================================
 
+``--enable-deterministic-inference`` (``invariant_attention_backend``, ``invariant_moe_backend``): MHA attention
+resolves to torch (its batch-invariant path); MLA attention and the routed experts keep torch or triton, each
+running its batch-invariant variant (docs/DESIGN.md 4.18); flashinfer is refused.
+
 ``auto`` takes the reference when ``DDTREE_KERNELS=torch`` or Triton does not import. Triton on a CPU
 device runs only in Triton's interpreter (``TRITON_INTERPRET=1``, how tests check the kernels); asking for it
 on CPU without the interpreter is an error. MLA on a CUDA device: the Triton kernel must fit the device's
@@ -85,14 +89,23 @@ def _mla_unfit(hf: dict[str, Any], dtype: torch.dtype | None, device: str, smem_
 
 def invariant_attention_backend(hf: dict[str, Any], attention: str) -> str:
     """The attention backend under ``--enable-deterministic-inference`` given the resolved one: MHA models run
-    the batch-invariant attention (ddtree_serve/kernels/attention_invariant.py), which stands in for the torch
-    reference ("torch"); flashinfer chosen explicitly, and MLA models (not wired yet), are a ValueError."""
+    the batch-invariant attention (ddtree_serve/kernels/attention_invariant.py, standing in for the torch
+    reference: "torch"; flashinfer chosen explicitly is a ValueError); MLA models keep theirs, "torch" running
+    ddtree_serve/kernels/mla_invariant.py and "triton" the Triton kernels' invariant mode
+    (ddtree_serve/kernels/triton_mla_invariant.py)."""
     if is_mla(hf):
-        raise ValueError("--enable-deterministic-inference is not wired for MLA models yet (DeepSeek-V3 / Kimi K2.x)")
+        return attention
     if attention == "flashinfer":
         raise ValueError("--enable-deterministic-inference runs its own batch-invariant attention; "
                          "attention_backend must be auto or torch")
     return "torch"
+
+
+def invariant_moe_backend(hf: dict[str, Any], moe: str) -> str:
+    """The routed experts' backend under ``--enable-deterministic-inference``: the resolved one, "torch" running
+    ``FusedExperts.forward_invariant`` (layers/moe_experts.py) and "triton" ``fused_moe(invariant=True)``
+    (ddtree_serve/kernels/triton_moe.py: each token's rows combined in slot order)."""
+    return moe
 
 
 def resolve_kernel_backends(

@@ -69,7 +69,7 @@ class ModelConfig:
         ``moe_backend``: see ddtree_serve/model_executor/kernel_backends.py. ``kv_cache_dtype``: auto | bfloat16 |
         fp8_e4m3 (ddtree_serve/kernels/kv_quant.py; fp8 is wired for MLA models only, a ValueError otherwise).
         ``deterministic_inference``: batch-invariant kernels on the forward path (``--enable-deterministic-inference``,
-        ddtree_serve/kernels/batch_invariant.py); wired for MHA models on the torch attention backend."""
+        ddtree_serve/kernels/batch_invariant.py); MHA and MLA models, on the torch attention and MoE backends."""
         if int4_experts not in ("auto", "packed", "dequant"):
             raise ValueError(f"int4_experts must be auto, packed or dequant, got {int4_experts!r}")
         if int4_experts == "auto":
@@ -93,6 +93,7 @@ class ModelConfig:
         from ddtree_serve.kernels.kv_quant import is_fp8, resolve_kv_cache_dtype
         from ddtree_serve.model_executor.kernel_backends import (
             invariant_attention_backend,
+            invariant_moe_backend,
             is_mla,
             resolve_kernel_backends,
         )
@@ -106,6 +107,7 @@ class ModelConfig:
                                                                  kv_dtype=kv_dt)
         if deterministic_inference:
             attention_backend = invariant_attention_backend(hf, attention_backend)
+            moe_backend = invariant_moe_backend(hf, moe_backend)
         return cls(path=str(p), hf=hf, architecture=archs[0], eos_token_ids=tuple(dict.fromkeys(eos)),
                    dtype=dt, int4_experts=int4_experts,
                    attention_backend=attention_backend, moe_backend=moe_backend,

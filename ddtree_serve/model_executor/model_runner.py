@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -18,6 +18,7 @@ from ddtree_serve.model_executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
     HostShape,
+    RowKinds,
     build_forward_batch,
 )
 from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
@@ -175,9 +176,9 @@ class ModelRunner:
                                    capture_layer_ids=capture_layer_ids, dense_mask=self.dense_mask, host=host)
 
     def prepare_decode(self, rows: list[int], cached: list[int], ids: list[int],
-                       capture_layer_ids: tuple[int, ...] = ()) -> ForwardBatch | None:
+                       capture_layer_ids: tuple[int, ...] = (), params: Sequence | None = None) -> ForwardBatch | None:
         """A DECODE forward: one new token ``ids[b]`` per request at position ``cached[b]``. Places its slot;
-        None when too few are free."""
+        None when too few are free. ``params``: the requests' ``SamplingParams`` (``RowKinds``), or None."""
         dev = self.device  # inputs go up asynchronously and the sizes are the host's (no sync: uploads.py)
         rows_t = upload(rows, dev, torch.int64)  # [bs]
         cached_t = upload(cached, dev, torch.int64)  # [bs]
@@ -188,7 +189,7 @@ class ModelRunner:
             return None
         return build_forward_batch(ForwardMode.DECODE, upload(ids, dev, torch.int64), cached_t, loc, self.slots.table,
                                    rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids,
-                                   dense_mask=self.dense_mask, host=host)
+                                   dense_mask=self.dense_mask, host=host, row_kinds=RowKinds.of(params))
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:

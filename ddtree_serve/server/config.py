@@ -72,7 +72,7 @@ class ModelArgs(Area):
     enable_deterministic_inference: bool = setting(
         False, "Batch-invariant kernels (SGLang's name): a token's logits do not depend on the batch, the tree, the "
         "chunking or the prefix cache, so speculative output equals plain output token for token in bfloat16 too "
-        "(greedy and seeded). MHA models; docs/API.md 'Seeds' gives the cost and guarantees.")
+        "(greedy and seeded). MHA and MLA models (torch kernels); docs/API.md 'Seeds' gives the cost and guarantees.")
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,22 @@ A forward's device time is a roofline per rank plus what does not overlap with i
 - FLOPs: 2 x 32B active parameters per token over the ranks, and attention's 2 x 64 heads x (576 + 512) per query
   token and key per layer;
 - communication: two all-reduces of the hidden state (7,168 bf16) per layer and token (ring: 2 (g-1)/g of the
-  bytes at the bus bandwidth, plus a latency each), and the logits rows' exchange (``logits_bytes_per_row``): with
-  ``vocab_parallel`` (``ParallelArgs.vocab_parallel_logits``, the default) each rank keeps its vocabulary shard and
-  a greedy row exchanges a (max, id) pair, 16 bytes a rank (model_executor/sharded_sampling.py), a seeded row the
-  threshold searches' histograms (4 passes of 256 int64 bins per search, plus 5 numbers), and only logprob rows
-  are gathered whole; without it every row's float32 logits are all-gathered (163,840 x 4 bytes);
+  bytes at the bus bandwidth, plus a latency each), and the logits rows' exchange (``logits_bytes_per_row``,
+  ``_exchange_s``): with ``vocab_parallel`` (``ParallelArgs.vocab_parallel_logits``, the default) each rank keeps
+  its vocabulary shard and every row exchanges a (max, id) pair, 16 bytes a rank, in one collective
+  (``sharded_sampling.sharded_argmax``, which ``sampler.draw_tokens`` runs on every row); once a row samples, the
+  sharded draw runs on every row of the step (on CUDA ``draw_tokens`` does not read back which rows sample), each
+  exchanging its two threshold searches' histograms (4 passes of 256 int64 bins each) and 5 numbers, 16,424
+  bytes, in 13 collectives (the max, 4 + 4 histograms, the survivors' mass, the kept total, the ranks' totals,
+  the crossing's id: ``sharded_sampling.kept_weights`` / ``inverse_cdf_draw``); rows of requests that ask for
+  logprobs are gathered whole (``VocabShard.full_rows``: 163,840 float32, one collective); a drafter row sends
+  its shard's top-64 (value float32 + id int64) and its log-sum-exp, 772 bytes, in 3 collectives
+  (``speculative.ddtree.draft_topk``). Without it every row's float32 logits are all-gathered (163,840 x 4
+  bytes, one collective);
+- the logits rows' own device work (``logits_row_us``, an estimate): ~5 reads of a float32 row of the whole
+  vocabulary (655 KB) at the RTX PRO 6000's achieved 1.61 TB/s (the LM head's write, the max / mass pass, the
+  threshold passes, the draw: kernels/triton_sampling.py reads a row 2 times), ~2 us; a rank works on its
+  V / tp columns under ``vocab_parallel``, on the whole row when gathered;
 - kernels: a gap between consecutive kernels on the device (graphs included), and on the host a launch per eager
   kernel (~8,500 per eager K2.6 forward: ~140 ops and 3 Triton launches per MoE layer, counted on the tiny
   model) or one graph replay.
@@ -71,8 +82,10 @@ class DeviceCostModel:
     vocab_parallel: bool = True  # logits stay sharded by vocabulary (``ParallelArgs.vocab_parallel_logits``)
     argmax_bytes_per_row: float = 16.0  # vocabulary-parallel greedy row: a rank's (max, id), float64 each
     search_bytes_per_row: float = 4 * 256 * 8.0  # vocabulary-parallel seeded row: one threshold search's histograms
+    seeded_collectives: int = 13  # vocabulary-parallel sharded draw: its exchanges a step (sharded_sampling.py)
     draft_topk_bytes_per_row: float = 64 * 12.0 + 4.0  # vocabulary-parallel drafter row: a shard's top-64, its lse
-    logits_row_us: float = 2.0  # a logits row's vocabulary-wide device work (softmax, top-k / top-p, sampling)
+    draft_collectives: int = 3  # the drafter's top-k of top-k's: the lse, the values, the ids (ddtree.draft_topk)
+    logits_row_us: float = 2.0  # a whole-vocabulary logits row's device work (softmax, top-k / top-p, sampling)
     target_kernels: int = 8500  # kernels of one eager target forward
     draft_bytes: float = 1.1e9  # a DFlash drafter's bytes per rank (6 layers + the fc; the LM head is the target's)
     draft_layers: int = 6
@@ -96,17 +109,27 @@ class DeviceCostModel:
             return self.argmax_bytes_per_row if kind == "greedy" else self.draft_topk_bytes_per_row
         return searches * self.search_bytes_per_row + 5 * 8.0
 
-    def _gather_s(self, rows: int, logprob_rows: int = 0, kind: str = "greedy") -> float:
-        """The logits exchange of ``rows`` rows of ``kind`` (every row gathered whole without ``vocab_parallel``)
-        plus ``logprob_rows`` gathered rows: a collective's latency and (g-1)/g of the bytes at the bus bandwidth."""
-        if rows + logprob_rows == 0 or self.gpus == 1:
+    def _exchange_s(self, per_rank_bytes: float, collectives: int) -> float:
+        """``collectives`` collectives moving ``per_rank_bytes`` from each rank in all: a latency each and
+        (g-1)/g of the bytes at the bus bandwidth."""
+        if collectives == 0 or self.gpus == 1:
             return 0.0
         g = self.gpus
+        return collectives * self.link_us * 1e-6 + (g - 1) / g * per_rank_bytes / (self.link_gbps * 1e9)
 
-        def one(n: int, per_row: float) -> float:
-            return self.link_us * 1e-6 + (g - 1) / g * n * per_row / (self.link_gbps * 1e9) if n else 0.0
+    def logits_exchange_s(self, rows: int, seeded_rows: int = 0, logprob_rows: int = 0) -> float:
+        """A target step's logits exchange (module docstring): ``rows`` rows, ``seeded_rows`` of them sampling
+        (then every row runs the sharded draw), ``logprob_rows`` of them gathered whole as well."""
+        if not self.vocab_parallel:
+            return self._exchange_s(rows * self.logits_gather_bytes_per_row, 1 if rows else 0)
+        t = self._exchange_s(rows * self.argmax_bytes_per_row, 1 if rows else 0)
+        if seeded_rows:
+            t += self._exchange_s(rows * self.logits_bytes_per_row("seeded"), self.seeded_collectives)
+        return t + self._exchange_s(logprob_rows * self.logits_gather_bytes_per_row, 1 if logprob_rows else 0)
 
-        return one(rows, self.logits_bytes_per_row(kind)) + one(logprob_rows, self.logits_bytes_per_row("logprobs"))
+    def row_s(self, rows: int) -> float:
+        """The logits rows' own device work on one rank: its shard's columns under ``vocab_parallel``."""
+        return rows * self.logits_row_us * 1e-6 / (self.gpus if self.vocab_parallel else 1)
 
     def expert_bytes(self, tokens: int) -> float:
         """Routed-expert bytes one rank reads for ``tokens`` tokens: the expected distinct experts per layer."""
@@ -114,26 +137,29 @@ class DeviceCostModel:
         return _MOE_LAYERS * distinct * _EXPERT_BYTES / self.gpus
 
     def target_s(self, tokens: int, context_reads: int, logits_rows: int, kv_tokens: int = 0,
-                 kernels: int | None = None, logprob_rows: int = 0) -> float:
+                 kernels: int | None = None, logprob_rows: int = 0, seeded_rows: int = 0) -> float:
         """One target forward over ``tokens`` new tokens: ``context_reads`` query-key pairs in all, ``kv_tokens``
-        cached tokens read (each request's context once), ``logits_rows`` rows through the LM head (greedy ones in
-        the exchange), ``logprob_rows`` of them gathered whole (requests that ask for logprobs)."""
+        cached tokens read (each request's context once), ``logits_rows`` rows through the LM head and their
+        exchange (``logits_exchange_s``: ``seeded_rows`` of them sampling, ``logprob_rows`` of them of requests
+        that ask for logprobs)."""
         read = _dense_bytes_per_rank(self.gpus) + self.expert_bytes(tokens) + kv_tokens * _KV_BYTES_PER_TOKEN
         mem = read / (self.mem_gbps * 1e9 * self.mem_eff)
         flops = (tokens * _FLOPS_PER_TOKEN + context_reads * _ATTN_FLOPS_PER_QK) / self.gpus
         compute = flops / (self.tflops * 1e12 * self.flop_eff)
         gaps = (self.target_kernels if kernels is None else kernels) * self.kernel_gap_us * 1e-6
-        exchange = self._gather_s(logits_rows - logprob_rows, logprob_rows)
-        return (max(mem, compute) + self._allreduce_s(tokens, 2 * _LAYERS) + exchange + gaps
-                + logits_rows * self.logits_row_us * 1e-6)
+        exchange = self.logits_exchange_s(logits_rows, seeded_rows, logprob_rows)
+        return max(mem, compute) + self._allreduce_s(tokens, 2 * _LAYERS) + exchange + gaps + self.row_s(logits_rows)
 
     def draft_s(self, tokens: int, logits_rows: int) -> float:
         """One drafter forward over ``tokens`` block tokens, ``logits_rows`` of them through the LM head."""
         read = self.draft_bytes + _LM_HEAD / self.gpus
         mem = read / (self.mem_gbps * 1e9 * self.mem_eff)
         compute = tokens * self.draft_bytes / (self.tflops * 1e12 * self.flop_eff)  # 2 FLOPs per bf16 weight (2 bytes)
-        return (max(mem, compute) + self._allreduce_s(tokens, 2 * self.draft_layers) + self._gather_s(logits_rows, kind="draft")
-                + self.draft_kernels * self.kernel_gap_us * 1e-6 + logits_rows * self.logits_row_us * 1e-6)
+        per_row, collectives = ((self.logits_bytes_per_row("draft"), self.draft_collectives) if self.vocab_parallel
+                                else (self.logits_gather_bytes_per_row, 1))
+        exchange = self._exchange_s(logits_rows * per_row, collectives if logits_rows else 0)
+        return (max(mem, compute) + self._allreduce_s(tokens, 2 * self.draft_layers) + exchange
+                + self.draft_kernels * self.kernel_gap_us * 1e-6 + self.row_s(logits_rows))
 
 
 MACHINES: dict[str, DeviceCostModel] = {

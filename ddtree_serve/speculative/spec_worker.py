@@ -263,13 +263,13 @@ class SpecWorker:
         roots = upload(root_ids, dev, torch.int64)  # [bs]
         draft_logits = topk = None
         if plan == DRAFT:
-            draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), not mask_drafts)  # [bs, L, V/tp]
+            draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), True)  # [bs, L, V/tp]
             self._window("draft")  # the pops read the draft on the host
-            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md)
+            if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md); per shard
                 mask_draft_logits(grammars, draft_logits, dshard)
-            # the top-K over the vocabulary once, for every width popped (pop_and_choose may pop twice)
-            k = 1 if self.chain else min(self.budget, dshard.vocab)
-            topk = None if mask_drafts else draft_topk(draft_logits, k, dshard)  # [bs, L, K] on the device
+            # top-K once (the shards' top-k's) for every width popped; masked requests pop 2x (draft_pop_budgets)
+            k = 1 if self.chain else min(self.budget * (2 if mask_drafts else 1), dshard.vocab)
+            topk = draft_topk(draft_logits, k, dshard)  # [bs, L, K] on the device
         depths = torch.tensor(max_depths)  # [bs]
         scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
 
@@ -284,7 +284,7 @@ class SpecWorker:
                 popped = merge_popped(popped, suffix, int(wide.max()), scale)
             return prune_popped(popped, grammars, widths) if mask_drafts else popped
 
-        on_device = ctl is None and topk is not None and suffix is None and r.accelerated
+        on_device = ctl is None and topk is not None and suffix is None and not mask_drafts and r.accelerated
         if on_device:  # the fixed budget's trees popped and assembled on the device: no read back (DESIGN 4.17)
             budget = self.budget if cap is None else step_budget(self.budget, bs, cap)
             pad = padded_width(self.verify_widths, bs, 1 + budget, cap) or budget + 1  # a uniform width
@@ -314,9 +314,9 @@ class SpecWorker:
         else:
             longest = max(p + n + 1 for p, n in zip(root_pos, n_used.tolist(), strict=True))  # cached + tree tokens
             host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
-        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, padded=pad is not None)
-        # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
         params, shard = [q.params for q in reqs], r.vocab_shard  # the logits' vocabulary columns on this rank
+        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, pad is not None, params)
+        # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
         info = BatchSamplingInfo.build(params, vocab := shard.vocab, dev)
         want_lp = any(p.logprobs is not None for p in params)
         pen = BatchPenalties.build(params, [q.token_counts for q in reqs], vocab, dev, [len(q.output_ids) for q in reqs])
@@ -367,7 +367,7 @@ class SpecWorker:
         logprobs: greedy tokens are plain decoding's, sampled ones drawn exactly as plain decoding draws them."""
         r, bs = self.runner, len(reqs)
         start = self.timer.now()
-        fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids)  # roots' KV
+        fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids, [q.params for q in reqs])  # roots
         assert fb is not None, "decode() checked free slots for the whole step"
         out = r.forward(fb)
         self._window("plain")
@@ -394,6 +394,6 @@ class SpecWorker:
                              cached, roots, max_cached, local)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
-                        host: HostShape | None = None, padded: bool = False):
+                        host: HostShape | None = None, padded: bool = False, params: Sequence | None = None):
         """The tree's target forward (``tree_forward.verify_forward``): logits [bs, D, V], captured, slots [bs, D]."""
-        return verify_forward(self.runner, tree, idx, cached, self.capture_layer_ids, host, padded)
+        return verify_forward(self.runner, tree, idx, cached, self.capture_layer_ids, host, padded, params)

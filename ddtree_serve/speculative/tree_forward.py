@@ -4,9 +4,17 @@ captured width; their sizes come from the host (``HostShape``), so building them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ddtree_serve.model_executor.forward_batch import ForwardMode, HostShape, build_forward_batch, flat_rows
+from ddtree_serve.model_executor.forward_batch import (
+    ForwardMode,
+    HostShape,
+    RowKinds,
+    build_forward_batch,
+    flat_rows,
+)
 from ddtree_serve.model_executor.kv_cache import KVCache
 from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.model_executor.vocab_shard import VocabShard
@@ -50,14 +58,15 @@ def draft_forward(r: ModelRunner, drafter: torch.nn.Module, draft_kv: KVCache, b
 
 
 def verify_forward(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
-                   capture_layer_ids: tuple[int, ...], host: HostShape | None = None, padded: bool = False):
+                   capture_layer_ids: tuple[int, ...], host: HostShape | None = None, padded: bool = False,
+                   params: Sequence | None = None):
     """Target forward over every used tree slot (root included) with the ancestor-only mask: ragged, a
     request with fewer nodes than the widest tree costs only its own tokens. Returns logits and captured
     features in the padded ``[bs, D]`` layout (rows of unused slots are zero and no link reaches them)
     and the KV slots ``[bs, D]`` (-1 for unused slots). ``host``: the forward's sizes as the host knows them
     (tokens, D, the longest context); None reads them back. ``padded``: every slot runs, unused ones too (a
     uniform width that replays a captured graph; their outputs are never read, their slots freed by the
-    commit)."""
+    commit). ``params``: the requests' ``SamplingParams`` (``RowKinds``: a simulated device's exchange), or None."""
     bs, d = tree.candidates.shape
     if padded:
         lens = torch.full((bs,), d, dtype=torch.int64, device=r.device)  # [bs] every slot
@@ -75,7 +84,7 @@ def verify_forward(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: t
     fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
         ForwardMode.TARGET_VERIFY, tree.candidates.view(-1)[dest], positions, flat, r.slots.table, idx, cached,
         lens, tree_mask=tree.tree_mask, capture_layer_ids=capture_layer_ids, dense_mask=r.dense_mask,
-        host=host)
+        host=host, row_kinds=RowKinds.of(params))
     out = r.forward(fb)
     # scatters by index: a boolean-mask assignment here would synchronise while the forward runs
     rows = r.step_logits(out.hidden)[0]  # [T, V], or [T, V/tp] this rank's columns (``r.vocab_shard``)

@@ -38,6 +38,11 @@ out["gemm"] = dict(hinted=sorted(names[k[0]] for k in src.attrs), opts=opts,
                    const={names[k[0]]: v for k, v in src.constants.items()})
 launches = mla_preset_launches(90, False)
 out["mla"] = sorted({(l.name, str(t.block_h), str(l.kwargs.get("num_warps"))) for _, t, l in launches})
+inv = mla_preset_launches(90, True, invariant=True)
+out["inv"] = sorted({(l.name, t.block_h, t.block_n, l.kwargs.get("num_warps"), l.kwargs.get("num_stages"),
+                      l.kwargs.get("enable_fp_fusion"), bool(l.kwargs.get("PARTIAL")), bool(l.kwargs.get("TREE")))
+                     for _, t, l in inv})
+out["inv_opts"] = sorted({json.dumps(launch_source(l)[1], sort_keys=True) for _, _, l in inv})
 print(json.dumps(out))
 """
 
@@ -50,7 +55,7 @@ def test_launches_are_specialised_as_the_launcher_would() -> None:
     out = json.loads(p.stdout.strip().splitlines()[-1])
     even, odd = out["163840"], out["163841"]
     assert even["n"] == 1 and even["sig"]["logits_ptr"] == "*fp32" and even["sig"]["V"] == "i32"
-    assert even["sig"]["BLOCK"] == "constexpr" and even["const"] == {"BLOCK": 1024, "HBLOCK": 64}
+    assert even["sig"]["BLOCK"] == "constexpr" and even["const"] == {"BLOCK": 1024, "HBLOCK": 64, "NB": 256, "CAP": 4096}
     assert even["opts"] == {"num_warps": 8}
     # 16-byte aligned tensors and integers divisible by 16 carry tt.divisibility, others do not
     assert {"logits_ptr", "stride", "V", "out_ptr"} <= set(even["hinted"])
@@ -66,3 +71,11 @@ def test_launches_are_specialised_as_the_launcher_would() -> None:
                      "_mla_dcp_split_kernel"}
     for name, block_h, warps in out["mla"]:
         assert int(block_h) <= 32 and warps == ("4" if name == "_mla_merge_kernel" else "8"), (name, block_h, warps)
+    # the batch-invariant mode over an fp8 cache: one kernel (single program and split grid, causal and tree) and
+    # its merge, 16 x 16 tiles at one stage, no FP fusion, and that option reaches the compile
+    inv = {tuple(r) for r in out["inv"]}
+    attend = {r for r in inv if r[0] == "_mla_inv_kernel"}
+    assert {(r[6], r[7]) for r in attend} == {(False, False), (False, True), (True, False), (True, True)}
+    assert {r[1:6] for r in attend} == {(16, 16, 8, 1, False)}
+    assert {r[0] for r in inv} == {"_mla_inv_kernel", "_mla_inv_merge_kernel"}
+    assert all(json.loads(o)["enable_fp_fusion"] is False for o in out["inv_opts"])

@@ -13,7 +13,12 @@ import torch
 
 from ddtree_serve.kernels.attention import masked_paged_attention
 from ddtree_serve.kernels.attention_invariant import InvariantAttentionBackend, invariant_paged_attention
-from ddtree_serve.kernels.batch_invariant import KV_SPLIT, invariant_linear, row_block_matmul
+from ddtree_serve.kernels.batch_invariant import (
+    KV_SPLIT,
+    invariant_linear,
+    row_block_matmul,
+    split_numerators,
+)
 from ddtree_serve.model_executor.layers.activation import silu_and_mul
 from ddtree_serve.model_executor.layers.embedding import ParallelLMHead
 from ddtree_serve.model_executor.layers.linear import use_invariant_linears
@@ -66,6 +71,22 @@ def test_row_block_matmul_broadcasts_and_matches_matmul():
     out = row_block_matmul(a, b)
     assert out.shape == (2, 3, 13, 5)
     torch.testing.assert_close(out, a @ b)
+
+
+@pytest.mark.parametrize("dv", [4, 8, 10, 32, 64])
+def test_numerators_do_not_depend_on_the_row_position(dv):
+    """A query row's P.[V, 1] partial is the same at every position of the matrix: rows are (head, query) pairs,
+    so a row's position moves with the number of queries. Small value widths are padded to ``MIN_VALUE_COLS``
+    columns (unpadded, dv = 8 and 10 give a row different bits by its position mod 4 here)."""
+    g = torch.Generator().manual_seed(6)
+    s = torch.randn(1, 1, 2, 120, KV_SPLIT, generator=g)  # [B, H, S, M, C]
+    s[..., 40:] = float("-inf")
+    v = torch.randn(1, 1, 2, KV_SPLIT, dv, generator=g)
+    m = s.amax(dim=(2, 4))  # [B, H, M]
+    alone = split_numerators(s[:, :, :, 5:6], m[:, :, 5:6], v)[:, :, :, 0]
+    for pos in range(16):
+        rows = torch.roll(torch.arange(120), pos - 5)  # row 5 moved to ``pos``
+        assert torch.equal(split_numerators(s[:, :, :, rows], m[:, :, rows], v)[:, :, :, pos], alone), pos
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

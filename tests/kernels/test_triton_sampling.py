@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from ddtree_serve.kernels.triton_sampling import triton_draw_sampled
+from ddtree_serve.kernels.triton_sampling import CAP, triton_draw_sampled
 from ddtree_serve.kernels.triton_sampling_bisect import bisect_passes, triton_draw_sampled_bisect
 from ddtree_serve.model_executor.sampler import BatchSamplingInfo, draw_tokens
 from ddtree_serve.model_executor.sampling_params import SamplingParams
@@ -18,14 +19,16 @@ def _params(i: int) -> SamplingParams:
 
 
 def _draw(logits: torch.Tensor, info: BatchSamplingInfo, u: torch.Tensor, block: int,
-          passes: torch.Tensor | None = None) -> torch.Tensor:
+          passes: torch.Tensor | None = None, cap: int = CAP) -> torch.Tensor:
     return triton_draw_sampled(logits, info.temperature, info.top_k, info.top_p, info.min_p, u, block=block,
-                               passes_out=passes)
+                               passes_out=passes, cap=cap)
 
 
-def test_kernel_equals_reference_and_bisection_on_random_rows() -> None:
+@pytest.mark.parametrize("cap", [CAP, 4])
+def test_kernel_equals_reference_and_bisection_on_random_rows(cap: int) -> None:
     """48 rows over a vocabulary of 70 (blocks of 32: a partial last block), every filter combination, with
-    ties in some rows (repeated logits); the kernel's tokens equal the reference's and the bisection kernel's."""
+    ties in some rows (repeated logits); the kernel's tokens equal the reference's and the bisection kernel's,
+    with the candidates buffered (``CAP``) and with a buffer of 4 (most filtered rows take the row-wide path)."""
     gen = torch.Generator().manual_seed(0)
     n, vocab = 48, 70
     logits = torch.randn(n, vocab, generator=gen) * 2
@@ -34,16 +37,18 @@ def test_kernel_equals_reference_and_bisection_on_random_rows() -> None:
     info = BatchSamplingInfo.build(params, vocab, torch.device("cpu"))
     u = torch.rand(n, generator=gen, dtype=torch.float64)
     want = draw_tokens(logits, info, u)
-    got = _draw(logits, info, u, 32)
+    got = _draw(logits, info, u, 32, cap=cap)
     assert torch.equal(got, want), (got - want).nonzero()[:, 0].tolist()
     old = triton_draw_sampled_bisect(logits, info.temperature, info.top_k, info.top_p, info.min_p, u, block=32)
     assert torch.equal(got, old)
 
 
-def test_kernel_edge_rows() -> None:
-    """top_k 1, top_p 1 (off), an all-equal row, -inf masked entries (a grammar mask; top-k larger than the
-    finite entries), a tie spanning the top-k boundary, top-p and min-p deciding: each against the reference at
-    several uniforms."""
+@pytest.mark.parametrize("cap", [CAP, 2])
+def test_kernel_edge_rows(cap: int) -> None:
+    """top_k 1 (also over a tied maximum and an all-equal row), top_p 1 (off), near 0 and near 1, an all-equal row,
+    -inf masked entries (a grammar mask; top-k larger than the finite entries; a row with two finite entries),
+    a tie spanning the top-k boundary, top-p and min-p deciding: each against the reference at several uniforms,
+    with the candidates buffered and with a buffer of 2 (the row-wide path)."""
     vocab = 40
     gen = torch.Generator().manual_seed(1)
     base = torch.randn(vocab, generator=gen) * 1.5
@@ -51,7 +56,22 @@ def test_kernel_edge_rows() -> None:
     masked[::3] = -float("inf")  # 14 of 40 masked
     tied = base.clone()
     tied[5:12] = tied.max() - 0.5  # 7 equal logits around the 3rd-largest value
+    top_tied = base.clone()
+    top_tied[[3, 30]] = base.max() + 1.0  # two equal maxima
+    two = torch.full((vocab,), -float("inf"))
+    two[[7, 21]] = torch.tensor([0.3, -0.4])
+    flat = torch.full((vocab,), 0.25)
     cases = [
+        (top_tied, SamplingParams(temperature=0.8, top_k=1)),
+        (flat, SamplingParams(temperature=1.0, top_k=1)),
+        (flat, SamplingParams(temperature=1.0, top_p=1e-6)),
+        (base, SamplingParams(temperature=1.0, top_p=1e-6)),
+        (base, SamplingParams(temperature=1.0, top_p=0.999999)),
+        (masked, SamplingParams(temperature=1.0, top_p=0.999999, top_k=35)),
+        (masked, SamplingParams(temperature=1.0, min_p=0.1)),
+        (masked, SamplingParams(temperature=1.0)),
+        (two, SamplingParams(temperature=1.0, top_k=5)),
+        (two, SamplingParams(temperature=1.0, top_p=0.5)),
         (base, SamplingParams(temperature=0.8, top_k=1)),
         (base, SamplingParams(temperature=1.1, top_p=1.0)),
         (torch.full((vocab,), 0.25), SamplingParams(temperature=0.7, top_k=5, top_p=0.6)),
@@ -69,8 +89,14 @@ def test_kernel_edge_rows() -> None:
     info = BatchSamplingInfo.build(params, vocab, torch.device("cpu"))
     uu = u.repeat(len(cases))
     want = draw_tokens(logits, info, uu)
-    got = _draw(logits, info, uu, 16)
-    assert torch.equal(got, want), (got - want).nonzero()[:, 0].tolist()
+    got = _draw(logits, info, uu, 16, cap=cap)
+    # top_k 1 rows are greedy for the sampler (the lowest maximal id); the kernel keeps a tied maximum, as the
+    # bisection kernel does
+    served = torch.where(info.is_greedy, logits.argmax(-1), got)
+    assert torch.equal(served, want), (served - want).nonzero()[:, 0].tolist()
+    old = triton_draw_sampled_bisect(logits, info.temperature, info.top_k, info.top_p, info.min_p, uu, block=16)
+    assert torch.equal(got, old), (got - old).nonzero()[:, 0].tolist()
+    assert set(got[:5].tolist()) == {3, 30}  # the two tied maxima, by the uniform
 
 
 def test_kernel_edges() -> None:
@@ -96,22 +122,30 @@ def test_kernel_at_a_larger_vocabulary() -> None:
 
 
 def test_passes_per_row() -> None:
-    """Full reads of the row, counted by the kernel: 2 with no filter, 3 with min-p alone, 4 with top-k or top-p
-    alone, 4-6 with both (top-p's digits reuse top-k's histograms while they agree), against the bisection
-    kernel's 3 / 3 / 33-34 / 64."""
+    """Reads of the row, counted by the kernel: 1 and a block or two with no filter (the draw starts at the
+    crossing's block); 2 with any filter whose candidates fit the buffer (top-k, top-p, min-p, with each other);
+    with a buffer of 4 the row-wide path: 2-3 with min-p (its draw over the row), 3-4 with top-k or top-p, 3-6
+    with both (2 still for top-k 2, whose candidates fit). Against the bisection kernel's 3 / 3 / 33-34 / 64: >= 10x
+    fewer with top-k or top-p on."""
     gen = torch.Generator().manual_seed(3)
-    vocab = 300
+    vocab = 300  # 5 blocks of 64
     logits = (torch.randn(vocab, generator=gen) * 2).repeat(7, 1)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, min_p=0.1),
               SamplingParams(temperature=1.0, top_k=20), SamplingParams(temperature=1.0, top_p=0.9),
               SamplingParams(temperature=1.0, top_k=200, top_p=0.5),  # top-p's threshold far above top-k's
-              SamplingParams(temperature=1.0, top_k=2, top_p=0.99),  # top-p keeps both survivors: same digits
+              SamplingParams(temperature=1.0, top_k=2, top_p=0.99),
               SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)]
     info = BatchSamplingInfo.build(params, vocab, torch.device("cpu"))
-    passes = torch.zeros(7, dtype=torch.int32)
     u = torch.full((7,), 0.5, dtype=torch.float64)
-    assert torch.equal(_draw(logits, info, u, 64, passes), draw_tokens(logits, info, u))
+    want = draw_tokens(logits, info, u)
+    passes = torch.zeros(7)
+    assert torch.equal(_draw(logits, info, u, 64, passes), want)
     got = passes.tolist()
-    assert got[:4] == [2, 3, 4, 4] and got[5] == 4 and 4 <= got[4] <= 6 and 4 <= got[6] <= 6, got
-    assert bisect_passes(True, True) == 64 and bisect_passes(True, False) == 33
-    assert bisect_passes(True, True) / max(got) >= 10
+    assert 1.2 - 1e-6 <= got[0] <= 1.4 + 1e-6 and got[1:] == [2.0] * 6, got
+    assert bisect_passes(True, False) / got[2] >= 10 and bisect_passes(False, True) / got[3] >= 10
+    assert bisect_passes(True, True) / max(got[4:]) >= 10
+    narrow = torch.zeros(7)
+    assert torch.equal(_draw(logits, info, u, 64, narrow, cap=4), want)
+    got = narrow.tolist()
+    assert got[0] == passes[0] and 2 < got[1] <= 3 and 3 < got[2] <= 4 and 3 < got[3] <= 4, got
+    assert 3 < got[4] <= 6 and got[5] == 2.0 and 3 < got[6] <= 6, got  # top-k 2's candidates still fit 4

@@ -160,3 +160,70 @@ def test_start_up_errors_without_a_second_process(tmp_path) -> None:
     assert drafter_group({"num_key_value_heads": 2, "num_attention_heads": 4}, tp).dcp_size == 1
     with pytest.raises(ValueError, match="unsharded KV cache"):
         DFlashDraftModel(cfg, tp)
+
+
+class _PlacedSeq:
+    """A token sequence's latents ``lat [P, 1, W]`` and queries ``q [P, HEADS, W]`` by position (bfloat16), placed
+    into a fresh ``KVSlots`` with ``shards`` DCP ranks per scenario (so local slot numbers differ between
+    scenarios while each position stays on rank ``position % shards``)."""
+
+    def __init__(self, shards: int, n: int = 140):
+        g = torch.Generator().manual_seed(shards)
+        self.lat = torch.randn(n, 1, W, generator=g).bfloat16()
+        self.q = torch.randn(n, HEADS, W, generator=g).bfloat16()
+        self.shards = shards
+        self.slots = KVSlots(4 * n, 4, 2 * n, shards=shards)
+        self.full = torch.zeros(self.slots.id_space, 1, W, dtype=torch.bfloat16)  # [ids, 1, W] by global id
+        self.row = self.slots.alloc_row()
+
+    def forward(self, mode: ForwardMode, prefix: int, lat: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
+                tree: torch.Tensor | None = None) -> torch.Tensor:
+        """Place and write ``lat`` [E, 1, W] at ``positions`` after ``prefix`` cached tokens, then the merged
+        invariant attention of ``q`` [E, HEADS, W] over the ranks -> [E, HEADS, LAT]."""
+        from ddtree_serve.kernels.mla_invariant import invariant_latent_totals
+        from ddtree_serve.model_executor.layers.dcp_attention import merge_totals_ordered
+
+        e = lat.shape[0]
+        rows, pre, ext = torch.tensor([self.row]), torch.tensor([prefix]), torch.tensor([e])
+        loc = self.slots.place(rows, pre, ext, positions=positions)
+        self.full[loc] = lat
+        fb = build_forward_batch(mode, _zeros(e), positions, loc, self.slots.table, rows, pre, ext,
+                                 tree_mask=None if tree is None else tree[None])
+        n = self.shards
+        totals, maxes = [], []
+        for r in range(n):
+            idx, mine = shard_keys(fb.kv_indices, n, r)
+            tot, m = invariant_latent_totals(q, self.full[r::n], None, fb.attention_meta(), LAT, 0.3, key_ok=mine,
+                                             kv_indices=idx)
+            totals.append(tot)
+            maxes.append(m)
+        return merge_totals_ordered(torch.stack(totals), torch.stack(maxes))
+
+    def causal(self, start: int, stop: int) -> torch.Tensor:
+        mode = ForwardMode.DECODE if stop - start == 1 and start else ForwardMode.EXTEND
+        return self.forward(mode, start, self.lat[start:stop], self.q[start:stop], torch.arange(start, stop))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_invariant_dcp_row_is_the_same_in_a_chunk_a_decode_and_a_tree(n: int) -> None:
+    """Deterministic mode's DCP path (``merge_totals_ordered`` over the ranks' ``invariant_latent_totals``): a
+    position's merged latent attention is bit-identical from one 120-token prefill, a chunked prefill split
+    off the 64-key splits, a decode row, and an on-path tree node (siblings on the same ranks as their depth's
+    position); and equals the unsharded attention up to rounding."""
+    one = _PlacedSeq(n)
+    full = one.causal(0, 120)  # [120, H, LAT]
+    ref = masked_paged_attention(one.q[:120].float(), one.lat[:120].float(), one.lat[:120, :, :LAT].float(),
+                                 torch.arange(120)[None], torch.ones(120, 120, dtype=torch.bool).tril()[None],
+                                 torch.arange(120), 0.3)
+    torch.testing.assert_close(full.float(), ref, atol=2e-2, rtol=0)
+    chunked = _PlacedSeq(n)
+    parts = [chunked.causal(0, 37), chunked.causal(37, 101), chunked.causal(101, 102), chunked.causal(102, 103)]
+    assert torch.equal(torch.cat(parts), full[:103])
+    mask, depth = _tree_mask(PARENTS)  # on-path nodes 0 -> 1 -> 3 (depths 0, 1, 2), the others siblings
+    on_path = [0, 1, 3]
+    g = torch.Generator().manual_seed(9)
+    lat = torch.randn(len(PARENTS), 1, W, generator=g).bfloat16()
+    q = torch.randn(len(PARENTS), HEADS, W, generator=g).bfloat16()
+    lat[on_path], q[on_path] = one.lat[103:106], one.q[103:106]
+    tree = chunked.forward(ForwardMode.TARGET_VERIFY, 103, lat, q, 103 + depth, mask)
+    assert torch.equal(tree[on_path], full[103:106])

@@ -117,7 +117,9 @@ def test_cost_models_calibration_and_shape() -> None:
     assert pcie.logits_bytes_per_row("greedy") == 16 and gathered.logits_bytes_per_row("greedy") == 163840 * 4
     assert pcie.logits_bytes_per_row("seeded") < 20e3 and pcie.logits_bytes_per_row("logprobs") == 163840 * 4
     all_lp = pcie.target_s(128 * 17, 0, 128 * 17, logprob_rows=128 * 17)  # logprob rows are gathered whole
-    assert all_lp == pytest.approx(gathered.target_s(128 * 17, 0, 128 * 17))
+    n = 128 * 17  # plus every row's argmax exchange, and each rank's row work on its shard only
+    assert all_lp == pytest.approx(gathered.target_s(n, 0, n) + pcie.logits_exchange_s(n) - gathered.row_s(n)
+                                   + pcie.row_s(n))
 
 
 def test_auto_drafts_a_repeated_answer_as_deep_as_it_matches(pair) -> None:

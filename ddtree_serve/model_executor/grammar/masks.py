@@ -15,8 +15,8 @@ decoding does after the grammar terminates.
 
 Drafter side (best effort, for acceptance): the drafter predicts a block of depths in parallel, and the
 mask at depth d depends on the tokens above it. ``mask_draft_logits`` masks depth 1 exactly and depth d > 1
-with the mask after the masked top-1 tokens of depths 1..d-1 (exact for a DFlash chain, which is that
-path); ``prune_popped`` then walks every popped DDTree node with the matcher and removes the ones the
+with the mask after the masked top-1 tokens of depths 1..d-1 (each the best of the depth's 8 raw candidates
+the grammar allows, all read back at once; the chain ends where none is allowed); ``prune_popped`` then walks every popped DDTree node with the matcher and removes the ones the
 grammar rejects (and their subtrees), so the tree holds only allowed tokens; nodes are popped with a
 doubled budget first so that pruning rarely leaves the tree short.
 

@@ -37,8 +37,13 @@ from torch import nn
 
 from ddtree_serve.kernels.attention import masked_paged_attention
 from ddtree_serve.kernels.kv_quant import read_latent, write_latent
+from ddtree_serve.kernels.mla_invariant import absorb_queries, expand_values, invariant_latent_attention
 from ddtree_serve.model_executor.forward_batch import ForwardBatch
-from ddtree_serve.model_executor.layers.dcp_attention import dcp_latent_attention, local_cache_loc
+from ddtree_serve.model_executor.layers.dcp_attention import (
+    dcp_invariant_latent_attention,
+    dcp_latent_attention,
+    local_cache_loc,
+)
 from ddtree_serve.model_executor.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -64,7 +69,12 @@ def mla_softmax_scale(cfg: dict) -> float:
 
 class MLAAttention(nn.Module):
     """Checkpoint names: q_a_proj, q_a_layernorm, q_b_proj (or q_proj without q_lora), kv_a_proj_with_mqa,
-    kv_a_layernorm, kv_b_proj, o_proj. Heads are split across TP ranks; q_a/kv_a are replicated."""
+    kv_a_layernorm, kv_b_proj, o_proj. Heads are split across TP ranks; q_a/kv_a are replicated.
+    ``row_invariant`` (``--enable-deterministic-inference``, set per instance by ``use_invariant_linears``): the
+    absorption GEMMs run ddtree_serve/kernels/mla_invariant.py, the latent attention its torch path ("torch") or
+    the Triton kernels' invariant mode ("triton")."""
+
+    row_invariant = False
 
     def __init__(self, cfg: dict, layer_id: int, tp: TPGroup, dtype: torch.dtype, backend: str = "torch"):
         """``backend``: the latent attention's kernels, "torch" (``masked_paged_attention`` over a padded
@@ -129,9 +139,27 @@ class MLAAttention(nn.Module):
         loc = local_cache_loc(fb.out_cache_loc, self.tp.dcp_size, self.tp.dcp_rank) if dcp else fb.out_cache_loc
         write_latent(k_cache, k_scale, loc, latent, self.kv_lora_rank)  # DCP: this rank's tokens only
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, Hr, kv_lora]
+        if self.row_invariant:
+            q_lat = absorb_queries(q_nope, w_uk)  # [T, Hr, kv_lora]
+        else:
+            q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, Hr, kv_lora]
         cdt = h.dtype if k_scale is not None else k_cache.dtype  # dtype of the products
         q_full = torch.cat([q_lat, q_pe], dim=-1).to(cdt)  # [T, Hr, kv_lora + rope]
+        if self.row_invariant:
+            if dcp:
+                o_lat = dcp_invariant_latent_attention(q_full, fb, k_cache, k_scale, self.kv_lora_rank, self.scale,
+                                                       self.tp, self.backend)  # [T, Hr, kv_lora]
+            elif self.backend == "triton":  # the Triton kernels' batch-invariant mode
+                from ddtree_serve.kernels.triton_mla import MLA_KERNELS
+
+                o_lat = MLA_KERNELS[fb.mode.value](q_full, k_cache, fb.kv_indices, fb.attn_mask, fb.q_index,
+                                                   fb.prefix_lens, fb.extend_lens, self.kv_lora_rank, self.scale,
+                                                   fb.tree_mask, k_scale=k_scale, invariant=True)  # [T, Hr, kv_lora]
+            else:
+                o_lat = invariant_latent_attention(q_full, k_cache, k_scale, fb.attention_meta(), self.kv_lora_rank,
+                                                   self.scale)  # [T, Hr, kv_lora]
+            o = expand_values(o_lat.to(w_uv.dtype), w_uv)  # [T, Hr, v]
+            return self.o_proj(o.reshape(o.shape[0], -1))
         if dcp:
             o_lat = dcp_latent_attention(q_full, fb, k_cache, k_scale, self.kv_lora_rank, self.scale, self.backend,
                                          self.tp)  # [T, Hr, kv_lora]

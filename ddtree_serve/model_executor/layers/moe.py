@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree_serve.kernels.batch_invariant import invariant_linear
 from ddtree_serve.model_executor.layers.activation import silu_and_mul
 from ddtree_serve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from ddtree_serve.model_executor.layers.moe_experts import FusedExperts
@@ -54,7 +55,12 @@ class DenseMLP(nn.Module):
 
 
 class MoEGate(nn.Module):
-    """Router weights kept in float32 (as transformers does): ``weight [E, H]``, ``e_score_correction_bias [E]``."""
+    """Router weights kept in float32 (as transformers does): ``weight [E, H]``, ``e_score_correction_bias [E]``.
+    ``row_invariant`` (``use_invariant_linears``): the float32 product through ``invariant_linear`` (float32 GEMM
+    rows differ between M = 1..3 and M >= 4 on the CPU this was written on: docs/DESIGN.md 4.18); the top-k
+    routing after it is row-wise."""
+
+    row_invariant = False
 
     def __init__(self, num_experts: int, hidden: int, noaux_tc: bool):
         super().__init__()
@@ -63,6 +69,8 @@ class MoEGate(nn.Module):
                                                      requires_grad=False) if noaux_tc else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            return invariant_linear(x.float(), self.weight)  # [T, E] float32
         return F.linear(x.float(), self.weight)  # [T, E] float32
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree_serve.kernels.batch_invariant import invariant_linear
 from ddtree_serve.model_executor.layers.activation import silu_and_mul
 from ddtree_serve.model_executor.parallel_state import TPGroup
 
@@ -16,7 +17,11 @@ class FusedExperts(nn.Module):
     ``w2 [E_r, H, I_r]``. Tensor parallel (default): every expert, this rank's slice of the intermediate dim
     (``E_r = E``, ``I_r = I / tp``). Expert parallel (``tp.expert_parallel``): this rank's block of whole
     experts ``[expert_start, expert_start + E_r)`` (``I_r = I``). Either way the output is a partial sum
-    over ranks: the caller all-reduces it (``reduce=True`` does it here)."""
+    over ranks: the caller all-reduces it (``reduce=True`` does it here). ``row_invariant``
+    (``--enable-deterministic-inference``, set by ``use_invariant_linears``): ``forward_invariant`` on the torch
+    backend, the kernel's invariant mode on triton."""
+
+    row_invariant = False
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype,
                  backend: str = "torch"):
@@ -72,8 +77,11 @@ class FusedExperts(nn.Module):
         """x [T, H], weights [T, k], ids [T, k] (global expert ids) -> [T, H]. The (token, expert) pairs this
         rank holds are sorted by expert and each expert runs one dense GEMM over its contiguous slice (a
         loop over the local experts that received tokens; "triton": one grouped GEMM launch per projection)."""
-        if self.backend == "triton":
-            out = self.forward_triton(x, weights, ids)
+        if self.backend == "triton":  # row-invariant: the kernel's invariant mode (slot-ordered combine)
+            out = self.forward_triton(x, weights, ids, invariant=self.row_invariant)
+            return self.tp.all_reduce(out) if reduce else out
+        if self.row_invariant:
+            out = self.forward_invariant(x, weights, ids)
             return self.tp.all_reduce(out) if reduce else out
         t, k = ids.shape
         flat = ids.reshape(-1) - self.expert_start  # [T*k] local expert id; out of range = another rank's
@@ -99,9 +107,35 @@ class FusedExperts(nn.Module):
         out.index_add_(0, token_of, out_sorted * w_sorted[:, None])
         return self.tp.all_reduce(out) if reduce else out
 
+    def forward_invariant(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, row-invariant: a token's output depends on its own hidden state and routing
+        only, not on which tokens share its experts. Each expert's GEMMs see whole ``ROW_BLOCK``s of rows
+        (``invariant_linear``), so a row's expert output does not depend on how many tokens the expert got;
+        each token's top-k outputs are weighted in float32 and summed in ascending expert id, one slot after
+        the other, then cast (the default path's ``index_add_`` over expert-sorted rows sums in the order of
+        the batch's grouping). Sources: Thinking Machines, "Defeating Nondeterminism in LLM Inference";
+        SGLang's deterministic inference (fixed-order MoE combine). x [T, H], weights [T, k], ids [T, k] -> [T, H]."""
+        t, k = ids.shape
+        order = torch.argsort(ids, dim=1, stable=True)  # [T, k] each token's slots by expert id
+        local = (ids.gather(1, order) - self.expert_start).reshape(-1)  # [T*k] local expert of each sorted slot
+        w = weights.gather(1, order).float()  # [T, k]
+        outs = x.new_zeros(t * k, x.shape[-1])  # [T*k, H] expert output per (token, sorted slot); 0: another rank's
+        held = local[(local >= 0) & (local < self.num_local)]
+        for e in torch.unique(held).tolist():
+            rows = torch.nonzero(local == e, as_tuple=True)[0]  # [c] (token, slot) rows of expert e
+            w13, w2 = self.expert_weights(e, x.dtype)
+            h = silu_and_mul(invariant_linear(x[rows // k], w13))  # [c, I_r]
+            outs[rows] = invariant_linear(h, w2)  # [c, H]
+        weighted = outs.view(t, k, -1).float() * w[..., None]  # [T, k, H] float32
+        acc = weighted[:, 0]  # [T, H]
+        for j in range(1, k):  # fixed order: ascending expert id
+            acc = acc + weighted[:, j]
+        return acc.to(x.dtype)
 
-    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum through ddtree_serve/kernels/triton_moe.py (dense stacked weights)."""
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, invariant: bool = False
+                       ) -> torch.Tensor:
+        """This rank's partial sum through ddtree_serve/kernels/triton_moe.py (dense stacked weights);
+        ``invariant``: its batch-invariant mode."""
         from ddtree_serve.kernels.triton_moe import fused_moe
 
-        return fused_moe(x, weights, ids, self.w13, self.w2, self.expert_start)
+        return fused_moe(x, weights, ids, self.w13, self.w2, self.expert_start, invariant=invariant)

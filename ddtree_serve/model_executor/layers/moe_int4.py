@@ -70,11 +70,12 @@ class Int4Experts(FusedExperts):
             off = 0 if kind == "gate" else n
             dst[off:off + n].copy_(loaded.narrow(0, s, n))
 
-    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, invariant: bool = False
+                       ) -> torch.Tensor:
         from ddtree_serve.kernels.triton_moe import fused_moe
 
         return fused_moe(x, weights, ids, self.w13_packed, self.w2_packed, self.expert_start,
-                         w13_scale=self.w13_scale, w2_scale=self.w2_scale, group_size=self.group)
+                         w13_scale=self.w13_scale, w2_scale=self.w2_scale, group_size=self.group, invariant=invariant)
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         n, h = self.inter, self.hidden

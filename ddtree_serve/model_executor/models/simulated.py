@@ -114,7 +114,9 @@ class SimulatedTarget(nn.Module):
                                                          and int(ids.shape[0]) == bs * fb.max_q)
             graphed = uniform and 0 < bs <= self.graph_max_bs
             cost = self.clock.cost
-            self.clock.launch(cost.target_s(int(ids.shape[0]), reads, rows, kv_tokens), cost.target_kernels, graphed)
+            sampled, logprob = _kind_rows(fb)
+            self.clock.launch(cost.target_s(int(ids.shape[0]), reads, rows, kv_tokens, logprob_rows=logprob,
+                                            seeded_rows=sampled), cost.target_kernels, graphed)
             hidden = torch.zeros(ids.shape[0], self.vocab, device=ids.device)  # [T, V]
             hidden.scatter_(1, next_token(ids, pos, self.vocab)[:, None], self.peak)
             captured = torch.zeros(ids.shape[0], 1, device=ids.device) if fb.capture_layer_ids else None  # [T, 1]
@@ -132,6 +134,18 @@ class SimulatedTarget(nn.Module):
     def drain(self) -> None:
         """A full synchronisation (``ModelRunner.synchronize``)."""
         self.clock.wait()
+
+
+def _kind_rows(fb: ForwardBatch) -> tuple[int, int]:
+    """(sampled rows, logprob rows) of a forward from its ``RowKinds`` (0, 0 when unknown): a request's rows are its
+    new tokens, or one when the forward computes selected rows' logits only."""
+    kinds = fb.row_kinds
+    if kinds is None:
+        return 0, 0
+    per = torch.ones_like(fb.extend_lens) if fb.logits_indices is not None else fb.extend_lens  # [bs]
+    sampled = torch.tensor(kinds.sampled, dtype=torch.bool, device=per.device)  # [bs]
+    logprobs = torch.tensor(kinds.logprobs, dtype=torch.bool, device=per.device)  # [bs]
+    return int(per[sampled].sum()), int(per[logprobs].sum())  # modelled: the simulated device's own tensors
 
 
 class SimulatedDrafter(nn.Module):

@@ -323,7 +323,7 @@ class Scheduler:
         self._make_room(batch, 1)
         reqs = batch.reqs
         fb = r.prepare_decode([q.req_pool_idx for q in reqs], [q.num_cached for q in reqs],
-                              [q.output_ids[-1] for q in reqs])
+                              [q.output_ids[-1] for q in reqs], params=[q.params for q in reqs])
         assert fb is not None, "room was made"
         out = r.forward(fb)
         r.wait_device()
