@@ -11,6 +11,8 @@ Kimi K2.6's shapes, each launch is intercepted and compiled with its signature, 
 - the batch-invariant GEMM (ddtree_serve/kernels/triton_invariant_gemm.py) at Kimi's dense-MLP shapes in
   bfloat16 (K 7168 -> N 2048 and back), the default model's 576 -> 1536 in float32 and the attention's batched
   P.V item in float32 (``gemm_launches``).
+- the batch-invariant RMSNorm (ddtree_serve/kernels/triton_rmsnorm.py) in bfloat16 at the default model's hidden
+  size (576) and Kimi's (7168).
 
 Per kernel: ptxas's registers and spilled bytes, the cubin's shared memory, the arch's limit and the plan's
 estimate (``mla_smem_bytes``). Exits 1 when a kernel spills, needs more shared memory than the arch has, or more
@@ -206,10 +208,28 @@ def gemm_launches() -> list[object]:
     return sink
 
 
+RMSNORM_HIDDEN = (576, 7168)  # the default model's hidden size, Kimi K2.6's
+
+
+def rmsnorm_launches() -> list[tuple[str, None, object]]:
+    """The batch-invariant RMSNorm's launches in bfloat16 at ``RMSNORM_HIDDEN`` (64 rows), one group each."""
+    from benchmarks.triton_launch_compile import capture_launches
+    from ddtree_serve.kernels import triton_rmsnorm
+
+    todo = []
+    for hidden in RMSNORM_HIDDEN:
+        with capture_launches({triton_rmsnorm: ("_rmsnorm_kernel",)}) as sink:
+            triton_rmsnorm.triton_rmsnorm(torch.zeros(64, hidden, dtype=torch.bfloat16),
+                                          torch.ones(hidden, dtype=torch.bfloat16), 1e-6)
+        todo.append((f"h{hidden}", None, sink[0]))
+    return todo
+
+
 def check_group(arch: int, cache: str, invariant: bool = False) -> list[dict]:
     """Compile one arch's launches for one cache kind (``cache`` "bf16" / "fp8"; "sampler": the sampling kernel;
-    "gemm": the batch-invariant GEMM): one row per kernel with its figures and verdict. ``invariant``: the MLA
-    launches of the batch-invariant mode instead (``mla_preset_launches``; their rows' group ends in "-inv")."""
+    "gemm": the batch-invariant GEMM; "rmsnorm": the RMSNorm kernel): one row per kernel with its figures and
+    verdict. ``invariant``: the MLA launches of the batch-invariant mode instead (``mla_preset_launches``; their
+    rows' group ends in "-inv")."""
     from benchmarks.triton_launch_compile import compile_launch, launch_source
     from ddtree_serve.kernels.triton_mla_plan import SMEM_OPTIN_BYTES
 
@@ -218,6 +238,8 @@ def check_group(arch: int, cache: str, invariant: bool = False) -> list[dict]:
         todo = [("sampler", None, sampler_launch())]
     elif cache == "gemm":
         todo = [(f"K{la.args[6]}N{la.args[5]}", None, la) for la in gemm_launches()]
+    elif cache == "rmsnorm":
+        todo = rmsnorm_launches()
     else:
         todo = mla_preset_launches(arch, cache == "fp8", invariant)
     rows = []
@@ -258,7 +280,7 @@ def compiled_table(rows: list[dict]) -> dict[tuple[int, str, str], int]:
     """The largest cubin shared memory per (arch, cache, tiles) over the MLA kernels compiled."""
     top: dict[tuple[int, str, str], int] = {}
     for r in rows:
-        if r["cache"] not in ("sampler", "gemm"):
+        if r["cache"] in ("bf16", "fp8"):
             key = (r["arch"], r["cache"], r["tiles"])
             top[key] = max(top.get(key, 0), r["shared"])
     return top
@@ -267,8 +289,8 @@ def compiled_table(rows: list[dict]) -> dict[tuple[int, str, str], int]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--archs", default="90,100,103,120")
-    ap.add_argument("--caches", default="bf16,fp8,sampler,gemm",
-                    help="bf16, fp8 (MLA over that cache), sampler, gemm (the batch-invariant GEMM)")
+    ap.add_argument("--caches", default="bf16,fp8,sampler,gemm,rmsnorm",
+                    help="bf16, fp8 (MLA over that cache), sampler, gemm (the batch-invariant GEMM), rmsnorm")
     ap.add_argument("--jobs", type=int, default=2, help="processes compiling in parallel")
     ap.add_argument("--table", action="store_true", help="print the compiled figures as COMPILED_SMEM entries")
     ap.add_argument("--invariant", action="store_true",

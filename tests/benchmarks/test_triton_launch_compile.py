@@ -17,7 +17,7 @@ _CHILD = r"""
 import json, torch
 from benchmarks.triton_launch_compile import capture_launches, launch_source
 from ddtree_serve.kernels import triton_sampling
-from benchmarks.triton_smem_check import mla_preset_launches
+from benchmarks.triton_smem_check import mla_preset_launches, rmsnorm_launches
 
 out = {}
 for vocab in (163840, 163841):
@@ -43,6 +43,12 @@ out["inv"] = sorted({(l.name, t.block_h, t.block_n, l.kwargs.get("num_warps"), l
                       l.kwargs.get("enable_fp_fusion"), bool(l.kwargs.get("PARTIAL")), bool(l.kwargs.get("TREE")))
                      for _, t, l in inv})
 out["inv_opts"] = sorted({json.dumps(launch_source(l)[1], sort_keys=True) for _, _, l in inv})
+rms = []
+for group, _, l in rmsnorm_launches():
+    src, opts = launch_source(l)
+    rms.append(dict(group=group, grid=list(l.grid), x=src.signature["x_ptr"], opts=opts,
+                    const={l.kernel.arg_names[k[0]]: v for k, v in src.constants.items()}))
+out["rms"] = rms
 print(json.dumps(out))
 """
 
@@ -79,3 +85,9 @@ def test_launches_are_specialised_as_the_launcher_would() -> None:
     assert {r[1:6] for r in attend} == {(16, 16, 8, 1, False)}
     assert {r[0] for r in inv} == {"_mla_inv_kernel", "_mla_inv_merge_kernel"}
     assert all(json.loads(o)["enable_fp_fusion"] is False for o in out["inv_opts"])
+    # the RMSNorm (bfloat16, 64 rows) at the default model's and Kimi's hidden sizes: one program per row, chunks of
+    # 1024, a fixed warp count and no FP fusion
+    assert [r["group"] for r in out["rms"]] == ["h576", "h7168"]
+    for r in out["rms"]:
+        assert r["grid"] == [64] and r["x"] == "*bf16" and r["const"] == {"BLOCK": 1024}, r
+        assert r["opts"] == {"num_warps": 4, "enable_fp_fusion": False}, r

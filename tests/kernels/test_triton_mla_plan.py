@@ -129,3 +129,4 @@ def test_preset_kernels_compile_without_spills_within_shared_memory():
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0 and "ALL OK" in res.stdout, res.stdout[-6000:] + res.stderr[-3000:]
     assert "B spilled" in res.stdout and "sm103" in res.stdout and "_sample_rows" in res.stdout
+    assert "_rmsnorm_kernel" in res.stdout

@@ -34,8 +34,8 @@ class _Linear(nn.Module):
 def use_invariant_linears(model: nn.Module) -> int:
     """``--enable-deterministic-inference``: every linear of ``model``, the LM head included, computes a row
     independently of the number of rows beside it; so does every other layer with a ``row_invariant`` mode
-    (layers/mla.py's MLA attention, layers/moe.py's router and layers/moe_experts.py's routed experts). Returns
-    how many modules were switched."""
+    (layers/mla.py's MLA attention, layers/moe.py's router, layers/moe_experts.py's routed experts and
+    layers/norm.py's RMSNorm). Returns how many modules were switched."""
     n = 0
     for mod in model.modules():
         if isinstance(mod, (_Linear, ParallelLMHead)) or hasattr(mod, "row_invariant"):
