@@ -149,3 +149,24 @@ def test_passes_per_row() -> None:
     got = narrow.tolist()
     assert got[0] == passes[0] and 2 < got[1] <= 3 and 3 < got[2] <= 4 and 3 < got[3] <= 4, got
     assert 3 < got[4] <= 6 and got[5] == 2.0 and 3 < got[6] <= 6, got  # top-k 2's candidates still fit 4
+
+
+@pytest.mark.parametrize("cap", [CAP, 4])
+def test_a_row_draws_the_same_token_alone_and_in_batches(cap: int) -> None:
+    """Batch invariance (docs/DESIGN.md 4.18): each row's token and pass count are the same drawn alone, inside
+    batches of other sizes and at other offsets (programs loop over rows: a row's draw reads its own logits,
+    parameters and uniform only), with the candidates buffered and on the row-wide path."""
+    gen = torch.Generator().manual_seed(5)
+    n, vocab = 24, 70
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    params = [_params(i) for i in range(n)]
+    info = BatchSamplingInfo.build(params, vocab, torch.device("cpu"))
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    passes = torch.empty(n)
+    batched = _draw(logits, info, u, 32, passes, cap=cap)
+    for lo, hi in ((0, 1), (7, 8), (3, 11), (5, 24)):
+        rows = slice(lo, hi)
+        part = BatchSamplingInfo.build(params[rows], vocab, torch.device("cpu"))
+        sub_passes = torch.empty(hi - lo)
+        got = _draw(logits[rows].clone(), part, u[rows], 32, sub_passes, cap=cap)
+        assert torch.equal(got, batched[rows]) and torch.equal(sub_passes, passes[rows]), (lo, hi)
