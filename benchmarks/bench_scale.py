@@ -19,7 +19,9 @@ dependent shape or blocking copy. Each cell prefills ``batch`` requests, then me
 - ``host_ms``: host milliseconds per step (the clock less the time blocked on the device), ``host_share`` its ratio
   to device time, by phase: ``schedule`` (admission and batching), ``draft`` (drafter launch), ``build`` (top-K,
   pops, tree), ``verify_input`` (tree slots, forward inputs, launch), ``window`` (the overlap window's work),
-  ``verify`` (the verification), ``commit`` (KV commit), ``plain`` (a plain step's launch and sampling),
+  ``verify`` (the verification and the commit's device half), ``ahead`` (the next step's draft, top-K and tree
+  queued before this step's read: DESIGN 4.17), ``commit`` (the commit's host half after the read: stops, frees),
+  ``plain`` (a plain step's launch and sampling),
   ``process`` (stops, outputs); detokenising and streaming run in the detokenizer process and are not counted.
 
     python benchmarks/bench_scale.py [--machines rtx-pro-6000,b300] [--batches 1,32,128] [--budgets 8,16,auto]
@@ -47,9 +49,9 @@ from ddtree_serve.server.io_struct import GenerateReq  # noqa: E402
 from ddtree_serve.sim.checkpoint import write_simulated_pair  # noqa: E402
 from ddtree_serve.sim.machines import MACHINES  # noqa: E402
 
-PHASES = ("schedule", "draft", "build", "verify_input", "window", "verify", "commit", "plain", "process")
+PHASES = ("schedule", "draft", "build", "verify_input", "window", "verify", "ahead", "commit", "plain", "process")
 SPEC_LAPS = {"draft": "draft", "build": "build", "verify_forward": "verify_input", "window": "window",
-             "verify": "verify", "commit": "commit", "plain": "plain"}  # SpecWorker.timer laps -> phases
+             "verify": "verify", "ahead": "ahead", "commit": "commit", "plain": "plain"}  # SpecWorker.timer laps -> phases
 
 
 def _engine(target: str, drafter: str, batch: int, budget: int | str | None, tokens: int, graphs: int,

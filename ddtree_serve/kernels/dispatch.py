@@ -177,3 +177,25 @@ def one_kernel() -> Iterator[None]:
         return
     with region():
         yield
+
+
+class _Done:
+    """An event on a device whose work is synchronous (the CPU): always complete."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+def record_event(device: torch.device) -> object:
+    """A point in ``device``'s stream, recorded now, with ``synchronize()``, which blocks the host until the work
+    queued before it is done and no later: a CUDA event on a GPU; under a device simulator (a torch function mode
+    with a ``record_event`` method: ddtree_serve/sim/device_tracker.py) the modelled queue's end at this point, its
+    wait charged as one synchronising read; elsewhere already complete."""
+    record = _tracker_region("record_event")
+    if record is not None:
+        return record()
+    if torch.device(device).type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return _Done()

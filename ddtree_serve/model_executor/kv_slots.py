@@ -12,7 +12,7 @@ cache) and a new token is placed on the DCP rank of its position (``position % N
 emptiest rank when that one is full). Every TP rank runs the same slot operations (rank 0 decides what
 runs); each DCP rank then writes and reads only the KV of its own slots (ddtree_serve/model_executor/layers/dcp_attention.py).
 A speculative step's tree node is placed by its position (``place(..., positions=)``), so the commit that
-moves the accepted path to consecutive positions (``keep_path``) keeps every node on its rank.
+moves the accepted path to consecutive positions (``point``) keeps every node on its rank.
 """
 
 from __future__ import annotations
@@ -128,8 +128,12 @@ class KVSlots:
         flat = self.place(rows, starts, torch.full_like(rows, width), total=int(rows.shape[0]) * width)
         return None if flat is None else flat.view(-1, width)
 
-    def keep_path(self, rows: torch.Tensor, pos: torch.Tensor, kept: torch.Tensor, drop: torch.Tensor) -> None:
-        """Commit a speculative step: point ``table[rows[i], pos[i]]`` at ``kept[i]`` (the accepted path's
-        slots, compacted to consecutive positions) and free ``drop`` (every other tree slot)."""
+    def point(self, rows: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """Point ``table[rows[i], pos[i]]`` at ``slots[i]`` (a speculative step's accepted path, compacted to
+        consecutive positions; its other tree slots are freed with ``free``). Duplicate (row, position) pairs are
+        not allowed."""
+        self._pool.table[rows, pos] = slots
+
+    def drop_tree(self, drop: torch.Tensor) -> None:
+        """Free the tree slots a speculative commit did not keep (``free``; its own name, the commit's fault site)."""
         self._alloc.free(drop)
-        self._pool.table[rows, pos] = kept

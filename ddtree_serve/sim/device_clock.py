@@ -99,18 +99,19 @@ class DeviceClock:
         where the step means to read."""
         self.window_open = False
 
-    def wait(self) -> None:
-        """Block the host until the queued device work is done."""
-        left = self.busy_until - self.now()
+    def wait(self, until: float | None = None) -> None:
+        """Block the host until the queued device work is done (``until``: the end of the work queued by then)."""
+        left = (self.busy_until if until is None else until) - self.now()
         if left > 0:
             t0 = time.perf_counter()
             time.sleep(left)
             self.waited_s += time.perf_counter() - t0
 
-    def sync(self, event: SyncEvent) -> None:
-        """A synchronising host act: wait for the device, then pay the round trip."""
+    def sync(self, event: SyncEvent, until: float | None = None) -> None:
+        """A synchronising host act: wait for the device (``until``: only for the work queued before that time on
+        the host's clock, an event's), then pay the round trip."""
         self.counters.syncs.append(event)
-        self.wait()
+        self.wait(until)
         self.charge(self.cost.sync_us * 1e-6)
 
     def reset_counters(self) -> StepCounters:

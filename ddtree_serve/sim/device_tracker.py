@@ -132,6 +132,10 @@ class DeviceTracker(TorchFunctionMode):
         self.clock.counters.launches = launches0
         self.clock.replay_graph()
 
+    def record_event(self) -> SimEvent:
+        """A CUDA event's stand-in (``kernels.dispatch.record_event``): the end of the device work queued so far."""
+        return SimEvent(self, self.clock.busy_until)
+
     def _sync(self, kind: str, func: Any) -> float:
         """Charge a sync; returns the host seconds it blocked (not bookkeeping: they stay on the clock)."""
         if self._graphed:
@@ -222,3 +226,19 @@ class DeviceTracker(TorchFunctionMode):
         """Whether an index reads by tensor (a gather kernel) rather than by slicing (a view)."""
         items = index if isinstance(index, tuple) else (index,)
         return any(isinstance(i, (torch.Tensor, list)) for i in items)
+
+
+class SimEvent:
+    """A recorded point of the simulated device's queue. ``synchronize`` is one synchronising read: the host blocks
+    until the work queued before the point is done (not what was launched after it) and pays a round trip. It is
+    never counted in a forward's window: work launched after the event, a forward included, is not waited for."""
+
+    def __init__(self, tracker: DeviceTracker, until: float) -> None:
+        self.tracker, self.until = tracker, until
+
+    def synchronize(self) -> None:
+        """Wait for the recorded point (see the class docstring)."""
+        if self.tracker._graphed:
+            raise RuntimeError(f"an event wait at {_caller()} inside a CUDA graph region")
+        clock = self.tracker.clock
+        clock.sync(SyncEvent("read", "Event.synchronize", _caller(), False), self.until)

@@ -27,16 +27,37 @@ if TYPE_CHECKING:
     from ddtree_serve.speculative.types import SpecRequest
 
 
-def commit(r: ModelRunner, reqs: Sequence[SpecRequest], tree: DraftTree, res: VerifyResult, idx: torch.Tensor,
-           cached: torch.Tensor, tree_slots: torch.Tensor, captured: torch.Tensor | None, eos_ids: tuple[int, ...],
-           write_context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None], placed: int,
+def commit_paths(r: ModelRunner, res: VerifyResult, idx: torch.Tensor, cached: torch.Tensor,
+                 tree_slots: torch.Tensor, captured: torch.Tensor | None,
+                 write_context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> None:
+    """The commit's device half, queued before the step reads anything back: every accepted path's KV slots
+    (root first) moved to consecutive table columns ``cached[b] + j`` and their captured target features
+    written to the drafter's context (``write_context``; ``captured`` None: no drafter), over the fixed
+    ``[bs, S]`` path layout. Columns past a request's accepted length get stale slot ids (past ``num_cached``,
+    never read as context) and their features go to the padding slot 0. A stop inside the path is the host's
+    (``commit``, after the read): the slots past it are freed then, so nothing here depends on a host value."""
+    bs, d = tree_slots.shape
+    s = res.accept_index.shape[1]
+    cols = torch.arange(s, device=idx.device)  # [S]
+    path = res.accept_index.clamp(min=0)  # [bs, S] local node ids (-1 past the path: the root's)
+    flat = (torch.arange(bs, device=idx.device)[:, None] * d + path).view(-1)  # [bs*S] rows of the [bs * D] layout
+    slots = tree_slots.view(-1)[flat]  # [bs*S]
+    pos = (cached[:, None] + cols[None, :]).view(-1)  # [bs*S] absolute positions
+    r.slots.point(idx[:, None].expand(bs, s).reshape(-1), pos, slots)
+    if captured is not None:
+        accepted = (cols[None, :] <= res.accept_length[:, None]).view(-1)  # [bs*S]
+        write_context(captured[flat], pos, torch.where(accepted, slots, torch.zeros_like(slots)))
+
+
+def commit(r: ModelRunner, reqs: Sequence[SpecRequest], tree: DraftTree, res: VerifyResult,
+           tree_slots: torch.Tensor, eos_ids: tuple[int, ...], placed: int,
            paths: tuple[np.ndarray, np.ndarray]) -> list[DecodeResult]:
-    """Unified commit for greedy and sampled verification: keep the KV of the root and the accepted
-    nodes (path order) up to a stop, free every other tree slot, feed the kept nodes' hidden states
-    to the drafter's context (``write_context``; ``captured`` None: no drafter), and return the emitted tokens
-    with the accepted suffix-draft nodes counted. ``placed``: the tree slots the verify forward placed in all
-    (roots included), as the host knows them. ``paths``: ``accept_length`` [bs] and ``emitted_tokens`` [bs, S] as
-    the step already read them back (``model_executor/read_back.py``)."""
+    """The commit's host half, after the step's read (``commit_paths`` queued the device half): per request the
+    tokens up to a stop (root and accepted path, then the bonus), ``num_cached`` advanced by them, and every
+    placed tree slot not kept (rejected nodes, accepted ones past a stop) freed; accepted suffix-draft nodes
+    counted. ``placed``: the tree slots the verify forward placed in all (roots included), as the host knows them.
+    ``paths``: ``accept_length`` [bs] and ``emitted_tokens`` [bs, S] as the step read them back
+    (``model_executor/read_back.py``)."""
     bs, d = tree_slots.shape
     acc = paths[0].tolist()
     emitted = paths[1].tolist()
@@ -51,15 +72,8 @@ def commit(r: ModelRunner, reqs: Sequence[SpecRequest], tree: DraftTree, res: Ve
     vb = np.repeat(np.arange(bs), keep)  # [n_kept] request of each kept entry
     vj = np.arange(vb.shape[0]) - np.repeat(np.cumsum(keep) - keep, keep)  # [n_kept] its column in the path
     vb_t, vj_t = upload(torch.as_tensor(vb), r.device), upload(torch.as_tensor(vj), r.device)  # [n_kept]
-    path = res.accept_index.clamp(min=0).to(torch.int64)  # [bs, S] local node ids
-    kept_local = path[vb_t, vj_t]  # [n_kept]
-    kept_flat = vb_t * d + kept_local  # [n_kept] rows of the padded [bs * D] layout
-    kept_slots = tree_slots.view(-1)[kept_flat]  # [n_kept]
-    pos = cached.index_select(0, vb_t) + vj_t  # [n_kept] absolute positions
-    drop = _dropped_slots(tree_slots, kept_flat, placed - len(vb))  # [n_drop] every other placed slot
-    r.slots.keep_path(idx.index_select(0, vb_t), pos, kept_slots, drop)
-    if captured is not None:
-        write_context(captured[kept_flat], pos, kept_slots)
+    kept_flat = vb_t * d + res.accept_index[vb_t, vj_t]  # [n_kept] rows of the padded [bs * D] layout
+    r.slots.drop_tree(_dropped_slots(tree_slots, kept_flat, placed - len(vb)))  # [n_drop] every other placed slot
     for q, k in zip(reqs, keep, strict=True):
         q.num_cached += k
     if tree.sources is not None:  # accepted tokens by draft source (metrics)

@@ -33,18 +33,16 @@ from ddtree_serve.model_executor.memory import step_budget
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.model_runner import (
     ModelRunner,
-    load_model,
     pick_attention_backend,
     warm_up_attention,
 )
-from ddtree_serve.model_executor.models.dflash import check_target_layers, drafter_group
 from ddtree_serve.model_executor.penalties import BatchPenalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
-from ddtree_serve.model_executor.read_back import read_back
+from ddtree_serve.model_executor.read_back import read_later
 from ddtree_serve.model_executor.sampler import BatchSamplingInfo, sample_requests
 from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
-from ddtree_serve.speculative.commit import attach_logprobs, commit
+from ddtree_serve.speculative.commit import attach_logprobs, commit, commit_paths
 from ddtree_serve.speculative.ddtree import (
     SUFFIX,
     DraftTree,
@@ -54,15 +52,24 @@ from ddtree_serve.speculative.ddtree import (
     pop_nodes,
 )
 from ddtree_serve.speculative.deferred_context import DeferredContext
-from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, resolve_sources, step_suffix_drafts
+from ddtree_serve.speculative.draft_ahead import DraftAhead, next_inputs
+from ddtree_serve.speculative.draft_loading import load_draft_sources
+from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, step_suffix_drafts
 from ddtree_serve.speculative.step_cost import StepCostModel
 from ddtree_serve.speculative.step_timer import StepTimer
 from ddtree_serve.speculative.suffix_index import SuffixConfig, SuffixProposer
-from ddtree_serve.speculative.tree_forward import draft_forward, padded_width, verify_forward
+from ddtree_serve.speculative.tree_forward import (
+    VerifyInputs,
+    draft_forward,
+    padded_width,
+    prepare_verify,
+    run_verify,
+    verify_forward,
+)
 from ddtree_serve.speculative.tree_graphs import DeviceTreeBuilder, graphed_tree_builder
 from ddtree_serve.speculative.types import DecodeResult, OutOfKVSlots, SpecRequest, SpecSettings
 from ddtree_serve.speculative.verify import verify_tree
-from ddtree_serve.speculative.worker_shape import drafter_model_config, resolve_block, step_shape
+from ddtree_serve.speculative.worker_shape import step_shape
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +110,8 @@ class SpecWorker:
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
         self.mask_drafts = True  # grammar masks on the drafter's logits + pruning of rejected nodes
         self.deferred: DeferredContext | None = None  # plain steps' drafter context (allocate_kv)
+        self.ahead: DraftAhead | None = None  # the next step's trees, drafted before this step's read
+        self.ahead_taken = 0  # steps that verified a tree drafted ahead
         if runner.num_slots:
             self.allocate_kv()
 
@@ -133,43 +142,15 @@ class SpecWorker:
 
     @classmethod
     def create(cls, settings: SpecSettings, runner: ModelRunner, target_config: ModelConfig) -> SpecWorker:
-        """Load the drafter at ``settings.draft_model_path`` (a resolved directory) onto the target's ranks
-        and device when the draft sources name DFlash, and build the worker; warns when the accept thresholds
-        make sampling lossy."""
-        has = settings.draft_model_path is not None  # auto (a config not from ddtree_serve/server/startup.py): sources from it
-        sources = resolve_sources(settings.draft_sources, settings.algorithm, has).split(",")
-        drafter, bsz, path = None, 0, settings.draft_model_path
-        if "dflash" in sources:
-            if path is None:
-                raise ValueError("speculative_draft_model_path is unset (ddtree_serve/server/startup.py resolves 'default')")
-            cfg = drafter_model_config(path, target_config, str(runner.device))
-            group = drafter_group(cfg.hf, runner.tp)  # unsharded when its KV heads do not split over the ranks
-            if group.size != runner.tp.size:
-                logger.info("drafter: %s KV heads < tp_size %d: the drafter runs unsharded on every rank",
-                            cfg.hf.get("num_key_value_heads"), runner.tp.size)
-            drafter = load_model(cfg, group, runner.device)
-            if hasattr(drafter, "share_device"):  # a simulated drafter runs on the target's modelled device
-                drafter.share_device(runner.model)
-            check_target_layers(drafter.target_layer_ids, target_config.num_layers, path)
-            window, factor = settings.dflash_draft_window_size, settings.dflash_rope_attention_factor
-            if window is not None or factor is not None:  # DFlashDraftModel.configure (a simulated one refuses)
-                configure = getattr(drafter, "configure", None)
-                if configure is None:
-                    raise ValueError(f"the drafter at {path} takes no dflash window or rope settings")
-                configure(window, factor)
-            bsz = resolve_block(settings.block_size, drafter)
-        suffix = None
-        if "suffix" in sources:
-            suffix = SuffixConfig(settings.suffix_max_depth, settings.suffix_min_match, settings.suffix_max_match,
-                                  cache_tokens=settings.suffix_cache_tokens)
-        budget, max_budget = settings.ddtree_budget, settings.ddtree_max_budget
-        logger.info("speculative %s: sources %s, drafter %s, block %d, budget %s (max %d)", settings.algorithm,
-                    settings.draft_sources, path if drafter is not None else None, bsz, budget, max_budget)
+        """The worker of ``settings``, its draft sources loaded (``draft_loading.py``); warns when the accept
+        thresholds make sampling lossy."""
+        drafter, bsz, suffix = load_draft_sources(settings, runner, target_config)
         thresholds = (settings.accept_threshold_single, settings.accept_threshold_acc)
         if settings.lossy:
             logger.warning("speculative accept thresholds single=%g acc=%g are below 1: sampled verification is "
                            "LOSSY (outputs no longer follow the target distribution)", *thresholds)
-        return cls(settings.algorithm, drafter, budget, bsz, runner, max_budget, thresholds, suffix=suffix)
+        return cls(settings.algorithm, drafter, settings.ddtree_budget, bsz, runner, settings.ddtree_max_budget,
+                   thresholds, suffix=suffix)
 
     def pad_trees_to(self, widths: dict[int, tuple[int, ...]]) -> None:
         """Pad a verify forward to the smallest captured width (nodes + root per request) of its padded batch size
@@ -204,7 +185,9 @@ class SpecWorker:
     # ---------------------------------------------------------------- prefill hook
     @torch.inference_mode()
     def on_extend(self, fb: ForwardBatch, captured: torch.Tensor) -> None:
-        """Write drafter context features for the tokens a target extend forward just cached."""
+        """Write drafter context features for the tokens a target extend forward just cached (a draft ahead is
+        for the very next decode step: dropped)."""
+        self.drop_ahead()
         self._write_context(captured, fb.positions, fb.out_cache_loc)
 
     def _write_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -216,9 +199,18 @@ class SpecWorker:
 
     def release(self, rid: str, output: list[int] | None = None) -> None:
         """A request left the running set (finished, aborted, retracted, failed): free its suffix index;
-        ``output``: a finished request's generated tokens, which the shared suffix index keeps."""
+        ``output``: a finished request's generated tokens, which the shared suffix index keeps. A verify forward
+        prepared ahead for a batch with it is dropped (its tree stays, for the others' rows)."""
+        if self.ahead is not None and rid in self.ahead.rids:
+            self.ahead.drop_prepared(self.runner.slots)
         if self.suffix is not None:
             self.suffix.release(rid, output)
+
+    def drop_ahead(self) -> None:
+        """Forget the draft ahead (draft_ahead.py), freeing a prepared verify forward's slots."""
+        if self.ahead is not None:
+            self.ahead.drop_prepared(self.runner.slots)
+        self.ahead = None
 
     def flush_context(self) -> None:
         """Write the plain steps' deferred drafter context (before anything reads the drafter's cache)."""
@@ -228,9 +220,23 @@ class SpecWorker:
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
     def decode(self, reqs: Sequence[SpecRequest], eos_ids: tuple[int, ...]) -> list[DecodeResult]:
+        """One speculative step over ``reqs`` (module docstring); the draft ahead of the previous step, if any
+        (draft_ahead.py), is this step's to take, and its prepared slots are freed unless the step used them."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and not ahead.same_batch(reqs):
+            ahead.drop_prepared(self.runner.slots)
+        try:
+            return self._step(reqs, eos_ids, ahead)
+        finally:
+            if ahead is not None:
+                ahead.drop_prepared(self.runner.slots)
+
+    def _step(self, reqs: Sequence[SpecRequest], eos_ids: tuple[int, ...], ahead: DraftAhead | None
+              ) -> list[DecodeResult]:
         r = self.runner
         bs = len(reqs)
-        room = r.slots.num_free
+        prepared = ahead.prepared if ahead is not None else None  # the verify forward's inputs, slots placed
+        room = r.slots.num_free + (prepared.tokens if prepared is not None else 0)
         if room < bs * self.min_step_tokens:
             raise OutOfKVSlots()
         t = self.timer
@@ -261,8 +267,15 @@ class SpecWorker:
         idx = upload(rows, dev, torch.int64)  # [bs] asynchronous copies (model_executor/uploads.py)
         cached = upload(root_pos, dev, torch.int64)  # [bs]
         roots = upload(root_ids, dev, torch.int64)  # [bs]
-        draft_logits = topk = None
-        if plan == DRAFT:
+        # the fixed budget's trees popped and assembled on the device (DESIGN 4.17): no read back for them
+        on_device = ctl is None and plan == DRAFT and suffix is None and not mask_drafts and r.accelerated
+        tree = draft_logits = topk = None
+        if on_device:
+            budget = self.budget if cap is None else step_budget(self.budget, bs, cap)
+            pad = padded_width(self.verify_widths, bs, 1 + budget, cap) or budget + 1  # a uniform width
+            tree = ahead.take(reqs, budget, pad) if ahead is not None else None
+            self.ahead_taken += tree is not None
+        if plan == DRAFT and tree is None:
             draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), True)  # [bs, L, V/tp]
             self._window("draft")  # the pops read the draft on the host
             if mask_drafts:  # the tree then holds only tokens the grammar allows (docs/DESIGN.md); per shard
@@ -284,11 +297,8 @@ class SpecWorker:
                 popped = merge_popped(popped, suffix, int(wide.max()), scale)
             return prune_popped(popped, grammars, widths) if mask_drafts else popped
 
-        on_device = ctl is None and topk is not None and suffix is None and not mask_drafts and r.accelerated
-        if on_device:  # the fixed budget's trees popped and assembled on the device: no read back (DESIGN 4.17)
-            budget = self.budget if cap is None else step_budget(self.budget, bs, cap)
-            pad = padded_width(self.verify_widths, bs, 1 + budget, cap) or budget + 1  # a uniform width
-            tree = self.tree_builder.build(topk, budget, max_depths, self.chain, roots, cached, pad)
+        if on_device:  # drafted ahead by the previous step, or built now
+            tree = tree or self.tree_builder.build(topk, budget, max_depths, self.chain, roots, cached, pad)
             n_used = None  # [bs] nodes per tree: read back with the verification's results
         elif ctl is not None and plan == DRAFT:  # pops only as many nodes as can matter to its choice
             popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
@@ -315,7 +325,11 @@ class SpecWorker:
             longest = max(p + n + 1 for p, n in zip(root_pos, n_used.tolist(), strict=True))  # cached + tree tokens
             host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
         params, shard = [q.params for q in reqs], r.vocab_shard  # the logits' vocabulary columns on this rank
-        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, pad is not None, params)
+        if not (on_device and tree is getattr(ahead, "tree", None)):  # the inputs prepared with the tree, or none
+            prepared = None
+        elif prepared is not None:
+            ahead.prepared, host = None, prepared.host  # launched now: this step frees their unkept slots
+        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, pad is not None, params, prepared)
         # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
         info = BatchSamplingInfo.build(params, vocab := shard.vocab, dev)
         want_lp = any(p.logprobs is not None for p in params)
@@ -330,13 +344,19 @@ class SpecWorker:
                           min_p=info.min_p, penalties=pen, threshold_single=single, threshold_acc=acc,
                           want_reach=ctl is not None, generators=[q.generator for q in reqs],
                           greedy_only=info.greedy_only, maybe=info.maybe, shard=shard)
+        commit_paths(r, res, idx, cached, tree_slots, captured, self._write_context)  # the commit's device half
         t.lap("verify")
-        # the step's one read of its results: accepted paths and tokens (and the controller's reach)
-        read = read_back(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []),
-                         *([tree.num_nodes] if n_used is None else []))
+        # the step's one read of its results: accepted paths and tokens (and the controller's reach), started
+        pending = read_later(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []),
+                             *([tree.num_nodes] if n_used is None else []))
+        # then the next step's draft queued behind it (not with logprobs: their read would wait for it)
+        if on_device and not want_lp and r.slots.num_free >= bs * self.block_size:
+            self.ahead = self._draft_ahead(reqs, idx, cached, res, budget, pad, max(root_pos))
+        read = pending.wait()
         n_used = read[-1] if n_used is None else n_used  # [bs] nodes per tree
-        out = commit(r, reqs, tree, res, idx, cached, tree_slots, captured, eos_ids, self._write_context,
-                     placed=host.tokens, paths=(read[0], read[1]))
+        out = commit(r, reqs, tree, res, tree_slots, eos_ids, placed=host.tokens, paths=(read[0], read[1]))
+        if self.ahead is not None:  # the draft ahead assumed every request goes on
+            self.ahead.expected = {q.rid: q.num_cached for q in reqs}
         if want_lp:
             attach_logprobs(reqs, res, logits, out, shard)
         t.lap("commit")
@@ -352,6 +372,23 @@ class SpecWorker:
             ctl.record(n_used, tree, reach[:, 1:].sum(1), sampled, bs, host.tokens,
                        draft_s, t.now() - built_at, reach)
         return out
+
+    def _draft_ahead(self, reqs: Sequence[SpecRequest], idx: torch.Tensor, cached: torch.Tensor, res, budget: int,
+                     pad: int, max_cached: int) -> DraftAhead:
+        """The next step's trees (draft_ahead.py), queued now: the drafter over the emitted roots, top-K, the
+        device build; ``max_cached``: this step's largest root position (the next one's is below it + S)."""
+        roots, nxt, limits = next_inputs(res, cached, [q.remaining_tokens for q in reqs])  # [bs] each
+        longest = max_cached + int(res.accept_index.shape[1])  # a bound on the next step's root positions
+        logits, shard = self._draft(idx, nxt, roots, longest, True)
+        topk = draft_topk(logits, 1 if self.chain else min(self.budget, shard.vocab), shard)  # [bs, L, K]
+        tree = self.tree_builder.build(topk, budget, limits, self.chain, roots, nxt, pad)
+        bs, r = len(reqs), self.runner
+        prepared = None  # and its verify forward's inputs, where the slots leave the next step its own room
+        if r.slots.num_free >= bs * (pad + self.max_step_tokens):
+            prepared = prepare_verify(r, tree, idx, nxt, self.capture_layer_ids, HostShape(bs * pad, pad, longest + pad),
+                                      True, [q.params for q in reqs])
+        self.timer.lap("ahead")
+        return DraftAhead(tuple(q.rid for q in reqs), tree, budget, pad, prepared=prepared)
 
     def _window(self, phase: str) -> None:
         """Close ``phase``, then the overlap window (``ModelRunner.wait_device``) as its own phase."""
@@ -393,7 +430,10 @@ class SpecWorker:
         return draft_forward(self.runner, self.drafter, self.draft_kv, self.draft_backend, self.block_size, idx,
                              cached, roots, max_cached, local)
 
-    def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
-                        host: HostShape | None = None, padded: bool = False, params: Sequence | None = None):
-        """The tree's target forward (``tree_forward.verify_forward``): logits [bs, D, V], captured, slots [bs, D]."""
+    def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor, host: HostShape | None = None,
+                        padded: bool = False, params: Sequence | None = None, prepared: VerifyInputs | None = None):
+        """The tree's target forward (``tree_forward.verify_forward``, or ``run_verify`` of the inputs ``prepared``
+        ahead): logits [bs, D, V], captured, slots [bs, D]."""
+        if prepared is not None:
+            return run_verify(self.runner, prepared)
         return verify_forward(self.runner, tree, idx, cached, self.capture_layer_ids, host, padded, params)

@@ -5,10 +5,12 @@ captured width; their sizes come from the host (``HostShape``), so building them
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ddtree_serve.model_executor.forward_batch import (
+    ForwardBatch,
     ForwardMode,
     HostShape,
     RowKinds,
@@ -57,6 +59,18 @@ def draft_forward(r: ModelRunner, drafter: torch.nn.Module, draft_kv: KVCache, b
     return logits.view(bs, bsz - 1, -1), shard
 
 
+@dataclass
+class VerifyInputs:
+    """A verify forward's inputs, its tree slots placed (``prepare_verify``): what ``run_verify`` launches."""
+
+    fb: ForwardBatch
+    dest: torch.Tensor  # [T] rows of the padded [bs * D] layout that run
+    flat: torch.Tensor  # [T] the slots placed for them (the forward's out_cache_loc)
+    slots: torch.Tensor  # [bs, D] each tree slot's KV slot, -1 for unused slots
+    tokens: int  # T, as the host knows it
+    host: HostShape | None  # the forward's sizes as the host knows them
+
+
 def verify_forward(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
                    capture_layer_ids: tuple[int, ...], host: HostShape | None = None, padded: bool = False,
                    params: Sequence | None = None):
@@ -67,6 +81,14 @@ def verify_forward(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: t
     (tokens, D, the longest context); None reads them back. ``padded``: every slot runs, unused ones too (a
     uniform width that replays a captured graph; their outputs are never read, their slots freed by the
     commit). ``params``: the requests' ``SamplingParams`` (``RowKinds``: a simulated device's exchange), or None."""
+    return run_verify(r, prepare_verify(r, tree, idx, cached, capture_layer_ids, host, padded, params))
+
+
+def prepare_verify(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor,
+                   capture_layer_ids: tuple[int, ...], host: HostShape | None = None, padded: bool = False,
+                   params: Sequence | None = None) -> VerifyInputs:
+    """``verify_forward``'s first half: the tree slots placed in the table (row after row at columns
+    ``cached[b] ..``) and the forward batch built, nothing launched. The caller checked that the slots are free."""
     bs, d = tree.candidates.shape
     if padded:
         lens = torch.full((bs,), d, dtype=torch.int64, device=r.device)  # [bs] every slot
@@ -78,18 +100,27 @@ def verify_forward(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: t
     else:
         dest = flat_rows(lens, d, host.tokens)  # [T] the same rows, no read back
     positions = tree.positions.view(-1)[dest]  # [T]
+    tokens = int(dest.shape[0])
     # [T] row after row at table columns cached[b]..cached[b]+lens[b]-1; DCP: each node on its position's rank
-    flat = r.slots.place(idx, cached, lens, positions=positions, total=int(dest.shape[0]))
+    flat = r.slots.place(idx, cached, lens, positions=positions, total=tokens)
     slots = torch.full((bs * d,), -1, dtype=torch.int64, device=r.device).index_copy_(0, dest, flat)  # [bs*D]
     fb = build_forward_batch(  # a step whose trees are all the root alone never gets here (_plain_step)
         ForwardMode.TARGET_VERIFY, tree.candidates.view(-1)[dest], positions, flat, r.slots.table, idx, cached,
         lens, tree_mask=tree.tree_mask, capture_layer_ids=capture_layer_ids, dense_mask=r.dense_mask,
         host=host, row_kinds=RowKinds.of(params))
-    out = r.forward(fb)
+    return VerifyInputs(fb, dest, flat, slots.view(bs, d), tokens, host)
+
+
+def run_verify(r: ModelRunner, inputs: VerifyInputs):
+    """``verify_forward``'s second half: launch the forward of ``prepare_verify``'s inputs; logits ``[bs, D, V]``
+    (or this rank's ``V/tp`` columns), captured features ``[bs, D, C]`` or None, the slots ``[bs, D]``."""
+    bs, d = inputs.slots.shape
+    dest = inputs.dest
+    out = r.forward(inputs.fb)
     # scatters by index: a boolean-mask assignment here would synchronise while the forward runs
     rows = r.step_logits(out.hidden)[0]  # [T, V], or [T, V/tp] this rank's columns (``r.vocab_shard``)
     logits = rows.new_zeros(bs * d, rows.shape[-1]).index_copy_(0, dest, rows)  # [bs*D, V]
     captured = None  # no drafter: nothing captured
     if out.captured is not None:
         captured = out.captured.new_zeros(bs * d, out.captured.shape[-1]).index_copy_(0, dest, out.captured)
-    return logits.view(bs, d, -1), captured, slots.view(bs, d)
+    return logits.view(bs, d, -1), captured, inputs.slots

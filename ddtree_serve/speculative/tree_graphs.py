@@ -77,25 +77,33 @@ class DeviceTreeBuilder:
         self.graphs: dict[tuple, _TreeGraph] = {}
         self.replays = 0  # builds served by a graph
 
-    def build(self, topk: tuple[torch.Tensor, torch.Tensor], budget: int, max_depths: list[int], chain: bool,
-              roots: torch.Tensor, cached: torch.Tensor, width: int) -> DraftTree:
+    def build(self, topk: tuple[torch.Tensor, torch.Tensor], budget: int, max_depths: list[int] | torch.Tensor,
+              chain: bool, roots: torch.Tensor, cached: torch.Tensor, width: int) -> DraftTree:
         """Every request's tree of ``budget`` nodes at ``width`` slots from its top-K ``[bs, L, K]``;
-        ``max_depths`` [bs]: the host's depth caps; roots, cached [bs]: root tokens and positions (device)."""
+        ``max_depths`` [bs]: the depth caps, the host's list or a device tensor (a step drafted ahead of the
+        read, whose caps follow from the previous step's accepted lengths); roots, cached [bs]: root tokens and
+        positions (device)."""
         bs, depth_limit, k = topk[0].shape
         dev = topk[0].device
-        limits = np.clip(np.asarray(max_depths, dtype=np.int64), 0, depth_limit)  # [bs]
-        budgets = np.where(limits > 0, budget, 0).astype(np.int64)  # [bs]
+        if isinstance(max_depths, torch.Tensor):  # [bs] on the device: the host bounds the deepest node alone
+            limits = max_depths.clamp(0, depth_limit)  # [bs]
+            budgets = torch.where(limits > 0, budget, 0)  # [bs]
+            deepest = min(depth_limit, budget)
+        else:
+            host = np.clip(np.asarray(max_depths, dtype=np.int64), 0, depth_limit)  # [bs]
+            deepest = min(int(host.max()) if bs else 0, budget)
+            limits = upload(torch.as_tensor(host), dev)
+            budgets = upload(torch.as_tensor(np.where(host > 0, budget, 0).astype(np.int64)), dev)
         pad_bs = next((b for b in self.batch_sizes if b >= bs), None)
         if self.capture is None or pad_bs is None:  # eager, on the step's own tensors
-            deepest = min(int(limits.max()) if bs else 0, budget)
-            return build_device_tree(topk, upload(torch.as_tensor(budgets), dev), upload(torch.as_tensor(limits), dev),
-                                     (budget, deepest, chain), roots, cached, width,
+            return build_device_tree(topk, budgets, limits, (budget, deepest, chain), roots, cached, width,
                                      None if chain else device_pairs(budget, k, dev))
         key = (pad_bs, depth_limit, k, budget, width, chain)
         g = self.graphs.get(key) or self._capture(key, dev)
-        pad = np.zeros(pad_bs - bs, dtype=np.int64)  # padded rows: no node
-        g.budgets.copy_(upload(torch.as_tensor(np.concatenate([budgets, pad])), dev))
-        g.limits.copy_(upload(torch.as_tensor(np.concatenate([limits, pad])), dev))
+        g.budgets[bs:].zero_()  # padded rows: no node
+        g.limits[bs:].zero_()
+        g.budgets[:bs].copy_(budgets)
+        g.limits[:bs].copy_(limits)
         g.top_lp[:bs].copy_(topk[0])
         g.top_ids[:bs].copy_(topk[1])
         g.roots[:bs].copy_(roots)

@@ -26,14 +26,14 @@ class Fault:
     """Arms a one-shot exception in the scheduler's target forward (``where="forward"``: no KV written
     yet), in the logits projection after it (``"logits"``: KV written, ``num_cached`` advanced), in the
     drafter's forward (``"drafter"``: the draft block's slots placed) or in the speculative commit
-    (``"commit"``: raised right after ``keep_path`` moved the kept slots and freed the others)."""
+    (``"commit"``: raised right after ``drop_tree`` freed the slots the commit did not keep)."""
 
     def __init__(self, s: Scheduler, where: str) -> None:
         self.armed = False
         self.fired = 0
         obj, name = {"forward": (s.runner, "forward"), "logits": (s.runner, "logits"),
                      "drafter": (s.spec.drafter if s.spec else None, "forward"),
-                     "commit": (s.runner.slots, "keep_path")}[where]
+                     "commit": (s.runner.slots, "drop_tree")}[where]
         inner = getattr(obj, name)
 
         def call(*args, **kw):  # noqa: ANN002, ANN003, ANN202

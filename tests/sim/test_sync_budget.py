@@ -109,8 +109,8 @@ def test_a_sync_added_after_the_verify_launch_is_caught(pair, monkeypatch) -> No
     base, base_window, _ = _step_counts(pair, 16)
     real = SpecWorker._verify_forward
 
-    def mutated(self, tree, idx, cached, host=None, padded=False, params=None):
-        logits, captured, slots = real(self, tree, idx, cached, host, padded, params)
+    def mutated(self, tree, idx, cached, host=None, padded=False, params=None, prepared=None):
+        logits, captured, slots = real(self, tree, idx, cached, host, padded, params, prepared)
         logits.argmax(-1).tolist()  # the added read
         return logits, captured, slots
 

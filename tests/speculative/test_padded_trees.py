@@ -25,10 +25,10 @@ def _count_padded(monkeypatch) -> list[tuple[bool, int, int]]:
     calls: list[tuple[bool, int, int]] = []
     real = SpecWorker._verify_forward
 
-    def spy(self, tree, idx, cached, host=None, padded=False, params=None):
+    def spy(self, tree, idx, cached, host=None, padded=False, params=None, prepared=None):
         bs, d = tree.candidates.shape
         calls.append((padded, host.tokens if host is not None else -1, bs * d))
-        return real(self, tree, idx, cached, host, padded, params)
+        return real(self, tree, idx, cached, host, padded, params, prepared)
 
     monkeypatch.setattr(SpecWorker, "_verify_forward", spy)
     return calls

@@ -12,8 +12,8 @@ the site raises ``RuntimeError("injected step failure (site[@rank], token N)")``
 - ``forward``: the target model's forward (``ModelRunner.forward``), before any KV is written and before
   its collectives (and before the TP step agreement's gate there);
 - ``drafter``: the DFlash drafter's forward (the draft block of a speculative step);
-- ``commit``: the speculative commit, right after it moved the accepted path's KV slots and freed the rest
-  (``KVSlots.keep_path``), before ``num_cached`` counts them.
+- ``commit``: the speculative commit, after its device half moved the accepted path's KV slots and right after
+  its host half freed the rest (``KVSlots.drop_tree``), before ``num_cached`` counts them.
 
 The hook is installed by ``ddtree_serve.server.scheduling.scheduler_factory.make_scheduler`` and by every TP
 follower (ddtree_serve/server/tp/spawn.py), after the TP step agreement, so a fault without ``@rank`` fires at
@@ -95,7 +95,7 @@ def install_test_faults(scheduler: T) -> T:
     if "drafter" in sites and s.spec is not None and s.spec.drafter is not None:
         _before(s.spec.drafter, "forward", lambda: hot.check("drafter"))
     if "commit" in sites:
-        _after(s.runner.slots, "keep_path", lambda: hot.check("commit"))
+        _after(s.runner.slots, "drop_tree", lambda: hot.check("commit"))
     return scheduler
 
 

@@ -1,0 +1,97 @@
+"""The next step's draft, queued before this step's read (docs/DESIGN.md 4.17, "The draft ahead of the read").
+
+A fixed-budget step with DFlash drafts alone builds its tree on the device. What the next step's draft needs
+from this one is on the device too: its roots are the last emitted tokens (``emitted_tokens[b, accept_length[b]]``),
+their positions ``cached + accept_length + 1``, the depth caps ``remaining - 1 - (accept_length + 1)``, and the
+drafter's context of the accepted path is written by the commit's device half (``commit.commit_paths``). So the
+step queues the next step's drafter forward, top-K and tree build right after its own verification and commit,
+starts its one read without waiting (``read_back.read_later``), and only then waits: the host's launches of the
+next draft (the drafter's ~220 kernels and their Python, the build's replay) run while the device still runs this
+step's verify forward, instead of after the read (SGLang's spec v2 and vLLM's async scheduling overlap the same
+way; here only the draft moves ahead, the verify forward still follows the read).
+
+The tree drafted ahead belongs to the very next ``SpecWorker.decode`` call and to the requests of this batch: the
+next step takes it (``take``) when it also runs the device-built tree at the same budget and width, its requests
+are among these (a request that stopped, was aborted or retracted simply drops out: the tree's rows are
+selected) and each one's ``num_cached`` is what the draft assumed. Anything else (a prefill step in between, a
+grammar or suffix request joining, a plain step) discards it: it holds no KV slot (the drafter's block slots are
+freed when its forward is queued), only device tensors, so nothing leaks. A request that stops inside this step
+gets a draft ahead that nobody verifies; its KV past the stop is freed by the host half of the commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ddtree_serve.model_executor.kv_slots import KVSlots
+from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.speculative.ddtree import DraftTree
+from ddtree_serve.speculative.tree_forward import VerifyInputs
+from ddtree_serve.speculative.types import SpecRequest
+from ddtree_serve.speculative.verify import VerifyResult
+
+_ROW_FIELDS = ("candidates", "parents", "depths", "node_logws", "num_nodes", "retrive_next_token",
+               "retrive_next_sibling", "positions", "tree_mask")  # a request's own rows (retrive_index is global)
+
+
+@dataclass
+class DraftAhead:
+    """A tree drafted ahead for the requests ``rids`` at ``budget`` nodes and ``width`` slots; ``expected``: each
+    request's ``num_cached`` at the step that may use it (set once the drafting step's read has landed)."""
+
+    rids: tuple[str, ...]
+    tree: DraftTree
+    budget: int
+    width: int
+    expected: dict[str, int] = field(default_factory=dict)
+    prepared: VerifyInputs | None = None  # its verify forward's inputs, tree slots placed: for the same batch only
+
+    def same_batch(self, reqs: Sequence[SpecRequest]) -> bool:
+        """Whether ``reqs`` are the drafted requests, in order, each with the ``num_cached`` the draft assumed."""
+        return (tuple(q.rid for q in reqs) == self.rids
+                and all(q.num_cached == self.expected.get(q.rid) for q in reqs))
+
+    def drop_prepared(self, slots: KVSlots) -> None:
+        """Free the prepared verify forward's tree slots (a batch it was not prepared for, or none at all)."""
+        if self.prepared is not None:
+            slots.free(self.prepared.flat)
+            self.prepared = None
+
+    def take(self, reqs: Sequence[SpecRequest], budget: int, width: int) -> DraftTree | None:
+        """The tree for ``reqs`` (rows selected in their order), or None when the draft does not fit this step."""
+        if budget != self.budget or width != self.width:
+            return None
+        at = {rid: i for i, rid in enumerate(self.rids)}
+        rows = [at.get(q.rid) for q in reqs]
+        if any(i is None for i in rows) or any(q.num_cached != self.expected.get(q.rid) for q in reqs):
+            return None
+        if rows == list(range(len(self.rids))):
+            return self.tree
+        return select_trees(self.tree, rows)
+
+
+def select_trees(tree: DraftTree, rows: list[int]) -> DraftTree:
+    """The trees of requests ``rows`` (in that order), as a batch of their own."""
+    dev = tree.candidates.device
+    sel = upload(rows, dev, torch.int64)  # [bs']
+    bs, d = len(rows), tree.num_slots
+    picked = {name: getattr(tree, name).index_select(0, sel) for name in _ROW_FIELDS}
+    picked["retrive_index"] = torch.arange(bs * d, dtype=torch.int64, device=dev).view(bs, d)  # [bs', D]
+    for name in ("sources", "match_lens"):
+        if getattr(tree, name) is not None:
+            picked[name] = getattr(tree, name).index_select(0, sel)
+    return replace(tree, on_host=None, **picked)
+
+
+def next_inputs(res: VerifyResult, cached: torch.Tensor, remaining: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next step's roots, root positions and depth caps ``[bs]`` on the device, from this step's verification
+    (every request assumed to go on: one that stops drops out of the next batch): the last emitted token, at
+    ``cached + accept_length + 1``, with ``remaining - 1`` tokens left less those emitted now."""
+    acc = res.accept_length  # [bs]
+    roots = res.emitted_tokens.gather(1, acc[:, None]).squeeze(1)  # [bs]
+    left = upload(remaining, cached.device, torch.int64)  # [bs] the host's, before this step
+    return roots, cached + acc + 1, left - 1 - (acc + 1)
