@@ -37,14 +37,16 @@ def target(tmp_path_factory) -> str:
     return write_tiny_llama_family(tmp_path_factory.mktemp("target"), "qwen3")
 
 
-def _setup(target: str, tmp_path, keys: dict, cap: int | None, contexts: tuple[int, ...]):
+def setup_drafter(target: str, tmp_path, keys: dict, cap: int | None, contexts: tuple[int, ...],
+                  device: str = "cpu", block: int = BLOCK, max_context: int = 64):  # noqa: ANN001
     """A runner over the tiny target, a 2-layer random drafter of ``keys`` with cap ``cap``, and requests whose
-    drafter contexts (``contexts`` tokens each) are written -> (runner, drafter, draft_kv, rows)."""
-    path = write_random_drafter(target, tmp_path, num_layers=2, block_size=BLOCK, std=0.1, **keys)
-    r = ModelRunner(ModelConfig.load(target, "float32"), max_reqs=8, max_context=64, max_total_tokens=512)
-    drafter = load_model(ModelConfig.load(path, "float32"), TPGroup(), torch.device("cpu"))
+    drafter contexts (``contexts`` tokens each) are written, on ``device`` -> (runner, drafter, draft_kv, rows)."""
+    path = write_random_drafter(target, tmp_path, num_layers=2, block_size=block, std=0.1, **keys)
+    r = ModelRunner(ModelConfig.load(target, "float32", device=device), max_reqs=8, max_context=max_context,
+                    device=device, max_total_tokens=max(512, 2 * sum(contexts) + 64))
+    drafter = load_model(ModelConfig.load(path, "float32", device=device), TPGroup(), torch.device(device))
     drafter.configure(cap, None)
-    kv = KVCache(drafter.kv_cache_layout(), r.slots.id_space - 1, torch.float32, "cpu")
+    kv = KVCache(drafter.kv_cache_layout(), r.slots.id_space - 1, torch.float32, device)
     g = torch.Generator().manual_seed(3)
     rows = []
     for n in contexts:
@@ -52,7 +54,7 @@ def _setup(target: str, tmp_path, keys: dict, cap: int | None, contexts: tuple[i
         slots = r.slots.alloc(n)
         r.slots.write(row, 0, slots)
         feats = torch.randn(n, len(drafter.target_layer_ids) * 64, generator=g) * 2  # [n, n_layers*H]
-        drafter.write_context(feats, torch.arange(n), slots, kv)
+        drafter.write_context(feats.to(device), torch.arange(n, device=device), slots, kv)
         rows.append(row)
     return r, drafter, kv, rows
 
@@ -61,7 +63,7 @@ def _setup(target: str, tmp_path, keys: dict, cap: int | None, contexts: tuple[i
 def test_forward_block_drafts_what_the_eager_draft_drafts(target, tmp_path, kind):
     keys, cap = KINDS[kind]
     contexts = (1, 9, 14, 3, 7)
-    r, drafter, kv, rows = _setup(target, tmp_path, keys, cap, contexts)
+    r, drafter, kv, rows = setup_drafter(target, tmp_path, keys, cap, contexts)
     graphs = DraftGraphs(r, drafter, kv, BLOCK, ReplayByRunning(), (1, 2, 4, 8))
     backend = TorchAttentionBackend()
     for step, pick in enumerate(([0, 1, 2], [3, 4], [4, 2, 0, 1, 3], [1])):  # 4, 2 (padded 4), 8, 1
@@ -83,7 +85,7 @@ def test_forward_block_drafts_what_the_eager_draft_drafts(target, tmp_path, kind
 
 def test_a_batch_beyond_the_graphs_drafts_eagerly(target, tmp_path):
     contexts = (2, 5, 4)
-    r, drafter, kv, rows = _setup(target, tmp_path, {}, None, contexts)
+    r, drafter, kv, rows = setup_drafter(target, tmp_path, {}, None, contexts)
     graphs = DraftGraphs(r, drafter, kv, BLOCK, ReplayByRunning(), (1, 2))
     idx, cached, roots = torch.tensor(rows), torch.tensor(contexts), torch.tensor([3, 4, 5])
     want, _ = draft_forward(r, drafter, kv, TorchAttentionBackend(), BLOCK, idx, cached, roots, 5)
