@@ -10,7 +10,14 @@ keys from the ``kb``/``vb`` tensors in one ``BLOCK_B`` tile, folding each into a
 Dao et al. 2022), base 2, float32. The loop's start is computed on the device too: 0, or for a window ``W`` the
 tile's first query's window start ``cached + i0 - (W - 1)``, and with a cap ``N`` at least ``cached - N``. Per
 tile the mask adds the window (``p - k < W``, and ``k - p < W`` for a non-causal layer's block keys) and block
-causality (``j <= i``). Runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it).
+causality (``j <= i``).
+
+Key splits (flash-decoding): a small batch at a long context has few programs, each walking every key; with
+``SPLITS`` > 1 each row tile's context range is cut, on the device, into ``SPLITS`` chunks of whole key tiles, one
+program each (the block's own keys go to the first), each writing its normalised partial and log-sum-exp; the
+partials are merged by ``kernels/attention.merge_attention_partials``. The number is static (chosen on the host
+from the SM count and the static bound on the keys, ``triton_mla_plan.choose_kv_splits``), so a graph holds it.
+Runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it).
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree_serve.kernels.attention import merge_attention_partials
+from ddtree_serve.kernels.dflash_attention import context_bound
+from ddtree_serve.kernels.triton_mla_plan import choose_kv_splits, device_sm_count
 from ddtree_serve.kernels.triton_utils import dot_args
 
 
@@ -36,11 +46,12 @@ def _fold(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def _dflash_block_kernel(
-    q_ptr, kb_ptr, vb_ptr, kc_ptr, vc_ptr, table_ptr, idx_ptr, cached_ptr, out_ptr,
+    q_ptr, kb_ptr, vb_ptr, kc_ptr, vc_ptr, table_ptr, idx_ptr, cached_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kbt, stride_kbh, stride_vbt, stride_vbh,
-    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_tab, stride_ot, stride_oh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_tab, stride_os, stride_ot, stride_oh,
+    stride_ls, stride_lt,
     sm_scale_log2, window, cap,
-    B: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    B: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -48,7 +59,8 @@ def _dflash_block_kernel(
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     row_ok = rows < B * G
     qi = (rows // G).to(tl.int64)  # [BM] block query index
@@ -69,13 +81,18 @@ def _dflash_block_kernel(
         lo = tl.maximum(lo, ctx + (pid_m * BLOCK_M) // G - (window - 1))  # the tile's first query's window
     if HAS_CAP:
         lo = tl.maximum(lo, ctx - cap)
+    hi = ctx
+    if SPLITS > 1:  # this split's share of [lo, ctx), whole key tiles
+        per = tl.cdiv(tl.cdiv(tl.maximum(ctx - lo, 0), SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * per
+        hi = tl.minimum(ctx, lo + per)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, ctx, BLOCK_N):  # context keys: the loop's bounds are device values
+    for start in range(lo, hi, BLOCK_N):  # context keys: the loop's bounds are device values
         cols = start + offs_n  # [BN]
-        col_ok = cols < ctx
+        col_ok = cols < hi
         slots = tl.load(table_ptr + row * stride_tab + cols, mask=col_ok, other=0).to(tl.int64)  # [BN]
         k = tl.load(kc_ptr + slots[:, None] * stride_kcs + h * stride_kch + offs_d[None, :],
                     mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BN, BD]
@@ -95,7 +112,7 @@ def _dflash_block_kernel(
                  mask=j_ok[:, None] & dv_ok[None, :], other=0.0).to(q.dtype)  # [BB, BDV]
     s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * sm_scale_log2  # [BM, BB]
     diff = qi[:, None] - jj[None, :]  # [BM, BB] query position - key position
-    vis = row_ok[:, None] & j_ok[None, :]
+    vis = row_ok[:, None] & j_ok[None, :] & (split == 0)  # the block's keys: the first split's
     if CAUSAL:
         vis = vis & (diff >= 0)
     if HAS_WINDOW:
@@ -105,8 +122,12 @@ def _dflash_block_kernel(
     s = tl.where(vis, s, float("-inf"))
     m_i, l_i, acc = _fold(s, vb, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, BDV] (every real row saw its own block key)
-    tl.store(out_ptr + (b * B + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+    t = b * B + qi  # [BM] token rows
+    tl.store(out_ptr + split * stride_os + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    if SPLITS > 1:  # natural-log LSE of the split's scores; -inf where it saw no key
+        lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -127,10 +148,13 @@ def triton_dflash_block_attention(
     cap: int | None,
     scale: float,
     block_n: int = 32,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [bs*B, Hq, dv] in q's dtype
-    """``dflash_attention.dflash_block_attention_reference``'s contract as one kernel launch; only shapes and the
-    layer kind are read on the host. ``block_n``: context keys per tile (tests pass 16 to walk several tiles at
-    small contexts)."""
+    """``dflash_attention.dflash_block_attention_reference``'s contract as one kernel launch (two with key splits:
+    the partials' merge); only shapes and the layer kind are read on the host. ``block_n``: context keys per tile
+    (tests pass 16 to walk several tiles at small contexts); ``num_splits``: programs sharing one row tile's
+    context keys (None: ``choose_kv_splits`` from the SM count and the static bound on the keys, so a small batch
+    at a long context fills the GPU)."""
     bs = idx.shape[0]
     t, hq, d = q.shape
     hkv, dv = kb.shape[1], vb.shape[2]
@@ -147,15 +171,25 @@ def triton_dflash_block_attention(
             raise ValueError(f"{name} needs a unit stride in its last dimension")
     table = table if table.stride(-1) == 1 else table.contiguous()
     block_m = min(64, _pow2(blk * g))
-    grid = (bs, hkv, triton.cdiv(blk * g, block_m))
-    _dflash_block_kernel[grid](
-        q, kb, vb, k_cache, v_cache, table, idx, cached, out,
+    tiles = triton.cdiv(blk * g, block_m)
+    if num_splits is None:
+        keys = context_bound(table.shape[1], window, cap)
+        num_splits = choose_kv_splits(bs * hkv * tiles, keys, device_sm_count(q.device.type, q.device.index))
+    parts = out[None]  # [1, T, Hq, dv]
+    lse = out.new_empty(1, 1, dtype=torch.float32)  # unused without splits
+    if num_splits > 1:
+        parts = torch.empty(num_splits, t, hq, dv, dtype=torch.float32, device=q.device)  # [S, T, Hq, dv]
+        lse = torch.empty(num_splits, t, hq, dtype=torch.float32, device=q.device)  # [S, T, Hq]
+    _dflash_block_kernel[(bs, hkv, tiles * num_splits)](
+        q, kb, vb, k_cache, v_cache, table, idx, cached, parts, lse,
         q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), table.stride(0),
-        out.stride(0), out.stride(1),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         scale * 1.4426950408889634, 0 if window is None else window, 0 if cap is None else cap,
-        B=blk, G=g, D=d, DV=dv, HAS_WINDOW=window is not None, CAUSAL=causal, HAS_CAP=cap is not None,
-        **dot_args(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=_pow2(blk), BLOCK_D=_pow2(d),
-        BLOCK_DV=_pow2(dv),
+        B=blk, G=g, D=d, DV=dv, SPLITS=num_splits, HAS_WINDOW=window is not None, CAUSAL=causal,
+        HAS_CAP=cap is not None, **dot_args(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=_pow2(blk),
+        BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
     )  # fmt: skip
+    if num_splits > 1:
+        out.copy_(merge_attention_partials(parts, lse))  # [T, Hq, dv]
     return out

@@ -3,7 +3,8 @@ captured in a CUDA graph (``forward_block`` with the Triton block attention, ddt
 triton_dflash_attention.py) replays the eager ``draft_forward`` on a tiny random checkpoint, batch after batch
 through padded graphs, for sliding + full layers with and without the draft-window cap; the capture holds no host
 sync (torch.cuda.graph fails on one). The kernel alone equals the torch reference at the K2.5 drafter's head
-shape per TP-8 rank (8 query heads on one KV head, head size 128, block 16) over contexts of thousands of keys."""
+shape per TP-8 rank (8 query heads on one KV head, head size 128, block 16) over contexts of thousands of keys,
+with and without key splits, and captured in a graph replays with new context lengths."""
 
 from __future__ import annotations
 
@@ -65,9 +66,10 @@ def test_kernel_at_the_drafter_shape(dtype, window, causal, cap):
     idx = torch.arange(1, bs + 1, device="cuda")
     args = (q, kb, vb, kc, vc, table, idx, contexts, window, causal, cap, d**-0.5)
     want = dflash_block_attention_reference(*args)
-    got = triton_dflash_block_attention(*args)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for splits in (None, 1, 4):  # None: choose_kv_splits (several on an H100 for the long full layer)
+        got = triton_dflash_block_attention(*args, num_splits=splits)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     graph = torch.cuda.CUDAGraph()  # capturable: bounds on the device, no host read
     out = torch.empty_like(got)
     triton_dflash_block_attention(*args)  # compiled before the capture

@@ -3,7 +3,8 @@ ddtree_serve/kernels/triton_dflash_attention.py; docs/DESIGN.md 4.17): the torch
 path's attention (``windowed_batch`` + the torch backend, block K/V written to temporary slots) for every layer
 kind, and the Triton kernel under ``TRITON_INTERPRET=1`` equals the reference: full and sliding layers (a window
 smaller than, equal to and larger than the context), causal and not, the draft-window cap, contexts of 0, 1 and
-many keys (several key tiles), grouped heads, float32 and bfloat16, a head size that is not a power of two.
+many keys (several key tiles), grouped heads, float32 and bfloat16, a head size that is not a power of two, the
+context cut into key splits.
 Tolerances: float32 1e-5 (online vs one-shot softmax), bfloat16 2e-2 (as tests/kernels/test_triton_mla.py)."""
 
 from __future__ import annotations
@@ -111,6 +112,17 @@ def test_triton_shapes(heads, d, blk):
         want = dflash_block_attention_reference(*case, window, causal, cap, d**-0.5)
         got = triton_dflash_block_attention(*case, window, causal, cap, d**-0.5, block_n=16)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize(("window", "causal", "cap"), [(None, False, None), (9, True, None), (64, False, 20),
+                                                      (4, False, 2)])
+def test_triton_key_splits_equal_reference(splits, window, causal, cap):
+    """Context keys cut into 2, 3 or 5 chunks of 16-key tiles (some empty: contexts 0, 1 and 9), merged."""
+    case = _case((4, 2), 16, 5, torch.float32, seed=3)
+    want = dflash_block_attention_reference(*case, window, causal, cap, 0.25)
+    got = triton_dflash_block_attention(*case, window, causal, cap, 0.25, block_n=16, num_splits=splits)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_triton_refuses_ungrouped_heads():
