@@ -29,6 +29,7 @@ KINDS = {  # name -> (drafter config keys, draft-window cap)
     "sliding_causal_capped": (SLIDE_FULL, 3),
     "full_causal": ({"is_causal": True}, None),
     "full_capped": ({}, 6),
+    "conv_sliding": ({**SLIDE_FULL, "conv_kernel_size": 3}, None),  # DFlash2's convolution around every layer
 }
 
 
