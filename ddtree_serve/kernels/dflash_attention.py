@@ -1,5 +1,6 @@
-"""The DFlash drafter's block attention with device-side bounds (docs/DESIGN.md 4.5, 4.17): the contract, its torch
-reference and the dispatch to the Triton kernel (ddtree_serve/kernels/triton_dflash_attention.py).
+"""The DFlash drafter's block attention with device-side bounds (docs/DESIGN.md 4.5, 4.17): the contract and its torch
+reference, the CPU path (on CUDA the Triton kernel, ddtree_serve/kernels/triton_dflash_attention.py, runs it;
+``DFlashDraftModel.forward_block`` picks).
 
 Request ``b`` drafts a block of ``B`` queries at positions ``cached[b] .. cached[b] + B - 1``. Its keys are its
 context tokens, read through the slot table (token at position ``col`` has its K/V at slot ``table[idx[b], col]``
@@ -94,18 +95,3 @@ def dflash_block_attention_reference(
     out = torch.einsum("bkgij,bjkd->bikgd", p, vals)  # [bs, B, Hkv, G, dv]
     return out.reshape(t, hq, dv).to(q.dtype)
 
-
-def dflash_block_attention(
-    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    table: torch.Tensor, idx: torch.Tensor, cached: torch.Tensor, window: int | None, causal: bool,
-    cap: int | None, scale: float, max_context: int | None = None,
-) -> torch.Tensor:  # [bs*B, Hq, dv]
-    """The block attention (module docstring): the Triton kernel on CUDA tensors (its key loop bounded by the
-    device's ``cached``), the torch reference elsewhere."""
-    if q.is_cuda:
-        from ddtree_serve.kernels.triton_dflash_attention import triton_dflash_block_attention
-
-        return triton_dflash_block_attention(q, kb, vb, k_cache, v_cache, table, idx, cached, window, causal, cap,
-                                             scale)
-    return dflash_block_attention_reference(q, kb, vb, k_cache, v_cache, table, idx, cached, window, causal, cap,
-                                            scale, max_context)

@@ -31,6 +31,7 @@ layer wraps its attention and MLP in a grouped dynamic causal convolution over e
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree_serve.kernels.attention import AttentionBackend
-from ddtree_serve.kernels.dflash_attention import dflash_block_attention
+from ddtree_serve.kernels.dflash_attention import dflash_block_attention_reference
 from ddtree_serve.model_executor.forward_batch import ForwardBatch
 from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
 from ddtree_serve.model_executor.layers.activation import silu_and_mul
@@ -276,13 +277,17 @@ class DFlashDraftModel(nn.Module):
         bs = idx.shape[0]
         blk = h.shape[0] // bs if bs else h.shape[0]
         cos_sin = self.rotary.cos_sin(positions)
+        # the CPU path is the torch reference; on CUDA the Triton kernel (its key loop bounded on the device)
+        attend = functools.partial(dflash_block_attention_reference, max_context=max_context)
+        if h.is_cuda:
+            from ddtree_serve.kernels.triton_dflash_attention import triton_dflash_block_attention as attend
         for i, layer in enumerate(self.layers):
             a, spec = layer.self_attn, self.attention_kinds[i]
             x, dyn = layer.attention_input(h, blk)  # [T, H]
             q, k, v = a.block_qkv(x, self.rotary, cos_sin)  # [T, Hq, d], [T, Hkv, d] x 2
             k, v = k.to(kv.dtype), v.to(kv.dtype)  # the values the paged path reads back from its temporary slots
-            o = dflash_block_attention(q, k, v, kv.k[i], kv.v[i], table, idx, cached, spec.window, spec.causal,
-                                       self.draft_window, a.scale, max_context)  # [T, Hq, d]
+            o = attend(q, k, v, kv.k[i], kv.v[i], table, idx, cached, spec.window, spec.causal, self.draft_window,
+                       a.scale)  # [T, Hq, d]
             h = layer.mlp_residual(layer.attention_residual(h, a.o_proj(o.reshape(o.shape[0], -1)), dyn, blk), blk)
         return self.norm(h)
 
