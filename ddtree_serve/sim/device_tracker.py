@@ -92,6 +92,11 @@ class DeviceTracker(TorchFunctionMode):
     def on_device(self, t: torch.Tensor) -> bool:
         return self.where.get(t, _DEVICE)
 
+    @property
+    def in_graph_region(self) -> bool:
+        """Whether ops run inside ``graph_region`` now (a simulated forward there is part of one replay)."""
+        return self._graphed > 0
+
     def _mark(self, out: Any, device: bool) -> None:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):

@@ -21,6 +21,7 @@ from ddtree_serve.model_executor.kv_cache import KVCache
 from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.speculative.ddtree import DraftTree
+from ddtree_serve.speculative.draft_graphs import DraftGraphs
 
 
 def padded_width(widths: dict[int, tuple[int, ...]], bs: int, width: int, cap: int | None) -> int | None:
@@ -35,11 +36,16 @@ def padded_width(widths: dict[int, tuple[int, ...]], bs: int, width: int, cap: i
 
 def draft_forward(r: ModelRunner, drafter: torch.nn.Module, draft_kv: KVCache, backend: object, bsz: int,
                   idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int,
-                  local: bool = False) -> tuple[torch.Tensor, VocabShard]:
+                  local: bool = False, graphs: DraftGraphs | None = None) -> tuple[torch.Tensor, VocabShard]:
     """One drafter forward over [root, MASK x (B-1)] per request -> logits [bs, B-1, V] and their vocabulary
     shard; ``local``: this rank's vocabulary columns ``[bs, B-1, V/tp]`` under vocabulary-parallel TP (for
     ``draft_topk``'s top-k of top-k's), else gathered. ``max_cached``: the largest root position (the host's, so
-    no size is read back)."""
+    no size is read back). ``graphs``: the captured drafts (speculative/draft_graphs.py); a batch one of them
+    holds replays it (the logits are then a view of the graph's output, valid until its next replay)."""
+    if graphs is not None:
+        out = graphs.draft(idx, cached, roots, local)
+        if out is not None:
+            return out
     bs = idx.shape[0]
     block = r.slots.place_block(idx, cached, bsz)  # [bs, B] temporary slots for the block's own K/V
     slots = block.view(-1)  # [bs*B]

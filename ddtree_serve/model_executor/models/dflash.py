@@ -12,6 +12,9 @@ Two paths share the same weights and math:
 - paged inference: ``write_context`` stores projected context K/V in the drafter's own paged cache at the
   slot ids the target uses for those tokens; ``forward(fb, kv, backend)`` runs a TARGET_VERIFY-mode batch
   of blocks whose prefix is the committed context and whose block K/V go to temporary slots;
+  ``forward_block`` is the same forward from device tensors of static shape alone (the block K/V stay tensors,
+  the attention is ``kernels/dflash_attention.py``'s, bounded on the device), so a CUDA graph can capture it
+  (speculative/draft_graphs.py);
 - dense training: ``forward_train`` over padded tensors with an explicit attention mask.
 
 Layer kinds as the checkpoint declares them (``layer_types``, ``sliding_window``, ``use_sliding_window``,
@@ -28,6 +31,7 @@ layer wraps its attention and MLP in a grouped dynamic causal convolution over e
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -35,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree_serve.kernels.attention import AttentionBackend
+from ddtree_serve.kernels.dflash_attention import dflash_block_attention_reference
 from ddtree_serve.model_executor.forward_batch import ForwardBatch
 from ddtree_serve.model_executor.kv_cache import KVCache, KVCacheLayout
 from ddtree_serve.model_executor.layers.activation import silu_and_mul
@@ -165,7 +170,8 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashDraftModel(nn.Module):
     """Public API for the spec worker: ``block_size``, ``mask_token_id``, ``target_layer_ids``,
-    ``kv_cache_layout()``, ``load_weights``, ``write_context``, ``forward``; ``forward_train`` for training."""
+    ``kv_cache_layout()``, ``load_weights``, ``write_context``, ``forward``, ``forward_block`` (the graphed
+    draft's); ``forward_train`` for training."""
 
     skip_weight_prefixes = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
 
@@ -254,6 +260,34 @@ class DFlashDraftModel(nn.Module):
             q, k, v = a.block_qkv(x, self.rotary, cos_sin)
             o = backend.forward(q, k, v, kv.k[i], kv.v[i], lfb.out_cache_loc, lfb.kv_indices, lfb.attn_mask,
                                 lfb.q_index, a.scale)  # [T, Hq, d]
+            h = layer.mlp_residual(layer.attention_residual(h, a.o_proj(o.reshape(o.shape[0], -1)), dyn, blk), blk)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def forward_block(self, ids: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor,
+                      cached: torch.Tensor, table: torch.Tensor, kv: KVCache,
+                      max_context: int | None = None) -> torch.Tensor:
+        """``forward`` over one block per request from device tensors alone (capturable: no read back, no
+        value-dependent shape, no KV slot taken). ids [bs*B] (unused: the block's embeddings carry it; the
+        simulated drafter reads them), embeds [bs*B, H] the target's embeddings of ``[root, MASK...]``,
+        positions [bs*B] (``cached[b] + i``), idx / cached [bs] the requests' slot-table rows and context
+        lengths, table the slot table; ``max_context``: a static bound on the contexts for the CPU reference
+        (None: the table's width). Returns final-normed hidden states [bs*B, H]."""
+        h = embeds.to(self.dtype)  # [T, H]
+        bs = idx.shape[0]
+        blk = h.shape[0] // bs if bs else h.shape[0]
+        cos_sin = self.rotary.cos_sin(positions)
+        # the CPU path is the torch reference; on CUDA the Triton kernel (its key loop bounded on the device)
+        attend = functools.partial(dflash_block_attention_reference, max_context=max_context)
+        if h.is_cuda:
+            from ddtree_serve.kernels.triton_dflash_attention import triton_dflash_block_attention as attend
+        for i, layer in enumerate(self.layers):
+            a, spec = layer.self_attn, self.attention_kinds[i]
+            x, dyn = layer.attention_input(h, blk)  # [T, H]
+            q, k, v = a.block_qkv(x, self.rotary, cos_sin)  # [T, Hq, d], [T, Hkv, d] x 2
+            k, v = k.to(kv.dtype), v.to(kv.dtype)  # the values the paged path reads back from its temporary slots
+            o = attend(q, k, v, kv.k[i], kv.v[i], table, idx, cached, spec.window, spec.causal, self.draft_window,
+                       a.scale)  # [T, Hq, d]
             h = layer.mlp_residual(layer.attention_residual(h, a.o_proj(o.reshape(o.shape[0], -1)), dyn, blk), blk)
         return self.norm(h)
 

@@ -195,6 +195,21 @@ class SimulatedDrafter(nn.Module):
             self.clock.launch(cost.draft_s(bs * bsz, bs * (bsz - 1)), cost.draft_kernels, False, target=False)
             return self._draft_hidden(ids, fb.positions.view(bs, bsz)[:, 0])
 
+    def forward_block(self, ids: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor,
+                      cached: torch.Tensor, table: torch.Tensor, kv: KVCache,
+                      max_context: int | None = None) -> torch.Tensor:
+        """``DFlashDraftModel.forward_block``'s entry point (the graphed draft, speculative/draft_graphs.py): the
+        same hidden states as ``forward`` [bs*B, V]; inside a graph region (``dispatch.graph_replay``) its
+        modelled cost is queued as part of the replay (no launches of its own), else as an eager forward."""
+        bsz = self.block_size
+        ids2 = ids.view(-1, bsz)  # [bs, B]
+        bs = ids2.shape[0]
+        with self.tracker.modelled():
+            cost = self.clock.cost
+            self.clock.launch(cost.draft_s(bs * bsz, bs * (bsz - 1)), cost.draft_kernels,
+                              self.tracker.in_graph_region, target=False)
+            return self._draft_hidden(ids2, positions.view(bs, bsz)[:, 0])
+
     def _draft_hidden(self, ids: torch.Tensor, pos0: torch.Tensor) -> torch.Tensor:
         """ids [bs, B] (root, masks), pos0 [bs] the roots' positions -> hidden [bs * B, V]."""
         bs, bsz = ids.shape
