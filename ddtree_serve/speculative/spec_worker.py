@@ -53,6 +53,7 @@ from ddtree_serve.speculative.ddtree import (
 )
 from ddtree_serve.speculative.deferred_context import DeferredContext
 from ddtree_serve.speculative.draft_ahead import DraftAhead, next_inputs
+from ddtree_serve.speculative.draft_graphs import DraftGraphs, graphed_draft
 from ddtree_serve.speculative.draft_loading import load_draft_sources
 from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, step_suffix_drafts
 from ddtree_serve.speculative.step_cost import StepCostModel
@@ -96,6 +97,7 @@ class SpecWorker:
         self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
         self.verify_widths: dict[int, tuple[int, ...]] = {}  # padded batch size -> captured tree widths ({}: ragged)
         self.tree_builder = DeviceTreeBuilder()  # fixed budgets' device-built trees (graphed: pad_for_graphs)
+        self.draft_graphs: DraftGraphs | None = None  # the drafter's forward as graph replays (pad_for_graphs)
         self.capture_layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.draft_kv: KVCache | None = None
         self.draft_backend = None
@@ -169,6 +171,8 @@ class SpecWorker:
             self.pad_trees_to(verify_widths(serving_graph_keys(graph_batch_sizes, self.capture_layer_ids,
                                                                self.budget, self.max_verify_tokens, self.auto)))
             self.tree_builder = graphed_tree_builder(self.runner, graph_batch_sizes)  # (speculative/tree_graphs.py)
+            self.draft_graphs = graphed_draft(self.runner, graph_batch_sizes, self.drafter, self.draft_kv,
+                                              self.block_size)  # (speculative/draft_graphs.py)
 
     @property
     def max_step_tokens(self) -> int:
@@ -428,7 +432,7 @@ class SpecWorker:
         """The drafter's forward: logits [bs, B-1, V] (``local``: V/tp) and their shard (``draft_forward``)."""
         self.flush_context()
         return draft_forward(self.runner, self.drafter, self.draft_kv, self.draft_backend, self.block_size, idx,
-                             cached, roots, max_cached, local)
+                             cached, roots, max_cached, local, self.draft_graphs)
 
     def _verify_forward(self, tree: DraftTree, idx: torch.Tensor, cached: torch.Tensor, host: HostShape | None = None,
                         padded: bool = False, params: Sequence | None = None, prepared: VerifyInputs | None = None):
