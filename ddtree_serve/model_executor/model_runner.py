@@ -175,10 +175,11 @@ class ModelRunner:
                                    rows_t, starts_t, lens_t, logits_indices=logits_indices,
                                    capture_layer_ids=capture_layer_ids, dense_mask=self.dense_mask, host=host)
 
-    def prepare_decode(self, rows: list[int], cached: list[int], ids: list[int],
+    def prepare_decode(self, rows: list[int], cached: list[int], ids: list[int] | torch.Tensor,
                        capture_layer_ids: tuple[int, ...] = (), params: Sequence | None = None) -> ForwardBatch | None:
-        """A DECODE forward: one new token ``ids[b]`` per request at position ``cached[b]``. Places its slot;
-        None when too few are free. ``params``: the requests' ``SamplingParams`` (``RowKinds``), or None."""
+        """A DECODE forward: one new token ``ids[b]`` per request at position ``cached[b]`` (``ids``: the host's list,
+        or a device tensor ``[bs]``, tokens sampled and not read back yet). Places its slot; None when too few are
+        free. ``params``: the requests' ``SamplingParams`` (``RowKinds``), or None."""
         dev = self.device  # inputs go up asynchronously and the sizes are the host's (no sync: uploads.py)
         rows_t = upload(rows, dev, torch.int64)  # [bs]
         cached_t = upload(cached, dev, torch.int64)  # [bs]
@@ -187,7 +188,8 @@ class ModelRunner:
         loc = self.slots.place(rows_t, cached_t, ones, total=host.tokens)  # [bs]
         if loc is None:
             return None
-        return build_forward_batch(ForwardMode.DECODE, upload(ids, dev, torch.int64), cached_t, loc, self.slots.table,
+        ids_t = ids if isinstance(ids, torch.Tensor) else upload(ids, dev, torch.int64)  # [bs]
+        return build_forward_batch(ForwardMode.DECODE, ids_t, cached_t, loc, self.slots.table,
                                    rows_t, cached_t, ones, capture_layer_ids=capture_layer_ids,
                                    dense_mask=self.dense_mask, host=host, row_kinds=RowKinds.of(params))
 

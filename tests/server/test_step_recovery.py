@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.io_struct import GenerateReq
@@ -215,3 +216,29 @@ def test_offline_engine_fails_the_call_and_serves_on(models, monkeypatch) -> Non
         assert not s.has_work() and s.runner.slots.num_free + s.kv.cached_tokens == s.runner.slots.num_slots
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("where", ["forward", "logits"])
+def test_failed_decode_with_a_forward_launched_ahead(models, where, monkeypatch) -> None:
+    """On an accelerator each plain decode step launches the next one's forward before it reads its tokens
+    (server/scheduling/decode_ahead.py): a step that fails with one launched (and while launching the next) frees
+    its slots exactly once, and serving goes on."""
+    monkeypatch.setattr(ModelRunner, "accelerated", property(lambda self: True))
+    s = _scheduler(models, "none")
+    fault = Fault(s, where)
+    outs: dict[str, list[int]] = {}
+    for rid, seed in (("a", 1), ("b", 2)):
+        s.add_request(GenerateReq(rid, _prompt(seed), GREEDY))
+    _step(s, outs)  # both prefilled in one batch
+    _step(s, outs)  # a decode step: the next forward launched ahead
+    assert s.decode_ahead is not None
+    fault.armed = True
+    with pytest.raises(RuntimeError, match="injected"):
+        s.step()  # uses the forward launched ahead, fails in its own (forward: launching the next; logits)
+    assert sorted(s.fail_step()) == ["a", "b"] and s.decode_ahead is None and not s.has_work()
+    _assert_accounting(s)
+    assert _all_free(s)
+    s.add_request(GenerateReq("c", _prompt(4), GREEDY))
+    _drain(s, outs)
+    assert outs["c"] == _reference(models, "none", _prompt(4))
+    assert _all_free(s)

@@ -36,6 +36,7 @@ from ddtree_serve.model_executor.vocab_shard import VocabShard
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.io_struct import GenerateReq, SchedulerStats, TokenOut
 from ddtree_serve.server.memory_sizing import ModelFacts, size_startup_memory
+from ddtree_serve.server.scheduling.decode_ahead import DecodeAhead, plain_decode
 from ddtree_serve.server.scheduling.image_prefill import check_images, prefill_embeds
 from ddtree_serve.server.scheduling.kv_manager import ReqKVManager
 from ddtree_serve.server.scheduling.prompt_scoring import score_prompt_chunk
@@ -85,6 +86,7 @@ class Scheduler:
             self.model_path, self.model_config.vocab_size, self.eos_token_ids, config.model.trust_remote_code),
             blocking=tp.size > 1)
         self.step_batch: Batch | None = None  # the running step's batch (ddtree_serve/server/scheduling/step_recovery.py)
+        self.decode_ahead: DecodeAhead | None = None  # the next plain decode's forward, launched (decode_ahead.py)
         self._seed_rng = random.Random(0x5EED)
         self.total_verify_steps = 0
         self.total_spec_tokens = 0
@@ -227,7 +229,7 @@ class Scheduler:
             return self._run_prefill(batch)
         if self.spec is not None:
             return self._run_spec_decode(batch)
-        return self._run_decode(batch)
+        return plain_decode(self, batch)  # (decode_ahead.py: the next forward launched before the read)
 
     def process(self, batch: Batch, results: list[list[int]]) -> None:
         for req, tokens in zip(batch.reqs, results, strict=True):
@@ -318,21 +320,6 @@ class Scheduler:
         return results
 
     # ---------------------------------------------------------------- decode
-    def _run_decode(self, batch: Batch) -> list[list[int]]:
-        r = self.runner
-        self._make_room(batch, 1)
-        reqs = batch.reqs
-        fb = r.prepare_decode([q.req_pool_idx for q in reqs], [q.num_cached for q in reqs],
-                              [q.output_ids[-1] for q in reqs], params=[q.params for q in reqs])
-        assert fb is not None, "room was made"
-        out = r.forward(fb)
-        r.wait_device()
-        for q in reqs:
-            q.num_cached += 1
-            q.spec_plain_steps += 1
-        tokens = self._sample(reqs, *r.step_logits(out.hidden))
-        return [[t] for t in tokens]
-
     def _run_spec_decode(self, batch: Batch) -> list[list[int]]:
         while True:
             self._make_room(batch, self.spec.min_step_tokens)
@@ -379,7 +366,10 @@ class Scheduler:
 
     def _release(self, req: Req, finished: bool = False) -> None:
         """Free a request's KV and its speculative state; a ``finished`` request's output joins the shared
-        suffix-draft index (not an aborted, retracted or failed one's)."""
+        suffix-draft index (not an aborted, retracted or failed one's). A forward launched ahead for it is dropped."""
+        if self.decode_ahead is not None and req.rid in self.decode_ahead.rids:
+            self.decode_ahead.release(self.runner.slots)
+            self.decode_ahead = None
         self.kv.release(req)
         if self.spec is not None:
             self.spec.release(req.rid, req.output_ids if finished else None)

@@ -83,6 +83,11 @@ def fail_step(scheduler: Any) -> list[str]:
     scheduler.running[:] = [q for q in scheduler.running if id(q) not in ids]
     for req in failed:  # cache only what the tree holds already: the same on every TP rank
         req.num_cached = req.tree_len
+    if scheduler.spec is not None:  # forwards and drafts launched ahead: their slots freed now, not as orphans
+        scheduler.spec.drop_ahead()
+    if scheduler.decode_ahead is not None:
+        scheduler.decode_ahead.release(scheduler.runner.slots)
+        scheduler.decode_ahead = None
     held = _held_slots(scheduler, failed)
     for req in failed:
         req.finish_reason = "error"
