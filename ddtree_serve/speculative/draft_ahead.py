@@ -23,13 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
+from ddtree_serve.model_executor.forward_batch import HostShape
 from ddtree_serve.model_executor.kv_slots import KVSlots
 from ddtree_serve.model_executor.uploads import upload
-from ddtree_serve.speculative.ddtree import DraftTree
-from ddtree_serve.speculative.tree_forward import VerifyInputs
+from ddtree_serve.speculative.ddtree import DraftTree, draft_topk
+from ddtree_serve.speculative.tree_forward import VerifyInputs, prepare_verify
 from ddtree_serve.speculative.types import SpecRequest
 from ddtree_serve.speculative.verify import VerifyResult
 
@@ -95,3 +97,22 @@ def next_inputs(res: VerifyResult, cached: torch.Tensor, remaining: list[int]
     roots = res.emitted_tokens.gather(1, acc[:, None]).squeeze(1)  # [bs]
     left = upload(remaining, cached.device, torch.int64)  # [bs] the host's, before this step
     return roots, cached + acc + 1, left - 1 - (acc + 1)
+
+
+def draft_next(worker: Any, reqs: Sequence[SpecRequest], idx: torch.Tensor, cached: torch.Tensor, res: VerifyResult,
+               budget: int, pad: int, max_cached: int) -> DraftAhead:
+    """The next step's trees for ``worker`` (a ``SpecWorker``), queued now (module docstring): the drafter over
+    the emitted roots, top-K, the device build at ``budget`` nodes and ``pad`` slots, and, where the slots leave
+    the next step its own room, its verify forward's inputs. ``max_cached``: this step's largest root position."""
+    roots, nxt, limits = next_inputs(res, cached, [q.remaining_tokens for q in reqs])  # [bs] each
+    bs, r = len(reqs), worker.runner  # a bound on the next step's root positions, within the table's columns
+    longest = min(max_cached + res.accept_index.size(1), r.slots.table.size(1) - worker.max_step_tokens)
+    logits, shard = worker._draft(idx, nxt, roots, longest, True)  # [bs, L, V/tp]
+    topk = draft_topk(logits, 1 if worker.chain else min(worker.budget, shard.vocab), shard)  # [bs, L, K]
+    tree = worker.tree_builder.build(topk, budget, limits, worker.chain, roots, nxt, pad)
+    prepared = None
+    if r.slots.num_free >= bs * (pad + worker.max_step_tokens):
+        prepared = prepare_verify(r, tree, idx, nxt, worker.capture_layer_ids, HostShape(bs * pad, pad, longest + pad),
+                                  True, [q.params for q in reqs])
+    worker.timer.lap("ahead")
+    return DraftAhead(tuple(q.rid for q in reqs), tree, budget, pad, prepared=prepared)

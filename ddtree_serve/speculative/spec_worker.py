@@ -39,7 +39,7 @@ from ddtree_serve.model_executor.model_runner import (
 from ddtree_serve.model_executor.penalties import BatchPenalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.read_back import read_later
-from ddtree_serve.model_executor.sampler import BatchSamplingInfo, sample_requests
+from ddtree_serve.model_executor.sampler import BatchSamplingInfo
 from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
 from ddtree_serve.speculative.commit import attach_logprobs, commit, commit_paths
@@ -52,10 +52,11 @@ from ddtree_serve.speculative.ddtree import (
     pop_nodes,
 )
 from ddtree_serve.speculative.deferred_context import DeferredContext
-from ddtree_serve.speculative.draft_ahead import DraftAhead, next_inputs
+from ddtree_serve.speculative.draft_ahead import DraftAhead, draft_next
 from ddtree_serve.speculative.draft_graphs import DraftGraphs, graphed_draft
 from ddtree_serve.speculative.draft_loading import load_draft_sources
 from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, step_suffix_drafts
+from ddtree_serve.speculative.plain_step import plain_step
 from ddtree_serve.speculative.step_cost import StepCostModel
 from ddtree_serve.speculative.step_timer import StepTimer
 from ddtree_serve.speculative.suffix_index import SuffixConfig, SuffixProposer
@@ -63,7 +64,6 @@ from ddtree_serve.speculative.tree_forward import (
     VerifyInputs,
     draft_forward,
     padded_width,
-    prepare_verify,
     run_verify,
     verify_forward,
 )
@@ -265,7 +265,7 @@ class SpecWorker:
         else:
             plan = DRAFT if draft_fits else SUFFIX_ONLY if suffix is not None else PLAIN
         if plan == PLAIN:
-            return self._plain_step(reqs, rows, root_pos, root_ids, sampled, None)
+            return plain_step(self, reqs, rows, root_pos, root_ids, sampled, None)
         grammars = [q.grammar for q in reqs]
         mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
         idx = upload(rows, dev, torch.int64)  # [bs] asynchronous copies (model_executor/uploads.py)
@@ -317,7 +317,7 @@ class SpecWorker:
             draft_s = t.now() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
             n_used = np.minimum(budgets.numpy(), popped.counts)  # [bs] nodes per tree (the host's: assemble_tree's)
             if not (n_used > 0).any():  # every tree is its root alone
-                return self._plain_step(reqs, rows, root_pos, root_ids, sampled, draft_s)
+                return plain_step(self, reqs, rows, root_pos, root_ids, sampled, draft_s)
             pad = padded_width(self.verify_widths, bs, 1 + int(n_used.max()), cap)  # captured width, or None: ragged
             tree = assemble_tree(popped, budgets, roots, cached, dev, width=pad)
         t.lap("build")
@@ -355,7 +355,7 @@ class SpecWorker:
                              *([tree.num_nodes] if n_used is None else []))
         # then the next step's draft queued behind it (not with logprobs: their read would wait for it)
         if on_device and not want_lp and r.slots.num_free >= bs * self.block_size:
-            self.ahead = self._draft_ahead(reqs, idx, cached, res, budget, pad, max(root_pos))
+            self.ahead = draft_next(self, reqs, idx, cached, res, budget, pad, max(root_pos))
         read = pending.wait()
         n_used = read[-1] if n_used is None else n_used  # [bs] nodes per tree
         out = commit(r, reqs, tree, res, tree_slots, eos_ids, placed=host.tokens, paths=(read[0], read[1]))
@@ -377,56 +377,11 @@ class SpecWorker:
                        draft_s, t.now() - built_at, reach)
         return out
 
-    def _draft_ahead(self, reqs: Sequence[SpecRequest], idx: torch.Tensor, cached: torch.Tensor, res, budget: int,
-                     pad: int, max_cached: int) -> DraftAhead:
-        """The next step's trees (draft_ahead.py), queued now: the drafter over the emitted roots, top-K, the
-        device build; ``max_cached``: this step's largest root position (the next one's is below it + S)."""
-        roots, nxt, limits = next_inputs(res, cached, [q.remaining_tokens for q in reqs])  # [bs] each
-        longest = max_cached + int(res.accept_index.shape[1])  # a bound on the next step's root positions
-        logits, shard = self._draft(idx, nxt, roots, longest, True)
-        topk = draft_topk(logits, 1 if self.chain else min(self.budget, shard.vocab), shard)  # [bs, L, K]
-        tree = self.tree_builder.build(topk, budget, limits, self.chain, roots, nxt, pad)
-        bs, r = len(reqs), self.runner
-        prepared = None  # and its verify forward's inputs, where the slots leave the next step its own room
-        if r.slots.num_free >= bs * (pad + self.max_step_tokens):
-            prepared = prepare_verify(r, tree, idx, nxt, self.capture_layer_ids, HostShape(bs * pad, pad, longest + pad),
-                                      True, [q.params for q in reqs])
-        self.timer.lap("ahead")
-        return DraftAhead(tuple(q.rid for q in reqs), tree, budget, pad, prepared=prepared)
-
     def _window(self, phase: str) -> None:
         """Close ``phase``, then the overlap window (``ModelRunner.wait_device``) as its own phase."""
         self.timer.lap(phase)
         self.runner.wait_device()
         self.timer.lap("window")
-
-    def _plain_step(self, reqs, rows: list[int], root_pos: list[int], root_ids: list[int], sampled: np.ndarray,
-                    draft_s: float | None) -> list[DecodeResult]:
-        """A step whose trees are all the root alone, at the cost of the scheduler's plain decode step: one causal
-        decode forward over the roots (their KV kept) that also captures the target layers the drafter's context
-        needs, so speculation can resume at any later step; then the plain sampler (``sampler.sample``) and
-        logprobs: greedy tokens are plain decoding's, sampled ones drawn exactly as plain decoding draws them."""
-        r, bs = self.runner, len(reqs)
-        start = self.timer.now()
-        fb = r.prepare_decode(rows, root_pos, root_ids, self.capture_layer_ids, [q.params for q in reqs])  # roots
-        assert fb is not None, "decode() checked free slots for the whole step"
-        out = r.forward(fb)
-        self._window("plain")
-        if self.deferred is not None:  # written before the drafter next reads its cache (deferred_context.py)
-            self.deferred.add(out.captured, fb.positions, fb.out_cache_loc)
-        else:
-            self._write_context(out.captured, fb.positions, fb.out_cache_loc)
-        tokens, lps = sample_requests(reqs, *r.step_logits(out.hidden))  # [bs], as the scheduler's plain decode
-        results = []
-        for q, tok, lp in zip(reqs, tokens.tolist(), lps, strict=True):
-            q.num_cached += 1  # a running request has a token left: ``tok`` is always kept
-            results.append(DecodeResult([tok], 0, lp))
-        self.timer.lap("plain")
-        self.timer.steps += 1
-        if self.controller is not None:
-            zeros = np.zeros(bs, dtype=np.int64)
-            self.controller.record(zeros, None, zeros, sampled, bs, bs, draft_s, self.timer.now() - start)
-        return results
 
     def _draft(self, idx: torch.Tensor, cached: torch.Tensor, roots: torch.Tensor, max_cached: int, local: bool):
         """The drafter's forward: logits [bs, B-1, V] (``local``: V/tp) and their shard (``draft_forward``)."""
