@@ -63,7 +63,9 @@ def test_decode_ahead_equals_plain_decoding(default_model_path, monkeypatch) -> 
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_simulated_plain_decode_ahead_is_the_known_continuation(tmp_path, batch: int) -> None:
+def test_simulated_plain_decode_ahead_is_the_known_continuation(tmp_path, batch: int, monkeypatch) -> None:
+    """Under the simulated device (an accelerator: the step launches ahead) with graphs, requests ending at
+    different steps: the known continuation, forwards launched ahead, no slot held."""
     from ddtree_serve.model_executor.models.simulated import greedy_continuation
     from ddtree_serve.sim.checkpoint import write_simulated_pair
 
@@ -72,11 +74,14 @@ def test_simulated_plain_decode_ahead_is_the_known_continuation(tmp_path, batch:
     n = 20
     refs = [greedy_continuation(p, n, 512) for p in prompts]
     params = [SamplingParams(temperature=0, max_tokens=n - i % 5, ignore_eos=True) for i in range(len(prompts))]
+    launched = []
+    launch = decode_ahead.launch_ahead
+    monkeypatch.setattr(decode_ahead, "launch_ahead", lambda *a: launched.append(1) or launch(*a))
     eng = Engine(target, device="cpu", dtype="float32", max_running_requests=batch, max_total_tokens=4096,
                  cuda_graph_max_bs=8)
     try:
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         assert [o.token_ids for o in outs] == [r[:p.max_tokens] for r, p in zip(refs, params, strict=True)]
-        assert eng.stats().kv_used_tokens == 0
+        assert eng.stats().kv_used_tokens == 0 and len(launched) >= n - 1
     finally:
         eng.shutdown()
