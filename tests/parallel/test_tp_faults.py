@@ -136,7 +136,7 @@ def test_tp2_rank0_failure_after_the_last_collective_is_agreed(models) -> None:
     target, _, refs, _ = models
     eng = _engine(target, tp_size=2)
     rank0 = eng.scheduler.scheduler
-    sample = rank0._sample
+    sample = rank0._sample_device  # prefill and decode sample through it
     calls = []
 
     def fail_once(reqs, logits, shard):  # noqa: ANN001, ANN202 - after the step's last collective, on rank 0 only
@@ -146,7 +146,7 @@ def test_tp2_rank0_failure_after_the_last_collective_is_agreed(models) -> None:
             raise RuntimeError("rank 0 alone fails")
         return tokens
 
-    rank0._sample = fail_once
+    rank0._sample_device = fail_once
     try:
         with pytest.raises(RuntimeError, match="step failed on TP rank 0 of 2 \\(rank 0: RuntimeError: rank 0 alone"):
             eng.generate(input_ids=[GOOD[0]], sampling_params=GREEDY)
@@ -185,8 +185,8 @@ def test_tp2_diverged_outputs_are_detected(models) -> None:
     target, _, _, _ = models
     eng = _engine(target, tp_size=2)
     rank0 = eng.scheduler.scheduler
-    sample = rank0._sample
-    rank0._sample = lambda reqs, logits, shard: [(t + 1) % 200 for t in sample(reqs, logits, shard)]  # rank 0's differ
+    sample = rank0._sample_device  # prefill and decode sample through it
+    rank0._sample_device = lambda reqs, logits, shard: (sample(reqs, logits, shard) + 1) % 200  # rank 0's differ
     try:
         with pytest.raises(TPDivergence, match="diverged"):
             eng.generate(input_ids=GOOD, sampling_params=SamplingParams(temperature=0, max_tokens=40,

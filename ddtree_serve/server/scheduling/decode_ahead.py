@@ -28,7 +28,6 @@ from ddtree_serve.model_executor.forward_batch import ForwardBatch
 from ddtree_serve.model_executor.kv_slots import KVSlots
 from ddtree_serve.model_executor.models.output import ModelOutput
 from ddtree_serve.model_executor.read_back import read_later
-from ddtree_serve.model_executor.sampler import sample_requests
 
 
 @dataclass
@@ -68,10 +67,7 @@ def plain_decode(sched: Any, batch: Any) -> list[list[int]]:
     for q in reqs:
         q.num_cached += 1
         q.spec_plain_steps += 1
-    tokens, lps = sample_requests(reqs, *r.step_logits(out.hidden))  # [bs] on the device
-    for q, lp in zip(reqs, lps, strict=True):
-        if lp is not None:
-            q.pending_logprobs.extend(lp)
+    tokens = sched._sample_device(reqs, *r.step_logits(out.hidden))  # [bs] on the device
     pending = read_later(tokens)
     if r.accelerated and r.slots.num_free >= 2 * len(reqs):  # room left for the next step's own slot too
         sched.decode_ahead = launch_ahead(r, reqs, tokens)

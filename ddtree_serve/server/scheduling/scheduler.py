@@ -354,11 +354,15 @@ class Scheduler:
         logger.info("KV full: retracted %s back to the queue", victim.rid)
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor, shard: VocabShard) -> list[int]:
+        return self._sample_device(reqs, logits, shard).tolist()
+
+    def _sample_device(self, reqs: list[Req], logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+        """The requests' next tokens ``[bs]``, still on the device (their logprobs, read, attached)."""
         tokens, lps = sample_requests(reqs, logits, shard)
         for q, lp in zip(reqs, lps, strict=True):
             if lp is not None:
                 q.pending_logprobs.extend(lp)
-        return tokens.tolist()
+        return tokens
 
     # ---------------------------------------------------------------- KV bookkeeping
     def _spec_margin(self) -> int:
