@@ -5,18 +5,23 @@ from this one is on the device too: its roots are the last emitted tokens (``emi
 their positions ``cached + accept_length + 1``, the depth caps ``remaining - 1 - (accept_length + 1)``, and the
 drafter's context of the accepted path is written by the commit's device half (``commit.commit_paths``). So the
 step queues the next step's drafter forward, top-K and tree build right after its own verification and commit,
-starts its one read without waiting (``read_back.read_later``), and only then waits: the host's launches of the
-next draft (the drafter's ~220 kernels and their Python, the build's replay) run while the device still runs this
-step's verify forward, instead of after the read (SGLang's spec v2 and vLLM's async scheduling overlap the same
-way; here only the draft moves ahead, the verify forward still follows the read).
+starts its one read without waiting (``read_back.read_later``), queues the next step's verify forward over that
+tree too (its tree slots placed: ``tree_forward.prepare_verify``, where they leave the next step its own room), and
+only then waits: the host's launches of the next draft and forward run while the device still runs this step's
+verify forward, and the device goes on into the next forward while the host reads, scans stops and schedules
+(SGLang's spec v2 and vLLM's async scheduling overlap the same way). The next step's verification, which needs
+the host's state after this step's tokens (penalties, sampling positions), stays in that step.
 
 The tree drafted ahead belongs to the very next ``SpecWorker.decode`` call and to the requests of this batch: the
 next step takes it (``take``) when it also runs the device-built tree at the same budget and width, its requests
 are among these (a request that stopped, was aborted or retracted simply drops out: the tree's rows are
-selected) and each one's ``num_cached`` is what the draft assumed. Anything else (a prefill step in between, a
-grammar or suffix request joining, a plain step) discards it: it holds no KV slot (the drafter's block slots are
-freed when its forward is queued), only device tensors, so nothing leaks. A request that stops inside this step
-gets a draft ahead that nobody verifies; its KV past the stop is freed by the host half of the commit.
+selected, and ``claim`` takes the forward's logits, captured features and slots of those rows and frees the
+others' slots) and each one's ``num_cached`` is what the draft assumed. Anything else (a prefill step in between,
+a grammar or suffix request joining, a plain step) discards it and frees the forward's slots (``drop_prepared``);
+so do a failure (``step_recovery.fail_step``) and the last of its requests leaving (``release``). The slots' writes
+were queued before anything that can reuse them, so freeing them never races the forward. A request that stops
+inside this step gets a draft and a forward ahead that nobody uses; its KV past the stop is freed by the host
+half of the commit.
 """
 
 from __future__ import annotations
@@ -49,21 +54,27 @@ class DraftAhead:
     budget: int
     width: int
     expected: dict[str, int] = field(default_factory=dict)
-    prepared: VerifyInputs | None = None  # its verify forward's inputs, tree slots placed: for the same batch only
+    prepared: VerifyInputs | None = None  # its verify forward's inputs, every tree slot placed (padded trees)
+    launched: tuple[torch.Tensor, torch.Tensor | None] | None = None  # its logits [bs, D, V], captured [bs*D, C]
+    released: set[str] = field(default_factory=set)  # requests that left the running set since
 
-    def same_batch(self, reqs: Sequence[SpecRequest]) -> bool:
-        """Whether ``reqs`` are the drafted requests, in order, each with the ``num_cached`` the draft assumed."""
-        return (tuple(q.rid for q in reqs) == self.rids
-                and all(q.num_cached == self.expected.get(q.rid) for q in reqs))
+    def release(self, rid: str, slots: KVSlots) -> None:
+        """Request ``rid`` left the running set: once every drafted request has, the verify forward's slots are
+        freed (no step will take them; a later step that takes some rows frees the others' then)."""
+        self.released.add(rid)
+        if self.released.issuperset(self.rids):
+            self.drop_prepared(slots)
 
     def drop_prepared(self, slots: KVSlots) -> None:
-        """Free the prepared verify forward's tree slots (a batch it was not prepared for, or none at all)."""
+        """Free the verify forward's tree slots (queued before any reuse: a launched forward's writes come first)."""
         if self.prepared is not None:
             slots.free(self.prepared.flat)
-            self.prepared = None
+        self.prepared = self.launched = None
 
-    def take(self, reqs: Sequence[SpecRequest], budget: int, width: int) -> DraftTree | None:
-        """The tree for ``reqs`` (rows selected in their order), or None when the draft does not fit this step."""
+    def take(self, reqs: Sequence[SpecRequest], budget: int, width: int
+             ) -> tuple[DraftTree, list[int] | None] | None:
+        """The trees for ``reqs`` and the drafted rows they are (None: all, in order), or None when the draft does
+        not fit this step."""
         if budget != self.budget or width != self.width:
             return None
         at = {rid: i for i, rid in enumerate(self.rids)}
@@ -71,8 +82,30 @@ class DraftAhead:
         if any(i is None for i in rows) or any(q.num_cached != self.expected.get(q.rid) for q in reqs):
             return None
         if rows == list(range(len(self.rids))):
-            return self.tree
-        return select_trees(self.tree, rows)
+            return self.tree, None
+        return select_trees(self.tree, rows), rows
+
+    def claim(self, rows: list[int] | None, slots: KVSlots
+              ) -> tuple[HostShape, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """The verify forward launched ahead, for the drafted ``rows`` a step took (``take``): its host shape, logits
+        ``[bs, D, V]``, captured features ``[bs * D, C]`` or None and tree slots ``[bs, D]``, the other rows' slots freed; None when
+        none was launched. The step owns the slots from here (its commit frees those it does not keep)."""
+        if self.launched is None or self.prepared is None:
+            return None
+        p, (logits, captured) = self.prepared, self.launched
+        self.prepared = self.launched = None
+        if rows is None:
+            return p.host, logits, captured, p.slots
+        dev = logits.device
+        gone = [i for i in range(len(self.rids)) if i not in set(rows)]
+        if gone:  # padded trees: every slot of a row was placed
+            slots.free(p.slots.index_select(0, upload(gone, dev, torch.int64)).view(-1))
+        sel = upload(rows, dev, torch.int64)  # [bs']
+        d = p.slots.shape[1]
+        if captured is not None:  # [bs * D, C] rows of the padded layout
+            captured = captured.view(len(self.rids), d, -1).index_select(0, sel).view(len(rows) * d, -1)
+        return (HostShape(len(rows) * d, d, p.host.max_k), logits.index_select(0, sel), captured,
+                p.slots.index_select(0, sel))
 
 
 def select_trees(tree: DraftTree, rows: list[int]) -> DraftTree:
@@ -110,9 +143,11 @@ def draft_next(worker: Any, reqs: Sequence[SpecRequest], idx: torch.Tensor, cach
     logits, shard = worker._draft(idx, nxt, roots, longest, True)  # [bs, L, V/tp]
     topk = draft_topk(logits, 1 if worker.chain else min(worker.budget, shard.vocab), shard)  # [bs, L, K]
     tree = worker.tree_builder.build(topk, budget, limits, worker.chain, roots, nxt, pad)
-    prepared = None
-    if r.slots.num_free >= bs * (pad + worker.max_step_tokens):
-        prepared = prepare_verify(r, tree, idx, nxt, worker.capture_layer_ids, HostShape(bs * pad, pad, longest + pad),
-                                  True, [q.params for q in reqs])
+    ahead = DraftAhead(tuple(q.rid for q in reqs), tree, budget, pad)
+    if r.slots.num_free >= bs * (pad + worker.max_step_tokens):  # the verify forward too, where it leaves room
+        host, params = HostShape(bs * pad, pad, longest + pad), [q.params for q in reqs]
+        ahead.prepared = prepare_verify(r, tree, idx, nxt, worker.capture_layer_ids, host, True, params)
+        logits, captured, _ = worker._verify_forward(tree, idx, nxt, host, True, params, ahead.prepared)
+        ahead.launched = (logits, captured)
     worker.timer.lap("ahead")
-    return DraftAhead(tuple(q.rid for q in reqs), tree, budget, pad, prepared=prepared)
+    return ahead

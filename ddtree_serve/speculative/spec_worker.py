@@ -206,7 +206,7 @@ class SpecWorker:
         ``output``: a finished request's generated tokens, which the shared suffix index keeps. A verify forward
         prepared ahead for a batch with it is dropped (its tree stays, for the others' rows)."""
         if self.ahead is not None and rid in self.ahead.rids:
-            self.ahead.drop_prepared(self.runner.slots)
+            self.ahead.release(rid, self.runner.slots)
         if self.suffix is not None:
             self.suffix.release(rid, output)
 
@@ -227,8 +227,6 @@ class SpecWorker:
         """One speculative step over ``reqs`` (module docstring); the draft ahead of the previous step, if any
         (draft_ahead.py), is this step's to take, and its prepared slots are freed unless the step used them."""
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and not ahead.same_batch(reqs):
-            ahead.drop_prepared(self.runner.slots)
         try:
             return self._step(reqs, eos_ids, ahead)
         finally:
@@ -239,8 +237,10 @@ class SpecWorker:
               ) -> list[DecodeResult]:
         r = self.runner
         bs = len(reqs)
-        prepared = ahead.prepared if ahead is not None else None  # the verify forward's inputs, slots placed
-        room = r.slots.num_free + (prepared.tokens if prepared is not None else 0)
+        room = r.slots.num_free
+        if room < bs * self.min_step_tokens and ahead is not None:  # the slots of a forward launched ahead back
+            ahead.drop_prepared(r.slots)
+            room = r.slots.num_free
         if room < bs * self.min_step_tokens:
             raise OutOfKVSlots()
         t = self.timer
@@ -277,8 +277,9 @@ class SpecWorker:
         if on_device:
             budget = self.budget if cap is None else step_budget(self.budget, bs, cap)
             pad = padded_width(self.verify_widths, bs, 1 + budget, cap) or budget + 1  # a uniform width
-            tree = ahead.take(reqs, budget, pad) if ahead is not None else None
-            self.ahead_taken += tree is not None
+            taken = ahead.take(reqs, budget, pad) if ahead is not None else None
+            self.ahead_taken += taken is not None
+            tree, ahead_rows = taken if taken is not None else (None, None)
         if plan == DRAFT and tree is None:
             draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), True)  # [bs, L, V/tp]
             self._window("draft")  # the pops read the draft on the host
@@ -329,11 +330,14 @@ class SpecWorker:
             longest = max(p + n + 1 for p, n in zip(root_pos, n_used.tolist(), strict=True))  # cached + tree tokens
             host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
         params, shard = [q.params for q in reqs], r.vocab_shard  # the logits' vocabulary columns on this rank
-        if not (on_device and tree is getattr(ahead, "tree", None)):  # the inputs prepared with the tree, or none
-            prepared = None
-        elif prepared is not None:
-            ahead.prepared, host = None, prepared.host  # launched now: this step frees their unkept slots
-        logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, pad is not None, params, prepared)
+        # the verify forward the previous step launched with the tree (its rows), else this step's own
+        claimed = ahead.claim(ahead_rows, r.slots) if on_device and taken is not None else None
+        if ahead is not None and claimed is None:
+            ahead.drop_prepared(r.slots)
+        if claimed is not None:
+            host, logits, captured, tree_slots = claimed
+        else:
+            logits, captured, tree_slots = self._verify_forward(tree, idx, cached, host, pad is not None, params)
         # while the verify forward runs: the verification's inputs, which need none of its results (overlap)
         info = BatchSamplingInfo.build(params, vocab := shard.vocab, dev)
         want_lp = any(p.logprobs is not None for p in params)

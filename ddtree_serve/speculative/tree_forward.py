@@ -119,7 +119,7 @@ def prepare_verify(r: ModelRunner, tree: DraftTree, idx: torch.Tensor, cached: t
 
 def run_verify(r: ModelRunner, inputs: VerifyInputs):
     """``verify_forward``'s second half: launch the forward of ``prepare_verify``'s inputs; logits ``[bs, D, V]``
-    (or this rank's ``V/tp`` columns), captured features ``[bs, D, C]`` or None, the slots ``[bs, D]``."""
+    (or this rank's ``V/tp`` columns), captured features ``[bs * D, C]`` or None, the slots ``[bs, D]``."""
     bs, d = inputs.slots.shape
     dest = inputs.dest
     out = r.forward(inputs.fb)

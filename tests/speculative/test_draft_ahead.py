@@ -11,7 +11,7 @@ import torch
 
 from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.server.engine import Engine, SamplingParams
-from ddtree_serve.speculative import draft_ahead, spec_worker
+from ddtree_serve.speculative import draft_ahead
 from ddtree_serve.speculative.ddtree import draft_topk
 from ddtree_serve.speculative.draft_ahead import DraftAhead, select_trees
 from ddtree_serve.speculative.tree_graphs import DeviceTreeBuilder
@@ -54,33 +54,66 @@ def test_a_draft_ahead_is_taken_only_where_it_fits() -> None:
     tree = _build(_logits(3, 5, 40, seed=5), [5, 5, 5])[0]
     ahead = DraftAhead(("a", "b", "c"), tree, 8, 9, {"a": 10, "b": 20, "c": 30})
     a, b, c = _Req("a", 10), _Req("b", 20), _Req("c", 30)
-    assert ahead.take([a, b, c], 8, 9) is tree
+    assert ahead.take([a, b, c], 8, 9) == (tree, None)
     assert ahead.take([a, b, c], 7, 9) is None  # another budget
     assert ahead.take([a, b, c], 8, 17) is None  # another width
     assert ahead.take([a, b, _Req("d", 5)], 8, 9) is None  # a request it was not drafted for
     assert ahead.take([a, _Req("b", 19), c], 8, 9) is None  # a request whose cache is not what the draft assumed
     picked = ahead.take([c, a], 8, 9)  # b stopped: its row dropped, the others in the batch's order
-    assert picked is not None and torch.equal(picked.candidates, tree.candidates[[2, 0]])
+    assert picked is not None and picked[1] == [2, 0] and torch.equal(picked[0].candidates, tree.candidates[[2, 0]])
+
+
+def test_a_forward_launched_ahead_is_claimed_row_by_row() -> None:
+    """The verify forward launched with the draft: a step that takes some rows gets their logits, captured features
+    and slots, and the other rows' slots are freed (exactly once); one whose requests all left frees every slot."""
+    from ddtree_serve.model_executor.forward_batch import HostShape
+    from ddtree_serve.model_executor.kv_slots import KVSlots
+    from ddtree_serve.speculative.tree_forward import VerifyInputs
+
+    slots = KVSlots(64, 4, 32)
+    placed = slots.alloc(3 * 4)  # [bs * D]: every slot of three padded trees of width 4
+    tree = _build(_logits(3, 5, 40, seed=6), [3, 3, 3])[0]
+    logits, captured = torch.randn(3, 4, 10), torch.randn(3 * 4, 2)  # [bs, D, V], [bs * D, C]
+
+    def ahead() -> DraftAhead:
+        prepared = VerifyInputs(None, torch.arange(12), placed, placed.view(3, 4), 12, HostShape(12, 4, 30))
+        return DraftAhead(("a", "b", "c"), tree, 8, 4, prepared=prepared, launched=(logits, captured))
+
+    free = slots.num_free
+    host, lg, cap, kept = ahead().claim([2, 0], slots)
+    assert (host.tokens, host.max_q, host.max_k) == (8, 4, 30) and slots.num_free == free + 4  # b's slots freed
+    assert torch.equal(lg, logits[[2, 0]]) and torch.equal(cap, captured.view(3, 4, 2)[[2, 0]].reshape(8, 2))
+    assert torch.equal(kept, placed.view(3, 4)[[2, 0]])
+    slots.free(kept.reshape(-1))
+    placed = slots.alloc(12)
+    a = ahead()
+    for rid in ("a", "b"):
+        a.release(rid, slots)
+    assert a.prepared is not None  # c may still take its row
+    a.release("c", slots)
+    assert a.prepared is None and a.launched is None and slots.num_free == 64
+    assert a.claim(None, slots) is None
 
 
 @pytest.fixture
 def device_steps(monkeypatch) -> dict[str, int]:
     """The engine's runner reports an accelerator (its step takes the device paths, as on a GPU); counts the
-    trees selected from a draft ahead and the verify forwards launched from inputs prepared ahead."""
-    seen = {"selected": 0, "prepared": 0}
-    real, run = draft_ahead.select_trees, spec_worker.run_verify
+    trees selected from a draft ahead and the verify forwards launched ahead that a step claimed."""
+    seen = {"selected": 0, "claimed": 0}
+    real, claim = draft_ahead.select_trees, draft_ahead.DraftAhead.claim
 
     def spy(tree, rows):
         seen["selected"] += 1
         return real(tree, rows)
 
-    def prepared(r, inputs):
-        seen["prepared"] += 1
-        return run(r, inputs)
+    def claimed(self, rows, slots):
+        out = claim(self, rows, slots)
+        seen["claimed"] += out is not None
+        return out
 
     monkeypatch.setattr(ModelRunner, "accelerated", property(lambda self: True))
     monkeypatch.setattr(draft_ahead, "select_trees", spy)
-    monkeypatch.setattr(spec_worker, "run_verify", prepared)
+    monkeypatch.setattr(draft_ahead.DraftAhead, "claim", claimed)
     return seen
 
 
@@ -113,7 +146,7 @@ def test_engine_with_drafts_ahead_equals_plain(default_model_path, device_steps)
             outs = spec.generate(input_ids=ids, sampling_params=params)
             assert [(o.token_ids, o.finish_reason) for o in outs] == refs, run
             assert sum(o.spec_accepted_tokens for o in outs) > 0, run
-        assert worker.ahead_taken > 0 and device_steps["selected"] > 0 < device_steps["prepared"], device_steps
+        assert worker.ahead_taken > 0 and device_steps["selected"] > 0 < device_steps["claimed"], device_steps
         st = spec.stats()
         assert st.running == 0 and st.waiting == 0
         assert st.kv_used_tokens == 0  # every slot is free or the prefix cache's (evictable)
@@ -155,7 +188,7 @@ def test_simulated_stops_inside_accepted_paths(tmp_path, device_steps, monkeypat
             end = next((j + 1 for j, t in enumerate(ref) if t in p.stop_token_ids), n)
             assert o.token_ids == ref[:end] and o.finish_reason == ("stop" if end < n else "length")
         assert eng.scheduler.spec.ahead_taken > 0 and sum(trims) >= 3, (eng.scheduler.spec.ahead_taken, sum(trims))
-        assert device_steps["selected"] > 0 < device_steps["prepared"], device_steps
+        assert device_steps["selected"] > 0 < device_steps["claimed"], device_steps
         st = eng.stats()
         assert st.running == 0 and st.kv_used_tokens == 0
         assert eng.scheduler.runner.slots.num_free + st.cache_held_tokens == st.kv_total_tokens
