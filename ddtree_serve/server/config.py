@@ -108,10 +108,13 @@ class SchedulerArgs(Area):
     max_running_requests: int = setting(64, "Most requests decoded at once.", low=1)
     chunked_prefill_size: int = setting(512, "Prefill token budget per scheduler step, summed over the batch's "
                                         "requests (long prompts are chunked).", low=1)
-    disable_overlap_schedule: bool = setting(False, "Send the previous step's outputs and take in new requests "
-                                             "after each step, not while the device runs it (for debugging; "
-                                             "outputs then stream without the one-step delay). The server's "
-                                             "scheduler process only: the offline Engine has no window.")
+    disable_overlap_schedule: bool = setting(False, "Run every step serially (for debugging): launch no forward "
+                                             "ahead of a step's read (plain decoding and fixed-budget "
+                                             "speculation on an accelerator, docs/DESIGN.md 4.17), and send the "
+                                             "previous step's outputs and take in new requests after each step, "
+                                             "not while the device runs it (outputs then stream without the "
+                                             "one-step delay; the server's scheduler process only: the offline "
+                                             "Engine has no window).")
 
 
 @dataclass(frozen=True)

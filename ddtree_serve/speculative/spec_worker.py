@@ -104,24 +104,21 @@ class SpecWorker:
         if drafter is not None:  # the drafter's own attention backend: its head dims may differ from the target's
             layout = drafter.kv_cache_layout()
             self.draft_backend = pick_attention_backend(runner.device, runner.config.dtype, layout)
-            # the drafter runs tree-masked (custom-mask prefill) forwards only, never decode: warming decode
-            # up would compile it for a query/KV group size it never uses (flashinfer's decode has a fixed set)
+            # tree-masked (custom-mask prefill) forwards only: flashinfer's decode would compile for unused shapes
             warm_up_attention(self.draft_backend, layout, drafter, runner.config.dtype, runner.device, ("tree",))
         self.timer = StepTimer(runner)
         self.auto, self.budget_config = auto, budget_config
         self.controller: BudgetController | None = None  # auto budget: built once the KV cache exists
         self.mask_drafts = True  # grammar masks on the drafter's logits + pruning of rejected nodes
         self.deferred: DeferredContext | None = None  # plain steps' drafter context (allocate_kv)
-        self.ahead: DraftAhead | None = None  # the next step's trees, drafted before this step's read
-        self.ahead_taken = 0  # steps that verified a tree drafted ahead
+        self.ahead: DraftAhead | None = None  # the next step's trees (and forward), launched before this step's read
+        self.ahead_taken, self.launch_ahead = 0, True  # steps that took one; off: serial (--disable-overlap-schedule)
         if runner.num_slots:
             self.allocate_kv()
 
     @property
     def draft_kv_bytes_per_token(self) -> int:
-        if self.drafter is None:
-            return 0
-        return self.drafter.kv_cache_layout().bytes_per_token(self.runner.config.dtype)
+        return 0 if self.drafter is None else self.drafter.kv_cache_layout().bytes_per_token(self.runner.config.dtype)
 
     def allocate_kv(self) -> None:
         """The drafter's context cache, one slot per target KV slot (after the runner's ``allocate_kv``); then,
@@ -358,7 +355,7 @@ class SpecWorker:
         pending = read_later(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []),
                              *([tree.num_nodes] if n_used is None else []))
         # then the next step's draft queued behind it (not with logprobs: their read would wait for it)
-        if on_device and not want_lp and r.slots.num_free >= bs * self.block_size:
+        if on_device and self.launch_ahead and not want_lp and r.slots.num_free >= bs * self.block_size:
             self.ahead = draft_next(self, reqs, idx, cached, res, budget, pad, max(root_pos))
         read = pending.wait()
         n_used = read[-1] if n_used is None else n_used  # [bs] nodes per tree

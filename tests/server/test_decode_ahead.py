@@ -85,3 +85,29 @@ def test_simulated_plain_decode_ahead_is_the_known_continuation(tmp_path, batch:
         assert eng.stats().kv_used_tokens == 0 and len(launched) >= n - 1
     finally:
         eng.shutdown()
+
+
+def test_disable_overlap_schedule_runs_every_step_serially(tmp_path, monkeypatch) -> None:
+    """``--disable-overlap-schedule`` launches nothing ahead of a read, plain or speculative (the same outputs)."""
+    from ddtree_serve.model_executor.models.simulated import greedy_continuation
+    from ddtree_serve.sim.checkpoint import write_simulated_pair
+
+    target, drafter = write_simulated_pair(tmp_path, vocab=512)
+    prompts = [[(5 * i + j) % 500 + 1 for j in range(6)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    launched = []
+    launch = decode_ahead.launch_ahead
+    monkeypatch.setattr(decode_ahead, "launch_ahead", lambda *a: launched.append(1) or launch(*a))
+    spec = dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=8,
+                speculative_draft_sources="dflash")
+    for kw in ({}, spec):
+        eng = Engine(target, device="cpu", dtype="float32", max_running_requests=4, max_total_tokens=4096,
+                     disable_overlap_schedule=True, **kw)
+        try:
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            assert [o.token_ids for o in outs] == [greedy_continuation(p, 16, 512) for p in prompts]
+            assert not launched and (not kw or eng.scheduler.spec.ahead_taken == 0)
+            if kw:
+                assert sum(o.spec_accepted_tokens for o in outs) > 0
+        finally:
+            eng.shutdown()

@@ -69,7 +69,7 @@ def plain_decode(sched: Any, batch: Any) -> list[list[int]]:
         q.spec_plain_steps += 1
     tokens = sched._sample_device(reqs, *r.step_logits(out.hidden))  # [bs] on the device
     pending = read_later(tokens)
-    if r.accelerated and r.slots.num_free >= 2 * len(reqs):  # room left for the next step's own slot too
+    if sched.launch_ahead and r.accelerated and r.slots.num_free >= 2 * len(reqs):  # room for the next one's too
         sched.decode_ahead = launch_ahead(r, reqs, tokens)
     return [[t] for t in pending.wait()[0].tolist()]
 

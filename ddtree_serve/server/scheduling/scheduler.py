@@ -78,6 +78,9 @@ class Scheduler:
         if spec.enabled:  # on CUDA: sgl-kernel's tree walk, or the torch reference asked for (a start-up error)
             check_tree_walk(self.runner.device)
         self.spec = SpecWorker.create(spec, self.runner, self.model_config) if spec.enabled else None
+        self.launch_ahead = not sc.disable_overlap_schedule  # forwards launched before a step's read (DESIGN 4.17)
+        if self.spec is not None:
+            self.spec.launch_ahead = self.launch_ahead
         self._size_memory(config, tp, device, memory_probe)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
