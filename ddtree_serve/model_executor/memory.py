@@ -26,7 +26,8 @@ The server and ``ddtree-serve plan`` compute their numbers with these same funct
   need more: raise ``--mem-fraction-static`` headroom there) and the CUDA graphs (captured at the warm-up):
   their static inputs, counted exactly (``kv_indices [max_bs, max_context]`` int64 and the small per-request
   buffers), and their shared memory pool, estimated as ``GRAPH_ACTIVATION_ROWS`` hidden-sized rows per token
-  of the largest captured forward (``max_bs x max_q`` tokens) plus every graph's output rows.
+  of the largest captured forward (``max_bs x max_q`` tokens) plus every graph's output rows, the graphed
+  drafts' float32 logits (``[pad_bs, block - 1, V / tp]`` per padded size) included.
 """
 
 from __future__ import annotations
@@ -135,12 +136,14 @@ class RuntimeReserve:
 
 
 def runtime_reserve(device_type: str, tp_size: int, graph_batch_sizes: tuple[int, ...], graph_max_q: int,
-                    max_context: int, hidden_size: int, dtype_bytes: int, captured_features: int = 0
-                    ) -> RuntimeReserve:
+                    max_context: int, hidden_size: int, dtype_bytes: int, captured_features: int = 0,
+                    draft_logit_columns: int = 0) -> RuntimeReserve:
     """What the KV pool must leave for NCCL and the CUDA graphs (module docstring). ``graph_batch_sizes``:
     the padded sizes captured (empty: no graphs); ``graph_max_q``: tokens per request of the widest
     captured forward (1 for decode, budget + 1 for verify); ``captured_features``: the drafter's captured
-    target-layer width per token (0 without a drafter). Zero off CUDA."""
+    target-layer width per token (0 without a drafter); ``draft_logit_columns``: the float32 logits a request's
+    graphed draft keeps (block - 1 rows of this rank's vocabulary columns; 0 without a DFlash drafter). Zero off
+    CUDA."""
     if device_type != "cuda":
         return RuntimeReserve(0, 0)
     nccl = NCCL_RESERVE_BYTES if tp_size > 1 else 0
@@ -150,7 +153,8 @@ def runtime_reserve(device_type: str, tp_size: int, graph_batch_sizes: tuple[int
         static = max_bs * max_context * 8 + max_bs * q * (8 * 4 + q)  # kv_indices; ids, positions, slots; tree mask
         pool = max_bs * q * hidden_size * dtype_bytes * GRAPH_ACTIVATION_ROWS
         outputs = 2 * sum(graph_batch_sizes) * q * (hidden_size + captured_features) * dtype_bytes  # decode + verify
-        graphs = static + pool + outputs
+        drafts = sum(graph_batch_sizes) * draft_logit_columns * 4  # the graphed drafts' logits (draft_graphs.py)
+        graphs = static + pool + outputs + drafts
     return RuntimeReserve(nccl, graphs)
 
 

@@ -83,9 +83,12 @@ def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp
     workspace = verify_workspace(facts.vocab_size, config.scheduler.max_running_requests, facts.budget,
                                  facts.block_size, cache.verify_workspace_gb)
     graphs = graph_batch_sizes(config.model.cuda_graph_max_bs) if config.model.cuda_graph_max_bs > 0 else ()
+    tp_size = config.parallel.tp_size
+    columns = -(-facts.vocab_size // tp_size) if config.parallel.vocab_parallel_logits else facts.vocab_size
+    drafted = max((facts.block_size or 1) - 1, 0) * columns if facts.captured_features else 0  # a DFlash drafter's
     reserve = runtime_reserve(  # NCCL and the CUDA graphs allocate after sizing: left out of the pool
-        torch.device(device).type, config.parallel.tp_size, graphs, (facts.budget or 0) + 1,
-        facts.max_context_len, facts.hidden_size, facts.dtype_bytes, facts.captured_features)
+        torch.device(device).type, tp_size, graphs, (facts.budget or 0) + 1, facts.max_context_len,
+        facts.hidden_size, facts.dtype_bytes, facts.captured_features, drafted)
     if torch.device(device).type == "cuda":  # an image's encoder activations at prefill, as the others: CUDA only
         reserve = dataclasses.replace(reserve, encoder_bytes=facts.encoder_peak_bytes)
     kv = size_kv_pool(device, facts.kv_bytes_per_token, workspace.bytes, max_reqs * facts.max_context_len,

@@ -185,6 +185,9 @@ def test_nccl_and_cuda_graphs_are_reserved_before_the_pool() -> None:
     assert graphs.graph_bytes > 64 * 262144 * 8  # at least the graphs' kv_indices [max_bs, max_context]
     wider = runtime_reserve("cuda", 8, sizes, 17, 262144, 7168, 2, captured_features=3 * 7168)
     assert wider.graph_bytes > graphs.graph_bytes  # a larger verify budget captures more tokens
+    drafts = runtime_reserve("cuda", 8, sizes, 9, 262144, 7168, 2, captured_features=3 * 7168,
+                             draft_logit_columns=15 * 20480)  # block 16, K2.6's vocabulary over 8 ranks
+    assert drafts.graph_bytes - graphs.graph_bytes == sum(sizes) * 15 * 20480 * 4  # the graphed drafts' logits
     base = size_kv_pool("cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.9, probe=_probe(96 * GIB, 75 * GIB))
     held = size_kv_pool("cuda", 70272, 2 * GIB, 10**9, mem_fraction_static=0.9, probe=_probe(96 * GIB, 75 * GIB),
                         reserve=graphs)
