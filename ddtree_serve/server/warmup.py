@@ -15,7 +15,8 @@ Before the requests, two more things (issue 33 item 4: nothing compiles or captu
 - CUDA graphs (``--cuda-graph-max-bs``): every graph serving replays is captured
   (``cuda_graph_runner.serving_graph_keys``: decode and the full-tree verify at every padded batch size),
   then the runner is frozen: from then on a batch without its graph runs eagerly, nothing is captured at
-  first use. The count and the time are logged.
+  first use. The count and the time are logged. With speculation the drafter's and the tree build's graphs
+  follow (``SpecWorker.capture_graphs``), then the auto budget's cost probe, which times the graphed steps.
 - Triton kernel shapes (on CUDA, whenever the target runs a Triton MLA or MoE kernel): Triton compiles one
   kernel per specialization of its integer arguments (divisible by 16 or not), so eager forwards over
   synthetic batches run every shape family serving meets: extend, decode and verify with a key count
@@ -64,6 +65,9 @@ def warm_up(scheduler, kernel_shapes: bool | None = None) -> WarmupReport:  # no
     layer_ids = spec.capture_layer_ids if spec is not None else ()
     graphs = _capture_graphs(runner, layer_ids, budget, spec.max_verify_tokens if spec is not None else None,
                              spec is not None and spec.auto)
+    if spec is not None:
+        graphs += spec.capture_graphs()  # the drafter's and the tree build's (none captured at first use)
+        spec.probe_cost()  # the auto budget's cost probe, over the graphs just captured (once)
     if kernel_shapes is None:
         kernel_shapes = runner.device.type == "cuda" and runs_triton(runner.config)
     shapes = run_kernel_shapes(runner, layer_ids, budget) if kernel_shapes else ()

@@ -18,6 +18,7 @@ def choose_budgets(
     step_time: Callable[[np.ndarray], np.ndarray],
     max_total_tokens: int | None = None,
     padded: bool = False,
+    widths: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
     """Budgets [bs] maximising ``(bs + expected accepted tokens) / step_time(verified tokens)``, and that rate.
 
@@ -26,7 +27,8 @@ def choose_budgets(
     roots included (vectorised). max_total_tokens: cap on those tokens. padded=False: a step verifies
     ``bs + sum(budgets)`` tokens, so the n largest gains of the batch win (each request keeps a prefix of
     its pops); padded=True: every request is padded to the widest tree, ``bs * (1 + max(budgets))`` tokens,
-    so for a width w every request takes its first w pops. Ties prefer fewer tokens; among equal gains in
+    so for a width w every request takes its first w pops; ``widths`` (padded only): the widths allowed
+    (those a captured graph or a built tree holds), 0 always. Ties prefer fewer tokens; among equal gains in
     the unpadded case, the earlier request."""
     bs, width = gains.shape
     positive = (gains > 0).sum(axis=1)  # [bs] pops worth anything (a prefix: rows are non-increasing)
@@ -42,6 +44,8 @@ def choose_budgets(
     rate = expected / np.maximum(step_time(tokens), 1e-12)
     if max_total_tokens is not None:
         rate[1:][tokens[1:] > max_total_tokens] = -np.inf
+    if padded and widths is not None:
+        rate[1:][~np.isin(np.arange(1, width + 1), widths)] = -np.inf
     n = int(np.argmax(rate))
     if padded:
         return np.minimum(positive, n), float(rate[n])
@@ -62,3 +66,27 @@ def merged_gains(curve: np.ndarray, suffix: np.ndarray, width: int) -> np.ndarra
     k = min(width, suffix.shape[1])
     out[:, :k] = np.maximum(out[:, :k], suffix[:, :k])
     return out  # elementwise max of two non-increasing rows: non-increasing
+
+
+def pops_could_matter(gains: np.ndarray, counts: np.ndarray, width: int, rate: float,
+                      step_time: Callable[[np.ndarray], np.ndarray], max_budget: int,
+                      max_total_tokens: int | None = None, padded: bool = False) -> bool:
+    """Whether some allocation using pops past ``width`` could beat ``rate`` (``BudgetController.pop_and_choose``):
+    the pops past a cut row (``counts`` [bs] >= ``width``) have gains at most that row's last gain g, so
+    ``(bs + H(n)) / step_time(bs + n)``, with H the batch's sorted popped gains ``gains`` [bs, width] merged with
+    an endless supply of g, bounds the rate of every allocation. Padded steps: no bound, any cut row matters."""
+    bs = gains.shape[0]
+    cut = counts >= width  # [bs] rows that may have more pops
+    if padded or width == 0 or not cut.any():
+        return bool(cut.any())
+    g = float(gains[cut, width - 1].max())  # no unpopped gain exceeds this
+    if g <= 0:
+        return False
+    flat = np.sort(gains.reshape(-1))[::-1]  # [bs*w] descending
+    extra = bs * max_budget  # tokens of the largest possible allocation
+    h = np.concatenate([flat[flat >= g], np.full(extra, g)])[:extra]  # [extra] merged, descending
+    tokens = bs + np.arange(extra + 1)  # [extra + 1] verified tokens
+    bound = (bs + np.concatenate([[0.0], np.cumsum(h)])) / np.maximum(step_time(tokens), 1e-12)
+    if max_total_tokens is not None:
+        bound[1:][tokens[1:] > max_total_tokens] = -np.inf
+    return bool(bound.max() > rate * (1 + 1e-9))

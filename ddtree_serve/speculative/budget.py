@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree_serve.speculative.allocation import choose_budgets, merged_gains
+from ddtree_serve.speculative.allocation import choose_budgets, merged_gains, pops_could_matter
 from ddtree_serve.speculative.calibration import AcceptanceCalibrator
 from ddtree_serve.speculative.ddtree import DFLASH, SUFFIX, DraftTree, PoppedNodes
 from ddtree_serve.speculative.rate_correction import RateCorrection
@@ -103,6 +103,7 @@ class BudgetController:
     def __init__(self, config: BudgetConfig, depth_limit: int, cost: StepCostModel, padded: bool = False):
         self.config = config
         self.padded = padded  # whether the verify forward pads every tree to the widest (see choose_budgets)
+        self.widths_for: Callable[[int], np.ndarray | None] = lambda bs: None  # padded: the budgets a batch may take
         self.cost = cost
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # DFlash's nodes
         # suffix nodes, by the length of the match that proposed them (capped at MATCH_KEY_CAP)
@@ -215,18 +216,46 @@ class BudgetController:
         return draft
 
     def _predict(self, sampled: np.ndarray, extra: np.ndarray | None = None) -> tuple[float, float]:
-        """The best speculative step's predicted rate and seconds, from the mean gain curves (rescaled by the
-        calibration's drift; a mode without a curve yet borrows the other mode's), with ``extra`` [bs, S] gains
-        (suffix drafts) merged in."""
+        """The best speculative step's predicted rate and seconds, from ``predicted_gains``."""
         bs = len(sampled)
+        gains = self.predicted_gains(sampled, extra)  # [bs, B]
+        budgets, rate = choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded,
+                                       widths=self.widths_for(bs))
+        tokens = bs * (1 + int(budgets.max(initial=0))) if self.padded else bs + int(budgets.sum())
+        return rate, float(self.cost.step_time(bs, tokens, drafted=True))
+
+    def predicted_gains(self, sampled: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
+        """[bs, B] gains of a drafted step predicted from the mean gain curves (rescaled by the calibration's
+        drift; a mode without a curve yet borrows the other mode's), with ``extra`` [bs, S] gains (suffix drafts)
+        merged in."""
         curves = self.curve * self._curve_drift()[:, None]  # [2, B]
         curves = np.where((self.curve_steps > 0)[:, None], curves, curves[::-1])  # [2, B]
         gains = curves[sampled.astype(np.int64)]  # [bs, B]
         if extra is not None:  # each pop index's larger gain (merged_gains: the sources may propose alike)
             gains = merged_gains(gains, extra, self.config.max_budget)
-        budgets, rate = choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=True), padded=self.padded)
-        tokens = bs * (1 + int(budgets.max(initial=0))) if self.padded else bs + int(budgets.sum())
-        return rate, float(self.cost.step_time(bs, tokens, drafted=True))
+        return gains
+
+    def device_budget(self, sampled: np.ndarray, max_verify_tokens: int | None = None) -> int:
+        """The one budget of a drafted step whose tree the device builds (speculative/auto_device.py; no pops
+        read back before it): the width of ``predicted_gains`` that maximises the padded step's rate among
+        ``widths_for(bs)``, at least the smallest allowed (``plan_step`` chose to draft: an exploration too); 0
+        when not even that fits ``max_verify_tokens``."""
+        bs = len(sampled)
+        allowed = self.widths_for(bs)
+        allowed = np.arange(1, self.config.max_budget + 1) if allowed is None else np.asarray(allowed)
+        if max_verify_tokens is not None:
+            allowed = allowed[bs * (allowed + 1) <= max_verify_tokens]
+        if not allowed.size:
+            return 0
+        budgets, _ = choose_budgets(self.predicted_gains(sampled), lambda n: self.cost.step_time(bs, n, drafted=True),
+                                    max_verify_tokens, padded=True, widths=allowed)
+        best = int(budgets.max(initial=0))  # a row's positive gains may end before the width chosen
+        return int(allowed[np.searchsorted(allowed, best)]) if best <= allowed[-1] else int(allowed[-1])
+
+    def learn(self, popped: PoppedNodes, sampled: np.ndarray) -> None:
+        """The gain curves from a device-built step's pops, read back after its verification (``choose``'s
+        learning without a choice: the budget was ``device_budget``'s)."""
+        self._learn(self.gains(popped, sampled), popped, sampled)
 
     def _curve_drift(self) -> np.ndarray:
         """[mode] how the calibration moved since the curve was learned: the curve's mean Q mass per depth
@@ -263,8 +292,10 @@ class BudgetController:
         popped = pop(width)
         gains = self.gains(popped, sampled)  # [bs, w]
         budgets, rate = self._decide(gains, max_verify_tokens)
-        if width < self.config.max_budget and agree(self._pops_could_matter(gains, popped, width, rate,
-                                                                             max_verify_tokens)):
+        bs = len(sampled)
+        if width < self.config.max_budget and agree(pops_could_matter(
+                gains, popped.counts, width, rate, lambda n: self.cost.step_time(bs, n, drafted=True),
+                self.config.max_budget, max_verify_tokens, self.padded)):
             popped = pop(self.config.max_budget)
             gains = self.gains(popped, sampled)  # [bs, B]
             budgets, rate = self._decide(gains, max_verify_tokens)
@@ -275,29 +306,8 @@ class BudgetController:
 
     def _decide(self, gains: np.ndarray, max_verify_tokens: int | None) -> tuple[np.ndarray, float]:
         bs = gains.shape[0]
-        return choose_budgets(
-            gains, lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens, self.padded
-        )
-
-    def _pops_could_matter(self, gains: np.ndarray, popped: PoppedNodes, width: int, rate: float,
-                           max_verify_tokens: int | None) -> bool:
-        """Whether some allocation using pops past ``width`` could beat ``rate`` (the bound of the docstring)."""
-        bs = gains.shape[0]
-        cut = popped.counts >= width  # [bs] rows that may have more pops
-        if self.padded or width == 0 or not cut.any():  # (padded steps: no bound here, always all pops)
-            return bool(cut.any())
-        g = float(gains[cut, width - 1].max())  # no unpopped gain exceeds this
-        if g <= 0:
-            return False
-        flat = np.sort(gains.reshape(-1))[::-1]  # [bs*w] descending
-        extra = bs * self.config.max_budget  # tokens of the largest possible allocation
-        h = np.concatenate([flat[flat >= g], np.full(extra, g)])[:extra]  # [extra] merged, descending
-        tokens = bs + np.arange(extra + 1)  # [extra + 1] verified tokens
-        bound = (bs + np.concatenate([[0.0], np.cumsum(h)])) / np.maximum(
-            self.cost.step_time(bs, tokens, drafted=True), 1e-12)
-        if max_verify_tokens is not None:
-            bound[1:][tokens[1:] > max_verify_tokens] = -np.inf
-        return bool(bound.max() > rate * (1 + 1e-9))
+        return choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens,
+                              self.padded, self.widths_for(bs))
 
     def _learn(self, gains: np.ndarray, popped: PoppedNodes, sampled: np.ndarray) -> None:
         """The mean gain curve per mode over the popped width (a running mean, then an EMA), and its Q mass
@@ -337,13 +347,15 @@ class BudgetController:
         draft_s: float | None,
         verify_s: float,
         reach: np.ndarray | None = None,
+        draft_measured: bool = True,
     ) -> None:
         """After the step: the chosen budgets (metrics), the verification outcome (calibration; ``tree``
         None or without nodes: nothing to calibrate) and the measured phase times (cost model).
         ``accept_length`` [bs]: accepted tokens, or with ``reach`` [bs, D] (per-node acceptance probabilities,
         ``ddtree_serve.speculative.verify.node_reach``) their expectation ``reach[:, 1:].sum(1)``, which the worker passes:
         the rate correction and exploration charges then see a sampled step's expected outcome, not one
-        draw of its coins."""
+        draw of its coins. ``draft_measured`` False: ``draft_s`` is the model's own price (a device-built step's
+        drafter ran in the shadow of other work, speculative/auto_device.py): the drafter table is not moved."""
         if draft_s is None and tree is None:  # a plain step (the common case where speculation does not pay)
             self.chosen[0] += bs
         else:
@@ -371,7 +383,7 @@ class BudgetController:
         elif self._planned_plain:  # explorations are paid for by the steps that predicted a plain step
             weight = self._rho ** self.config.explore_power  # the farther from paying, the less explored
             self.explore_balance[_band(bs)] += self.config.explore_share * weight * step_s
-        self.cost.observe(bs, total_tokens, draft_s, verify_s)
+        self.cost.observe(bs, total_tokens, draft_s if draft_measured else None, verify_s)
 
     def stats(self) -> dict:
         """Cumulative counters for metrics: request-steps per budget, predicted/observed accepted tokens."""
@@ -392,4 +404,4 @@ class BudgetController:
         """``choose_budgets`` priced without a drafter forward."""
         bs = gains.shape[0]
         return choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=False), max_verify_tokens,
-                              self.padded)
+                              self.padded, self.widths_for(bs))

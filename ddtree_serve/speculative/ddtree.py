@@ -44,6 +44,11 @@ DFLASH, SUFFIX = 0, 1  # draft sources of a node (ddtree_serve/speculative/draft
 DRAFT_SOURCES = ("dflash", "suffix")  # their names, by index
 
 
+ROW_FIELDS = ("candidates", "parents", "depths", "node_logws", "num_nodes", "retrive_index", "retrive_next_token",
+              "retrive_next_sibling", "positions", "tree_mask")  # DraftTree's per-request tensors
+OPTIONAL_ROW_FIELDS = ("sources", "match_lens", "pop_depths", "pop_logws")  # the same, where not None
+
+
 @dataclass
 class DraftTree:
     """A batch of draft trees, D = 1 + max(budgets) slots per request (slot 0 = root).
@@ -65,6 +70,12 @@ class DraftTree:
     match_lens: torch.Tensor | None = None  # [bs, D] int64 a suffix node's match length (0: other nodes)
     max_depth: int | None = None  # the deepest node's depth, as the host knows it (None: read depths back)
     on_host: dict[str, np.ndarray] | None = None  # host copies the tree was built from (no read back for them)
+    pop_depths: torch.Tensor | None = None  # [bs, P] int64 the best-first pops behind the tree, P >= its nodes
+    pop_logws: torch.Tensor | None = None  # [bs, P] float64 their log-weights (the auto budget learns from them)
+
+    def row_fields(self) -> tuple[str, ...]:
+        """The names of the per-request tensors this tree holds (``[bs, ...]``; ``retrive_index`` among them)."""
+        return ROW_FIELDS + tuple(n for n in OPTIONAL_ROW_FIELDS if getattr(self, n) is not None)
 
     def numpy(self, name: str) -> np.ndarray:
         """Field ``name`` as a host array: the copy it was built from, or else read back from the device."""
@@ -339,19 +350,30 @@ def assemble_device_tree(
 
 def build_device_tree(topk: tuple[torch.Tensor, torch.Tensor], budgets: torch.Tensor, limits: torch.Tensor,
                       shape: tuple[int, int, bool], root_tokens: torch.Tensor, seq_lens: torch.Tensor, width: int,
-                      pairs: tuple[torch.Tensor, torch.Tensor] | None) -> DraftTree:
+                      pairs: tuple[torch.Tensor, torch.Tensor] | None, pop_width: int = 0) -> DraftTree:
     """The fixed-budget tree of every request from its ``draft_topk`` ([bs, L, K], K >= the budget; 1 in chain
     mode), popped and assembled on the device at ``width`` slots with no read back and no copy up (``pop_nodes``
     + ``assemble_tree`` read the pops back to the host), so a CUDA graph can capture it
     (ddtree_serve/speculative/tree_graphs.py). budgets, limits [bs] int64 device tensors: nodes and depth cap
     per request (0 nodes where the cap is 0); ``shape``: (budget = the widest, a bound on the deepest node,
-    chain) as the host knows them; ``pairs``: ``ddtree_pop.device_pairs(budget, K)`` (None in chain mode)."""
+    chain) as the host knows them; ``pairs``: ``ddtree_pop.device_pairs(max(budget, pop_width), K)`` (None in
+    chain mode). ``pop_width`` > budget (every row's budget ``budget`` or 0): pop that many (K >= it), build the
+    tree from the first ``budget`` pops (the optimal tree of that budget: the pop order's prefix property), keep every pop's depth and log-weight
+    in ``pop_depths`` / ``pop_logws`` (the auto budget's view past the tree it chose, speculative/auto_device.py)."""
     budget, deepest, chain = shape
     if chain:
         pops = device_chain(*topk, torch.minimum(budgets, limits), budget)
-    else:
-        pops = device_pops(*topk, budgets, limits, budget, pairs)
-    return assemble_device_tree(pops, root_tokens, seq_lens, width, deepest)
+        return assemble_device_tree(pops, root_tokens, seq_lens, width, deepest)
+    if pop_width <= budget:
+        return assemble_device_tree(device_pops(*topk, budgets, limits, budget, pairs), root_tokens, seq_lens, width,
+                                    deepest)
+    wide = device_pops(*topk, torch.where(budgets > 0, pop_width, 0), limits, pop_width, pairs)  # [bs, P] ...
+    tokens, parents, depths, logws, counts = wide
+    narrow = (tokens[:, :budget], parents[:, :budget], depths[:, :budget], logws[:, :budget],
+              torch.minimum(counts, budgets))  # the first pops: a parent pops before its child
+    tree = assemble_device_tree(narrow, root_tokens, seq_lens, width, deepest)
+    tree.pop_depths, tree.pop_logws = depths, logws
+    return tree
 
 
 def build_ddtree(

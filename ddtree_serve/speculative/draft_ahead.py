@@ -40,9 +40,6 @@ from ddtree_serve.speculative.tree_forward import VerifyInputs, prepare_verify
 from ddtree_serve.speculative.types import SpecRequest
 from ddtree_serve.speculative.verify import VerifyResult
 
-_ROW_FIELDS = ("candidates", "parents", "depths", "node_logws", "num_nodes", "retrive_next_token",
-               "retrive_next_sibling", "positions", "tree_mask")  # a request's own rows (retrive_index is global)
-
 
 @dataclass
 class DraftAhead:
@@ -57,6 +54,11 @@ class DraftAhead:
     prepared: VerifyInputs | None = None  # its verify forward's inputs, every tree slot placed (padded trees)
     launched: tuple[torch.Tensor, torch.Tensor | None] | None = None  # its logits [bs, D, V], captured [bs*D, C]
     released: set[str] = field(default_factory=set)  # requests that left the running set since
+
+    @property
+    def held(self) -> int:
+        """KV slots its verify forward holds (placed ahead for the step that takes it)."""
+        return self.prepared.tokens if self.prepared is not None else 0
 
     def release(self, rid: str, slots: KVSlots) -> None:
         """Request ``rid`` left the running set: once every drafted request has, the verify forward's slots are
@@ -113,11 +115,8 @@ def select_trees(tree: DraftTree, rows: list[int]) -> DraftTree:
     dev = tree.candidates.device
     sel = upload(rows, dev, torch.int64)  # [bs']
     bs, d = len(rows), tree.num_slots
-    picked = {name: getattr(tree, name).index_select(0, sel) for name in _ROW_FIELDS}
-    picked["retrive_index"] = torch.arange(bs * d, dtype=torch.int64, device=dev).view(bs, d)  # [bs', D]
-    for name in ("sources", "match_lens"):
-        if getattr(tree, name) is not None:
-            picked[name] = getattr(tree, name).index_select(0, sel)
+    picked = {name: getattr(tree, name).index_select(0, sel) for name in tree.row_fields()}
+    picked["retrive_index"] = torch.arange(bs * d, dtype=torch.int64, device=dev).view(bs, d)  # [bs', D]: global
     return replace(tree, on_host=None, **picked)
 
 
@@ -133,16 +132,17 @@ def next_inputs(res: VerifyResult, cached: torch.Tensor, remaining: list[int]
 
 
 def draft_next(worker: Any, reqs: Sequence[SpecRequest], idx: torch.Tensor, cached: torch.Tensor, res: VerifyResult,
-               budget: int, pad: int, max_cached: int) -> DraftAhead:
+               budget: int, pad: int, max_cached: int, pop_width: int = 0) -> DraftAhead:
     """The next step's trees for ``worker`` (a ``SpecWorker``), queued now (module docstring): the drafter over
     the emitted roots, top-K, the device build at ``budget`` nodes and ``pad`` slots, and, where the slots leave
-    the next step its own room, its verify forward's inputs. ``max_cached``: this step's largest root position."""
+    the next step its own room, its verify forward's inputs. ``max_cached``: this step's largest root position;
+    ``pop_width``: pops kept past the tree (the auto budget's, speculative/auto_device.py)."""
     roots, nxt, limits = next_inputs(res, cached, [q.remaining_tokens for q in reqs])  # [bs] each
     bs, r = len(reqs), worker.runner  # a bound on the next step's root positions, within the table's columns
     longest = min(max_cached + res.accept_index.size(1), r.slots.table.size(1) - worker.max_step_tokens)
     logits, shard = worker._draft(idx, nxt, roots, longest, True)  # [bs, L, V/tp]
     topk = draft_topk(logits, 1 if worker.chain else min(worker.budget, shard.vocab), shard)  # [bs, L, K]
-    tree = worker.tree_builder.build(topk, budget, limits, worker.chain, roots, nxt, pad)
+    tree = worker.tree_builder.build(topk, budget, limits, worker.chain, roots, nxt, pad, pop_width)
     ahead = DraftAhead(tuple(q.rid for q in reqs), tree, budget, pad)
     if r.slots.num_free >= bs * (pad + worker.max_step_tokens):  # the verify forward too, where it leaves room
         host, params = HostShape(bs * pad, pad, longest + pad), [q.params for q in reqs]

@@ -76,6 +76,14 @@ class DraftGraphs:
         shard = r.vocab_shard if local else VocabShard.whole(r.config.vocab_size)
         return logits[:bs], shard
 
+    def prepare(self, local: bool = True) -> int:
+        """Capture every padded batch size's graph ahead of its first use (the warm-up); how many were new."""
+        new = [b for b in self.batch_sizes if (b, local) not in self.graphs]
+        with torch.inference_mode():
+            for b in new:
+                self._capture(b, local)
+        return len(new)
+
     def _capture(self, pad_bs: int, local: bool) -> _DraftGraph:
         r, bsz = self.runner, self.block_size
         dev = r.device

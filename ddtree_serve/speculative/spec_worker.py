@@ -18,44 +18,35 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ddtree_serve.model_executor.forward_batch import (
-    ForwardBatch,
-    HostShape,
-)
-from ddtree_serve.model_executor.grammar import (
-    draft_pop_budgets,
-    mask_draft_logits,
-    mask_tree_logits,
-    prune_popped,
-)
+from ddtree_serve.model_executor.forward_batch import ForwardBatch, HostShape
+from ddtree_serve.model_executor.grammar import mask_draft_logits, mask_tree_logits
 from ddtree_serve.model_executor.kv_cache import KVCache
-from ddtree_serve.model_executor.memory import step_budget
 from ddtree_serve.model_executor.model_config import ModelConfig
-from ddtree_serve.model_executor.model_runner import (
-    ModelRunner,
-    pick_attention_backend,
-    warm_up_attention,
-)
+from ddtree_serve.model_executor.model_runner import ModelRunner, pick_attention_backend, warm_up_attention
 from ddtree_serve.model_executor.penalties import BatchPenalties
 from ddtree_serve.model_executor.position_uniforms import SampleKeys
 from ddtree_serve.model_executor.read_back import read_later
 from ddtree_serve.model_executor.sampler import BatchSamplingInfo
 from ddtree_serve.model_executor.uploads import upload
+from ddtree_serve.speculative.auto_device import (
+    allowed_budgets,
+    device_budget,
+    learn_from_read,
+    next_budget,
+    pop_width,
+    step_times,
+    tree_graph_keys,
+    tree_tensors,
+)
 from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
 from ddtree_serve.speculative.commit import attach_logprobs, commit, commit_paths
-from ddtree_serve.speculative.ddtree import (
-    SUFFIX,
-    DraftTree,
-    PoppedNodes,
-    assemble_tree,
-    draft_topk,
-    pop_nodes,
-)
+from ddtree_serve.speculative.ddtree import SUFFIX, DraftTree, draft_topk
 from ddtree_serve.speculative.deferred_context import DeferredContext
 from ddtree_serve.speculative.draft_ahead import DraftAhead, draft_next
 from ddtree_serve.speculative.draft_graphs import DraftGraphs, graphed_draft
 from ddtree_serve.speculative.draft_loading import load_draft_sources
-from ddtree_serve.speculative.draft_sources import merge_popped, no_pops, step_suffix_drafts
+from ddtree_serve.speculative.draft_sources import step_suffix_drafts
+from ddtree_serve.speculative.host_tree import host_tree
 from ddtree_serve.speculative.plain_step import plain_step
 from ddtree_serve.speculative.step_cost import StepCostModel
 from ddtree_serve.speculative.step_timer import StepTimer
@@ -113,8 +104,10 @@ class SpecWorker:
         self.deferred: DeferredContext | None = None  # plain steps' drafter context (allocate_kv)
         self.ahead: DraftAhead | None = None  # the next step's trees (and forward), launched before this step's read
         self.ahead_taken, self.launch_ahead = 0, True  # steps that took one; off: serial (--disable-overlap-schedule)
+        self.read_at: float | None = None  # when the last speculative step's read landed (the host clock)
         if runner.num_slots:
             self.allocate_kv()
+            self.probe_cost()
 
     @property
     def draft_kv_bytes_per_token(self) -> int:
@@ -122,22 +115,30 @@ class SpecWorker:
 
     def allocate_kv(self) -> None:
         """The drafter's context cache, one slot per target KV slot (after the runner's ``allocate_kv``); then,
-        for the auto budget, the step-cost model and its start-up probe (which runs real forwards)."""
+        for the auto budget, the controller and its step-cost model (``probe_cost`` fills it)."""
         r = self.runner
         if self.drafter is not None:
             # indexed by target slot id: unsharded under DCP too (every global id, padding ones included)
             self.draft_kv = KVCache(self.drafter.kv_cache_layout(), r.slots.id_space - 1, r.config.dtype, r.device)
         if self.auto:
-            from ddtree_serve.speculative.cost_probe import probe_step_cost
-
             cfg = self.budget_config or BudgetConfig(max_budget=self.budget)
             if self.drafter is not None:
                 self.deferred = DeferredContext(
                     lambda c, p, s: self.drafter.write_context(c, p, s, self.draft_kv), cfg.deferred_context_tokens)
             max_reqs = r.slots.max_rows - 1
             cost = StepCostModel(max_reqs, self.budget)
-            self.controller = BudgetController(cfg, self.tree_depth, cost)  # ragged verify: padded=False
-            probe_step_cost(self, cost, cfg.probe_seconds)
+            # an accelerator pads every verify forward (the device-built tree; captured widths): padded choices
+            self.controller = BudgetController(cfg, self.tree_depth, cost, padded=r.accelerated)
+            self.controller.widths_for = lambda bs: allowed_budgets(self.verify_widths, bs)
+
+    def probe_cost(self) -> None:
+        """The auto budget's start-up probe of its step-cost model (real forwards, ``cost_probe.py``), once: after
+        the trees are padded for the graphs and the graphs exist, so that it times what the steps run."""
+        ctl = self.controller
+        if ctl is not None and not ctl.cost.probed:
+            from ddtree_serve.speculative.cost_probe import probe_step_cost
+
+            probe_step_cost(self, ctl.cost, ctl.config.probe_seconds)
 
     @classmethod
     def create(cls, settings: SpecSettings, runner: ModelRunner, target_config: ModelConfig) -> SpecWorker:
@@ -170,6 +171,12 @@ class SpecWorker:
             self.tree_builder = graphed_tree_builder(self.runner, graph_batch_sizes)  # (speculative/tree_graphs.py)
             self.draft_graphs = graphed_draft(self.runner, graph_batch_sizes, self.drafter, self.draft_kv,
                                               self.block_size)  # (speculative/draft_graphs.py)
+
+    def capture_graphs(self) -> int:
+        """The drafter's and the tree build's graphs captured ahead of their first use (the warm-up, after the
+        target's: ``auto_device.tree_graph_keys``); how many were new."""
+        n = self.draft_graphs.prepare() if self.draft_graphs is not None else 0
+        return n + sum(self.tree_builder.prepare(key, self.runner.device) for key in tree_graph_keys(self))
 
     @property
     def max_step_tokens(self) -> int:
@@ -256,6 +263,7 @@ class SpecWorker:
         suffix = step_suffix_drafts(self.suffix, reqs, max_depths, r.tp) if useful and self.suffix is not None else None
         draft_fits = useful and self.drafter is not None
         if ctl is not None:
+            room += ahead.held if ahead is not None else 0  # a forward launched ahead holds this step's slots
             cap = room if cap is None else min(cap, room)
             draft_fits = draft_fits and room >= bs * self.block_size  # the block (freed before the verify forward)
             plan = int(r.tp.broadcast_object(ctl.plan_step(sampled, draft_fits, suffix, cap)))
@@ -268,15 +276,19 @@ class SpecWorker:
         idx = upload(rows, dev, torch.int64)  # [bs] asynchronous copies (model_executor/uploads.py)
         cached = upload(root_pos, dev, torch.int64)  # [bs]
         roots = upload(root_ids, dev, torch.int64)  # [bs]
-        # the fixed budget's trees popped and assembled on the device (DESIGN 4.17): no read back for them
-        on_device = ctl is None and plan == DRAFT and suffix is None and not mask_drafts and r.accelerated
-        tree = draft_logits = topk = None
+        # the trees popped and assembled on the device (DESIGN 4.17): no read back for them; auto: one budget
+        on_device = plan == DRAFT and suffix is None and not mask_drafts and r.accelerated
+        tree = draft_logits = topk = taken = None
         if on_device:
-            budget = self.budget if cap is None else step_budget(self.budget, bs, cap)
+            budget = device_budget(self, sampled, cap, ahead)  # (auto_device.py)
+            if budget == 0:  # no captured tree fits the slots free
+                return plain_step(self, reqs, rows, root_pos, root_ids, sampled, None)
             pad = padded_width(self.verify_widths, bs, 1 + budget, cap) or budget + 1  # a uniform width
             taken = ahead.take(reqs, budget, pad) if ahead is not None else None
             self.ahead_taken += taken is not None
             tree, ahead_rows = taken if taken is not None else (None, None)
+        if ahead is not None and taken is None:  # not this step's: its slots back before anything allocates
+            ahead.drop_prepared(r.slots)
         if plan == DRAFT and tree is None:
             draft_logits, dshard = self._draft(idx, cached, roots, max(root_pos), True)  # [bs, L, V/tp]
             self._window("draft")  # the pops read the draft on the host
@@ -285,39 +297,17 @@ class SpecWorker:
             # top-K once (the shards' top-k's) for every width popped; masked requests pop 2x (draft_pop_budgets)
             k = 1 if self.chain else min(self.budget * (2 if mask_drafts else 1), dshard.vocab)
             topk = draft_topk(draft_logits, k, dshard)  # [bs, L, K] on the device
-        depths = torch.tensor(max_depths)  # [bs]
-        scale = ctl.scale(sampled, suffix) if ctl is not None and suffix is not None else None
-
-        def pop(width: int) -> PoppedNodes:  # best-first pops of both sources, grammar-pruned when masked
-            widths = torch.full((bs,), width)  # [bs]
-            wide = draft_pop_budgets(grammars, widths) if mask_drafts else widths  # [bs]
-            popped = no_pops(bs)
-            if draft_logits is not None:  # on an accelerator, batched device ops (ddtree_pop.py); else the heap
-                popped = pop_nodes(draft_logits, wide, chain=self.chain, max_depths=depths, topk=topk,
-                                   batched=r.accelerated)
-            if suffix is not None:  # one best-first order over both (ddtree_serve/speculative/draft_sources.py)
-                popped = merge_popped(popped, suffix, int(wide.max()), scale)
-            return prune_popped(popped, grammars, widths) if mask_drafts else popped
-
         if on_device:  # drafted ahead by the previous step, or built now
-            tree = tree or self.tree_builder.build(topk, budget, max_depths, self.chain, roots, cached, pad)
+            pops = pop_width(budget, ctl.config) if ctl is not None else 0  # auto: the pops past the tree too
+            tree = tree or self.tree_builder.build(topk, budget, max_depths, self.chain, roots, cached, pad, pops)
             n_used = None  # [bs] nodes per tree: read back with the verification's results
-        elif ctl is not None and plan == DRAFT:  # pops only as many nodes as can matter to its choice
-            popped, chosen = ctl.pop_and_choose(pop, sampled, cap, agree=r.tp.broadcast_object)
-            budgets = torch.as_tensor(chosen)
-        elif ctl is not None:  # suffix drafts alone: no drafter cost
-            popped = pop(self.budget)
-            budgets = torch.as_tensor(np.asarray(r.tp.broadcast_object(ctl.choose_suffix(popped, sampled, cap))))
-        else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
-            popped = pop(self.budget)
-            budgets = torch.full((bs,), self.budget if cap is None else step_budget(self.budget, bs, cap))  # [bs]
-        if not on_device:  # the pops were read back: the tree is built from the host's arrays
-            draft_s = t.now() - t0 if plan == DRAFT else None  # drafter forward + pops + decision
-            n_used = np.minimum(budgets.numpy(), popped.counts)  # [bs] nodes per tree (the host's: assemble_tree's)
-            if not (n_used > 0).any():  # every tree is its root alone
-                return plain_step(self, reqs, rows, root_pos, root_ids, sampled, draft_s)
-            pad = padded_width(self.verify_widths, bs, 1 + int(n_used.max()), cap)  # captured width, or None: ragged
-            tree = assemble_tree(popped, budgets, roots, cached, dev, width=pad)
+        else:  # the pops read back: the host's choice and tree (host_tree.py)
+            built = host_tree(self, plan, (draft_logits, topk), suffix, sampled, cap, max_depths, grammars,
+                              mask_drafts, roots, cached)
+            if built is None:  # every tree is its root alone
+                return plain_step(self, reqs, rows, root_pos, root_ids, sampled, t.now() - t0 if plan == DRAFT
+                                  else None)
+            tree, n_used, pad = built
         t.lap("build")
         built_at = t.now() if plan == DRAFT else t0  # a suffix-only step's host work counts as verify
         draft_s = built_at - t0 if plan == DRAFT else None  # drafter forward + pops + decision + tree
@@ -328,7 +318,7 @@ class SpecWorker:
             host = HostShape(bs + int(n_used.sum()), 1 + int(n_used.max()), longest)
         params, shard = [q.params for q in reqs], r.vocab_shard  # the logits' vocabulary columns on this rank
         # the verify forward the previous step launched with the tree (its rows), else this step's own
-        claimed = ahead.claim(ahead_rows, r.slots) if on_device and taken is not None else None
+        claimed = ahead.claim(ahead_rows, r.slots) if taken is not None else None
         if ahead is not None and claimed is None:
             ahead.drop_prepared(r.slots)
         if claimed is not None:
@@ -342,6 +332,8 @@ class SpecWorker:
         pen = pen.for_shard(shard) if pen is not None else None
         keys = SampleKeys.build([q.seed for q in reqs], [len(q.output_ids) for q in reqs], dev)
         single, acc = self.accept_thresholds
+        go_ahead = on_device and self.launch_ahead and not want_lp  # (logprobs: their read would wait for it)
+        ahead_at = next_budget(self, sampled, cap, (budget, pad)) if go_ahead else (0, 0)  # auto: chosen now
         self._window("verify_forward")
         # exact per-node grammar masks; logprobs stay those of the raw logits (a copy only when asked for)
         vlogits = mask_tree_logits(grammars, tree, logits, copy=want_lp, shard=shard)
@@ -352,14 +344,21 @@ class SpecWorker:
         commit_paths(r, res, idx, cached, tree_slots, captured, self._write_context)  # the commit's device half
         t.lap("verify")
         # the step's one read of its results: accepted paths and tokens (and the controller's reach), started
-        pending = read_later(res.accept_length, res.emitted_tokens, *([res.node_reach] if ctl is not None else []),
-                             *([tree.num_nodes] if n_used is None else []))
-        # then the next step's draft queued behind it (not with logprobs: their read would wait for it)
-        if on_device and self.launch_ahead and not want_lp and r.slots.num_free >= bs * self.block_size:
-            self.ahead = draft_next(self, reqs, idx, cached, res, budget, pad, max(root_pos))
-        read = pending.wait()
-        n_used = read[-1] if n_used is None else n_used  # [bs] nodes per tree
-        out = commit(r, reqs, tree, res, tree_slots, eos_ids, placed=host.tokens, paths=(read[0], read[1]))
+        learn = on_device and ctl is not None  # the auto budget learns from the device-built tree (auto_device.py)
+        reads = {"accept": res.accept_length, "emitted": res.emitted_tokens, **(
+            {"reach": res.node_reach} if ctl is not None else {}), **(
+            {"num_nodes": tree.num_nodes} if n_used is None else {}), **(
+            tree_tensors(tree) if learn else {})}
+        pending = read_later(*reads.values())
+        # then the next step's draft queued behind it (auto: at the budget chosen in the window above)
+        if go_ahead and ahead_at[0] and r.slots.num_free >= bs * self.block_size:
+            self.ahead = draft_next(self, reqs, idx, cached, res, *ahead_at, max(root_pos),
+                                    pop_width(ahead_at[0], ctl.config) if ctl is not None else 0)
+        read = dict(zip(reads, pending.wait(), strict=True))
+        read_at, self.read_at = self.read_at, t.now()  # the previous step's read, this one's
+        n_used = read["num_nodes"] if n_used is None else n_used  # [bs] nodes per tree
+        out = commit(r, reqs, tree, res, tree_slots, eos_ids, placed=host.tokens, paths=(read["accept"],
+                                                                                          read["emitted"]))
         if self.ahead is not None:  # the draft ahead assumed every request goes on
             self.ahead.expected = {q.rid: q.num_cached for q in reqs}
         if want_lp:
@@ -368,14 +367,18 @@ class SpecWorker:
         t.steps += 1
         for o, n in zip(out, n_used.tolist(), strict=True):  # nodes per tree: the host's
             o.budget = n
-        if ctl is not None:  # the (ragged) verify forward ran bs + sum(nodes) tokens
-            reach = read[2]  # [bs, D] sampled rows: expected, not one draw of the coins
+        if ctl is not None:  # the verify forward ran host.tokens tokens (padded or ragged)
+            reach = read["reach"]  # [bs, D] sampled rows: expected, not one draw of the coins
             if self.suffix is not None and tree.sources is not None:  # each request's own suffix record
                 mine = tree.numpy("sources") == SUFFIX  # [bs, D]
                 q = np.exp(tree.numpy("node_logws").astype(np.float64)) * mine  # [bs, D]
                 self.suffix.observe([q_.rid for q_ in reqs], (reach * mine).sum(1), q.sum(1))
-            ctl.record(n_used, tree, reach[:, 1:].sum(1), sampled, bs, host.tokens,
-                       draft_s, t.now() - built_at, reach)
+            verify_s = t.now() - built_at
+            if learn:  # timed over one period of the pipeline, the drafter at the model's price (auto_device.py)
+                learn_from_read(ctl, tree, read, n_used, sampled)
+                draft_s, verify_s = step_times(ctl, bs, t.now() - (read_at if taken is not None and read_at else t0))
+            ctl.record(n_used, tree, reach[:, 1:].sum(1), sampled, bs, host.tokens, draft_s, verify_s, reach,
+                       draft_measured=not learn)
         return out
 
     def _window(self, phase: str) -> None:

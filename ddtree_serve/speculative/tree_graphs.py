@@ -17,8 +17,9 @@ eager path uses the batch's depth caps): a looser bound only runs more pointer j
 Captures: ``CudaCapture`` on a GPU (the target's graphs' protocol, ddtree_serve/model_executor/cuda_graph_runner.py;
 a pool of their own); under the simulated device ``ReplayByRunning``, whose replay runs the recorded function
 inside ``kernels.dispatch.graph_replay`` (charged as one replay; a sync inside fails, as a capture would).
-Graphs are captured at first use (a few milliseconds each; the keys are the padded batch sizes of the fixed
-budget).
+The warm-up captures the graphs a server will build with (``SpecWorker.capture_graphs``: every padded batch size
+at each budget it may take, the auto budget's allowed ones included); any other key is captured at its first use
+(a few milliseconds).
 """
 
 from __future__ import annotations
@@ -35,9 +36,6 @@ from ddtree_serve.kernels.dispatch import graph_replay
 from ddtree_serve.model_executor.uploads import upload
 from ddtree_serve.speculative.ddtree import DraftTree, build_device_tree
 from ddtree_serve.speculative.ddtree_pop import device_pairs
-
-_TREE_FIELDS = ("candidates", "parents", "depths", "node_logws", "num_nodes", "retrive_index", "retrive_next_token",
-                "retrive_next_sibling", "positions", "tree_mask")
 
 
 class ReplayByRunning:
@@ -78,11 +76,11 @@ class DeviceTreeBuilder:
         self.replays = 0  # builds served by a graph
 
     def build(self, topk: tuple[torch.Tensor, torch.Tensor], budget: int, max_depths: list[int] | torch.Tensor,
-              chain: bool, roots: torch.Tensor, cached: torch.Tensor, width: int) -> DraftTree:
+              chain: bool, roots: torch.Tensor, cached: torch.Tensor, width: int, pop_width: int = 0) -> DraftTree:
         """Every request's tree of ``budget`` nodes at ``width`` slots from its top-K ``[bs, L, K]``;
         ``max_depths`` [bs]: the depth caps, the host's list or a device tensor (a step drafted ahead of the
         read, whose caps follow from the previous step's accepted lengths); roots, cached [bs]: root tokens and
-        positions (device)."""
+        positions (device); ``pop_width`` > budget: that many pops kept past the tree (``build_device_tree``)."""
         bs, depth_limit, k = topk[0].shape
         dev = topk[0].device
         if isinstance(max_depths, torch.Tensor):  # [bs] on the device: the host bounds the deepest node alone
@@ -95,10 +93,11 @@ class DeviceTreeBuilder:
             limits = upload(torch.as_tensor(host), dev)
             budgets = upload(torch.as_tensor(np.where(host > 0, budget, 0).astype(np.int64)), dev)
         pad_bs = next((b for b in self.batch_sizes if b >= bs), None)
+        pop_width = 0 if chain else pop_width
         if self.capture is None or pad_bs is None:  # eager, on the step's own tensors
             return build_device_tree(topk, budgets, limits, (budget, deepest, chain), roots, cached, width,
-                                     None if chain else device_pairs(budget, k, dev))
-        key = (pad_bs, depth_limit, k, budget, width, chain)
+                                     None if chain else device_pairs(max(budget, pop_width), k, dev), pop_width)
+        key = (pad_bs, depth_limit, k, budget, width, chain, pop_width)
         g = self.graphs.get(key) or self._capture(key, dev)
         g.budgets[bs:].zero_()  # padded rows: no node
         g.limits[bs:].zero_()
@@ -110,19 +109,27 @@ class DeviceTreeBuilder:
         g.cached[:bs].copy_(cached)
         tree = g.replay()
         self.replays += 1
-        return dataclasses.replace(tree, **{name: getattr(tree, name)[:bs] for name in _TREE_FIELDS})
+        return dataclasses.replace(tree, **{name: getattr(tree, name)[:bs] for name in tree.row_fields()})
+
+    def prepare(self, key: tuple, dev: torch.device) -> bool:
+        """Capture the graph of ``key`` (``(pad_bs, depth, K, budget, width, chain, pop_width)``, as ``build``
+        forms it) ahead of its first use (the warm-up: ``SpecWorker.capture_graphs``); whether one was captured."""
+        if self.capture is None or key in self.graphs:
+            return False
+        self._capture(key, dev)
+        return True
 
     def _capture(self, key: tuple, dev: torch.device) -> _TreeGraph:
-        pad_bs, depth_limit, k, budget, width, chain = key
+        pad_bs, depth_limit, k, budget, width, chain, pop_width = key
         g = _TreeGraph(torch.zeros(pad_bs, depth_limit, k, dtype=torch.float64, device=dev),
                        torch.zeros(pad_bs, depth_limit, k, dtype=torch.int64, device=dev),
                        *(torch.zeros(pad_bs, dtype=torch.int64, device=dev) for _ in range(4)))
-        pairs = None if chain else device_pairs(budget, k, dev)  # constant inputs of the graph
+        pairs = None if chain else device_pairs(max(budget, pop_width), k, dev)  # constant inputs of the graph
         shape = (budget, min(depth_limit, budget), chain)
 
         def run() -> DraftTree:
             return build_device_tree((g.top_lp, g.top_ids), g.budgets, g.limits, shape, g.roots, g.cached, width,
-                                     pairs)
+                                     pairs, pop_width)
 
         self.capture.warm_up(run)
         g.replay = self.capture.capture(run)

@@ -21,8 +21,8 @@ from ddtree_serve.speculative.spec_worker import SpecWorker
 VOCAB = 128
 BATCH = 4
 # (budget) -> (syncs per step, of them in the window) measured on main; lower them as syncs go
-BUDGETS = {None: (1, 0), 16: (1, 0), "auto": (2, 0)}
-SAMPLED_BUDGETS = {None: (1, 0), 16: (1, 0), "auto": (2, 0)}  # half the batch seeded sampling
+BUDGETS = {None: (1, 0), 16: (1, 0), "auto": (1, 0)}
+SAMPLED_BUDGETS = {None: (1, 0), 16: (1, 0), "auto": (1, 0)}  # half the batch seeded sampling
 _LONG = dict(max_tokens=64, ignore_eos=True)
 # request features on every row: (params, {budget: (syncs per step, in the window)}); penalties, bias and
 # min_tokens add none; logprobs add one read for all the asking rows

@@ -116,6 +116,8 @@ class Scheduler:
             spec.allocate_kv()
             spec.max_verify_tokens = self.workspace.max_verify_tokens
             spec.pad_for_graphs(self.runner.graph_batch_sizes)  # trees padded to captured widths (DESIGN 4.17)
+            if self.runner.graphs is None:  # no graph to capture first (CPU, the simulated device): probe now
+                spec.probe_cost()  # (else the warm-up does, once it captured them: ddtree_serve/server/warmup.py)
 
     # ---------------------------------------------------------------- requests in / out
     def add_request(self, req: GenerateReq) -> None:
