@@ -96,15 +96,10 @@ def test_auto_engine_on_the_device_path_equals_plain(default_model_path, monkeyp
     """Greedy, seeded and penalised requests with stops over three running slots, the auto budget on the device
     path (forced: the runner reports an accelerator): token for token plain decoding's, drafts accepted, trees
     drafted ahead and taken, the controller's curve learned from the reads, budgets one per step, no KV held."""
-    from benchmarks.common import CHAT_PROMPTS, chat_ids
-    from tests.speculative.test_draft_ahead import _requests
+    from tests.speculative.test_draft_ahead import KW, plain_refs
 
-    kw = dict(dtype="float32", max_total_tokens=16384, max_running_requests=3)
-    plain = Engine(default_model_path, **kw)
-    ids = chat_ids(plain.tokenizer, CHAT_PROMPTS)[:5]
-    params = _requests(eos=True)
-    refs = [(o.token_ids, o.finish_reason) for o in plain.generate(input_ids=ids, sampling_params=params)]
-    plain.shutdown()
+    ids, params, refs = plain_refs(default_model_path)  # (computed once for the package's device-path tests)
+    kw = KW
     monkeypatch.setattr(ModelRunner, "accelerated", property(lambda self: True))
     spec = Engine(default_model_path, speculative_algorithm="ddtree", draft_model_path="default",
                   ddtree_budget="auto", ddtree_max_budget=16, speculative_draft_sources="dflash", **kw)

@@ -6,6 +6,8 @@ and no KV slot leaked."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -127,17 +129,30 @@ def _requests(eos: bool) -> list[SamplingParams]:
             SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=17, stop_token_ids=(28,), **base)]
 
 
+KW = dict(dtype="float32", max_total_tokens=16384, max_running_requests=3)
+
+
+@functools.lru_cache(maxsize=1)
+def plain_refs(model_path: str) -> tuple[list, list, list]:
+    """Five chat prompts, ``_requests(eos=True)`` and plain decoding's (tokens, finish reason) of each, over three
+    running slots (shared by the device-path engine tests of this package)."""
+    from benchmarks.common import CHAT_PROMPTS, chat_ids
+
+    plain = Engine(model_path, **KW)
+    try:
+        ids = chat_ids(plain.tokenizer, CHAT_PROMPTS)[:5]
+        params = _requests(eos=True)
+        return ids, params, [(o.token_ids, o.finish_reason) for o in plain.generate(input_ids=ids,
+                                                                                      sampling_params=params)]
+    finally:
+        plain.shutdown()
+
+
 def test_engine_with_drafts_ahead_equals_plain(default_model_path, device_steps) -> None:
     """Five requests over three running slots (two join mid-decode after a prefill), twice (the second run hits
     the prefix cache): token for token plain decoding's, drafts accepted and taken ahead, no KV left held."""
-    from benchmarks.common import CHAT_PROMPTS, chat_ids
-
-    kw = dict(dtype="float32", max_total_tokens=16384, max_running_requests=3)
-    plain = Engine(default_model_path, **kw)
-    ids = chat_ids(plain.tokenizer, CHAT_PROMPTS)[:5]
-    params = _requests(eos=True)
-    refs = [(o.token_ids, o.finish_reason) for o in plain.generate(input_ids=ids, sampling_params=params)]
-    plain.shutdown()
+    ids, params, refs = plain_refs(default_model_path)
+    kw = KW
     spec = Engine(default_model_path, speculative_algorithm="ddtree", draft_model_path="default", ddtree_budget=16,
                   speculative_draft_sources="dflash", **kw)
     try:
