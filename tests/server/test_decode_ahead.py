@@ -38,10 +38,9 @@ def _run(path: str, ids, params) -> list[tuple]:
 
 def test_decode_ahead_equals_plain_decoding(default_model_path, monkeypatch) -> None:
     from benchmarks.common import CHAT_PROMPTS, chat_ids
+    from ddtree_serve.server.process_utils import load_tokenizer
 
-    eng = Engine(default_model_path, dtype="float32")
-    ids = chat_ids(eng.tokenizer, CHAT_PROMPTS)[:6]
-    eng.shutdown()
+    ids = chat_ids(load_tokenizer(default_model_path), CHAT_PROMPTS)[:6]  # the tokenizer Engine loads, no engine
     params = _params()
     refs = _run(default_model_path, ids, params)
     seen = {"launched": 0, "released": 0}

@@ -69,6 +69,8 @@ def test_greedy_lossless_copy_and_chat_default_model(default_model_path, copy_ch
     ids, ref = copy_chat_ref
     sp = SamplingParams(temperature=0, max_tokens=40)
     kw = {"draft_model_path": "default"} if "dflash" in sources else {}
+    if budget == "auto":  # small trees (CPU time), as test_adaptive_engine's shipped-drafter case: the controller
+        kw["ddtree_max_budget"] = 8  # still chooses each step among plain, suffix-only and drafted trees
     e = _engine(default_model_path, speculative_algorithm="ddtree", draft_sources=sources, ddtree_budget=budget,
                 **kw)
     assert e.config.speculative.draft_sources == sources

@@ -28,7 +28,9 @@ def windowed_drafter(tmp_path_factory) -> str:
     return str(out)
 
 
-SP = SamplingParams(temperature=0, max_tokens=40)
+# 24 tokens after prompts of > 2 windows: the drafter context ends near 4 windows (cap 8: 8 cap lengths), so the
+# window still drops keys throughout; drafts are accepted from the first steps (asserted below)
+SP = SamplingParams(temperature=0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
