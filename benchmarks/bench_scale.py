@@ -25,7 +25,7 @@ dependent shape or blocking copy. Each cell prefills ``batch`` requests, then me
   ``process`` (stops, outputs); detokenising and streaming run in the detokenizer process and are not counted.
 
     python benchmarks/bench_scale.py [--machines rtx-pro-6000,b300] [--batches 1,32,128] [--budgets 8,16,auto]
-        [--accept-prob 0.8] [--steps 8] [--prompt-len 128] [--vocab 128] [--cuda-graph-max-bs 0] [--threads 1]
+        [--accept-prob 0.8] [--steps 8] [--prompt-len 128] [--vocab 128] [--cuda-graph-max-bs N] [--threads 1]
         [--gathered-logits] [--out bench_out/scale.json]
 """
 
@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine  # noqa: E402
+from ddtree_serve.model_executor.cuda_graph_runner import DEFAULT_GRAPH_MAX_BS  # noqa: E402
 from ddtree_serve.model_executor.sampling_params import SamplingParams  # noqa: E402
 from ddtree_serve.server.engine import Engine  # noqa: E402
 from ddtree_serve.server.io_struct import GenerateReq  # noqa: E402
@@ -139,8 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=128, help="the synthetic vocabulary the host's tensors hold (the "
                     "full vocabulary's work is modelled device time)")
-    ap.add_argument("--cuda-graph-max-bs", type=int, default=0, help="forwards of up to this many requests replay a "
-                    "graph (one launch); 0: eager, as the presets run today")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="forwards of up to this many requests "
+                    "replay a graph (one launch); 0: eager; default: the largest batch (at most 256), as the presets "
+                    "run (a server captures up to --max-running-requests)")
     ap.add_argument("--threads", type=int, default=1, help="torch host threads (the host side is one thread)")
     ap.add_argument("--sites", action="store_true", help="print each cell's sync sites")
     ap.add_argument("--gathered-logits", action="store_true", help="all-gather every logits row under TP "
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "draw's exchange")
     ap.add_argument("--out", default="bench_out/scale.json")
     args = ap.parse_args(argv)
+    if args.cuda_graph_max_bs is None:
+        args.cuda_graph_max_bs = min(max(int(x) for x in args.batches.split(",")), DEFAULT_GRAPH_MAX_BS)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     info = machine()

@@ -110,6 +110,29 @@ def check_graphable(config: ModelConfig) -> None:
         )
 
 
+DEFAULT_GRAPH_MAX_BS = 256  # the default's cap: past it a step is long enough that launches are a small share
+
+
+def default_graph_max_bs(requested: int | None, config: ModelConfig, device: str, max_running: int,
+                         dcp: int = 1) -> tuple[int, str]:
+    """``--cuda-graph-max-bs`` resolved -> (the padded batch bound, 0 = eager; why). Given (``requested`` not
+    None): as given, 0 turning graphs off. By default (None) on for a forward that can be captured: CUDA, the
+    MLA model with the Triton backends (``check_graphable``), no decode context parallelism (its collectives
+    have not run captured), up to ``max_running`` requests (at most ``DEFAULT_GRAPH_MAX_BS``); eager otherwise,
+    with the reason, which start-up logs."""
+    if requested is not None:
+        return requested, "set by --cuda-graph-max-bs" if requested else "off: --cuda-graph-max-bs 0"
+    if not str(device).startswith("cuda"):
+        return 0, f"off: device {device}"
+    try:
+        check_graphable(config)
+    except ValueError as e:
+        return 0, f"off: {e}"
+    if dcp > 1:
+        return 0, "off: decode context parallelism (not run captured yet; --cuda-graph-max-bs N asks for it)"
+    return min(max_running, DEFAULT_GRAPH_MAX_BS), "on by default (--cuda-graph-max-bs 0 turns them off)"
+
+
 class GraphCapture(Protocol):
     """How the runner turns a forward over static buffers into a replayable graph."""
 

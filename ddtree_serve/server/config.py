@@ -66,8 +66,11 @@ class ModelArgs(Area):
     kv_cache_dtype: str = setting("auto", "KV cache dtype: auto (the model's dtype), bfloat16, or fp8_e4m3 (MLA "
                                   "models: the latent stored in float8 e4m3 with per-token scales, about half "
                                   "the bytes of bfloat16).", choices=("auto", "bfloat16", "fp8_e4m3"))
-    cuda_graph_max_bs: int = setting(0, "Replay decode and verify forwards of up to this many requests from CUDA "
-                                     "graphs (MLA models with the triton backends, CUDA only); 0 = off.", low=0)
+    cuda_graph_max_bs: int | None = setting(
+        None, "Replay decode, verify, draft and tree-build forwards of up to this many requests from CUDA graphs "
+        "(MLA models with the triton backends, CUDA only); 0 = off (eager).", low=0,
+        default_help="on CUDA for a model whose forward is captured (MLA with the triton backends, no decode "
+        "context parallelism): --max-running-requests, at most 256; eager otherwise")
     served_model_name: str | None = setting(None, "Model name in the API.", default_help="the --model-path value")
     enable_deterministic_inference: bool = setting(
         False, "Batch-invariant kernels (SGLang's name): a token's logits do not depend on the batch, the tree, the "

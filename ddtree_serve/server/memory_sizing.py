@@ -82,7 +82,10 @@ def size_startup_memory(config: ServerConfig, facts: ModelFacts, device: str, tp
     cache, max_reqs = config.cache, config.scheduler.max_running_requests + 1
     workspace = verify_workspace(facts.vocab_size, config.scheduler.max_running_requests, facts.budget,
                                  facts.block_size, cache.verify_workspace_gb)
-    graphs = graph_batch_sizes(config.model.cuda_graph_max_bs) if config.model.cuda_graph_max_bs > 0 else ()
+    max_bs = config.model.cuda_graph_max_bs
+    if max_bs is None:
+        raise ValueError("size_startup_memory needs the CUDA graph bound resolved (startup.resolve_cuda_graphs)")
+    graphs = graph_batch_sizes(max_bs) if max_bs > 0 else ()
     tp_size = config.parallel.tp_size
     columns = -(-facts.vocab_size // tp_size) if config.parallel.vocab_parallel_logits else facts.vocab_size
     drafted = max((facts.block_size or 1) - 1, 0) * columns if facts.captured_features else 0  # a DFlash drafter's

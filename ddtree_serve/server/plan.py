@@ -34,7 +34,12 @@ from ddtree_serve.model_executor.plan import (
 from ddtree_serve.server.config import ServerConfig
 from ddtree_serve.server.machines import GPU_MEMORY_GIB
 from ddtree_serve.server.memory_sizing import ModelFacts, StartupSizing, size_startup_memory
-from ddtree_serve.server.startup import is_default_path, resolve_config, target_model_config
+from ddtree_serve.server.startup import (
+    is_default_path,
+    resolve_config,
+    resolve_cuda_graphs,
+    target_model_config,
+)
 from ddtree_serve.speculative.worker_shape import drafter_model_config, resolve_block, step_shape
 
 
@@ -176,6 +181,7 @@ def make_plan(config: ServerConfig, gpu_memory_gb: float | None = None, overhead
     config = resolve_config(config)
     m, spec = config.model, config.speculative
     target = target_model_config(config)
+    config = resolve_cuda_graphs(config, target)  # the bound serving captures up to (its reserve below)
     drafter = drafter_model_config(spec.draft_model_path, target, m.device) if spec.uses_drafter else None
     dcp = config.parallel.decode_context_parallel_size
     if dcp > 1 and not getattr(get_model_class(target.architecture), "supports_dcp", False):

@@ -4,7 +4,9 @@
 speculation, ``speculative_draft_model_path`` are existing directories, the drafter's checked to be a DFlash
 drafter for the target (``check_drafter``, before any weights load), ``"default"`` replaced by the
 shipped model / drafter; ``device`` is ``cpu`` or ``cuda``). Everything below it (``make_scheduler``,
-``Scheduler``, ``SpecWorker.create``, the TP ranks) reads those fields as they are and resolves nothing.
+``Scheduler``, ``SpecWorker.create``, the TP ranks) reads those fields as they are; the one thing resolved
+later is the CUDA graph bound's default, which needs the loaded target's kernel backends
+(``resolve_cuda_graphs``, called by the scheduler and by ``plan``).
 
 ``check_kimi_tokenizer`` guards the loaded tokenizer when a Kimi parser is selected: the markers the parsers
 rely on must each be one token, with the id the checkpoint declares (transformers 5.4.0-5.5.3 load Kimi's
@@ -15,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.models.dflash_keys import unimplemented_keys
 from ddtree_serve.server.config import ServerConfig, SpeculativeArgs, flat_name, is_default_path
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> str:
@@ -130,6 +135,22 @@ def target_model_config(config: ServerConfig) -> ModelConfig:
                             vision=config.server.max_images_per_request > 0,  # 0: text only
                             deterministic_inference=m.enable_deterministic_inference,
                             video=config.server.max_videos_per_request > 0)
+
+
+def resolve_cuda_graphs(config: ServerConfig, target: ModelConfig) -> ServerConfig:
+    """``config`` with ``cuda_graph_max_bs`` concrete for ``target`` (its resolved kernel backends): the
+    default (None) on where the forward can be captured, else 0 (``cuda_graph_runner.default_graph_max_bs``);
+    the choice is logged. The scheduler and ``plan`` resolve alike, so the plan reserves what serving
+    captures."""
+    from ddtree_serve.model_executor.cuda_graph_runner import default_graph_max_bs
+
+    m = config.model
+    if m.cuda_graph_max_bs is not None:
+        return config
+    max_bs, why = default_graph_max_bs(None, target, m.device, config.scheduler.max_running_requests,
+                                       config.parallel.decode_context_parallel_size)
+    logger.info("CUDA graphs %s%s", f"up to batch {max_bs}: " if max_bs else "", why)
+    return config.replace("model", cuda_graph_max_bs=max_bs)
 
 
 def resolve_draft_sources(config: ServerConfig) -> str:

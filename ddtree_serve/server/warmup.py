@@ -63,10 +63,15 @@ def warm_up(scheduler, kernel_shapes: bool | None = None) -> WarmupReport:  # no
     runner, spec = scheduler.runner, scheduler.spec
     budget = spec.budget if spec is not None else None
     layer_ids = spec.capture_layer_ids if spec is not None else ()
-    graphs = _capture_graphs(runner, layer_ids, budget, spec.max_verify_tokens if spec is not None else None,
-                             spec is not None and spec.auto)
+    try:
+        graphs = _capture_graphs(runner, layer_ids, budget, spec.max_verify_tokens if spec is not None else None,
+                                 spec is not None and spec.auto)
+        if spec is not None:
+            graphs += spec.capture_graphs()  # the drafter's and the tree build's (none captured at first use)
+    except RuntimeError as e:  # CUDA graphs are on by default where the model captures: say how to turn them off
+        raise RuntimeError(f"CUDA graph capture failed ({e}); start with --cuda-graph-max-bs 0 to run the "
+                           "forwards eagerly (docs/DEPLOY.md 'CUDA graphs')") from e
     if spec is not None:
-        graphs += spec.capture_graphs()  # the drafter's and the tree build's (none captured at first use)
         spec.probe_cost()  # the auto budget's cost probe, over the graphs just captured (once)
     if kernel_shapes is None:
         kernel_shapes = runner.device.type == "cuda" and runs_triton(runner.config)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_serve.model_executor.memory import GIB
+from ddtree_serve.model_executor.cuda_graph_runner import graph_batch_sizes
+from ddtree_serve.model_executor.memory import GIB, runtime_reserve
 from ddtree_serve.model_executor.model_config import ModelConfig
 from ddtree_serve.model_executor.parallel_state import TPGroup
 from ddtree_serve.model_executor.plan import meta_model, module_bytes, rank_models, weight_breakdown
@@ -51,14 +52,16 @@ def test_b300_preset_plan_kimi_weights_kv_and_pool(kimi_dir, capsys) -> None:
     assert plan["device_memory_bytes"] == 288 * GIB and plan["memory"].endswith("(machine b300)")
     workspace = 128 * 129 * 163840 * 16
     assert plan["workspace_bytes"] == workspace and plan["max_verify_tokens"] == 128 * 129
-    assert plan["nccl_reserve_bytes"] == GIB and plan["graph_reserve_bytes"] == 0  # TP 8 (NCCL), no graphs
+    # TP 8 (NCCL); CUDA graphs up to 128 requests x 129 tree tokens (the preset's cuda_graph_max_bs)
+    graphs = runtime_reserve("cuda", 8, graph_batch_sizes(128), 129, 262144, 7168, 2).graph_bytes
+    assert plan["nccl_reserve_bytes"] == GIB and plan["graph_reserve_bytes"] == graphs > 128 * 262144 * 8
     # the MoonViT tower (replicated, BF16) and its activation peak for the largest image
     assert 0.85e9 < plan["weight_breakdown"]["vision tower+proj"] < 1.0e9
     encoder = plan["encoder_reserve_bytes"]
     # the largest image: in_patch_limit 16384 (no preprocessor_config.json here: the published default) plus the
     # merge padding of a 512-patch side, (16384 + 2 * 512 + 1) patches, with a fused attention kernel
     assert encoder == (16384 + 2 * 512 + 1) * ((6 * 1152 + 4304) * 2 + 2 * 1152 * 4)
-    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace - GIB - encoder) // (61 * 576 * 2)
+    expect = (int(0.90 * 288 * GIB) - weights - 2 * GIB - workspace - GIB - graphs - encoder) // (61 * 576 * 2)
     assert plan["kv_tokens"] == expect and plan["kv_source"] == "mem_fraction_static"
     assert plan["log_line"].startswith(f"KV pool: {expect} tokens x 70272 B")
     # text only (--max-images-per-request 0): no tower, no encoder reserve, the difference goes to the KV pool
@@ -68,7 +71,7 @@ def test_b300_preset_plan_kimi_weights_kv_and_pool(kimi_dir, capsys) -> None:
     assert "vision tower+proj" not in text["weight_breakdown"] and text["encoder_reserve_bytes"] == 0
     assert text["weight_bytes_per_rank"] == weights - plan["weight_breakdown"]["vision tower+proj"]
     assert text["kv_tokens"] == (int(0.90 * 288 * GIB) - text["weight_bytes_per_rank"] - 2 * GIB - workspace
-                                 - GIB) // (61 * 576 * 2)
+                                 - GIB - graphs) // (61 * 576 * 2)
     # The B300 preset on 96 GiB GPUs: serve's start-up error (weights + the 128 x 128 workspace leave no pool).
     assert main(["plan", "--config", str(CONFIGS / "kimi-k2.6-8x-b300.yaml"), "--model-path", str(kimi_dir),
                  *NO_DRAFTER, "--gpu-memory-gb", "96"]) == 2

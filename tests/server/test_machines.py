@@ -21,7 +21,8 @@ def test_mismatch_rule() -> None:
 
 
 def test_startup_sizing_warns_on_cuda_only(caplog) -> None:
-    config = ServerConfig.from_flat({"machine": "b300", "device": "cuda", "max_running_requests": 4})
+    config = ServerConfig.from_flat({"machine": "b300", "device": "cuda", "max_running_requests": 4,
+                                      "cuda_graph_max_bs": 0})
     probe = lambda _dev: (96 * GIB, 80 * GIB)  # noqa: E731  an RTX PRO 6000 with the weights resident
     with caplog.at_level(logging.WARNING):
         sizing = size_startup_memory(config, FACTS, "cuda", None, probe)

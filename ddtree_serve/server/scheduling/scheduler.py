@@ -42,7 +42,7 @@ from ddtree_serve.server.scheduling.kv_manager import ReqKVManager
 from ddtree_serve.server.scheduling.prompt_scoring import score_prompt_chunk
 from ddtree_serve.server.scheduling.request import AdmissionError, Req
 from ddtree_serve.server.scheduling.spec_counters import SpecCounters
-from ddtree_serve.server.startup import is_resolved, target_model_config
+from ddtree_serve.server.startup import is_resolved, resolve_cuda_graphs, target_model_config
 from ddtree_serve.speculative.spec_worker import SpecWorker
 from ddtree_serve.speculative.types import OutOfKVSlots
 
@@ -64,9 +64,9 @@ class Scheduler:
         once to size the KV pool."""
         if not is_resolved(config):
             raise ValueError("Scheduler needs a resolved config (ddtree_serve.server.startup.resolve_config)")
-        self.config = config
-        self.model_path, device = config.model.model_path, config.model.device
         self.model_config = target_model_config(config)
+        self.config = config = resolve_cuda_graphs(config, self.model_config)  # a concrete graph bound
+        self.model_path, device = config.model.model_path, config.model.device
         self.max_context_len = config.model.context_length or self.model_config.max_context_len
         self.eos_token_ids = self.model_config.eos_token_ids
         self.vocab_size = self.model_config.vocab_size  # token ids (prompt, logit_bias) are below it
