@@ -200,6 +200,9 @@ class CudaGraphRunner:
         self.kv_indices = torch.zeros(self.max_bs, max_context, dtype=torch.int64, device=self.device)
         self.prefix_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)
         self.tokens: dict[int, dict[str, torch.Tensor]] = {}  # per q: [max_bs * q] token-level buffers
+        # per (q, captured width): [max_bs * q, H] and [max_bs * q, C] outputs every graph of that q writes, so
+        # graphs of other batch sizes share them instead of each keeping its own (``forward`` copies them out)
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.frozen = False  # set by ``freeze``: no capture at first use from then on
         self.captures = 0  # graphs captured (ahead of use or at first use)
         self.replays: Counter[GraphKey] = Counter()  # forwards served from each graph
@@ -297,8 +300,14 @@ class CudaGraphRunner:
     def _make(self, fb: ForwardBatch) -> _Graph:
         """Warm up and capture the forward of the static batch ``fb``, already filled with the step's batch."""
 
-        def run() -> ModelOutput:
-            return self.model(fb, self.kv, self.backend)
+        def run() -> ModelOutput:  # the model's own outputs are pool temporaries; the shared buffers keep them
+            out = self.model(fb, self.kv, self.backend)
+            hidden, captured = self._outputs(fb.max_q, out)
+            t = out.hidden.shape[0]
+            hidden[:t].copy_(out.hidden)
+            if captured is not None:
+                captured[:t].copy_(out.captured)
+            return ModelOutput(hidden[:t], captured[:t] if captured is not None else None)
 
         self.captures += 1
         if self.capturer is None:
@@ -306,6 +315,17 @@ class CudaGraphRunner:
         for _ in range(2):  # compiles the Triton kernels and settles the allocator outside the capture
             self.capturer.warm_up(run)
         return _Graph(fb, self.capturer.capture(run))
+
+    def _outputs(self, q: int, out: ModelOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The shared output buffers of every graph with ``q`` tokens per request (allocated at the first, before
+        any capture uses them: a warm-up forward runs first)."""
+        width = out.captured.shape[-1] if out.captured is not None else 0
+        if (q, width) not in self.outputs:
+            n = self.max_bs * q
+            hidden = out.hidden.new_empty(n, out.hidden.shape[-1])  # [max_bs * q, H]
+            captured = out.captured.new_empty(n, width) if out.captured is not None else None  # [max_bs * q, C]
+            self.outputs[(q, width)] = (hidden, captured)
+        return self.outputs[(q, width)]
 
     @staticmethod
     def _pad(st: ForwardBatch) -> None:

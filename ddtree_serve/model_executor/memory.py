@@ -26,8 +26,9 @@ The server and ``ddtree-serve plan`` compute their numbers with these same funct
   need more: raise ``--mem-fraction-static`` headroom there) and the CUDA graphs (captured at the warm-up):
   their static inputs, counted exactly (``kv_indices [max_bs, max_context]`` int64 and the small per-request
   buffers), and their shared memory pool, estimated as ``GRAPH_ACTIVATION_ROWS`` hidden-sized rows per token
-  of the largest captured forward (``max_bs x max_q`` tokens) plus every graph's output rows, the graphed
-  drafts' float32 logits (``[pad_bs, block - 1, V / tp]`` per padded size) included.
+  of the largest captured forward (``max_bs x max_q`` tokens) plus the output rows the graphs share (one
+  ``[max_bs x q]`` buffer per tokens-per-request q: ``cuda_graph_runner``), the graphed drafts' float32 logits
+  (``[pad_bs, block - 1, V / tp]`` per padded size) included.
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ def runtime_reserve(device_type: str, tp_size: int, graph_batch_sizes: tuple[int
         max_bs, q = max(graph_batch_sizes), max(graph_max_q, 1)
         static = max_bs * max_context * 8 + max_bs * q * (8 * 4 + q)  # kv_indices; ids, positions, slots; tree mask
         pool = max_bs * q * hidden_size * dtype_bytes * GRAPH_ACTIVATION_ROWS
-        outputs = 2 * sum(graph_batch_sizes) * q * (hidden_size + captured_features) * dtype_bytes  # decode + verify
+        # one output buffer per tokens-per-request q, shared by its graphs of every batch size: decode's 1 and
+        # the verify widths up to q (the auto budget's 2, 3, 5, 9, ..., q sum to under 2q + log2 q)
+        outputs = max_bs * (2 * q + q.bit_length()) * (hidden_size + captured_features) * dtype_bytes
         drafts = sum(graph_batch_sizes) * draft_logit_columns * 4  # the graphed drafts' logits (draft_graphs.py)
         graphs = static + pool + outputs + drafts
     return RuntimeReserve(nccl, graphs)

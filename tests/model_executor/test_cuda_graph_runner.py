@@ -178,7 +178,8 @@ def check_capture_after_use(tmp_path, dev: str, capture) -> None:
     for mode, q in MODES:
         with torch.inference_mode():
             first = _step(r, mode, q, [0, 1, 2], lens, 60 + q)
-            graphs.forward(first)  # captures padded size 4 for this q
+            held = graphs.forward(first)  # captures padded size 4 for this q
+            kept = held.hidden.clone()
             for k in r.kv.k:  # the first step's slots now belong to other requests
                 k[first.out_cache_loc] = torch.randn(k[first.out_cache_loc].shape, generator=g).to(k.device)
             live = _pool(r)
@@ -190,7 +191,10 @@ def check_capture_after_use(tmp_path, dev: str, capture) -> None:
             after = _pool(r)
             _restore(r, live)
             want = r.forward(second)
+        # both sizes write one output buffer per q; what forward returned is a copy the next replay leaves alone
+        assert torch.equal(held.hidden, kept)
         for layer, (before, now) in enumerate(zip(live, after, strict=True)):
             keep = _outside(before.shape[0], second.out_cache_loc)
             assert torch.equal(now[keep], before[keep]), (mode, layer)
         torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-4)
+    assert sorted(q for q, _ in graphs.outputs) == [1, 4]  # per q (decode, verify), not per graph

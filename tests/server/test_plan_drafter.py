@@ -60,4 +60,4 @@ def test_short_preset_with_the_drafter(dirs, capsys) -> None:
                       "--speculative-draft-model-path", str(drafter), "--json")
     assert code == 0
     plan = json.loads(out)
-    assert (plan["kv_tokens"], plan["kv_bytes_per_token"]) == (49061, 70272 + 3072)  # docs/DEPLOY.md (CUDA graphs on)
+    assert (plan["kv_tokens"], plan["kv_bytes_per_token"]) == (53765, 70272 + 3072)  # docs/DEPLOY.md (CUDA graphs on)
