@@ -56,19 +56,20 @@ SPEC_LAPS = {"draft": "draft", "build": "build", "verify_forward": "verify_input
 
 
 def _engine(target: str, drafter: str, batch: int, budget: int | str | None, tokens: int, graphs: int,
-            vocab_parallel: bool = True) -> Engine:
+            vocab_parallel: bool = True, sources: str = "dflash") -> Engine:
     spec = dict(speculative_algorithm="ddtree", speculative_draft_model_path=drafter, ddtree_budget=budget,
-                speculative_draft_sources="dflash") if budget else {}
+                speculative_draft_sources=sources) if budget else {}
     return Engine(target, device="cpu", dtype="float32", max_running_requests=batch, disable_radix_cache=True,
                   max_total_tokens=batch * tokens + 4096, chunked_prefill_size=8192, cuda_graph_max_bs=graphs,
                   vocab_parallel_logits=vocab_parallel, **spec)
 
 
 def run_cell(target: str, drafter: str, batch: int, budget: int | str | None, steps: int, prompt_len: int,
-             graphs: int = 0, vocab_parallel: bool = True, temperature: float = 0.0) -> dict:
-    """Prefill ``batch`` requests, then time ``steps`` decode steps; returns the cell's row."""
+             graphs: int = 0, vocab_parallel: bool = True, temperature: float = 0.0, sources: str = "dflash") -> dict:
+    """Prefill ``batch`` requests, then time ``steps`` decode steps; returns the cell's row. ``sources``: the
+    draft sources (``dflash``; ``dflash,suffix`` as the presets' ``auto`` resolves with a drafter)."""
     max_tokens = steps * 20 + 8  # never finishes within the measured steps
-    eng = _engine(target, drafter, batch, budget, prompt_len + max_tokens + 80, graphs, vocab_parallel)
+    eng = _engine(target, drafter, batch, budget, prompt_len + max_tokens + 80, graphs, vocab_parallel, sources)
     sched = eng.scheduler
     runner = sched.runner
     clock = runner.model.clock
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "(vocab_parallel_logits off); default: vocabulary-parallel, O(1) bytes a row")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample every request (seeded): the sharded "
                     "draw's exchange")
+    ap.add_argument("--draft-sources", default="dflash", help="DDTree's draft sources: dflash, or dflash,suffix (what "
+                    "the presets' auto resolves to with a drafter)")
     ap.add_argument("--out", default="bench_out/scale.json")
     args = ap.parse_args(argv)
     if args.cuda_graph_max_bs is None:
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
             for batch in (int(x) for x in args.batches.split(",")):
                 for budget in (None, *(x if x == "auto" else int(x) for x in args.budgets.split(","))):
                     row = run_cell(target, drafter, batch, budget, args.steps, args.prompt_len,
-                                   args.cuda_graph_max_bs, not args.gathered_logits, args.temperature)
+                                   args.cuda_graph_max_bs, not args.gathered_logits, args.temperature,
+                                   args.draft_sources)
                     row["machine"], row["logits_bytes_per_row"] = name, per_row
                     rows.append(row)
                     phases = " ".join(f"{k}={v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)

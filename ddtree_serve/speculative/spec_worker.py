@@ -50,6 +50,7 @@ from ddtree_serve.speculative.host_tree import host_tree
 from ddtree_serve.speculative.plain_step import plain_step
 from ddtree_serve.speculative.step_cost import StepCostModel
 from ddtree_serve.speculative.step_timer import StepTimer
+from ddtree_serve.speculative.suffix_gate import SuffixGate, evidence_ratios
 from ddtree_serve.speculative.suffix_index import SuffixConfig, SuffixProposer
 from ddtree_serve.speculative.tree_forward import (
     VerifyInputs,
@@ -83,6 +84,8 @@ class SpecWorker:
                                                   else None)
         self.depth_limit = self.block_size - 1  # the drafter's deepest level
         self.suffix = SuffixProposer(suffix) if suffix is not None else None
+        # on an accelerator, which steps' suffix drafts leave the device path (suffix_gate.py); with both sources
+        self.suffix_gate = SuffixGate(self.block_size) if suffix is not None and drafter is not None else None
         self.tree_depth = max(self.depth_limit, suffix.max_depth if suffix is not None else 0)  # any source's
         self.accept_thresholds = accept_thresholds
         self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
@@ -261,6 +264,12 @@ class SpecWorker:
         max_depths = [q.remaining_tokens - 1 for q in reqs]  # deeper nodes could never be emitted
         useful = max(max_depths) > 0
         suffix = step_suffix_drafts(self.suffix, reqs, max_depths, r.tp) if useful and self.suffix is not None else None
+        grammars = [q.grammar for q in reqs]
+        mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
+        if suffix is not None and self.suffix_gate is not None and r.accelerated and not mask_drafts:
+            admit = self.suffix_gate.admits(suffix, ctl.suffix_ratios(sampled, suffix) if ctl is not None
+                                            else evidence_ratios(suffix))
+            suffix = suffix if r.tp.broadcast_object(admit) else None  # (rank 0's ratios decide) none: device path
         draft_fits = useful and self.drafter is not None
         if ctl is not None:
             room += ahead.held if ahead is not None else 0  # a forward launched ahead holds this step's slots
@@ -271,8 +280,6 @@ class SpecWorker:
             plan = DRAFT if draft_fits else SUFFIX_ONLY if suffix is not None else PLAIN
         if plan == PLAIN:
             return plain_step(self, reqs, rows, root_pos, root_ids, sampled, None)
-        grammars = [q.grammar for q in reqs]
-        mask_drafts = self.mask_drafts and any(g is not None for g in grammars)
         idx = upload(rows, dev, torch.int64)  # [bs] asynchronous copies (model_executor/uploads.py)
         cached = upload(root_pos, dev, torch.int64)  # [bs]
         roots = upload(root_ids, dev, torch.int64)  # [bs]
@@ -359,6 +366,8 @@ class SpecWorker:
         n_used = read["num_nodes"] if n_used is None else n_used  # [bs] nodes per tree
         out = commit(r, reqs, tree, res, tree_slots, eos_ids, placed=host.tokens, paths=(read["accept"],
                                                                                           read["emitted"]))
+        if self.suffix_gate is not None:
+            self.suffix_gate.observe([len(o.tokens) for o in out])
         if self.ahead is not None:  # the draft ahead assumed every request goes on
             self.ahead.expected = {q.rid: q.num_cached for q in reqs}
         if want_lp:
