@@ -16,7 +16,7 @@ Before the requests, two more things (issue 33 item 4: nothing compiles or captu
   (``cuda_graph_runner.serving_graph_keys``: decode and the full-tree verify at every padded batch size),
   then the runner is frozen: from then on a batch without its graph runs eagerly, nothing is captured at
   first use. The count and the time are logged. With speculation the drafter's and the tree build's graphs
-  follow (``SpecWorker.capture_graphs``), then the auto budget's cost probe, which times the graphed steps.
+  follow (``worker_graphs.capture_graphs``), then the auto budget's cost probe, which times the graphed steps.
 - Triton kernel shapes (on CUDA, whenever the target runs a Triton MLA or MoE kernel): Triton compiles one
   kernel per specialization of its integer arguments (divisible by 16 or not), so eager forwards over
   synthetic batches run every shape family serving meets: extend, decode and verify with a key count
@@ -37,6 +37,7 @@ import torch
 from ddtree_serve.model_executor.forward_batch import ForwardMode, build_forward_batch
 from ddtree_serve.model_executor.sampling_params import SamplingParams
 from ddtree_serve.server.io_struct import GenerateReq
+from ddtree_serve.speculative.worker_graphs import capture_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def warm_up(scheduler, kernel_shapes: bool | None = None) -> WarmupReport:  # no
         graphs = _capture_graphs(runner, layer_ids, budget, spec.max_verify_tokens if spec is not None else None,
                                  spec is not None and spec.auto)
         if spec is not None:
-            graphs += spec.capture_graphs()  # the drafter's and the tree build's (none captured at first use)
+            graphs += capture_graphs(spec)  # the drafter's and the tree build's (none captured at first use)
     except RuntimeError as e:  # CUDA graphs are on by default where the model captures: say how to turn them off
         raise RuntimeError(f"CUDA graph capture failed ({e}); start with --cuda-graph-max-bs 0 to run the "
                            "forwards eagerly (docs/DEPLOY.md 'CUDA graphs')") from e

@@ -35,7 +35,6 @@ from ddtree_serve.speculative.auto_device import (
     next_budget,
     pop_width,
     step_times,
-    tree_graph_keys,
     tree_tensors,
 )
 from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
@@ -43,7 +42,7 @@ from ddtree_serve.speculative.commit import attach_logprobs, commit, commit_path
 from ddtree_serve.speculative.ddtree import SUFFIX, DraftTree, draft_topk
 from ddtree_serve.speculative.deferred_context import DeferredContext
 from ddtree_serve.speculative.draft_ahead import DraftAhead, draft_next
-from ddtree_serve.speculative.draft_graphs import DraftGraphs, graphed_draft
+from ddtree_serve.speculative.draft_graphs import DraftGraphs
 from ddtree_serve.speculative.draft_loading import load_draft_sources
 from ddtree_serve.speculative.draft_sources import step_suffix_drafts
 from ddtree_serve.speculative.host_tree import host_tree
@@ -59,7 +58,7 @@ from ddtree_serve.speculative.tree_forward import (
     run_verify,
     verify_forward,
 )
-from ddtree_serve.speculative.tree_graphs import DeviceTreeBuilder, graphed_tree_builder
+from ddtree_serve.speculative.tree_graphs import DeviceTreeBuilder
 from ddtree_serve.speculative.types import DecodeResult, OutOfKVSlots, SpecRequest, SpecSettings
 from ddtree_serve.speculative.verify import verify_tree
 from ddtree_serve.speculative.worker_shape import step_shape
@@ -90,8 +89,8 @@ class SpecWorker:
         self.accept_thresholds = accept_thresholds
         self.max_verify_tokens: int | None = None  # per-step cap on verified tree tokens (roots included)
         self.verify_widths: dict[int, tuple[int, ...]] = {}  # padded batch size -> captured tree widths ({}: ragged)
-        self.tree_builder = DeviceTreeBuilder()  # fixed budgets' device-built trees (graphed: pad_for_graphs)
-        self.draft_graphs: DraftGraphs | None = None  # the drafter's forward as graph replays (pad_for_graphs)
+        self.tree_builder = DeviceTreeBuilder()  # fixed budgets' device-built trees (graphed: worker_graphs.py)
+        self.draft_graphs: DraftGraphs | None = None  # the drafter's forward as graph replays (worker_graphs.py)
         self.capture_layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.draft_kv: KVCache | None = None
         self.draft_backend = None
@@ -154,32 +153,6 @@ class SpecWorker:
                            "LOSSY (outputs no longer follow the target distribution)", *thresholds)
         return cls(settings.algorithm, drafter, settings.ddtree_budget, bsz, runner, settings.ddtree_max_budget,
                    thresholds, suffix=suffix)
-
-    def pad_trees_to(self, widths: dict[int, tuple[int, ...]]) -> None:
-        """Pad a verify forward to the smallest captured width (nodes + root per request) of its padded batch size
-        (``widths``: padded batch size -> widths, ``cuda_graph_runner.verify_widths``) that holds its widest tree,
-        so it replays a captured CUDA graph (docs/DESIGN.md 4.17): the padding slots are the tree's unused slots
-        (no link reaches them, never accepted), run through the forward and freed by the commit. A step with no
-        such width, or whose padded trees would pass its verify cap, stays ragged (eager)."""
-        self.verify_widths = dict(sorted(widths.items()))  # ascending: the first that holds a batch
-
-    def pad_for_graphs(self, graph_batch_sizes: tuple[int, ...]) -> None:
-        """With CUDA graphs on (``graph_batch_sizes``; after ``max_verify_tokens`` is set): pad to the widths the
-        server captures (``cuda_graph_runner.serving_graph_keys``)."""
-        if graph_batch_sizes:
-            from ddtree_serve.model_executor.cuda_graph_runner import serving_graph_keys, verify_widths
-
-            self.pad_trees_to(verify_widths(serving_graph_keys(graph_batch_sizes, self.capture_layer_ids,
-                                                               self.budget, self.max_verify_tokens, self.auto)))
-            self.tree_builder = graphed_tree_builder(self.runner, graph_batch_sizes)  # (speculative/tree_graphs.py)
-            self.draft_graphs = graphed_draft(self.runner, graph_batch_sizes, self.drafter, self.draft_kv,
-                                              self.block_size)  # (speculative/draft_graphs.py)
-
-    def capture_graphs(self) -> int:
-        """The drafter's and the tree build's graphs captured ahead of their first use (the warm-up, after the
-        target's: ``auto_device.tree_graph_keys``); how many were new."""
-        n = self.draft_graphs.prepare() if self.draft_graphs is not None else 0
-        return n + sum(self.tree_builder.prepare(key, self.runner.device) for key in tree_graph_keys(self))
 
     @property
     def max_step_tokens(self) -> int:

@@ -17,7 +17,7 @@ eager path uses the batch's depth caps): a looser bound only runs more pointer j
 Captures: ``CudaCapture`` on a GPU (the target's graphs' protocol, ddtree_serve/model_executor/cuda_graph_runner.py;
 a pool of their own); under the simulated device ``ReplayByRunning``, whose replay runs the recorded function
 inside ``kernels.dispatch.graph_replay`` (charged as one replay; a sync inside fails, as a capture would).
-The warm-up captures the graphs a server will build with (``SpecWorker.capture_graphs``: every padded batch size
+The warm-up captures the graphs a server will build with (``worker_graphs.capture_graphs``: every padded batch size
 at each budget it may take, the auto budget's allowed ones included); any other key is captured at its first use
 (a few milliseconds).
 """
@@ -113,7 +113,7 @@ class DeviceTreeBuilder:
 
     def prepare(self, key: tuple, dev: torch.device) -> bool:
         """Capture the graph of ``key`` (``(pad_bs, depth, K, budget, width, chain, pop_width)``, as ``build``
-        forms it) ahead of its first use (the warm-up: ``SpecWorker.capture_graphs``); whether one was captured."""
+        forms it) ahead of its first use (the warm-up: ``worker_graphs.capture_graphs``); whether one was captured."""
         if self.capture is None or key in self.graphs:
             return False
         self._capture(key, dev)

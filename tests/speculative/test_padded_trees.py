@@ -17,6 +17,7 @@ from ddtree_serve.model_executor.models.simulated import greedy_continuation
 from ddtree_serve.server.engine import Engine, SamplingParams
 from ddtree_serve.sim.checkpoint import write_simulated_pair
 from ddtree_serve.speculative.spec_worker import SpecWorker
+from ddtree_serve.speculative.worker_graphs import pad_trees_to
 from tests.speculative.test_adaptive_engine import _set_costs
 from tests.speculative.test_seeded_lossless import _check, plain_refs  # noqa: F401  (plain_refs: the fixture)
 
@@ -44,7 +45,7 @@ def test_padded_trees_seeded_and_greedy_equal_plain(plain_refs, default_model_pa
     try:
         worker = spec.scheduler.spec
         widths = (17,) if budget == 16 else auto_verify_widths(worker.budget)
-        worker.pad_trees_to({8: widths})
+        pad_trees_to(worker, {8: widths})
         if budget == "auto":  # every step drafts, whatever the machine's load (exactness is the point here)
             _set_costs(spec, 1e-7)
         calls.clear()  # (the start-up warm-up's verify forwards ran before the padding was set)

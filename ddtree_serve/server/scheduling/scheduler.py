@@ -45,6 +45,7 @@ from ddtree_serve.server.scheduling.spec_counters import SpecCounters
 from ddtree_serve.server.startup import is_resolved, resolve_cuda_graphs, target_model_config
 from ddtree_serve.speculative.spec_worker import SpecWorker
 from ddtree_serve.speculative.types import OutOfKVSlots
+from ddtree_serve.speculative.worker_graphs import pad_for_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Scheduler:
         if spec is not None:
             spec.allocate_kv()
             spec.max_verify_tokens = self.workspace.max_verify_tokens
-            spec.pad_for_graphs(self.runner.graph_batch_sizes)  # trees padded to captured widths (DESIGN 4.17)
+            pad_for_graphs(spec, self.runner.graph_batch_sizes)  # trees padded to captured widths (DESIGN 4.17)
             if self.runner.graphs is None:  # no graph to capture first (CPU, the simulated device): probe now
                 spec.probe_cost()  # (else the warm-up does, once it captured them: ddtree_serve/server/warmup.py)
 
