@@ -67,6 +67,7 @@ from ddtree_serve.speculative.calibration import AcceptanceCalibrator
 from ddtree_serve.speculative.ddtree import DFLASH, SUFFIX, DraftTree, PoppedNodes
 from ddtree_serve.speculative.rate_correction import RateCorrection
 from ddtree_serve.speculative.step_cost import StepCostModel
+from ddtree_serve.speculative.suffix_choice import suffix_choice
 from ddtree_serve.speculative.suffix_index import MATCH_KEY_CAP
 
 GREEDY, SAMPLED = 0, 1
@@ -134,7 +135,7 @@ class BudgetController:
         s_rate, gains = 0.0, None
         if suffix is not None and suffix.counts.any():
             gains = self.gains(suffix, sampled)  # [bs, S]
-            budgets, s_rate = self._suffix_choice(gains, max_verify_tokens)
+            budgets, s_rate = suffix_choice(self, gains, max_verify_tokens)
             s_rate = s_rate if budgets.any() else 0.0
         suffix_ok = s_rate > self._plain_rate(bs) * (1 + self.config.draft_margin)
         self._exploring = self._planned_plain = False
@@ -402,14 +403,3 @@ class BudgetController:
             "suffix_predicted_accepted": self.calib_suffix.predicted_total.tolist(),
             "suffix_observed_accepted": self.calib_suffix.observed_total.tolist(),
         }
-
-    def choose_suffix(self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
-                      ) -> np.ndarray:
-        """Budgets [bs] for a suffix-only step (``plan_step`` chose SUFFIX_ONLY; no drafter cost)."""
-        return self._suffix_choice(self.gains(popped, sampled), max_verify_tokens)[0]
-
-    def _suffix_choice(self, gains: np.ndarray, max_verify_tokens: int | None) -> tuple[np.ndarray, float]:
-        """``choose_budgets`` priced without a drafter forward."""
-        bs = gains.shape[0]
-        return choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=False), max_verify_tokens,
-                              self.padded, self.widths_for(bs))
