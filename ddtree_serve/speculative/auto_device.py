@@ -84,11 +84,13 @@ def device_budget(worker: Any, sampled: np.ndarray, cap: int | None, ahead: Any)
 
 def next_budget(worker: Any, sampled: np.ndarray, cap: int | None, current: tuple[int, int]) -> tuple[int, int]:
     """The budget and width the step ahead is drafted at: ``current`` (this step's) for a fixed budget; the auto
-    budget's choice now, from the curve before this step's read (0: none fits ``cap``)."""
+    budget's choice now, from the curve before this step's read (0: none fits ``cap``, or no curve yet: the next
+    step is drafted after this step's read and chooses from the curve it brings, where a draft ahead would take
+    the first draft's smallest tree a second time)."""
     ctl = worker.controller
     if ctl is None:
         return current
-    b = int(worker.runner.tp.broadcast_object(ctl.device_budget(sampled, cap)))
+    b = int(worker.runner.tp.broadcast_object(ctl.device_budget(sampled, cap) if ctl.curve_steps.any() else 0))
     return b, padded_width(worker.verify_widths, len(sampled), 1 + b, cap) or b + 1
 
 

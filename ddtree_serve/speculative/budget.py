@@ -67,6 +67,7 @@ from ddtree_serve.speculative.calibration import AcceptanceCalibrator
 from ddtree_serve.speculative.ddtree import DFLASH, SUFFIX, DraftTree, PoppedNodes
 from ddtree_serve.speculative.rate_correction import RateCorrection
 from ddtree_serve.speculative.step_cost import StepCostModel
+from ddtree_serve.speculative.suffix_choice import suffix_choice
 from ddtree_serve.speculative.suffix_index import MATCH_KEY_CAP
 
 GREEDY, SAMPLED = 0, 1
@@ -108,7 +109,7 @@ class BudgetController:
         self.calib = AcceptanceCalibrator(depth_limit, config.prior, config.decay)  # DFlash's nodes
         # suffix nodes, by the length of the match that proposed them (capped at MATCH_KEY_CAP)
         self.calib_suffix = AcceptanceCalibrator(MATCH_KEY_CAP, config.prior, config.decay)
-        self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated gain per pop index
+        self.curve = np.zeros((2, config.max_budget))  # [mode, B] mean calibrated Q per pop index (no running min)
         self.curve_steps = np.zeros(2)  # [mode] drafted steps behind the curve
         self.curve_mass = np.zeros((2, 2, depth_limit + 1))  # [mode, raw/calibrated, depth] mean Q per step
         self.explore_balance = np.zeros(8)  # [band] seconds of exploration loss still allowed (module docstring)
@@ -134,7 +135,7 @@ class BudgetController:
         s_rate, gains = 0.0, None
         if suffix is not None and suffix.counts.any():
             gains = self.gains(suffix, sampled)  # [bs, S]
-            budgets, s_rate = self._suffix_choice(gains, max_verify_tokens)
+            budgets, s_rate = suffix_choice(self, gains, max_verify_tokens)
             s_rate = s_rate if budgets.any() else 0.0
         suffix_ok = s_rate > self._plain_rate(bs) * (1 + self.config.draft_margin)
         self._exploring = self._planned_plain = False
@@ -166,16 +167,17 @@ class BudgetController:
         hit, offered = popped.evidence[:, 0], popped.evidence[:, 1]  # [bs] each
         return (hit + self.config.prior * shared) / (offered + self.config.prior)
 
-    def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
+    def gains(self, popped: PoppedNodes, sampled: np.ndarray, monotone: bool = True) -> np.ndarray:
         """Calibrated marginal gains [bs, B] of pops from either source (``AcceptanceCalibrator.gains`` with each
-        node's ratio taken from its source's calibrator), non-increasing along a row."""
+        node's ratio taken from its source's calibrator), non-increasing along a row (``monotone``; else each
+        pop's own calibrated Q, what it adds to a tree that takes it: padded choices sum them as they are)."""
         if popped.sources is None:
-            return self.calib.gains(popped, sampled)
+            return self.calib.gains(popped, sampled, monotone)
         mode = sampled.astype(np.int64)[:, None]  # [bs, 1]
         r = np.where(popped.sources == SUFFIX, self.suffix_ratios(sampled, popped)[:, None],
                      self.calib.ratios()[mode, popped.depths])  # [bs, B]
         g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
-        return np.minimum.accumulate(g, axis=1) if g.size else g
+        return np.minimum.accumulate(g, axis=1) if g.size and monotone else g
 
     def plan_draft(self, sampled: np.ndarray, fits: bool = True, extra: np.ndarray | None = None) -> bool:
         """Whether this step should run the drafter (False: a plain decode step). ``fits``: whether a draft
@@ -224,12 +226,17 @@ class BudgetController:
         tokens = bs * (1 + int(budgets.max(initial=0))) if self.padded else bs + int(budgets.sum())
         return rate, float(self.cost.step_time(bs, tokens, drafted=True))
 
-    def predicted_gains(self, sampled: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
+    def predicted_gains(self, sampled: np.ndarray, extra: np.ndarray | None = None,
+                        padded: bool | None = None) -> np.ndarray:
         """[bs, B] gains of a drafted step predicted from the mean gain curves (rescaled by the calibration's
         drift; a mode without a curve yet borrows the other mode's), with ``extra`` [bs, S] gains (suffix drafts)
-        merged in."""
+        merged in. The curve is each pop index's mean calibrated Q, what that pop adds to a tree holding it, so a
+        padded step (``padded``, default the controller's) of width b expects the sum of its first b; the
+        unpadded choice, which needs rows non-increasing, takes their running minimum (a lower bound)."""
         curves = self.curve * self._curve_drift()[:, None]  # [2, B]
         curves = np.where((self.curve_steps > 0)[:, None], curves, curves[::-1])  # [2, B]
+        if not (self.padded if padded is None else padded):
+            curves = np.minimum.accumulate(curves, axis=1)  # [2, B]
         gains = curves[sampled.astype(np.int64)]  # [bs, B]
         if extra is not None:  # each pop index's larger gain (merged_gains: the sources may propose alike)
             gains = merged_gains(gains, extra, self.config.max_budget)
@@ -247,15 +254,16 @@ class BudgetController:
             allowed = allowed[bs * (allowed + 1) <= max_verify_tokens]
         if not allowed.size:
             return 0
-        budgets, _ = choose_budgets(self.predicted_gains(sampled), lambda n: self.cost.step_time(bs, n, drafted=True),
-                                    max_verify_tokens, padded=True, widths=allowed)
+        budgets, _ = choose_budgets(self.predicted_gains(sampled, padded=True),
+                                    lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens, padded=True,
+                                    widths=allowed)
         best = int(budgets.max(initial=0))  # a row's positive gains may end before the width chosen
         return int(allowed[np.searchsorted(allowed, best)]) if best <= allowed[-1] else int(allowed[-1])
 
     def learn(self, popped: PoppedNodes, sampled: np.ndarray) -> None:
         """The gain curves from a device-built step's pops, read back after its verification (``choose``'s
         learning without a choice: the budget was ``device_budget``'s)."""
-        self._learn(self.gains(popped, sampled), popped, sampled)
+        self._learn(popped, sampled)
 
     def _curve_drift(self) -> np.ndarray:
         """[mode] how the calibration moved since the curve was learned: the curve's mean Q mass per depth
@@ -273,9 +281,8 @@ class BudgetController:
         self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
     ) -> np.ndarray:
         """Budgets [bs] int64 for this step's pops (drafter cost already paid, still counted in the rate)."""
-        gains = self.gains(popped, sampled)  # [bs, B]
-        budgets, rate = self._decide(gains, max_verify_tokens)
-        self._learn(gains, popped, sampled)
+        budgets, _ = self._decide(self.gains(popped, sampled, not self.padded), max_verify_tokens)  # [bs]
+        self._learn(popped, sampled)
         return budgets
 
     def pop_and_choose(
@@ -290,17 +297,17 @@ class BudgetController:
         tensor-parallel ranks take rank 0's re-pop decision and budgets."""
         width = self.pop_width
         popped = pop(width)
-        gains = self.gains(popped, sampled)  # [bs, w]
+        gains = self.gains(popped, sampled, not self.padded)  # [bs, w] (padded: as they are, predicted_gains)
         budgets, rate = self._decide(gains, max_verify_tokens)
         bs = len(sampled)
         if width < self.config.max_budget and agree(pops_could_matter(
                 gains, popped.counts, width, rate, lambda n: self.cost.step_time(bs, n, drafted=True),
                 self.config.max_budget, max_verify_tokens, self.padded)):
             popped = pop(self.config.max_budget)
-            gains = self.gains(popped, sampled)  # [bs, B]
+            gains = self.gains(popped, sampled, not self.padded)  # [bs, B]
             budgets, rate = self._decide(gains, max_verify_tokens)
         budgets = np.asarray(agree(budgets))
-        self._learn(gains, popped, sampled)
+        self._learn(popped, sampled)
         self.pop_width = int(np.clip(2 * budgets.max(initial=0), self.config.min_pops, self.config.max_budget))
         return popped, budgets
 
@@ -309,11 +316,13 @@ class BudgetController:
         return choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=True), max_verify_tokens,
                               self.padded, self.widths_for(bs))
 
-    def _learn(self, gains: np.ndarray, popped: PoppedNodes, sampled: np.ndarray) -> None:
-        """The mean gain curve per mode over the popped width (a running mean, then an EMA), and its Q mass
-        per depth, raw and calibrated (``_curve_drift``)."""
+    def _learn(self, popped: PoppedNodes, sampled: np.ndarray) -> None:
+        """The mean gain curve per mode over the popped width (a running mean, then an EMA) of each pop's own
+        calibrated Q (no running minimum: ``predicted_gains``), and its Q mass per depth, raw and calibrated
+        (``_curve_drift``)."""
         self._spec_rates.clear()
         self._plans_since_learn = 0
+        gains = self.gains(popped, sampled, monotone=False)  # [bs, B]
         q, depths = popped.path_probs(), popped.depths  # [bs, B] each
         if popped.sources is not None:  # the curve is DFlash's own: its nodes, in their order, moved left
             own = popped.sources == DFLASH  # [bs, B]
@@ -394,14 +403,3 @@ class BudgetController:
             "suffix_predicted_accepted": self.calib_suffix.predicted_total.tolist(),
             "suffix_observed_accepted": self.calib_suffix.observed_total.tolist(),
         }
-
-    def choose_suffix(self, popped: PoppedNodes, sampled: np.ndarray, max_verify_tokens: int | None = None
-                      ) -> np.ndarray:
-        """Budgets [bs] for a suffix-only step (``plan_step`` chose SUFFIX_ONLY; no drafter cost)."""
-        return self._suffix_choice(self.gains(popped, sampled), max_verify_tokens)[0]
-
-    def _suffix_choice(self, gains: np.ndarray, max_verify_tokens: int | None) -> tuple[np.ndarray, float]:
-        """``choose_budgets`` priced without a drafter forward."""
-        bs = gains.shape[0]
-        return choose_budgets(gains, lambda n: self.cost.step_time(bs, n, drafted=False), max_verify_tokens,
-                              self.padded, self.widths_for(bs))

@@ -42,12 +42,14 @@ class AcceptanceCalibrator:
             self._ratios = (self.obs + self.prior * other) / (self.pred + self.prior)
         return self._ratios
 
-    def gains(self, popped: PoppedNodes, sampled: np.ndarray) -> np.ndarray:
+    def gains(self, popped: PoppedNodes, sampled: np.ndarray, monotone: bool = True) -> np.ndarray:
         """Calibrated marginal gains [bs, B]: Q * r[mode, depth], made non-increasing along the pop order
-        (a running minimum, so that taking the largest gains keeps a prefix of every request's pops)."""
+        (``monotone``: a running minimum, so that taking the largest gains keeps a prefix of every request's
+        pops; a lower bound of what a prefix adds). ``monotone`` False: each pop's own calibrated Q, the
+        expected tokens it adds to any tree that holds it (a padded step's prefix of b pops adds their sum)."""
         r = self.ratios()[sampled.astype(np.int64)[:, None], popped.depths]  # [bs, B]
         g = np.minimum(popped.path_probs() * r, 1.0)  # [bs, B]
-        return np.minimum.accumulate(g, axis=1) if g.size else g
+        return np.minimum.accumulate(g, axis=1) if g.size and monotone else g
 
     def observe(self, tree: DraftTree, accept_length: np.ndarray, sampled: np.ndarray,
                 reach: np.ndarray | None = None, select: np.ndarray | None = None,

@@ -16,6 +16,7 @@ from ddtree_serve.model_executor.memory import step_budget
 from ddtree_serve.speculative.budget import DRAFT
 from ddtree_serve.speculative.ddtree import DraftTree, PoppedNodes, assemble_tree, pop_nodes
 from ddtree_serve.speculative.draft_sources import merge_popped, no_pops
+from ddtree_serve.speculative.suffix_choice import choose_suffix
 from ddtree_serve.speculative.tree_forward import padded_width
 
 
@@ -48,7 +49,7 @@ def host_tree(worker: Any, plan: int, draft: tuple[torch.Tensor | None, Any], su
         budgets = torch.as_tensor(chosen)
     elif ctl is not None:  # suffix drafts alone: no drafter cost
         popped = pop(worker.budget)
-        budgets = torch.as_tensor(np.asarray(r.tp.broadcast_object(ctl.choose_suffix(popped, sampled, cap))))
+        budgets = torch.as_tensor(np.asarray(r.tp.broadcast_object(choose_suffix(ctl, popped, sampled, cap))))
     else:  # fixed budget, under the verify-workspace cap: bs x (budget + 1) fits the workspace
         popped = pop(worker.budget)
         budgets = torch.full((bs,), worker.budget if cap is None else step_budget(worker.budget, bs, cap))  # [bs]

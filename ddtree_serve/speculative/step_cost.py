@@ -31,8 +31,8 @@ following the noisy per-node points of a verify table compounded (tests/speculat
 test_budget_closed_loop.py, DESIGN 4.8).
 
 Every table is piecewise linear over a geometric grid of its argument, extrapolated linearly past the
-last point. A start-up probe (``probe``) times real forwards: for bs = 1, 4, 16, ... while its time budget
-lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs, 16 bs (and 64 bs up to 256)
+last point. A start-up probe (``probe``) times real forwards: for bs = 1, 4, 16, ... and the largest batch
+size (the last table's) while its time budget lasts, the drafter, a plain step and tree-verify steps with 1, bs, 4 bs, 16 bs (and 64 bs up to 256)
 nodes, each the minimum of ``repeats`` timings. Then every step's measured phase times move the grid
 points around the observation (a running mean at first, so that real steps soon outweigh the probe's
 empty contexts, then an average of rate ``lr``), so the model follows the machine's load and the
@@ -211,7 +211,10 @@ class StepCostModel:
         """Fill the tables by timing real forwards: ``time_draft(bs)``, ``time_plain(bs)`` and
         ``time_verify(bs, e)`` (a whole tree-verify step: ``bs`` requests, ``e`` nodes spread over them) return
         seconds, or None when they cannot run here (too few KV slots or request rows). For bs = 1, 4, 16, ...
-        (at least two, more while ``budget_s`` lasts): the three timings, ``e`` in 1, bs, 4 bs, 16 bs, 64 bs (up
+        and the last table's batch size (at least two, more while ``budget_s`` lasts; the last one measured: the
+        extra cost of a batch past the probed ones, read at its node count off a smaller batch's table, was
+        priced ~30% high where the cost per node falls with the batch, so wide trees never ran there): the three
+        timings, ``e`` in 1, bs, 4 bs, 16 bs, 64 bs (up
         to 256: large trees cost more than a straight line through small ones predicts; at most
         ``max_budget`` per request). Each point is the minimum of ``repeats`` timings (other jobs only add
         time). Grid points between are interpolated, points past the last measurement extrapolated from the
@@ -230,8 +233,10 @@ class StepCostModel:
         draft_pts: list[tuple[float, float]] = []
         plain_pts: list[tuple[float, float]] = []
         extra_pts: dict[int, list[tuple[float, float]]] = {}  # probed bs -> (e, verify - plain)
-        for i, g in enumerate(int(b) for b in geometric_grid(int(self.verify_bs[-1]), 4)):
-            if g > self.verify_bs[-1] or agree(i >= 2 and time.perf_counter() - start > budget_s):
+        last = int(self.verify_bs[-1])
+        sizes = sorted({min(int(b), last) for b in geometric_grid(last, 4)})  # 1, 4, 16, ... and the last table's
+        for i, g in enumerate(sizes):
+            if agree(i >= 2 and time.perf_counter() - start > budget_s):
                 break
             d, p = best(time_draft, g), best(time_plain, g)
             if d is None or p is None:
