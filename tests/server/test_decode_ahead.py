@@ -13,12 +13,13 @@ from ddtree_serve.server.scheduling import decode_ahead
 
 
 def _params() -> list[SamplingParams]:
-    return [SamplingParams(temperature=0, max_tokens=9),
-            SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(13, 30)),
-            SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=23, logprobs=2),
-            SamplingParams(temperature=0, max_tokens=25, presence_penalty=0.5, frequency_penalty=0.3),
-            SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=17, stop_token_ids=(28,)),
-            SamplingParams(temperature=0.6, seed=3, max_tokens=20, regex="[a-z ]{5,40}\\.")]
+    """Requests that end at different steps (over three slots: the last three join mid-decode)."""
+    return [SamplingParams(temperature=0, max_tokens=7),
+            SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(13, 30)),
+            SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=15, logprobs=2),
+            SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.5, frequency_penalty=0.3),
+            SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=11, stop_token_ids=(28,)),
+            SamplingParams(temperature=0.6, seed=3, max_tokens=13, regex="[a-z ]{5,40}\\.")]
 
 
 def _run(path: str, ids, params) -> list[tuple]:

@@ -61,11 +61,18 @@ def copy_chat_ref(default_model_path):
     return ids, ref
 
 
-@pytest.mark.parametrize(("sources", "budget"), [("suffix", 8), ("dflash,suffix", 8), ("dflash,suffix", "auto")])
+@pytest.mark.parametrize(("sources", "budget"), [
+    ("suffix", 8), ("dflash,suffix", 8),
+    pytest.param("dflash,suffix", "auto", marks=pytest.mark.slow),  # the default suite's auto + dflash,suffix
+])  # path: test_adaptive_engine::test_auto_greedy_lossless_shipped_drafter, test_seeded_lossless (auto)
 def test_greedy_lossless_copy_and_chat_default_model(default_model_path, copy_chat_ref, sources, budget):
     """Equal to plain decoding in a mixed batch (copy and chat prompts) and at batch 1. With a fixed budget every
     copy request accepts suffix nodes on paths of depth >= 2; the auto budget's choices depend on measured
-    timings, so there only equality and some suffix acceptance on the copies are asserted."""
+    timings, so there only equality and some suffix acceptance on the copies are asserted. The auto case is
+    marked slow: the default suite runs the auto budget with the shipped drafter and suffix drafts merged
+    (``auto`` sources) in test_adaptive_engine::test_auto_greedy_lossless_shipped_drafter (greedy, equal to
+    plain, depth-2 paths accepted) and test_seeded_lossless::test_auto_and_suffix_only_seeded_equal_plain[auto]
+    (seeded and mixed batches, repeated requests copied through the suffix index)."""
     ids, ref = copy_chat_ref
     sp = SamplingParams(temperature=0, max_tokens=40)
     kw = {"draft_model_path": "default"} if "dflash" in sources else {}
