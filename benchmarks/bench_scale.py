@@ -14,8 +14,9 @@ dependent shape or blocking copy. Each cell prefills ``batch`` requests, then me
   ddtree_serve/sim/device_clock.py); ``ideal_tok_s``: per modelled device second (a host that costs nothing and
   overlaps perfectly); ``of_ideal``: their ratio (never above 1); ``tau``: tokens per request per step;
 - ``syncs``: synchronising host acts per step; ``in_window``: those made while a modelled forward was in flight
-  (each closes the overlap window); ``launches``: eager kernels and graph replays per step; ``sync_sites``: where
-  they are (file:line, count);
+  (each closes the overlap window); ``launches``: eager kernels and graph replays per step; ``eager``: forwards
+  per step launched kernel by kernel (a shape no graph was captured for: 0 where every forward replays);
+  ``sync_sites``: where they are (file:line, count);
 - ``host_ms``: host milliseconds per step (the clock less the time blocked on the device), ``host_share`` its ratio
   to device time, by phase: ``schedule`` (admission and batching), ``draft`` (drafter launch), ``build`` (top-K,
   pops, tree), ``verify_input`` (tree slots, forward inputs, launch), ``window`` (the overlap window's work),
@@ -122,7 +123,8 @@ def run_cell(target: str, drafter: str, batch: int, budget: int | str | None, st
                 tokens=tokens, tau=round(tokens / (steps * batch), 3), tok_s=round(tokens / wall, 1),
                 ideal_tok_s=round(tokens / device, 1), of_ideal=round(device / wall, 3),
                 syncs=round(len(counters.syncs) / steps, 2), in_window=round(counters.in_window / steps, 2),
-                launches=round(counters.launches / steps, 1), device_ms=round(1e3 * device / steps, 2),
+                launches=round(counters.launches / steps, 1), eager=round(counters.eager_forwards / steps, 2),
+                device_ms=round(1e3 * device / steps, 2),
                 wall_ms=round(1e3 * wall / steps, 2), host_ms=round(1e3 * (wall - waited) / steps, 2),
                 host_share=round((wall - waited) / device, 3),
                 phases_ms={p: round(1e3 * v / steps, 2) for p, v in host.items()},
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     info = machine()
     print(f"machine: {info}")
-    cols = ("batch", "mode", "tau", "tok_s", "ideal_tok_s", "of_ideal", "syncs", "in_window", "launches",
+    cols = ("batch", "mode", "tau", "tok_s", "ideal_tok_s", "of_ideal", "syncs", "in_window", "launches", "eager",
             "device_ms", "host_ms")
     rows = []
     for name in args.machines.split(","):

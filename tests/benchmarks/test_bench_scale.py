@@ -19,6 +19,7 @@ def test_bench_scale_short_run(tmp_path) -> None:
         assert r["tok_s"] <= r["ideal_tok_s"] * 1.001 and 0 < r["of_ideal"] <= 1.001
         assert sum(r["phases_ms"].values()) <= r["host_ms"] * 1.05 + 0.5
         assert r["syncs"] >= 1 and 0 < r["launches"] < 1000  # graphed by default: replays, not ~8,500 launches
+        assert r["eager"] == 0  # every decode forward (target and drafter) replays a captured graph
         assert abs(sum(r["sync_sites"].values()) - r["syncs"]) < 0.05
     assert rows[(1, "plain")]["tau"] == 1.0 and rows[(8, "ddtree@16")]["tau"] > 2.0
     assert (tmp_path / "scale.json").exists()
@@ -26,4 +27,4 @@ def test_bench_scale_short_run(tmp_path) -> None:
     eager = main(["--machines", "b300", "--batches", "8", "--budgets", "16", "--steps", "2", "--prompt-len", "8",
                   "--cuda-graph-max-bs", "0", "--out", str(tmp_path / "eager.json")])
     for r in eager["rows"]:  # an eager K2.6 forward alone launches ~8,500 kernels
-        assert r["launches"] >= 8500 and r["host_ms"] > rows[(8, r["mode"])]["host_ms"]
+        assert r["launches"] >= 8500 and r["eager"] >= 1 and r["host_ms"] > rows[(8, r["mode"])]["host_ms"]
