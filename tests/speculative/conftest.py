@@ -23,3 +23,20 @@ def plain_refs(default_model_path):
     finally:
         base.shutdown()
     return ids, refs
+
+
+@pytest.fixture(scope="session")
+def copy_chat_ref(default_model_path):
+    """Plain greedy outputs of tests/speculative/test_suffix_engine.py's copy and chat prompts (the reference),
+    and the prompts' ids: shared by its tests and test_suffix_gate.py's, computed once (~5 s) for both."""
+    from ddtree_serve.server.engine import SamplingParams
+    from tests.speculative.test_suffix_engine import CHAT, COPY, _chat_ids, _engine
+
+    plain = _engine(default_model_path, speculative_algorithm="none")
+    try:
+        ids = _chat_ids(plain, COPY + CHAT)
+        ref = [o.token_ids for o in plain.generate(input_ids=ids, sampling_params=SamplingParams(temperature=0,
+                                                                                                   max_tokens=40))]
+    finally:
+        plain.shutdown()
+    return ids, ref
