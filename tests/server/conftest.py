@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,3 +119,15 @@ def running_server(args: list[str], log_dir: Path, timeout: float = 240, name: s
         yield ServerHandle(proc, base, log)
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="package")
+def shared_default_server(tmp_path_factory):
+    """tests/server/test_server.py's default server (``serve_default``: same arguments) for the modules that only
+    send it requests and read it (test_chat_fields.py, test_metrics.py): one start (~13 s) for both instead of
+    one per module; stopped after the package's last test. test_server.py keeps a server of its own (its last
+    test kills it)."""
+    from tests.server.test_server import serve_default
+
+    with serve_default(tmp_path_factory) as srv:
+        yield srv

@@ -8,7 +8,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server.test_server import KEY, client, model_name, server  # noqa: F401 - the shared server fixtures
+from tests.server.test_server import KEY, client, model_name  # noqa: F401 - the shared server fixtures
+
+
+@pytest.fixture(scope="module")
+def server(shared_default_server):
+    """The default server, shared with test_chat_fields.py / test_metrics.py (tests/server/conftest.py): client
+    and model_name (test_server.py's fixtures) read it through this name."""
+    return shared_default_server
+
 
 SHORT = [{"role": "user", "content": "Reply with one word: yes or no?"}]
 

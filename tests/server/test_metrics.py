@@ -7,10 +7,18 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import read_metrics
-from tests.server.test_server import _http, client, model_name, server  # noqa: F401 - the server fixtures
+from tests.server.test_server import _http, client, model_name  # noqa: F401 - the server fixtures
+
+
+@pytest.fixture(scope="module")
+def server(shared_default_server):
+    """The default server, shared with test_chat_fields.py / test_metrics.py (tests/server/conftest.py): client
+    and model_name (test_server.py's fixtures) read it through this name."""
+    return shared_default_server
 
 
 def test_metrics_parse(server, model_name) -> None:  # noqa: F811

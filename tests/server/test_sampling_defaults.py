@@ -7,6 +7,7 @@ defaults."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -75,15 +76,29 @@ def test_a_server_applies_the_checkpoint_defaults(greedy_model, tmp_path) -> Non
             return httpx.post(srv.base + "/v1/chat/completions", json=body, timeout=120).json()[
                 "choices"][0]["message"]["content"]
 
+        def messages() -> dict:
+            return httpx.post(srv.base + "/v1/messages", json={"messages": msgs, "max_tokens": 24},
+                              timeout=120).json()
+
+        def responses() -> dict:
+            return httpx.post(srv.base + "/v1/responses", json={"input": msgs[0]["content"], "max_output_tokens": 24},
+                              timeout=120).json()
+
         greedy = chat(temperature=0)
-        assert chat() == chat() == greedy  # no temperature: the checkpoint's 0
-        assert chat(temperature=None) == greedy  # null means the default
-        sampled = {chat(temperature=1.0, seed=s) for s in range(4)}
+        # the other eight requests at once (one batch instead of eight in turn; float32: a greedy row in a batch
+        # equals greedy alone, and a seeded row's draws do not depend on the batch)
+        with ThreadPoolExecutor(8) as ex:
+            plain = [ex.submit(chat) for _ in range(2)]
+            null = ex.submit(chat, temperature=None)
+            seeded = [ex.submit(chat, temperature=1.0, seed=s) for s in range(4)]
+            m_fut, r_fut = ex.submit(messages), ex.submit(responses)
+        assert plain[0].result() == plain[1].result() == greedy  # no temperature: the checkpoint's 0
+        assert null.result() == greedy  # null means the default
+        sampled = {f.result() for f in seeded}
         assert sampled != {greedy}  # a request's own value wins
-        m = httpx.post(srv.base + "/v1/messages", json={"messages": msgs, "max_tokens": 24}, timeout=120).json()
+        m = m_fut.result()
         assert m["content"][0]["text"] == greedy
-        r = httpx.post(srv.base + "/v1/responses", json={"input": msgs[0]["content"], "max_output_tokens": 24},
-                       timeout=120).json()
+        r = r_fut.result()
         assert r["output"][0]["content"][0]["text"] == greedy
         assert r["temperature"] == 0.0 and r["top_p"] == 1.0  # the values in force are echoed
 

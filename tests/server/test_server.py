@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -24,8 +26,9 @@ MAX_TOTAL_TOKENS = 16384
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextmanager
+def serve_default(tmp_path_factory) -> Iterator[dict]:
+    """The default server (ddtree, auto budget, DFlash + suffix drafts) with an API key, float32."""
     from ddtree_serve.model_executor.default_model import ensure_default_model
 
     ensure_default_model()
@@ -33,6 +36,14 @@ def server(tmp_path_factory):
     args = ["--api-key", KEY, "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--dtype", "float32"]
     with running_server(args, tmp_path_factory.mktemp("server")) as srv:
         yield {"proc": srv.proc, "base": srv.base, "log": srv.log, "children": descendants(srv.proc.pid)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """This module's own server: test_dead_child_gives_503_then_exit kills it (other modules share
+    tests/server/conftest.py's ``shared_default_server``, started the same way)."""
+    with serve_default(tmp_path_factory) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema_rs
@@ -184,16 +185,28 @@ def test_bad_constraints_are_400_over_http(base, path, extra, param) -> None:
 PEOPLE = ["Describe a person called Ada as JSON.", "Who are you?"]
 
 
+def _each_at_once(check, items: list[str]) -> None:
+    """``check(i, item)`` for every item, the requests of all items in flight together (one batch on the server
+    instead of one request after another); each item's assertions raise here, in order."""
+    with ThreadPoolExecutor(len(items)) as ex:
+        futures = [ex.submit(check, i, item) for i, item in enumerate(items)]
+    for f in futures:
+        f.result()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_schema_replies_parse_and_validate(base, temperature) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    for i, prompt in enumerate(PEOPLE):
+
+    def one(i: int, prompt: str) -> None:
         r = _post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "seed": i,
                                                  "temperature": temperature, "max_tokens": 150, "response_format": rf})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "stop", choice
         assert jsonschema_rs.is_valid(PERSON, json.loads(choice["message"]["content"])), choice
+
+    _each_at_once(one, PEOPLE)
 
 
 def test_json_object_and_completion_constraints(base) -> None:
@@ -223,7 +236,7 @@ QUESTIONS = ["What is the weather like in Paris today?", "What time is it?", "Te
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_required_tool_choice_always_calls_a_tool(base, temperature) -> None:
-    for i, q in enumerate(QUESTIONS):
+    def one(i: int, q: str) -> None:
         body = {"messages": [{"role": "user", "content": q}], "tools": TOOLS, "tool_choice": "required",
                 "temperature": temperature, "seed": i, "max_tokens": 120}
         r = _post(base, "/v1/chat/completions", body)
@@ -246,6 +259,8 @@ def test_required_tool_choice_always_calls_a_tool(base, temperature) -> None:
         assert finish == ["tool_calls"], events
         assert all(c["id"] for c in calls.values())
         _check_calls([calls[k] for k in sorted(calls)], set(TOOL_SCHEMAS))
+
+    _each_at_once(one, QUESTIONS)
 
 
 def test_named_tool_choice_calls_that_tool(base) -> None:

@@ -14,7 +14,7 @@ from ddtree_serve.server.engine import Engine
 from ddtree_serve.speculative.ddtree import assemble_tree, draft_topk, pop_nodes
 from ddtree_serve.speculative.tree_graphs import DeviceTreeBuilder
 from tests.model_executor.graph_capture_standin import RecordingCapture
-from tests.speculative.test_seeded_lossless import _check, plain_refs  # noqa: F401  (plain_refs: the fixture)
+from tests.speculative.test_seeded_lossless import _check
 
 FIELDS = ("candidates", "parents", "depths", "node_logws", "num_nodes", "retrive_index", "retrive_next_token",
           "retrive_next_sibling", "positions", "tree_mask")
@@ -95,7 +95,7 @@ def device_path(monkeypatch) -> list[int]:
     return built
 
 
-def test_device_tree_engine_is_lossless(plain_refs, default_model_path, device_path):  # noqa: F811
+def test_device_tree_engine_is_lossless(plain_refs, default_model_path, device_path):
     """Greedy, seeded, penalties and a mixed batch at budget 16 equal plain decoding with every tree built on the
     device (a grammar batch takes the host path, which is checked too)."""
     ids, refs = plain_refs

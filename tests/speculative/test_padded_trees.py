@@ -19,7 +19,7 @@ from ddtree_serve.sim.checkpoint import write_simulated_pair
 from ddtree_serve.speculative.spec_worker import SpecWorker
 from ddtree_serve.speculative.worker_graphs import pad_trees_to
 from tests.speculative.test_adaptive_engine import _set_costs
-from tests.speculative.test_seeded_lossless import _check, plain_refs  # noqa: F401  (plain_refs: the fixture)
+from tests.speculative.test_seeded_lossless import _check
 
 
 def _count_padded(monkeypatch) -> list[tuple[bool, int, int]]:
@@ -37,7 +37,7 @@ def _count_padded(monkeypatch) -> list[tuple[bool, int, int]]:
 
 
 @pytest.mark.parametrize("budget", [16, "auto"])
-def test_padded_trees_seeded_and_greedy_equal_plain(plain_refs, default_model_path, budget, monkeypatch):  # noqa: F811
+def test_padded_trees_seeded_and_greedy_equal_plain(plain_refs, default_model_path, budget, monkeypatch):
     ids, refs = plain_refs
     calls = _count_padded(monkeypatch)
     spec = Engine(default_model_path, dtype="float32", max_total_tokens=16384, speculative_algorithm="ddtree",

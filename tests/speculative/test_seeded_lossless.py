@@ -33,19 +33,8 @@ VARIANTS = {
               SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True, presence_penalty=1.0),
               _sampled(3, top_k=8)],
 }
-
-
-@pytest.fixture(scope="module")
-def plain_refs(default_model_path):
-    """Seeded plain outputs of four chat prompts for every variant (prefix cache off)."""
-    from benchmarks.common import CHAT_PROMPTS, chat_ids
-
-    base = Engine(default_model_path, dtype="float32", max_total_tokens=16384, disable_radix_cache=True)
-    ids = chat_ids(base.tokenizer, CHAT_PROMPTS)[:4]
-    refs = {name: [o.token_ids for o in base.generate(input_ids=ids, sampling_params=params)]
-            for name, params in VARIANTS.items()}
-    base.shutdown()
-    return ids, refs
+# their plain outputs: the session fixture ``plain_refs`` (tests/speculative/conftest.py), shared with
+# test_device_tree.py and test_padded_trees.py
 
 
 def _check(spec: Engine, ids: list[list[int]], refs: dict, names: list[str]) -> None:

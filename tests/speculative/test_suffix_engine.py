@@ -32,6 +32,8 @@ def main():
 COPY = ["Repeat this code exactly:\n```python\n" + CODE + "```",
         'Return this JSON unchanged: {"name": "ddtree", "version": 3, "tags": ["fast", "exact"], "ok": true}']
 CHAT = ["What is the capital of France?", "Write a haiku about the sea."]
+# their plain greedy outputs: the session fixture ``copy_chat_ref`` (tests/speculative/conftest.py), shared with
+# test_suffix_gate.py
 
 
 def _engine(model: str, **kw) -> Engine:
@@ -48,17 +50,6 @@ def _assert_released(e: Engine) -> None:
     spec = e.scheduler.spec
     assert not spec.suffix.own, "every request's suffix index is freed with the request"
     _assert_pool_full(e)
-
-
-@pytest.fixture(scope="module")
-def copy_chat_ref(default_model_path):
-    """Plain greedy outputs of the copy and chat prompts (the reference), and the prompts' ids."""
-    plain = _engine(default_model_path, speculative_algorithm="none")
-    ids = _chat_ids(plain, COPY + CHAT)
-    ref = [o.token_ids for o in plain.generate(input_ids=ids, sampling_params=SamplingParams(temperature=0,
-                                                                                               max_tokens=40))]
-    plain.shutdown()
-    return ids, ref
 
 
 @pytest.mark.parametrize(("sources", "budget"), [

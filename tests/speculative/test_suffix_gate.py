@@ -12,9 +12,7 @@ from ddtree_serve.model_executor.model_runner import ModelRunner
 from ddtree_serve.server.engine import SamplingParams
 from ddtree_serve.speculative.ddtree import PoppedNodes
 from ddtree_serve.speculative.suffix_gate import SuffixGate, evidence_ratios
-from tests.speculative.test_suffix_engine import COPY, _assert_released, _chat_ids, _engine, copy_chat_ref
-
-__all__ = ["copy_chat_ref"]  # the fixture, shared with test_suffix_engine
+from tests.speculative.test_suffix_engine import COPY, _assert_released, _chat_ids, _engine
 
 
 def _chains(depths: list[int], logw: float = 0.0, evidence: list[tuple[float, float]] | None = None) -> PoppedNodes:
