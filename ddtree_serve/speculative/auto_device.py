@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ddtree_serve.model_executor.memory import step_budget
-from ddtree_serve.speculative.budget import BudgetConfig
+from ddtree_serve.speculative.budget_config import BudgetConfig
 from ddtree_serve.speculative.ddtree import DraftTree, PoppedNodes
 from ddtree_serve.speculative.tree_forward import padded_width
 

@@ -37,7 +37,8 @@ from ddtree_serve.speculative.auto_device import (
     step_times,
     tree_tensors,
 )
-from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetConfig, BudgetController
+from ddtree_serve.speculative.budget import DRAFT, PLAIN, SUFFIX_ONLY, BudgetController
+from ddtree_serve.speculative.budget_config import BudgetConfig
 from ddtree_serve.speculative.commit import attach_logprobs, commit, commit_paths
 from ddtree_serve.speculative.ddtree import SUFFIX, DraftTree, draft_topk
 from ddtree_serve.speculative.deferred_context import DeferredContext
