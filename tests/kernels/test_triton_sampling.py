@@ -24,25 +24,28 @@ def _draw(logits: torch.Tensor, info: BatchSamplingInfo, u: torch.Tensor, block:
                                passes_out=passes, cap=cap)
 
 
-_BISECTED: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}
+@pytest.fixture(scope="module")
+def bisected() -> dict[str, tuple[list[torch.Tensor], torch.Tensor]]:
+    """The bisection kernel's tokens by test, shared by that test's ``cap`` cases (``_bisect``)."""
+    return {}
 
 
-def _bisect(test: str, logits: torch.Tensor, info: BatchSamplingInfo, u: torch.Tensor, block: int) -> torch.Tensor:
+def _bisect(cache: dict, test: str, logits: torch.Tensor, info: BatchSamplingInfo, u: torch.Tensor, block: int) -> torch.Tensor:
     """The bisection kernel's tokens for one test's rows. The bisection kernel has no candidate buffer, so its
     tokens do not depend on the radix kernel's ``cap``: they are computed once per test under the interpreter
     (~8-12 s) and shared by its ``cap`` cases, which draw from the same seeded rows (asserted)."""
     inputs = [logits, info.temperature, info.top_k, info.top_p, info.min_p, u]
-    if test in _BISECTED:
-        seen, tokens = _BISECTED[test]
+    if test in cache:
+        seen, tokens = cache[test]
         assert all(torch.equal(a, b) for a, b in zip(seen, inputs, strict=True))
         return tokens
     tokens = triton_draw_sampled_bisect(*inputs, block=block)
-    _BISECTED[test] = ([t.clone() for t in inputs], tokens)
+    cache[test] = ([t.clone() for t in inputs], tokens)
     return tokens
 
 
 @pytest.mark.parametrize("cap", [CAP, 4])
-def test_kernel_equals_reference_and_bisection_on_random_rows(cap: int) -> None:
+def test_kernel_equals_reference_and_bisection_on_random_rows(cap: int, bisected) -> None:
     """48 rows over a vocabulary of 70 (blocks of 32: a partial last block), every filter combination, with
     ties in some rows (repeated logits); the kernel's tokens equal the reference's and the bisection kernel's,
     with the candidates buffered (``CAP``) and with a buffer of 4 (most filtered rows take the row-wide path)."""
@@ -56,12 +59,12 @@ def test_kernel_equals_reference_and_bisection_on_random_rows(cap: int) -> None:
     want = draw_tokens(logits, info, u)
     got = _draw(logits, info, u, 32, cap=cap)
     assert torch.equal(got, want), (got - want).nonzero()[:, 0].tolist()
-    old = _bisect("random_rows", logits, info, u, 32)
+    old = _bisect(bisected, "random_rows", logits, info, u, 32)
     assert torch.equal(got, old)
 
 
 @pytest.mark.parametrize("cap", [CAP, 2])
-def test_kernel_edge_rows(cap: int) -> None:
+def test_kernel_edge_rows(cap: int, bisected) -> None:
     """top_k 1 (also over a tied maximum and an all-equal row), top_p 1 (off), near 0 and near 1, an all-equal row,
     -inf masked entries (a grammar mask; top-k larger than the finite entries; a row with two finite entries),
     a tie spanning the top-k boundary, top-p and min-p deciding: each against the reference at several uniforms,
@@ -111,7 +114,7 @@ def test_kernel_edge_rows(cap: int) -> None:
     # bisection kernel does
     served = torch.where(info.is_greedy, logits.argmax(-1), got)
     assert torch.equal(served, want), (served - want).nonzero()[:, 0].tolist()
-    old = _bisect("edge_rows", logits, info, uu, 16)
+    old = _bisect(bisected, "edge_rows", logits, info, uu, 16)
     assert torch.equal(got, old), (got - old).nonzero()[:, 0].tolist()
     assert set(got[:5].tolist()) == {3, 30}  # the two tied maxima, by the uniform
 
